@@ -1,0 +1,213 @@
+"""Static analysis of a captured graph: which storage each node's value lives in, its role,
+its size, and when it is created, used and freed.
+
+The unit of memory is the *storage*, not the node: a view or an in-place result shares its
+input's storage and costs no new bytes, and a storage lives while any value on it is still
+needed. Storage identity is read off the fake tensors that tracing (or fake propagation
+after a rewrite) left in `node.meta["val"]`, so ops that alias without saying so in their
+schema (`_unsafe_view`, `reshape` of a contiguous tensor) are still counted right.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+import torch.fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from remat.capture import InputKind, Phase, TrainGraph
+
+
+class Role(str, Enum):
+    PARAMETER = "parameter"  # parameters and buffers (BatchNorm running stats)
+    GRADIENT = "gradient"
+    ACTIVATION = "activation"
+    OPTIMIZER_STATE = "optimizer_state"
+    INPUT = "input"
+    OTHER = "other"
+
+
+ROLES: tuple[Role, ...] = tuple(Role)
+
+_INPUT_ROLE = {
+    InputKind.PARAMETER: Role.PARAMETER,
+    InputKind.BUFFER: Role.PARAMETER,
+    InputKind.OPTIMIZER_STATE: Role.OPTIMIZER_STATE,
+    InputKind.BATCH: Role.INPUT,
+}
+
+
+@dataclass
+class TensorInfo:
+    """One storage: the bytes it holds and its life in execution ranks.
+
+    Ranks index `GraphAnalysis.node_names`; inputs are created at -1 and values that
+    outlive the step (inputs, outputs) have `last_use == len(node_names)`.
+    """
+
+    id: int
+    node: str  # the node whose value first holds this storage
+    nbytes: int
+    role: Role
+    created: int
+    last_use: int
+    last_forward_use: int | None = None
+    first_backward_use: int | None = None
+    persistent: bool = False  # held by the caller before and after the step
+    aliases: list[str] = field(default_factory=list)  # every node whose value lives in it
+
+    @property
+    def is_activation(self) -> bool:
+        return self.role is Role.ACTIVATION
+
+
+@dataclass
+class GraphAnalysis:
+    node_names: list[str]  # call_function nodes, in execution order
+    phases: list[Phase]
+    tensors: list[TensorInfo]
+    node_storages: dict[str, list[int]]  # node name -> storages of the tensors its value holds
+    new_storages: list[list[int]]  # per rank: storages first allocated by that node
+    uses: list[list[int]]  # per rank: storages that node reads or writes (its inputs)
+    persistent_bytes: int  # inputs and constants: held before and after the step
+    phase_bounds: dict[str, tuple[int, int]]  # phase -> [first rank, last rank + 1)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_names)
+
+    def activations(self) -> list[TensorInfo]:
+        return [t for t in self.tensors if t.role is Role.ACTIVATION]
+
+    def rank_of(self) -> dict[str, int]:
+        return {n: i for i, n in enumerate(self.node_names)}
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor | None]:
+    """The tensors a node's value holds, one slot per output (None where not a tensor)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v if isinstance(v, torch.Tensor) else None for v in value]
+    return []
+
+
+def analyze(tg: TrainGraph, gm: torch.fx.GraphModule | None = None, phase: dict[str, Phase] | None = None) -> GraphAnalysis:
+    """Storages, roles and liveness of `gm` (default: the captured graph).
+
+    A rewritten graph passes its own `phase` map (copies of forward ops placed in the
+    backward pass are backward nodes) and must carry fresh fake values in meta["val"].
+    """
+    gm = gm if gm is not None else tg.gm
+    phase = phase if phase is not None else tg.phase
+    nodes = list(gm.graph.nodes)
+    op_nodes = [n for n in nodes if n.op == "call_function"]
+    rank = {n.name: i for i, n in enumerate(op_nodes)}
+    end = len(op_nodes)
+
+    tensors: list[TensorInfo] = []
+    by_ref: dict[StorageWeakRef, int] = {}
+    node_storages: dict[str, list[int]] = {}
+    new_storages: list[list[int]] = [[] for _ in op_nodes]
+    placeholder_index = 0
+
+    def storage_id(t: torch.Tensor, node: torch.fx.Node, created: int, role: Role, persistent: bool) -> int:
+        ref = StorageWeakRef(t.untyped_storage())
+        sid = by_ref.get(ref)
+        if sid is None:
+            sid = len(tensors)
+            by_ref[ref] = sid
+            tensors.append(
+                TensorInfo(
+                    id=sid,
+                    node=node.name,
+                    nbytes=t.untyped_storage().nbytes(),
+                    role=role,
+                    created=created,
+                    last_use=end if persistent else created,
+                    persistent=persistent,
+                )
+            )
+            if created >= 0:
+                new_storages[created].append(sid)
+        tensors[sid].aliases.append(node.name)
+        return sid
+
+    for node in nodes:
+        if node.op == "placeholder":
+            kind = tg.inputs[placeholder_index].kind
+            placeholder_index += 1
+            t = node.meta["val"]
+            node_storages[node.name] = [storage_id(t, node, -1, _INPUT_ROLE[kind], True)]
+        elif node.op == "get_attr":
+            t = getattr(gm, str(node.target))
+            vals = _tensors_in(node.meta.get("val", t))
+            node_storages[node.name] = [storage_id(v, node, -1, Role.OTHER, True) for v in vals if v is not None]
+        elif node.op == "call_function":
+            vals = _tensors_in(node.meta.get("val"))
+            node_storages[node.name] = [
+                storage_id(v, node, rank[node.name], Role.OTHER, False) for v in vals if v is not None
+            ]
+
+    uses: list[list[int]] = [[] for _ in op_nodes]
+    for node in op_nodes:
+        r = rank[node.name]
+        seen: set[int] = set()
+        for inp in node.all_input_nodes:
+            for sid in node_storages.get(inp.name, []):
+                if sid not in seen:
+                    seen.add(sid)
+                    uses[r].append(sid)
+        for sid in node_storages[node.name]:
+            # A value with no readers is dropped right after its node; one already
+            # alive (an in-place result, a view) keeps its own creation.
+            t = tensors[sid]
+            t.last_use = max(t.last_use, r)
+        for sid in seen:
+            t = tensors[sid]
+            t.last_use = max(t.last_use, r)
+            ph = phase[node.name]
+            if t.created >= 0 and phase[op_nodes[t.created].name] is Phase.FORWARD:
+                if ph is Phase.FORWARD:
+                    t.last_forward_use = r if t.last_forward_use is None else max(t.last_forward_use, r)
+                elif ph is Phase.BACKWARD and t.first_backward_use is None:
+                    t.first_backward_use = r
+
+    output_node = next(n for n in nodes if n.op == "output")
+    output_storages = {sid for inp in output_node.all_input_nodes for sid in node_storages.get(inp.name, [])}
+    for sid in output_storages:
+        tensors[sid].last_use = end
+
+    grad_storages = {sid for name in tg.grad_nodes.values() if name in node_storages for sid in node_storages[name]}
+    loss_storages = set(node_storages.get(tg.loss_node, []))
+    for t in tensors:
+        if t.persistent:
+            continue
+        created_phase = phase[op_nodes[t.created].name]
+        if t.id in grad_storages or (t.id in output_storages and t.id not in loss_storages):
+            t.role = Role.GRADIENT
+        elif created_phase is Phase.FORWARD and t.first_backward_use is not None:
+            t.role = Role.ACTIVATION
+            if t.last_forward_use is None:
+                t.last_forward_use = t.created
+        else:
+            t.role = Role.OTHER
+
+    phases = [phase[n.name] for n in op_nodes]
+    bounds: dict[str, tuple[int, int]] = {}
+    for i, ph in enumerate(phases):
+        lo, hi = bounds.get(ph.value, (i, i + 1))
+        bounds[ph.value] = (min(lo, i), max(hi, i + 1))
+    return GraphAnalysis(
+        node_names=[n.name for n in op_nodes],
+        phases=phases,
+        tensors=tensors,
+        node_storages=node_storages,
+        new_storages=new_storages,
+        uses=uses,
+        persistent_bytes=sum(t.nbytes for t in tensors if t.persistent),
+        phase_bounds=bounds,
+    )

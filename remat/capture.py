@@ -1,0 +1,460 @@
+"""Capture one whole training iteration (forward, backward, optimizer step) as one fx graph.
+
+The user's `train_step(model, optimizer, batch) -> loss` is traced with `make_fx` on fake
+tensors. Parameters, buffers and optimizer state are swapped for graph inputs while it
+runs, so the graph takes them as placeholders and mutates them in place, exactly as the
+eager step would. Markers (a no-op custom op) are dropped into the trace at the start of
+`backward()`, after it, and at the start of `optimizer.step()`; they tell each node's
+phase, which node is the loss and which nodes are the parameters' gradients, and are
+removed before the graph is handed on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.utils import stateless
+
+from remat.errors import CaptureError
+
+TrainStep = Callable[[torch.nn.Module, "torch.optim.Optimizer | None", Any], torch.Tensor]
+
+
+class Phase(str, Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+class InputKind(str, Enum):
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    OPTIMIZER_STATE = "optimizer_state"
+    BATCH = "batch"
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    """One placeholder of the captured graph and where its tensor comes from."""
+
+    name: str  # parameter/buffer name, "<param>.<state key>", or the batch leaf's path
+    kind: InputKind
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+
+
+@dataclass
+class TrainGraph:
+    """The captured iteration: an fx graph plus what each placeholder and output means.
+
+    `gm(*flat_inputs)` runs one step in place (under no_grad) and returns
+    `(loss, grads)`, where `grads[i]` is the final `.grad` of parameter `grad_names[i]`.
+    """
+
+    gm: torch.fx.GraphModule
+    inputs: list[GraphInput]
+    grad_names: list[str]  # parameters whose .grad is still set when train_step returns
+    phase: dict[str, Phase]  # node name -> phase, for every call_function node
+    loss_node: str
+    grad_nodes: dict[str, str]  # parameter name -> node holding its gradient after backward
+    batch_spec: str  # pytree structure of the batch, as text, to reject other structures
+    has_optimizer: bool
+    device: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def op_nodes(self) -> list[torch.fx.Node]:
+        """The call_function nodes in execution order (rank = index in this list)."""
+        return [n for n in self.gm.graph.nodes if n.op == "call_function"]
+
+    def batch_signature(self) -> list[tuple[tuple[int, ...], str, str]]:
+        return [(i.shape, i.dtype, i.device) for i in self.inputs if i.kind is InputKind.BATCH]
+
+
+# ---------------------------------------------------------------------------- markers
+
+
+@torch.library.custom_op("remat::marker", mutates_args=())
+def _marker(tensors: list[torch.Tensor], tag: str) -> None:
+    """Does nothing; its place in the trace records where something happened."""
+    return None
+
+
+@_marker.register_fake
+def _marker_fake(tensors: list[torch.Tensor], tag: str) -> None:
+    return None
+
+
+_MARKER = torch.ops.remat.marker.default
+_RECORD_FUNCTION_OPS = {
+    torch.ops.profiler._record_function_enter.default,
+    torch.ops.profiler._record_function_enter_new.default,
+    torch.ops.profiler._record_function_exit._RecordFunction,
+}
+
+
+# ---------------------------------------------------------------------------- inputs
+
+
+def _unique_named(items: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in items:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[name] = t
+    return out
+
+
+def _check_batch(batch: Any) -> tuple[list[Any], Any]:
+    leaves, spec = pytree.tree_flatten(batch)
+    if not leaves:
+        raise CaptureError("the batch holds no tensors: pass a tensor, a tuple or a dict of tensors")
+    paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(batch)[0]]
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise CaptureError(
+                f"the batch must be a tensor, a tuple or a dict of tensors; batch{path} is a "
+                f"{type(leaf).__name__}. Move non-tensor settings into train_step or the model."
+            )
+    return leaves, spec
+
+
+def batch_leaf_names(batch: Any) -> list[str]:
+    return [f"batch{pytree.keystr(p)}" for p, _ in pytree.tree_flatten_with_path(batch)[0]]
+
+
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the state the first `step()` would create, so that every step runs one graph.
+
+    The values are exactly what the optimizer's first step makes (zeros; Adam's step 0),
+    so the captured step updates bitwise as the eager first step does. SGD's first step
+    copies the gradient into a fresh momentum buffer; `0 * momentum + grad` gives the same.
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if optimizer.state.get(p):
+                continue
+            if isinstance(optimizer, torch.optim.SGD):
+                if group["momentum"] != 0:
+                    optimizer.state[p] = {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}
+            elif isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+                if group.get("fused") or group.get("capturable"):
+                    step = torch.zeros((), dtype=torch.float32, device=p.device)
+                else:
+                    step = torch.tensor(0.0, dtype=torch.float32)
+                state = {
+                    "step": step,
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
+                if group.get("amsgrad"):
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                optimizer.state[p] = state
+            else:
+                raise CaptureError(
+                    f"{type(optimizer).__name__} has no state yet and remat only knows how to "
+                    "create the first-step state of SGD, Adam and AdamW. Run one eager "
+                    "training step before capturing, or use one of those optimizers."
+                )
+
+
+def _optimizer_states(
+    optimizer: torch.optim.Optimizer | None, params: dict[str, torch.Tensor]
+) -> dict[str, dict[str, torch.Tensor]]:
+    if optimizer is None:
+        return {}
+    known = {id(p) for p in params.values()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in known:
+                raise CaptureError(
+                    "the optimizer holds a tensor that is not a parameter of the model; "
+                    "build the optimizer from model.parameters()"
+                )
+    _init_optimizer_state(optimizer)
+    states: dict[str, dict[str, torch.Tensor]] = {}
+    for name, p in params.items():
+        st = optimizer.state.get(p)
+        if not st:
+            continue
+        for key, value in st.items():
+            if not isinstance(value, torch.Tensor):
+                raise CaptureError(
+                    f"optimizer state {name}.{key} is a {type(value).__name__}, not a tensor; "
+                    "remat can only capture optimizers whose state is all tensors"
+                )
+        states[name] = dict(sorted(st.items()))
+    return states
+
+
+@contextlib.contextmanager
+def _optimizer_on(
+    optimizer: torch.optim.Optimizer,
+    real_to_name: dict[int, str],
+    params: dict[str, torch.Tensor],
+    states: dict[str, dict[str, torch.Tensor]],
+) -> Iterator[None]:
+    """Point the optimizer at the traced parameters and state for the duration of the trace."""
+    saved_state = optimizer.state
+    saved = [(g["params"], g.get("foreach")) for g in optimizer.param_groups]
+    traced_state: defaultdict = defaultdict(dict)
+    traced_name = {id(t): n for n, t in params.items()}
+    for group in optimizer.param_groups:
+        group["params"] = [params[real_to_name[id(p)]] for p in group["params"]]
+        # foreach=None picks the multi-tensor kernels only for CUDA tensors; fake tensors
+        # may pick differently. Pin the per-parameter loop so each update is its own op.
+        if group.get("foreach") is None:
+            group["foreach"] = False
+        for p in group["params"]:
+            if traced_name[id(p)] in states:
+                traced_state[p] = states[traced_name[id(p)]]
+    optimizer.state = traced_state
+    try:
+        yield
+    finally:
+        optimizer.state = saved_state
+        for group, (ps, foreach) in zip(optimizer.param_groups, saved):
+            group["params"] = ps
+            group["foreach"] = foreach
+
+
+def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, batch: Any) -> list[torch.Tensor]:
+    """The real tensors for the graph's placeholders, in order."""
+    params = _unique_named(model.named_parameters())
+    buffers = _unique_named(model.named_buffers())
+    states = _optimizer_states(optimizer, params) if tg.has_optimizer else {}
+    leaves, spec = _check_batch(batch)
+    if str(spec) != tg.batch_spec:
+        raise CaptureError(
+            f"the batch has a different structure from the one captured ({spec} vs {tg.batch_spec}); "
+            "a new structure needs a new capture"
+        )
+    out: list[torch.Tensor] = []
+    for inp in tg.inputs:
+        if inp.kind is InputKind.PARAMETER:
+            out.append(params[inp.name])
+        elif inp.kind is InputKind.BUFFER:
+            out.append(buffers[inp.name])
+        elif inp.kind is InputKind.OPTIMIZER_STATE:
+            pname, key = inp.name.rsplit(".", 1)
+            out.append(states[pname][key])
+    out.extend(leaves)
+    return out
+
+
+def _describe(t: torch.Tensor) -> tuple[tuple[int, ...], str, str]:
+    return tuple(t.shape), str(t.dtype).replace("torch.", ""), str(t.device)
+
+
+# ---------------------------------------------------------------------------- capture
+
+
+def capture(
+    train_step: TrainStep,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    example_batch: Any,
+) -> TrainGraph:
+    """Trace one call of `train_step(model, optimizer, batch)` into a TrainGraph.
+
+    The optimizer's state is created here if it is empty (see `_init_optimizer_state`);
+    nothing else about the model or optimizer changes.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise CaptureError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    leaves, spec = _check_batch(example_batch)
+    params = _unique_named(model.named_parameters())
+    buffers = _unique_named(model.named_buffers())
+    if not params:
+        raise CaptureError("the model has no parameters: there is nothing to train")
+    devices = {str(t.device) for t in [*params.values(), *buffers.values(), *leaves]}
+    if len(devices) != 1:
+        raise CaptureError(f"model and batch must be on one device, found {sorted(devices)}; move them with .to(device)")
+    device = devices.pop()
+    states = _optimizer_states(optimizer, params)
+
+    real_to_name = {id(p): n for n, p in params.items()}
+    param_alias = {a: real_to_name[id(p)] for a, p in model.named_parameters(remove_duplicate=False)}
+    buffer_to_name = {id(b): n for n, b in buffers.items()}
+    buffer_alias = {a: buffer_to_name[id(b)] for a, b in model.named_buffers(remove_duplicate=False)}
+
+    inputs: list[GraphInput] = []
+    flat: list[torch.Tensor] = []
+    for n, p in params.items():
+        inputs.append(GraphInput(n, InputKind.PARAMETER, *_describe(p)))
+        flat.append(p)
+    for n, b in buffers.items():
+        inputs.append(GraphInput(n, InputKind.BUFFER, *_describe(b)))
+        flat.append(b)
+    for n, st in states.items():
+        for key, value in st.items():
+            inputs.append(GraphInput(f"{n}.{key}", InputKind.OPTIMIZER_STATE, *_describe(value)))
+            flat.append(value)
+    for n, leaf in zip(batch_leaf_names(example_batch), leaves):
+        inputs.append(GraphInput(n, InputKind.BATCH, *_describe(leaf)))
+        flat.append(leaf)
+
+    n_params, n_buffers = len(params), len(buffers)
+    state_keys = [(n, list(st)) for n, st in states.items()]
+    grad_order: list[str] = []  # filled while tracing: names of the grads the "grads" marker holds
+    final_grads: list[str] = []
+
+    def traced(*args: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        it = iter(args)
+        t_params = {n: next(it) for n in params}
+        t_buffers = {n: next(it) for n in buffers}
+        t_states = {n: {k: next(it) for k in keys} for n, keys in state_keys}
+        t_batch = pytree.tree_unflatten(list(it), spec)
+        for p in t_params.values():
+            p.requires_grad_(True)
+        calls = {"backward": 0}
+        real_backward = torch.autograd.backward
+
+        def backward(tensors, *a, **k):  # type: ignore[no-untyped-def]
+            calls["backward"] += 1
+            if calls["backward"] > 1:
+                raise CaptureError("train_step called backward() more than once; remat captures one backward per step")
+            roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+            _marker(roots, "backward_begin")
+            real_backward(tensors, *a, **k)
+            named = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]
+            grad_order.extend(n for n, _ in named)
+            _marker([g for _, g in named], "grads")
+
+        def step_pre_hook(opt, args, kwargs):  # type: ignore[no-untyped-def]
+            _marker([], "optimizer_begin")
+
+        mapping = {a: t_params[c] for a, c in param_alias.items()}
+        mapping.update({a: t_buffers[c] for a, c in buffer_alias.items()})
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(stateless._reparametrize_module(model, mapping))
+            if optimizer is not None:
+                stack.enter_context(_optimizer_on(optimizer, real_to_name, t_params, t_states))
+                handle = optimizer.register_step_pre_hook(step_pre_hook)
+                stack.callback(handle.remove)
+            torch.autograd.backward = backward
+            stack.callback(setattr, torch.autograd, "backward", real_backward)
+            loss = train_step(model, optimizer, t_batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise CaptureError(f"train_step must return the loss as a one-element tensor, got {type(loss).__name__}")
+        if calls["backward"] == 0:
+            raise CaptureError("train_step never called loss.backward(): remat captures a whole training step")
+        grads = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]
+        final_grads.extend(n for n, _ in grads)
+        return loss.detach(), [g for _, g in grads]
+
+    was_training = model.training
+    try:
+        gm = make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=False)(*flat)
+    except CaptureError:
+        raise
+    except Exception as e:  # noqa: BLE001 - translated into a message a user can act on
+        raise _explain_trace_failure(e) from e
+    finally:
+        model.train(was_training)
+    return _finish(gm, inputs, grad_order, final_grads, str(spec), optimizer is not None, device)
+
+
+def _explain_trace_failure(e: Exception) -> CaptureError:
+    name = type(e).__name__
+    first = str(e).strip().splitlines()[0] if str(e).strip() else name
+    if "DataDependent" in name or "GuardOnDataDependent" in name or "data-dependent" in str(e).lower():
+        return CaptureError(
+            f"train_step has data-dependent Python control flow or an op whose output shape depends "
+            f"on tensor values ({name}: {first}). Make the branch independent of tensor values "
+            "(e.g. use torch.where), or move it out of train_step."
+        )
+    if "DynamicOutputShape" in name:
+        return CaptureError(
+            f"an op in train_step returns a shape that depends on tensor values ({first}); "
+            "remat needs static shapes: replace it (e.g. masked ops instead of nonzero/boolean indexing)."
+        )
+    if "Unsupported" in name or "NotImplemented" in name:
+        return CaptureError(f"train_step uses an op that cannot be traced on fake tensors ({name}: {first}); replace or remove it.")
+    return CaptureError(f"could not capture train_step: {name}: {first}")
+
+
+def _finish(
+    gm: torch.fx.GraphModule,
+    inputs: list[GraphInput],
+    grad_order: list[str],
+    final_grads: list[str],
+    batch_spec: str,
+    has_optimizer: bool,
+    device: str,
+) -> TrainGraph:
+    """Read the markers into phases, then remove them and the profiler's record_function nodes."""
+    graph = gm.graph
+    phase: dict[str, Phase] = {}
+    current = Phase.FORWARD
+    loss_node: str | None = None
+    grad_nodes: dict[str, str] = {}
+    to_erase: list[torch.fx.Node] = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is _MARKER:
+            tag = node.args[1]
+            tensors = node.args[0]
+            if tag == "backward_begin":
+                loss_node = tensors[0].name
+                current = Phase.BACKWARD
+            elif tag == "grads":
+                grad_nodes = {n: t.name for n, t in zip(grad_order, tensors)}
+            elif tag == "optimizer_begin":
+                current = Phase.OPTIMIZER
+            to_erase.append(node)
+            continue
+        if node.target in _RECORD_FUNCTION_OPS:
+            to_erase.append(node)
+            continue
+        phase[node.name] = current
+    for node in reversed(to_erase):  # exits before enters: an enter's only users are exits
+        graph.erase_node(node)
+    names = [n.name for n in graph.nodes if n.op == "placeholder"]
+    assert len(names) == len(inputs), (len(names), len(inputs))
+    graph.lint()
+    gm.recompile()
+    assert loss_node is not None
+    return TrainGraph(
+        gm=gm,
+        inputs=inputs,
+        grad_names=final_grads,
+        phase=phase,
+        loss_node=loss_node,
+        grad_nodes=grad_nodes,
+        batch_spec=batch_spec,
+        has_optimizer=has_optimizer,
+        device=device,
+    )
+
+
+def run_captured(
+    tg: TrainGraph,
+    gm: torch.fx.GraphModule,
+    model: torch.nn.Module,
+    inputs: list[torch.Tensor],
+) -> torch.Tensor:
+    """Run one step of `gm` (the captured graph or a rewrite of it) in place.
+
+    Leaves each parameter's `.grad` as the eager step would: the graph's final gradient
+    where train_step left one set, None where it cleared them.
+    """
+    with torch.no_grad():
+        loss, grads = gm(*inputs)
+    params = _unique_named(model.named_parameters())
+    final = dict(zip(tg.grad_names, grads))
+    for name, p in params.items():
+        p.grad = final.get(name)
+    return loss

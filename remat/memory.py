@@ -1,0 +1,87 @@
+"""Measure the peak memory a callable allocates, from the allocator itself.
+
+On CUDA: the caching allocator's peak (`max_memory_allocated` after a reset). On CPU: the
+CPU allocator's own allocation and free events, recorded by `torch.profiler` with
+`profile_memory=True`; the running sum's maximum is the peak. That sees scratch buffers
+kernels allocate inside themselves, which a tracker of op outputs misses. Process RSS is
+no measure (the C allocator keeps freed pages).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+@dataclass
+class Measured:
+    result: Any
+    peak_bytes: int  # most bytes allocated at once during the call, above what was live before
+    end_bytes: int  # bytes still allocated (by the call) when it returned
+
+
+@contextlib.contextmanager
+def _quiet_stdio() -> Iterator[None]:
+    """Kineto prints start/stop lines on the process's own stdout/stderr; keep them out."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            os.dup2(devnull, fd)
+        yield
+    finally:
+        for fd, s in zip((1, 2), saved):
+            os.dup2(s, fd)
+            os.close(s)
+        os.close(devnull)
+
+
+def cpu_memory_events(prof: profile) -> list[tuple[int, int]]:
+    """(time ns, bytes: + allocation / - free) of the CPU allocator, in time order."""
+    events = [
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    ]
+    events.sort(key=lambda x: x[0])
+    return events
+
+
+def measure_peak(fn: Callable[[], Any], device: str | torch.device = "cpu") -> Measured:
+    """Run `fn()` once and measure the most bytes it held at once on `device`."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        return Measured(
+            result,
+            torch.cuda.max_memory_allocated(device) - start,
+            torch.cuda.memory_allocated(device) - start,
+        )
+    if device.type != "cpu":
+        raise ValueError(f"cannot measure memory on device {device}: only cpu and cuda are supported")
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_stdio():
+        prof.start()
+    try:
+        result = fn()
+    finally:
+        with _quiet_stdio():
+            prof.stop()
+    running = peak = 0
+    for _, nbytes in cpu_memory_events(prof):
+        running += nbytes
+        peak = max(peak, running)
+    return Measured(result, peak, running)
