@@ -1,0 +1,8 @@
+"""remat: automatic activation checkpointing for PyTorch training.
+
+Captures a whole training iteration as one graph, decides which activations to
+recompute in the backward pass so the iteration fits a memory budget at the
+least extra time, and runs the rewritten graph as the training step.
+"""
+
+__version__ = "0.1.0"
