@@ -50,6 +50,7 @@ class TensorInfo:
 
     id: int
     node: str  # the node whose value first holds this storage
+    key: str  # stable name: the node, or "node#i" for the i-th tensor of a multi-output node
     nbytes: int
     role: Role
     created: int
@@ -85,6 +86,9 @@ class GraphAnalysis:
     def rank_of(self) -> dict[str, int]:
         return {n: i for i, n in enumerate(self.node_names)}
 
+    def storage_by_key(self) -> dict[str, int]:
+        return {t.key: t.id for t in self.tensors}
+
 
 def _tensors_in(value: Any) -> list[torch.Tensor | None]:
     """The tensors a node's value holds, one slot per output (None where not a tensor)."""
@@ -93,6 +97,10 @@ def _tensors_in(value: Any) -> list[torch.Tensor | None]:
     if isinstance(value, (list, tuple)):
         return [v if isinstance(v, torch.Tensor) else None for v in value]
     return []
+
+
+def _key(node: torch.fx.Node, index: int, vals: list) -> str:
+    return node.name if not isinstance(node.meta.get("val"), (list, tuple)) else f"{node.name}#{index}"
 
 
 def analyze(tg: TrainGraph, gm: torch.fx.GraphModule | None = None, phase: dict[str, Phase] | None = None) -> GraphAnalysis:
@@ -114,7 +122,7 @@ def analyze(tg: TrainGraph, gm: torch.fx.GraphModule | None = None, phase: dict[
     new_storages: list[list[int]] = [[] for _ in op_nodes]
     placeholder_index = 0
 
-    def storage_id(t: torch.Tensor, node: torch.fx.Node, created: int, role: Role, persistent: bool) -> int:
+    def storage_id(t: torch.Tensor, node: torch.fx.Node, created: int, role: Role, persistent: bool, key: str) -> int:
         ref = StorageWeakRef(t.untyped_storage())
         sid = by_ref.get(ref)
         if sid is None:
@@ -124,6 +132,7 @@ def analyze(tg: TrainGraph, gm: torch.fx.GraphModule | None = None, phase: dict[
                 TensorInfo(
                     id=sid,
                     node=node.name,
+                    key=key,
                     nbytes=t.untyped_storage().nbytes(),
                     role=role,
                     created=created,
@@ -141,15 +150,19 @@ def analyze(tg: TrainGraph, gm: torch.fx.GraphModule | None = None, phase: dict[
             kind = tg.inputs[placeholder_index].kind
             placeholder_index += 1
             t = node.meta["val"]
-            node_storages[node.name] = [storage_id(t, node, -1, _INPUT_ROLE[kind], True)]
+            node_storages[node.name] = [storage_id(t, node, -1, _INPUT_ROLE[kind], True, node.name)]
         elif node.op == "get_attr":
             t = getattr(gm, str(node.target))
             vals = _tensors_in(node.meta.get("val", t))
-            node_storages[node.name] = [storage_id(v, node, -1, Role.OTHER, True) for v in vals if v is not None]
+            node_storages[node.name] = [
+                storage_id(v, node, -1, Role.OTHER, True, _key(node, i, vals)) for i, v in enumerate(vals) if v is not None
+            ]
         elif node.op == "call_function":
             vals = _tensors_in(node.meta.get("val"))
             node_storages[node.name] = [
-                storage_id(v, node, rank[node.name], Role.OTHER, False) for v in vals if v is not None
+                storage_id(v, node, rank[node.name], Role.OTHER, False, _key(node, i, vals))
+                for i, v in enumerate(vals)
+                if v is not None
             ]
 
     uses: list[list[int]] = [[] for _ in op_nodes]

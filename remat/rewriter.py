@@ -1,0 +1,86 @@
+"""Graph rewriter: emit the captured graph in a schedule's order, with its recompute copies.
+
+Each copy step becomes a new node (the original op, or its state-free twin) that reads the
+copies of its rebuilt inputs and the originals of its sources; every node after the
+forward pass that read a dropped value reads the copy instead. Forward ops the schedule
+removed are not emitted, so the forward original of a dropped activation dies after its
+last forward use, and fx's generated code frees every value after its last use in the new
+order: the order the simulator assumed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from remat.capture import Phase, TrainGraph
+from remat.schedule import GraphIndex, Schedule, copy_call
+
+RECOMPUTED_SUFFIX = "_recomputed"
+
+
+@dataclass
+class Rewritten:
+    gm: torch.fx.GraphModule
+    phase: dict[str, Phase]  # every call_function node of `gm`; copies take their reader's phase
+    copies: dict[str, str]  # copy node name -> the original node it rebuilds
+
+
+def rewrite(index: GraphIndex, schedule: Schedule) -> Rewritten:
+    tg: TrainGraph = index.tg
+    old = tg.gm.graph
+    graph = torch.fx.Graph()
+    env: dict[str, torch.fx.Node] = {}  # original name -> emitted original
+    rebuilt: dict[str, torch.fx.Node] = {}  # original name -> emitted copy
+    for node in old.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            env[node.name] = graph.node_copy(node, lambda n: env[n.name])
+
+    copies: dict[str, str] = {}
+    for step, reads in zip(schedule.steps, schedule.reads):
+        node = index.node_map[step.node]
+        source = {a: (rebuilt[a] if from_copy else env[a]) for a, from_copy in reads}
+
+        def arg(n: torch.fx.Node) -> torch.fx.Node:
+            return source[n.name] if n.name in source else env[n.name]
+
+        if step.copy:
+            target, args, kwargs = copy_call(node)
+            new = graph.create_node(
+                "call_function",
+                target,
+                torch.fx.map_arg(args, arg),
+                torch.fx.map_arg(kwargs, arg),
+                name=node.name + RECOMPUTED_SUFFIX,
+            )
+            new.meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
+            rebuilt[node.name] = new
+            copies[new.name] = node.name
+        else:
+            env[node.name] = graph.node_copy(node, arg)
+
+    output = next(n for n in old.nodes if n.op == "output")
+    out_source = {a: (rebuilt[a] if c else env[a]) for a, c in schedule.output_reads}
+    graph.output(torch.fx.map_arg(output.args[0], lambda n: out_source[n.name]))
+    graph.lint()
+    gm = torch.fx.GraphModule(tg.gm, graph)
+
+    # Fresh fake values, so that each copy has a storage of its own for the analysis.
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_inputs = [n.meta["val"] for n in placeholders]
+    mode = detect_fake_mode(fake_inputs)
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
+
+    phase: dict[str, Phase] = {}
+    following = Phase.OPTIMIZER
+    for node in reversed([n for n in gm.graph.nodes if n.op == "call_function"]):
+        if node.name in copies:
+            phase[node.name] = following
+        else:
+            phase[node.name] = tg.phase[node.name]
+            following = phase[node.name]
+    return Rewritten(gm=gm, phase=phase, copies=copies)

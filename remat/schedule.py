@@ -1,0 +1,355 @@
+"""The execution order of a graph in which some activations are dropped and recomputed.
+
+This is the one place that decides *where* recomputation happens; the plan simulator and
+the rewriter both read a `Schedule`, so what is simulated is what runs.
+
+Rules (DESIGN.md, "Correctness"):
+- A forward value is *available* in the backward pass if it is a graph input, a constant,
+  not a tensor, or lives only in kept activation storages. Anything else a later node
+  reads is rebuilt: its forward op is copied, with its inputs rebuilt the same way,
+  so the sources of a rebuild are always kept activations, parameters and inputs.
+- Copies go just before the first node that needs them and are shared by every later
+  reader (each value is rebuilt at most once).
+- Forward ops whose only readers now read the copy are removed from the forward pass
+  (if they are pure), so an activation used only in the backward pass is computed there.
+- Random ops are never copied. Mutating ops are copied only when everything they write
+  was itself rebuilt in the same closure (e.g. `x += residual` on a rebuilt `x`); BatchNorm
+  is copied as its stat-free twin, so running statistics are updated exactly once.
+- A source must hold the same value at rebuild time as when the original op read it: no
+  in-place write to it in between. A rebuilt storage must see every write the original
+  saw before the read.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.fx
+
+from remat.analysis import GraphAnalysis
+from remat.capture import Phase, TrainGraph
+from remat.errors import PlanError
+from remat.simulator import Timeline, round_up, simulate_intervals
+
+aten = torch.ops.aten
+
+
+def _bn_twin(args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+    # native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
+    return aten.native_batch_norm.default, (*args[:3], None, None, *args[5:]), kwargs
+
+
+def _bn_legit_twin(args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+    # _native_batch_norm_legit(input, weight, bias, running_mean, running_var, training, momentum, eps)
+    return aten._native_batch_norm_legit.no_stats, (*args[:3], *args[5:]), kwargs
+
+
+# Ops that mutate module state as a side effect, with a twin that computes the same
+# outputs (bitwise: same kernel) without the side effect. Copies use the twin.
+STATE_FREE_TWINS: dict[Any, Callable[[tuple, dict], tuple[Any, tuple, dict]]] = {
+    aten.native_batch_norm.default: _bn_twin,
+    aten._native_batch_norm_legit.default: _bn_legit_twin,
+}
+_TWIN_READS = {aten.native_batch_norm.default: (0, 1, 2), aten._native_batch_norm_legit.default: (0, 1, 2)}
+
+
+@dataclass(frozen=True)
+class Step:
+    node: str  # the original node this step runs
+    copy: bool = False  # a rebuild placed in the backward pass
+
+
+@dataclass
+class Schedule:
+    steps: list[Step]
+    reads: list[list[tuple[str, bool]]]  # per step: (node, from its copy?) for each value it reads
+    removed: list[str]  # forward nodes dropped because only rebuilt copies are read
+    output_reads: list[tuple[str, bool]]
+    dropped: frozenset[int]  # the storages the schedule was built for
+
+    @property
+    def copies(self) -> list[str]:
+        return [s.node for s in self.steps if s.copy]
+
+
+def _is_random(node: torch.fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def _written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The input nodes whose storage this op writes in place (schema `Tensor(a!)`)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return []
+    out: list[torch.fx.Node] = []
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.args[i] if i < len(node.args) and not arg.kwarg_only else node.kwargs.get(arg.name)
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, torch.fx.Node):
+                out.append(v)
+    return out
+
+
+@dataclass
+class GraphIndex:
+    """What schedules need to know about a graph, computed once and shared by every plan."""
+
+    tg: TrainGraph
+    analysis: GraphAnalysis
+    order: list[str]  # op nodes in execution order
+    rank: dict[str, int]
+    forward: set[str]
+    inputs: dict[str, list[str]]  # op node -> distinct input nodes, in argument order
+    users: dict[str, list[str]]  # op node -> op nodes reading it
+    storages: dict[str, list[int]]
+    random: set[str]
+    writes: dict[str, list[int]]  # op node -> storages it writes in place
+    written_by: dict[int, list[int]]  # storage -> ranks of the ops writing it
+    output_inputs: list[str]
+    activation: set[int] = field(default_factory=set)
+    persistent: set[int] = field(default_factory=set)
+    node_map: dict[str, torch.fx.Node] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, tg: TrainGraph, analysis: GraphAnalysis) -> "GraphIndex":
+        nodes = list(tg.gm.graph.nodes)
+        ops = [n for n in nodes if n.op == "call_function"]
+        order = [n.name for n in ops]
+        assert order == analysis.node_names, "analysis does not belong to this graph"
+        inputs = {n.name: list(dict.fromkeys(a.name for a in n.all_input_nodes)) for n in ops}
+        users: dict[str, list[str]] = {n: [] for n in order}
+        for n in order:
+            for a in inputs[n]:
+                if a in users:
+                    users[a].append(n)
+        writes = {n.name: sorted({s for a in _written_args(n) for s in analysis.node_storages.get(a.name, [])}) for n in ops}
+        written_by: dict[int, list[int]] = {}
+        for r, n in enumerate(order):
+            for s in writes[n]:
+                written_by.setdefault(s, []).append(r)
+        output = next(n for n in nodes if n.op == "output")
+        return cls(
+            tg=tg,
+            analysis=analysis,
+            order=order,
+            rank={n: i for i, n in enumerate(order)},
+            forward={n for n in order if tg.phase[n] is Phase.FORWARD},
+            inputs=inputs,
+            users=users,
+            storages=analysis.node_storages,
+            random={n.name for n in ops if _is_random(n)},
+            writes=writes,
+            written_by=written_by,
+            output_inputs=list(dict.fromkeys(a.name for a in output.all_input_nodes)),
+            activation={t.id for t in analysis.tensors if t.is_activation},
+            persistent={t.id for t in analysis.tensors if t.persistent},
+            node_map={n.name: n for n in nodes},
+        )
+
+    def available(self, name: str, dropped: frozenset[int] | set[int]) -> bool:
+        """Whether a value can be read in the backward pass without being rebuilt."""
+        if name not in self.rank or name not in self.forward:
+            return True  # placeholders, constants, backward/optimizer values
+        sids = self.storages.get(name, [])
+        return all(s in self.persistent or (s in self.activation and s not in dropped) for s in sids)
+
+    def reads_of_copy(self, name: str) -> list[str]:
+        """Inputs a copy of `name` reads (BatchNorm's twin does not read running stats)."""
+        node = self.node_map[name]
+        keep = _TWIN_READS.get(node.target)
+        if keep is None:
+            return self.inputs[name]
+        wanted = [node.args[i] for i in keep if isinstance(node.args[i], torch.fx.Node)]
+        return list(dict.fromkeys(a.name for a in wanted))
+
+    def closure(self, needed: list[str], dropped: frozenset[int] | set[int], done: set[str]) -> list[str]:
+        """Forward nodes to copy (in execution order) so that every `needed` value exists."""
+        todo = [n for n in needed if n not in done]
+        seen: set[str] = set()
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            for a in self.reads_of_copy(n):
+                if a not in seen and a not in done and not self.available(a, dropped):
+                    todo.append(a)
+        return sorted(seen, key=self.rank.__getitem__)
+
+    def check_copy(self, name: str, copied: set[str], dropped: frozenset[int] | set[int], before_rank: int) -> str | None:
+        """Why `name` cannot be copied into the backward pass (None if it can)."""
+        if name in self.random:
+            return f"{name} is a random op: its output must be kept, never recomputed"
+        node = self.node_map[name]
+        if node.target not in STATE_FREE_TWINS:
+            for s in self.writes[name]:
+                owners_copied = any(
+                    a in copied for a in self.inputs[name] if s in self.storages.get(a, []) and not self.available(a, dropped)
+                )
+                if not owners_copied:
+                    return f"{name} writes in place into a tensor that is not rebuilt with it"
+        r = self.rank[name]
+        for a in self.reads_of_copy(name):
+            for s in self.storages.get(a, []):
+                rebuilt = a in copied
+                for w in self.written_by.get(s, []):
+                    if w == r:
+                        continue
+                    if rebuilt and w < r and self.order[w] not in copied:
+                        return f"{name} reads {a}, written in place by {self.order[w]}, which is not rebuilt"
+                    if not rebuilt and r < w < before_rank:
+                        return f"{name} reads {a}, which {self.order[w]} changes in place before the rebuild"
+        return None
+
+
+    def backward_readers(self, sid: int) -> list[str]:
+        """Forward values on storage `sid` that nodes after the forward pass read."""
+        tensor = self.analysis.tensors[sid]
+        return [
+            a for a in tensor.aliases
+            if a in self.forward and any(u not in self.forward for u in self.users.get(a, []))
+        ]
+
+    def candidate_problem(self, sid: int) -> str | None:
+        """Why activation `sid` may not be recomputed on its own (None if it may)."""
+        if sid not in self.activation:
+            return "not an activation"
+        if any(sid in self.storages.get(a, []) for a in self.output_inputs):
+            return "a graph output"
+        dropped = frozenset([sid])
+        readers = self.backward_readers(sid)
+        first = min((self.rank[u] for a in readers for u in self.users[a] if u not in self.forward), default=len(self.order))
+        copied: set[str] = set()
+        for c in self.closure(readers, dropped, copied):
+            why = self.check_copy(c, copied, dropped, first)
+            if why is not None:
+                return why
+            copied.add(c)
+        return None
+
+
+def recompute_seconds(schedule: Schedule, node_seconds: dict[str, float]) -> float:
+    """Predicted extra time of a schedule: the copies, less the forward ops it removed."""
+    return sum(node_seconds[s.node] for s in schedule.steps if s.copy) - sum(node_seconds[n] for n in schedule.removed)
+
+
+def build_schedule(index: GraphIndex, dropped: set[int] | frozenset[int]) -> Schedule:
+    """The order the rewritten graph runs in when the storages in `dropped` are recomputed."""
+    dropped = frozenset(dropped)
+    bad = [s for s in dropped if s not in index.activation]
+    if bad:
+        keys = ", ".join(index.analysis.tensors[s].key for s in bad[:5])
+        raise PlanError(f"only activations can be recomputed; not activations: {keys}")
+    forward = [n for n in index.order if n in index.forward]
+    rest = [n for n in index.order if n not in index.forward]
+
+    tail_steps: list[Step] = []
+    tail_reads: list[list[tuple[str, bool]]] = []
+    copied: set[str] = set()
+    for u in rest:
+        needed = [a for a in index.inputs[u] if not index.available(a, dropped)]
+        if needed:
+            for c in index.closure(needed, dropped, copied):
+                why = index.check_copy(c, copied, dropped, index.rank[u])
+                if why is not None:
+                    raise PlanError(f"cannot recompute what {u} needs: {why}")
+                copied.add(c)
+                tail_steps.append(Step(c, copy=True))
+                tail_reads.append([(a, a in copied and not index.available(a, dropped)) for a in index.reads_of_copy(c)])
+        tail_steps.append(Step(u))
+        tail_reads.append([(a, not index.available(a, dropped)) for a in index.inputs[u]])
+    output_reads = [(a, not index.available(a, dropped)) for a in index.output_inputs]
+    if any(c for _, c in output_reads):
+        raise PlanError("a graph output cannot be recomputed")
+
+    # Forward nodes that nothing reads any more (their readers now read copies) and that
+    # have no side effect are removed: the value is then computed in the backward only.
+    readers: dict[str, int] = {n: 0 for n in forward}
+    for reads in tail_reads:
+        for a, is_copy in reads:
+            if not is_copy and a in readers:
+                readers[a] += 1
+    for a, _ in output_reads:
+        if a in readers:
+            readers[a] += 1
+    for n in forward:
+        for a in index.inputs[n]:
+            if a in readers:
+                readers[a] += 1
+    removed: set[str] = set()
+    for n in reversed(forward):
+        if readers[n] == 0 and n not in index.random and not index.writes[n] and n in copied:
+            removed.add(n)
+            for a in index.inputs[n]:
+                if a in readers:
+                    readers[a] -= 1
+    steps = [Step(n) for n in forward if n not in removed] + tail_steps
+    reads = [[(a, False) for a in index.inputs[n]] for n in forward if n not in removed] + tail_reads
+    return Schedule(steps=steps, reads=reads, removed=sorted(removed, key=index.rank.__getitem__), output_reads=output_reads, dropped=dropped)
+
+
+def simulate_schedule(index: GraphIndex, schedule: Schedule, granularity: int = 1) -> Timeline:
+    """The memory timeline of running `schedule` (see simulator.py for the conventions)."""
+    tensors = index.analysis.tensors
+    n_storages = len(tensors)
+    n_steps = len(schedule.steps)
+    start: dict[int, int] = {}
+    end: dict[int, int] = {}
+    # Storage keys: an original storage keeps its id; a copy's fresh storage is id + N.
+    # A view or in-place result shares the key of the input it aliases *as read in this
+    # step*, so a backward view of a rebuilt value lives in the rebuilt storage.
+    value_keys: dict[tuple[str, bool], list[int]] = {}
+
+    def keys(node: str, is_copy: bool) -> list[int]:
+        found = value_keys.get((node, is_copy))
+        return found if found is not None else list(index.storages.get(node, []))
+
+    for i, (step, reads) in enumerate(zip(schedule.steps, schedule.reads)):
+        inherited: dict[int, int] = {}
+        for a, is_copy in reads:
+            for s, k in zip(index.storages.get(a, []), keys(a, is_copy)):
+                inherited[s] = k
+                if k in start:
+                    end[k] = i
+        own = [inherited.get(s, s + n_storages if step.copy else s) for s in index.storages.get(step.node, [])]
+        value_keys[(step.node, step.copy)] = own
+        for k in own:
+            if k >= n_storages or k not in index.persistent:
+                start.setdefault(k, i)
+                end[k] = max(end.get(k, i), i)
+    for a, is_copy in schedule.output_reads:
+        for k in keys(a, is_copy):
+            if k in start:
+                end[k] = n_steps
+    ks = sorted(start)
+    persistent: dict[str, int] = {}
+    for t in tensors:
+        if t.persistent:
+            persistent[t.role.value] = persistent.get(t.role.value, 0) + round_up(t.nbytes, granularity)
+    return simulate_intervals(
+        n_steps,
+        np.array([round_up(tensors[k % n_storages].nbytes, granularity) for k in ks], dtype=np.int64),
+        np.array([start[k] for k in ks], dtype=np.int64),
+        np.array([end[k] for k in ks], dtype=np.int64),
+        [tensors[k % n_storages].role.value for k in ks],
+        persistent,
+    )
+
+
+def copy_call(node: torch.fx.Node) -> tuple[Any, tuple, dict]:
+    """(target, args, kwargs) for a rebuild of `node` (its state-free twin where it has one)."""
+    twin = STATE_FREE_TWINS.get(node.target)
+    if twin is not None:
+        return twin(tuple(node.args), dict(node.kwargs))
+    return node.target, tuple(node.args), dict(node.kwargs)
+
+
+def is_getitem(node: torch.fx.Node) -> bool:
+    return node.target is operator.getitem
