@@ -1,0 +1,129 @@
+"""Compare a remat step with eager PyTorch: bitwise results, and time taken alternately.
+
+Both sides start from identical deep copies of the model and optimizer and see the same
+batches under the same seeds, so on CPU every loss, gradient, parameter, buffer and
+optimizer state must match to the bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass
+class CheckResult:
+    match: bool
+    steps: int
+    mismatches: list[str] = field(default_factory=list)  # "what: max |difference|"
+
+    def summary(self) -> str:
+        if self.match:
+            return f"loss, gradients, parameters, buffers and optimizer state equal to eager, bitwise, over {self.steps} steps"
+        return f"{len(self.mismatches)} mismatches; first: " + "; ".join(self.mismatches[:5])
+
+
+def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> str | None:
+    if a is None or b is None:
+        return None if a is None and b is None else "one side is None"
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"shape/dtype {tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}"
+    if torch.equal(a, b):
+        return None
+    return f"max |diff| {(a.double() - b.double()).abs().max().item():.3g}"
+
+
+def compare_state(
+    model_a: torch.nn.Module,
+    opt_a: torch.optim.Optimizer | None,
+    model_b: torch.nn.Module,
+    opt_b: torch.optim.Optimizer | None,
+) -> list[str]:
+    """Every difference between two copies of a model and optimizer, named."""
+    out: list[str] = []
+    for (name, pa), (_, pb) in zip(model_a.named_parameters(), model_b.named_parameters()):
+        for what, x, y in (("parameter", pa, pb), ("gradient", pa.grad, pb.grad)):
+            d = _diff(x, y)
+            if d:
+                out.append(f"{what} {name}: {d}")
+    for (name, ba), (_, bb) in zip(model_a.named_buffers(), model_b.named_buffers()):
+        d = _diff(ba, bb)
+        if d:
+            out.append(f"buffer {name}: {d}")
+    if opt_a is not None and opt_b is not None:
+        pairs = zip(model_a.parameters(), model_b.parameters())
+        for i, (pa, pb) in enumerate(pairs):
+            sa, sb = opt_a.state.get(pa, {}), opt_b.state.get(pb, {})
+            for key in sorted(set(sa) | set(sb)):
+                d = _diff(sa.get(key), sb.get(key))
+                if d:
+                    out.append(f"optimizer state {i}.{key}: {d}")
+    return out
+
+
+def twin(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
+    """An independent copy of the model and its optimizer (the optimizer pointing at the copy)."""
+    return copy.deepcopy((model, optimizer))
+
+
+def check_against_eager(
+    train_step: Callable[[torch.nn.Module, Any, Any], torch.Tensor],
+    eager_model: torch.nn.Module,
+    eager_opt: torch.optim.Optimizer | None,
+    remat_model: torch.nn.Module,
+    remat_opt: torch.optim.Optimizer | None,
+    remat_step: Callable[[Any], torch.Tensor],
+    batch: Any,
+    steps: int = 3,
+    seed: int = 0,
+) -> CheckResult:
+    """Run `steps` steps on both sides with the same seeds and compare everything after each."""
+    mismatches: list[str] = []
+    for i in range(steps):
+        torch.manual_seed(seed + i)
+        loss_e = train_step(eager_model, eager_opt, batch)
+        torch.manual_seed(seed + i)
+        loss_r = remat_step(batch)
+        d = _diff(loss_e.detach(), loss_r.detach())
+        if d:
+            mismatches.append(f"step {i + 1} loss: {d}")
+        mismatches += [f"step {i + 1} {m}" for m in compare_state(eager_model, eager_opt, remat_model, remat_opt)]
+    return CheckResult(match=not mismatches, steps=steps, mismatches=mismatches)
+
+
+@dataclass
+class Timing:
+    a_seconds: float  # median
+    b_seconds: float  # median
+    ratio: float  # median of per-pair b / a
+    ratio_spread: tuple[float, float]  # min and max of the per-pair ratios
+    pairs: int
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_alternating(run_a: Callable[[], Any], run_b: Callable[[], Any], pairs: int = 5, warmup: int = 1, device: str = "cpu") -> Timing:
+    """Time two callables in alternation (a, b, a, b, ...) so that machine noise hits both."""
+    for _ in range(warmup):
+        run_a()
+        run_b()
+    ta: list[float] = []
+    tb: list[float] = []
+    for i in range(pairs):
+        order = [(run_a, ta), (run_b, tb)] if i % 2 == 0 else [(run_b, tb), (run_a, ta)]
+        for fn, acc in order:
+            _sync(device)
+            t = time.perf_counter()
+            fn()
+            _sync(device)
+            acc.append(time.perf_counter() - t)
+    ratios = [b / a for a, b in zip(ta, tb)]
+    return Timing(statistics.median(ta), statistics.median(tb), statistics.median(ratios), (min(ratios), max(ratios)), pairs)

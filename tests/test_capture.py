@@ -1,0 +1,152 @@
+"""Capture: the captured graph trains bitwise like eager, phases and roles are right, and
+what cannot be captured is refused with a message that says why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from remat.analysis import Role, analyze
+from remat.capture import Phase, capture, flat_inputs, run_captured
+from remat.check import check_against_eager, twin
+from remat.errors import CaptureError
+from remat.models import build_model, make_optimizer, make_train_step
+
+TINY = [("mlp", 4), ("bert-tiny", 2), ("resnet-tiny", 2)]
+
+
+@pytest.mark.parametrize("model_name,batch_size", TINY)
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("zero_grad_first", [False, True])
+def test_captured_graph_trains_bitwise_like_eager(model_name, batch_size, optimizer, zero_grad_first):
+    spec = build_model(model_name, batch_size)
+    opt = make_optimizer(optimizer, spec.model.parameters())
+    eager_model, eager_opt = twin(spec.model, opt)
+    step = make_train_step(spec.loss_fn, zero_grad_first=zero_grad_first)
+    tg = capture(step, spec.model, opt, spec.batch)
+
+    def captured_step(batch):
+        return run_captured(tg, tg.gm, spec.model, flat_inputs(tg, spec.model, opt, batch))
+
+    result = check_against_eager(step, eager_model, eager_opt, spec.model, opt, captured_step, spec.batch, steps=3)
+    assert result.match, result.summary()
+    # Gradients are compared too when the step leaves them set.
+    assert all((p.grad is not None) == zero_grad_first for p in spec.model.parameters())
+
+
+def test_dropout_is_active_and_follows_the_seed():
+    spec = build_model("bert-tiny", 2)
+    step = make_train_step(spec.loss_fn)
+    opt = make_optimizer("sgd", spec.model.parameters())
+    tg = capture(step, spec.model, opt, spec.batch)
+    assert any(n.target is torch.ops.aten.bernoulli_.float for n in tg.op_nodes())
+    losses = []
+    for seed in (0, 0, 1):
+        model, o = twin(spec.model, opt)
+        torch.manual_seed(seed)
+        losses.append(run_captured(tg, tg.gm, model, flat_inputs(tg, model, o, spec.batch)))
+    assert torch.equal(losses[0], losses[1]) and not torch.equal(losses[0], losses[2])
+
+
+def test_phases_in_order_and_every_tensor_has_a_role():
+    spec = build_model("resnet-tiny", 2)
+    opt = make_optimizer("adamw", spec.model.parameters())
+    tg = capture(make_train_step(spec.loss_fn), spec.model, opt, spec.batch)
+    phases = [tg.phase[n.name] for n in tg.op_nodes()]
+    firsts = [phases.index(p) for p in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)]
+    assert firsts == sorted(firsts) and firsts[0] == 0
+    assert phases == sorted(phases, key=[Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER].index)
+    assert tg.phase[tg.loss_node] is Phase.FORWARD
+    analysis = analyze(tg)
+    roles = {t.role for t in analysis.tensors}
+    assert roles <= set(Role) and {Role.PARAMETER, Role.ACTIVATION, Role.GRADIENT, Role.OPTIMIZER_STATE, Role.INPUT} <= roles
+    for t in analysis.activations():
+        assert t.created <= t.last_forward_use < t.first_backward_use <= t.last_use
+        assert analysis.phases[t.created] is Phase.FORWARD
+    # One gradient per parameter, made in the backward pass.
+    params = [i for i in tg.inputs if i.kind.value == "parameter"]
+    assert len(tg.grad_nodes) == len(params)
+    assert all(tg.phase[n] is Phase.BACKWARD for n in tg.grad_nodes.values())
+
+
+def test_no_optimizer_captures_forward_and_backward_only():
+    spec = build_model("mlp", 4)
+    step = make_train_step(spec.loss_fn, zero_grad_first=True)
+    eager_model, _ = twin(spec.model, None)
+    tg = capture(step, spec.model, None, spec.batch)
+    assert set(tg.phase.values()) == {Phase.FORWARD, Phase.BACKWARD}
+    before = [p.detach().clone() for p in spec.model.parameters()]
+    loss = run_captured(tg, tg.gm, spec.model, flat_inputs(tg, spec.model, None, spec.batch))
+    eager_loss = step(eager_model, None, spec.batch)
+    assert torch.equal(loss, eager_loss.detach())
+    for p, q, b in zip(spec.model.parameters(), eager_model.parameters(), before):
+        assert torch.equal(p, b) and torch.equal(p.grad, q.grad)
+
+
+class _Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.sum() > 0:  # data-dependent Python control flow
+            return y * 2
+        return y
+
+
+def _step(model, opt, batch):
+    loss = model(batch).pow(2).mean()
+    loss.backward()
+    return loss
+
+
+def test_data_dependent_control_flow_is_refused_with_a_reason():
+    with pytest.raises(CaptureError, match="data-dependent"):
+        capture(_step, _Branchy(), None, torch.randn(2, 4))
+
+
+def test_bad_batches_are_refused():
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(CaptureError, match=r"batch\['scale'\] is a float"):
+        capture(_step, model, None, {"x": torch.randn(2, 4), "scale": 2.0})
+    with pytest.raises(CaptureError, match="holds no tensors"):
+        capture(_step, model, None, [])
+
+
+def test_step_that_never_calls_backward_is_refused():
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(CaptureError, match="never called loss.backward"):
+        capture(lambda m, o, b: m(b).sum(), model, None, torch.randn(2, 4))
+
+
+def test_step_must_return_the_loss():
+    model = torch.nn.Linear(4, 4)
+
+    def step(m, o, b):
+        m(b).sum().backward()
+        return None
+
+    with pytest.raises(CaptureError, match="must return the loss"):
+        capture(step, model, None, torch.randn(2, 4))
+
+
+def test_optimizer_over_foreign_tensors_is_refused():
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.randn(3))], lr=0.1)
+    with pytest.raises(CaptureError, match="not a parameter of the model"):
+        capture(_step, model, opt, torch.randn(2, 4))
+
+
+def test_unknown_optimizer_without_state_is_refused():
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.RMSprop(model.parameters())
+    with pytest.raises(CaptureError, match="RMSprop has no state yet"):
+        capture(_step, model, opt, torch.randn(2, 4))
+
+
+def test_other_batch_structure_is_refused_at_run_time():
+    spec = build_model("mlp", 4)
+    tg = capture(make_train_step(spec.loss_fn), spec.model, None, spec.batch)
+    with pytest.raises(CaptureError, match="different structure"):
+        flat_inputs(tg, spec.model, None, {"x": spec.batch[0]})
