@@ -1,0 +1,580 @@
+"""Run-time profile of a captured training iteration: time and memory of every node.
+
+The captured graph is run node by node, the way fx's generated code runs it (each value
+dropped right after its last use), on *clones* of the parameters, buffers and optimizer
+state, with the global RNG saved and restored: profiling must not train the user's
+model, nor move the RNG stream that the user's next step will draw dropout masks from.
+
+Per node: the median time over several runs after a warm-up, the bytes it allocated,
+the bytes the step held after it and the most it held while it ran. The step's peak is
+also measured on the compiled GraphModule itself (not the interpreter loop), and set
+beside the simulator's prediction from the static analysis (DESIGN.md, "Memory:
+simulate, then measure").
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import hashlib
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+import torch.fx
+from torch.fx.node import map_arg
+
+from remat.analysis import ROLES, GraphAnalysis, Role, analyze
+from remat.capture import InputKind, Phase, TrainGraph, flat_inputs
+from remat.errors import PlanError, RematError
+from remat.memory import _quiet_stdio, cpu_memory_events, measure_peak
+from remat.serialize import dump_document, load_document
+from remat.simulator import Timeline, simulate
+
+PROFILE_FORMAT = "remat.profile"
+PROFILE_VERSION = 1
+PHASES: tuple[str, ...] = tuple(p.value for p in Phase)
+_LABEL = "remat.node:"  # record_function label prefix of the memory run; index follows
+_CUDA_GRANULARITY = 512  # the CUDA caching allocator rounds every block up to this
+
+
+@dataclass
+class NodeProfile:
+    """One node of the iteration. Bytes are counted above what was live before the step."""
+
+    name: str
+    target: str  # the op, e.g. "aten.addmm.default"
+    phase: str
+    seconds: float  # median over the timed runs
+    allocated_bytes: int  # bytes allocated while it ran, outputs and scratch (CUDA: the most added at once)
+    live_bytes_after: int  # bytes the step holds once it ran and dead values were dropped
+    peak_bytes: int  # the most bytes the step held while it ran
+
+
+@dataclass
+class TensorProfile:
+    """One storage of the graph (see analysis.TensorInfo) with its inactive time."""
+
+    id: int
+    node: str
+    role: str
+    nbytes: int
+    created: int
+    last_forward_use: int | None
+    first_backward_use: int | None
+    last_use: int
+    persistent: bool
+    inactive_seconds: float | None  # activations: run time strictly between last forward and first backward use
+
+
+@dataclass
+class Profile:
+    """Everything measured and predicted about one captured iteration, saved as JSON."""
+
+    device: str
+    fingerprint: str  # graph_fingerprint() of the graph profiled
+    nodes: list[NodeProfile]
+    tensors: list[TensorProfile]
+    phase_bounds: dict[str, tuple[int, int]]  # phase -> [first rank, last rank + 1)
+    phase_seconds: dict[str, float]
+    iteration_seconds: float  # sum of the nodes' median times
+    persistent_by_role: dict[str, int]
+    persistent_bytes: int
+    simulated_peak_bytes: int
+    simulated_step_peak_bytes: int
+    peak_rank: int
+    peak_breakdown: dict[str, int]  # role -> bytes live at the simulated peak, persistent included
+    measured_step_peak_bytes: int
+    measured_peak_bytes: int  # persistent + measured step peak
+    timeline: dict[str, list[int]]  # role -> non-persistent bytes live during each rank (simulated)
+    warmup: int = 1
+    runs: int = 3
+    model: str | None = None
+    batch_size: int | None = None
+    optimizer: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def nodes_per_phase(self) -> dict[str, int]:
+        counts = {}
+        for phase in PHASES:
+            lo, hi = self.phase_bounds.get(phase, (0, 0))
+            counts[phase] = hi - lo
+        return counts
+
+    def activations(self) -> list[TensorProfile]:
+        return [t for t in self.tensors if t.role == Role.ACTIVATION.value]
+
+    @property
+    def num_activations(self) -> int:
+        return len(self.activations())
+
+    @property
+    def node_seconds(self) -> np.ndarray:
+        return np.array([n.seconds for n in self.nodes], dtype=np.float64)
+
+    def seconds_by_node(self) -> dict[str, float]:
+        """Node name -> median seconds: what the planners take."""
+        return {n.name: n.seconds for n in self.nodes}
+
+    def to_timeline(self) -> Timeline:
+        """The simulated timeline back from its stored per-role arrays."""
+        by_role = {r.value: np.asarray(self.timeline.get(r.value, [0] * self.num_nodes), dtype=np.int64) for r in ROLES}
+        during = np.sum(list(by_role.values()), axis=0) if by_role else np.zeros(0, dtype=np.int64)
+        return Timeline(
+            during=np.asarray(during, dtype=np.int64),
+            by_role=by_role,
+            persistent_by_role=dict(self.persistent_by_role),
+            persistent_bytes=self.persistent_bytes,
+        )
+
+    def check_graph(self, tg: TrainGraph) -> None:
+        """Refuse to use this profile for a graph other than the one it measured."""
+        fp = graph_fingerprint(tg)
+        if fp != self.fingerprint:
+            what = f" ({self.model}, batch {self.batch_size})" if self.model else ""
+            raise PlanError(
+                f"this profile{what} was measured on another graph (fingerprint {self.fingerprint[:12]}…, "
+                f"this graph {fp[:12]}…): the model, optimizer or batch shape differ. Profile this graph again."
+            )
+
+    # ------------------------------------------------------------------ JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Profile":
+        d = dict(d)
+        d.pop("format", None)
+        d.pop("version", None)
+        try:
+            d["nodes"] = [NodeProfile(**n) for n in d["nodes"]]
+            d["tensors"] = [TensorProfile(**t) for t in d["tensors"]]
+            d["phase_bounds"] = {k: (int(v[0]), int(v[1])) for k, v in d["phase_bounds"].items()}
+            return cls(**d)
+        except (KeyError, TypeError) as e:
+            raise PlanError(f"malformed remat profile: {e}") from None
+
+    def to_json(self, path: str | Path) -> Path:
+        return dump_document(path, PROFILE_FORMAT, PROFILE_VERSION, self.to_dict())
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "Profile":
+        doc = load_document(path, PROFILE_FORMAT, PROFILE_VERSION)
+        try:
+            return cls.from_dict(doc)
+        except PlanError as e:
+            raise PlanError(f"{path}: {e}") from None
+
+
+# ---------------------------------------------------------------------- graph identity
+
+
+def target_name(target: Any) -> str:
+    """The op as text: "aten.addmm.default" for aten ops, "operator.getitem" for Python ones."""
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    try:
+        return torch.fx.node._get_qualified_name(target)
+    except Exception:  # noqa: BLE001 - any callable still gets a name
+        return getattr(target, "__name__", repr(target))
+
+
+def graph_fingerprint(tg: TrainGraph) -> str:
+    """sha256 of the op sequence and the inputs' kinds, shapes and dtypes.
+
+    A saved profile or plan carries it, so that it is never applied to another graph.
+    """
+    h = hashlib.sha256()
+    for inp in tg.inputs:
+        h.update(f"input {inp.kind.value} {tuple(inp.shape)} {inp.dtype}\n".encode())
+    for node in tg.op_nodes():
+        h.update(f"op {target_name(node.target)}\n".encode())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------- the node loop
+
+
+@dataclass
+class _Step:
+    node: torch.fx.Node
+    free_after: list[torch.fx.Node]  # values whose last use is this node (codegen's `x = None`)
+
+
+def _schedule(gm: torch.fx.GraphModule) -> tuple[list[torch.fx.Node], list[_Step], torch.fx.Node]:
+    """Placeholders, the op steps with what each frees, and the output node.
+
+    Mirrors fx codegen: a value is dropped right after its last user, and a value no one
+    uses right after it is made.
+    """
+    nodes = list(gm.graph.nodes)
+    last_user: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in reversed(nodes):
+        for inp in node.all_input_nodes:
+            last_user.setdefault(inp, node)
+    frees: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for value, user in last_user.items():
+        frees.setdefault(user, []).append(value)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    output = next(n for n in nodes if n.op == "output")
+    steps: list[_Step] = []
+    for node in nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        free = list(frees.get(node, []))
+        if node not in last_user:  # no users: dropped at once
+            free.append(node)
+        steps.append(_Step(node, free))
+    return placeholders, steps, output
+
+
+class _NodeRunner:
+    """Runs the graph one node at a time; `hook(i, fn)` wraps the call of op node i."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        self.gm = gm
+        self.placeholders, self.steps, self.output = _schedule(gm)
+        self.op_index = {}
+        i = 0
+        for s in self.steps:
+            if s.node.op == "call_function":
+                self.op_index[s.node] = i
+                i += 1
+        self.num_ops = i
+
+    def run(self, inputs: list[torch.Tensor], hook: Callable[[int, Callable[[], Any]], Any]) -> None:
+        env: dict[torch.fx.Node, Any] = dict(zip(self.placeholders, inputs))
+        lookup = env.__getitem__
+        for s in self.steps:
+            node = s.node
+            if node.op == "call_function":
+                args = map_arg(node.args, lookup)
+                kwargs = map_arg(node.kwargs, lookup)
+                target = node.target
+                env[node] = hook(self.op_index[node], lambda: target(*args, **kwargs))
+                del args, kwargs
+            elif node.op == "get_attr":
+                obj: Any = self.gm
+                for part in str(node.target).split("."):
+                    obj = getattr(obj, part)
+                env[node] = obj
+            else:
+                raise RematError(f"cannot profile graph node {node.name} of kind {node.op!r}")
+            for dead in s.free_after:
+                env.pop(dead, None)
+        env.clear()
+
+
+def _time_run_cpu(runner: _NodeRunner, inputs: list[torch.Tensor]) -> np.ndarray:
+    times = np.zeros(runner.num_ops, dtype=np.float64)
+    clock = time.perf_counter
+
+    def hook(i: int, fn: Callable[[], Any]) -> Any:
+        t0 = clock()
+        out = fn()
+        times[i] = clock() - t0
+        return out
+
+    runner.run(inputs, hook)
+    return times
+
+
+def _time_run_cuda(runner: _NodeRunner, inputs: list[torch.Tensor], device: torch.device) -> np.ndarray:
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(runner.num_ops)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(runner.num_ops)]
+
+    def hook(i: int, fn: Callable[[], Any]) -> Any:
+        starts[i].record()
+        out = fn()
+        ends[i].record()
+        return out
+
+    torch.cuda.synchronize(device)
+    runner.run(inputs, hook)
+    torch.cuda.synchronize(device)
+    return np.array([s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)], dtype=np.float64)
+
+
+@dataclass
+class _NodeMemory:
+    allocated: np.ndarray
+    live_after: np.ndarray
+    peak: np.ndarray
+
+
+def _memory_run_cpu(runner: _NodeRunner, inputs: list[torch.Tensor]) -> _NodeMemory:
+    """One run under the profiler; each allocator event goes to the node last started.
+
+    Frees of values past their last use happen between one node's range and the next
+    one's start, so they count for the node that let them go.
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def hook(i: int, fn: Callable[[], Any]) -> Any:
+        with record_function(f"{_LABEL}{i}"):
+            return fn()
+
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_stdio():
+        prof.start()
+    try:
+        runner.run(inputs, hook)
+    finally:
+        with _quiet_stdio():
+            prof.stop()
+    n = runner.num_ops
+    begin = np.full(n, -1, dtype=np.int64)
+    for e in prof.profiler.kineto_results.events():
+        name = e.name()
+        if name.startswith(_LABEL):
+            begin[int(name[len(_LABEL):])] = e.start_ns()
+    if (begin < 0).any():
+        raise RematError("the profiler lost some node ranges; cannot attribute memory to nodes")
+    order = np.argsort(begin, kind="stable")
+    starts = begin[order].tolist()
+    allocated = np.zeros(n, dtype=np.int64)
+    live_after = np.zeros(n, dtype=np.int64)
+    peak = np.zeros(n, dtype=np.int64)
+    running = 0
+    current = -1  # position in `order` of the node whose events we are reading
+    for t, nbytes in cpu_memory_events(prof):
+        pos = bisect.bisect_right(starts, t) - 1
+        while current < pos:  # entering later nodes: they start from what is live now
+            current += 1
+            if current > 0:
+                live_after[order[current - 1]] = running
+            peak[order[current]] = running
+        running += nbytes
+        if current >= 0:
+            node = order[current]
+            if nbytes > 0:
+                allocated[node] += nbytes
+            peak[node] = max(peak[node], running)
+    while current < n - 1:
+        current += 1
+        if current > 0:
+            live_after[order[current - 1]] = running
+        peak[order[current]] = running
+    if n:
+        live_after[order[n - 1]] = running
+    return _NodeMemory(allocated, live_after, peak)
+
+
+def _memory_run_cuda(runner: _NodeRunner, inputs: list[torch.Tensor], device: torch.device) -> _NodeMemory:
+    n = runner.num_ops
+    allocated = np.zeros(n, dtype=np.int64)
+    live_after = np.zeros(n, dtype=np.int64)
+    peak = np.zeros(n, dtype=np.int64)
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    pending: list[int] = []  # the node whose frees are still to be counted
+
+    def hook(i: int, fn: Callable[[], Any]) -> Any:
+        if pending:
+            live_after[pending.pop()] = torch.cuda.memory_allocated(device) - base
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = fn()
+        top = torch.cuda.max_memory_allocated(device)
+        peak[i] = top - base
+        # The allocator keeps no event log here: the most the node added at once
+        # (outputs and scratch) stands for what it allocated.
+        allocated[i] = max(top - before, 0)
+        pending.append(i)
+        return out
+
+    runner.run(inputs, hook)
+    torch.cuda.synchronize(device)
+    if pending:
+        live_after[pending.pop()] = torch.cuda.memory_allocated(device) - base
+    return _NodeMemory(allocated, live_after, peak)
+
+
+# ---------------------------------------------------------------------- profile
+
+
+def _profiling_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: Any, batch: Any) -> list[torch.Tensor]:
+    """Clones of everything the step mutates (parameters, buffers, optimizer state); the batch as is."""
+    real = flat_inputs(tg, model, optimizer, batch)
+    out: list[torch.Tensor] = []
+    for inp, t in zip(tg.inputs, real):
+        if inp.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.OPTIMIZER_STATE):
+            out.append(t.detach().clone())
+        else:
+            out.append(t)
+    return out
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool, total: int, what: str) -> Iterator[Callable[[str], None]]:
+    """A progress bar on stderr; yields `advance(next_description)`."""
+    if not enabled:
+        yield lambda desc: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(file=sys.stderr)
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as bar:
+        task = bar.add_task(what, total=total)
+        yield lambda desc: bar.update(task, advance=1, description=desc)
+
+
+def _device_of(tg: TrainGraph, device: str | torch.device | None) -> torch.device:
+    dev = torch.device(device if device is not None else tg.device)
+    captured = torch.device(tg.device)
+    if dev.type != captured.type or (dev.index is not None and captured.index is not None and dev.index != captured.index):
+        raise RematError(
+            f"the graph was captured on {tg.device} but profiling was asked on {dev}; "
+            "move the model and batch there and capture again"
+        )
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type not in ("cpu", "cuda"):
+        raise RematError(f"cannot profile on {dev}: only cpu and cuda are supported")
+    return dev
+
+
+def profile(
+    tg: TrainGraph,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    batch: Any,
+    *,
+    warmup: int = 1,
+    runs: int = 3,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+    analysis: GraphAnalysis | None = None,
+) -> Profile:
+    """Profile the captured iteration on clones of the model's state.
+
+    Leaves `model`, `optimizer` and the global RNG (CPU and CUDA) exactly as it found them.
+    """
+    if runs < 1:
+        raise ValueError(f"runs must be at least 1, got {runs}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    dev = _device_of(tg, device)
+    is_cuda = dev.type == "cuda"
+    analysis = analysis if analysis is not None else analyze(tg)
+    runner = _NodeRunner(tg.gm)
+    if runner.num_ops != analysis.num_nodes:
+        raise RematError(f"graph has {runner.num_ops} op nodes but its analysis {analysis.num_nodes}; analyse this graph")
+
+    fork_devices = [dev.index] if is_cuda else []
+    with torch.random.fork_rng(devices=fork_devices), torch.no_grad():
+        inputs = _profiling_inputs(tg, model, optimizer, batch)
+        total = warmup + runs + 2
+        times: list[np.ndarray] = []
+        with _progress(progress, total, "warm-up" if warmup else "timing") as advance:
+            for i in range(warmup + runs):
+                t = _time_run_cuda(runner, inputs, dev) if is_cuda else _time_run_cpu(runner, inputs)
+                if i >= warmup:
+                    times.append(t)
+                advance("timing" if i + 1 < warmup + runs else "memory per node")
+            mem = _memory_run_cuda(runner, inputs, dev) if is_cuda else _memory_run_cpu(runner, inputs)
+            advance("measured peak")
+            measured = measure_peak(lambda: tg.gm(*inputs), dev)
+            del measured.result
+            advance("done")
+        del inputs
+
+    seconds = np.median(np.stack(times), axis=0) if times else np.zeros(runner.num_ops)
+    timeline = simulate(analysis, granularity=_CUDA_GRANULARITY if is_cuda else 1)
+    return _assemble(tg, analysis, timeline, seconds, mem, measured.peak_bytes, dev, warmup, runs)
+
+
+def _assemble(
+    tg: TrainGraph,
+    analysis: GraphAnalysis,
+    timeline: Timeline,
+    seconds: np.ndarray,
+    mem: _NodeMemory,
+    measured_step_peak: int,
+    dev: torch.device,
+    warmup: int,
+    runs: int,
+) -> Profile:
+    op_nodes = tg.op_nodes()
+    nodes = [
+        NodeProfile(
+            name=n.name,
+            target=target_name(n.target),
+            phase=tg.phase[n.name].value,
+            seconds=float(seconds[i]),
+            allocated_bytes=int(mem.allocated[i]),
+            live_bytes_after=int(mem.live_after[i]),
+            peak_bytes=int(mem.peak[i]),
+        )
+        for i, n in enumerate(op_nodes)
+    ]
+    cum = np.concatenate([[0.0], np.cumsum(seconds)])
+    tensors: list[TensorProfile] = []
+    for t in analysis.tensors:
+        inactive = None
+        if t.role is Role.ACTIVATION and t.last_forward_use is not None and t.first_backward_use is not None:
+            lo, hi = t.last_forward_use + 1, t.first_backward_use  # strictly between
+            inactive = float(cum[hi] - cum[lo]) if hi > lo else 0.0
+        tensors.append(
+            TensorProfile(
+                id=t.id,
+                node=t.node,
+                role=t.role.value,
+                nbytes=int(t.nbytes),
+                created=int(t.created),
+                last_forward_use=t.last_forward_use,
+                first_backward_use=t.first_backward_use,
+                last_use=int(t.last_use),
+                persistent=bool(t.persistent),
+                inactive_seconds=inactive,
+            )
+        )
+    phase_seconds = {p: 0.0 for p in PHASES}
+    for node in nodes:
+        phase_seconds[node.phase] += node.seconds
+    persistent_by_role = {r.value: int(timeline.persistent_by_role.get(r.value, 0)) for r in ROLES}
+    return Profile(
+        device=str(dev),
+        fingerprint=graph_fingerprint(tg),
+        nodes=nodes,
+        tensors=tensors,
+        phase_bounds={k: (int(v[0]), int(v[1])) for k, v in analysis.phase_bounds.items()},
+        phase_seconds=phase_seconds,
+        iteration_seconds=float(seconds.sum()),
+        persistent_by_role=persistent_by_role,
+        persistent_bytes=int(timeline.persistent_bytes),
+        simulated_peak_bytes=int(timeline.peak_bytes),
+        simulated_step_peak_bytes=int(timeline.step_peak_bytes),
+        peak_rank=int(timeline.peak_rank),
+        peak_breakdown={k: int(v) for k, v in timeline.breakdown_at_peak().items()},
+        measured_step_peak_bytes=int(measured_step_peak),
+        measured_peak_bytes=int(timeline.persistent_bytes + measured_step_peak),
+        timeline={k: [int(x) for x in v] for k, v in timeline.by_role.items()},
+        warmup=warmup,
+        runs=runs,
+        meta={
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "has_optimizer": tg.has_optimizer,
+        },
+    )
