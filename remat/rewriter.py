@@ -18,7 +18,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from remat.capture import Phase, TrainGraph
-from remat.schedule import GraphIndex, Schedule, copy_call
+from remat.schedule import ORIGINAL, GraphIndex, Schedule, copy_call
 
 RECOMPUTED_SUFFIX = "_recomputed"
 
@@ -35,7 +35,7 @@ def rewrite(index: GraphIndex, schedule: Schedule) -> Rewritten:
     old = tg.gm.graph
     graph = torch.fx.Graph()
     env: dict[str, torch.fx.Node] = {}  # original name -> emitted original
-    rebuilt: dict[str, torch.fx.Node] = {}  # original name -> emitted copy
+    rebuilt: dict[tuple[str, int], torch.fx.Node] = {}  # (original name, instance) -> emitted copy
     for node in old.nodes:
         if node.op in ("placeholder", "get_attr"):
             env[node.name] = graph.node_copy(node, lambda n: env[n.name])
@@ -43,7 +43,7 @@ def rewrite(index: GraphIndex, schedule: Schedule) -> Rewritten:
     copies: dict[str, str] = {}
     for step, reads in zip(schedule.steps, schedule.reads):
         node = index.node_map[step.node]
-        source = {a: (rebuilt[a] if from_copy else env[a]) for a, from_copy in reads}
+        source = {a: (env[a] if instance == ORIGINAL else rebuilt[(a, instance)]) for a, instance in reads}
 
         def arg(n: torch.fx.Node) -> torch.fx.Node:
             return source[n.name] if n.name in source else env[n.name]
@@ -58,13 +58,13 @@ def rewrite(index: GraphIndex, schedule: Schedule) -> Rewritten:
                 name=node.name + RECOMPUTED_SUFFIX,
             )
             new.meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
-            rebuilt[node.name] = new
+            rebuilt[(node.name, step.instance)] = new
             copies[new.name] = node.name
         else:
             env[node.name] = graph.node_copy(node, arg)
 
     output = next(n for n in old.nodes if n.op == "output")
-    out_source = {a: (rebuilt[a] if c else env[a]) for a, c in schedule.output_reads}
+    out_source = {a: env[a] for a, _ in schedule.output_reads}
     graph.output(torch.fx.map_arg(output.args[0], lambda n: out_source[n.name]))
     graph.lint()
     gm = torch.fx.GraphModule(tg.gm, graph)

@@ -8,8 +8,12 @@ Rules (DESIGN.md, "Correctness"):
   not a tensor, or lives only in kept activation storages. Anything else a later node
   reads is rebuilt: its forward op is copied, with its inputs rebuilt the same way,
   so the sources of a rebuild are always kept activations, parameters and inputs.
-- Copies go just before the first node that needs them and are shared by every later
-  reader (each value is rebuilt at most once).
+- Copies go in a *block* just before the first node after the forward pass that needs
+  them. A rebuilt activation that a later node reads (a *target*) lives until its last
+  reader, which all read that one copy; the intermediates a block needs only to rebuild
+  its targets die within the block, and a later block that needs them again rebuilds
+  them again (μ-TWO's cost model: a source of several recomputed tensors is recomputed
+  once for each). Within a block every value is rebuilt once and shared.
 - Forward ops whose only readers now read the copy are removed from the forward pass
   (if they are pure), so an activation used only in the backward pass is computed there.
 - Random ops are never copied. Mutating ops are copied only when everything they write
@@ -57,18 +61,25 @@ STATE_FREE_TWINS: dict[Any, Callable[[tuple, dict], tuple[Any, tuple, dict]]] = 
 _TWIN_READS = {aten.native_batch_norm.default: (0, 1, 2), aten._native_batch_norm_legit.default: (0, 1, 2)}
 
 
+ORIGINAL = -1  # the instance number of a value computed by its original node
+
+
 @dataclass(frozen=True)
 class Step:
     node: str  # the original node this step runs
-    copy: bool = False  # a rebuild placed in the backward pass
+    instance: int = ORIGINAL  # >= 0: a rebuild placed in the backward pass, numbered
+
+    @property
+    def copy(self) -> bool:
+        return self.instance != ORIGINAL
 
 
 @dataclass
 class Schedule:
     steps: list[Step]
-    reads: list[list[tuple[str, bool]]]  # per step: (node, from its copy?) for each value it reads
+    reads: list[list[tuple[str, int]]]  # per step: (node, instance) of each value it reads
     removed: list[str]  # forward nodes dropped because only rebuilt copies are read
-    output_reads: list[tuple[str, bool]]
+    output_reads: list[tuple[str, int]]
     dropped: frozenset[int]  # the storages the schedule was built for
 
     @property
@@ -116,6 +127,7 @@ class GraphIndex:
     activation: set[int] = field(default_factory=set)
     persistent: set[int] = field(default_factory=set)
     node_map: dict[str, torch.fx.Node] = field(default_factory=dict)
+    last_late_reader: dict[str, int] = field(default_factory=dict)  # forward value -> last rank after the forward that reads it
 
     @classmethod
     def build(cls, tg: TrainGraph, analysis: GraphAnalysis) -> "GraphIndex":
@@ -135,12 +147,19 @@ class GraphIndex:
             for s in writes[n]:
                 written_by.setdefault(s, []).append(r)
         output = next(n for n in nodes if n.op == "output")
+        rank = {n: i for i, n in enumerate(order)}
+        forward = {n for n in order if tg.phase[n] is Phase.FORWARD}
+        last_late: dict[str, int] = {}
+        for n in forward:
+            late = [rank[u] for u in users[n] if u not in forward]
+            if late:
+                last_late[n] = max(late)
         return cls(
             tg=tg,
             analysis=analysis,
             order=order,
-            rank={n: i for i, n in enumerate(order)},
-            forward={n for n in order if tg.phase[n] is Phase.FORWARD},
+            rank=rank,
+            forward=forward,
             inputs=inputs,
             users=users,
             storages=analysis.node_storages,
@@ -151,6 +170,7 @@ class GraphIndex:
             activation={t.id for t in analysis.tensors if t.is_activation},
             persistent={t.id for t in analysis.tensors if t.persistent},
             node_map={n.name: n for n in nodes},
+            last_late_reader=last_late,
         )
 
     def available(self, name: str, dropped: frozenset[int] | set[int]) -> bool:
@@ -223,6 +243,12 @@ class GraphIndex:
             return "not an activation"
         if any(sid in self.storages.get(a, []) for a in self.output_inputs):
             return "a graph output"
+        writers = [self.order[w] for w in self.written_by.get(sid, [])]
+        random = [n for n in [self.analysis.tensors[sid].node, *writers] if n in self.random]
+        if random:
+            return f"made by a random op ({random[0]}): its value must be kept, never recomputed"
+        if writers:
+            return f"written in place after it is made (by {writers[0]})"
         dropped = frozenset([sid])
         readers = self.backward_readers(sid)
         first = min((self.rank[u] for a in readers for u in self.users[a] if u not in self.forward), default=len(self.order))
@@ -251,30 +277,56 @@ def build_schedule(index: GraphIndex, dropped: set[int] | frozenset[int]) -> Sch
     rest = [n for n in index.order if n not in index.forward]
 
     tail_steps: list[Step] = []
-    tail_reads: list[list[tuple[str, bool]]] = []
-    copied: set[str] = set()
+    tail_reads: list[list[tuple[str, int]]] = []
+    target: dict[str, int] = {}  # value -> instance of its rebuilt copy that later readers share
+    next_instance = 0
     for u in rest:
-        needed = [a for a in index.inputs[u] if not index.available(a, dropped)]
+        r_u = index.rank[u]
+        block: dict[str, int] = {}
+
+        def resolve(a: str) -> int | None:
+            """Which instance of `a` node u's block can read; None: it must be rebuilt here."""
+            if index.available(a, dropped):
+                return ORIGINAL
+            if a in block:
+                return block[a]
+            if a in target and r_u <= index.last_late_reader[a]:
+                return target[a]  # still alive: its last reader is u or later
+            return None
+
+        needed = [a for a in index.inputs[u] if resolve(a) is None]
         if needed:
-            for c in index.closure(needed, dropped, copied):
-                why = index.check_copy(c, copied, dropped, index.rank[u])
+            todo, seen = list(needed), set()
+            while todo:
+                n = todo.pop()
+                if n in seen:
+                    continue
+                seen.add(n)
+                todo.extend(a for a in index.reads_of_copy(n) if a not in seen and resolve(a) is None)
+            for c in sorted(seen, key=index.rank.__getitem__):
+                why = index.check_copy(c, block, dropped, r_u)
                 if why is not None:
                     raise PlanError(f"cannot recompute what {u} needs: {why}")
-                copied.add(c)
-                tail_steps.append(Step(c, copy=True))
-                tail_reads.append([(a, a in copied and not index.available(a, dropped)) for a in index.reads_of_copy(c)])
+                reads = [(a, resolve(a)) for a in index.reads_of_copy(c)]
+                block[c] = next_instance
+                tail_steps.append(Step(c, next_instance))
+                tail_reads.append(reads)  # type: ignore[arg-type]
+                next_instance += 1
+            for a in needed:
+                target[a] = block[a]
         tail_steps.append(Step(u))
-        tail_reads.append([(a, not index.available(a, dropped)) for a in index.inputs[u]])
-    output_reads = [(a, not index.available(a, dropped)) for a in index.output_inputs]
-    if any(c for _, c in output_reads):
+        tail_reads.append([(a, resolve(a)) for a in index.inputs[u]])  # type: ignore[misc]
+    output_reads = [(a, ORIGINAL) for a in index.output_inputs]
+    if any(not index.available(a, dropped) for a in index.output_inputs):
         raise PlanError("a graph output cannot be recomputed")
 
     # Forward nodes that nothing reads any more (their readers now read copies) and that
     # have no side effect are removed: the value is then computed in the backward only.
+    copied = {s.node for s in tail_steps if s.copy}
     readers: dict[str, int] = {n: 0 for n in forward}
     for reads in tail_reads:
-        for a, is_copy in reads:
-            if not is_copy and a in readers:
+        for a, instance in reads:
+            if instance == ORIGINAL and a in readers:
                 readers[a] += 1
     for a, _ in output_reads:
         if a in readers:
@@ -291,41 +343,53 @@ def build_schedule(index: GraphIndex, dropped: set[int] | frozenset[int]) -> Sch
                 if a in readers:
                     readers[a] -= 1
     steps = [Step(n) for n in forward if n not in removed] + tail_steps
-    reads = [[(a, False) for a in index.inputs[n]] for n in forward if n not in removed] + tail_reads
+    reads = [[(a, ORIGINAL) for a in index.inputs[n]] for n in forward if n not in removed] + tail_reads
     return Schedule(steps=steps, reads=reads, removed=sorted(removed, key=index.rank.__getitem__), output_reads=output_reads, dropped=dropped)
 
 
 def simulate_schedule(index: GraphIndex, schedule: Schedule, granularity: int = 1) -> Timeline:
     """The memory timeline of running `schedule` (see simulator.py for the conventions)."""
     tensors = index.analysis.tensors
-    n_storages = len(tensors)
     n_steps = len(schedule.steps)
     start: dict[int, int] = {}
     end: dict[int, int] = {}
-    # Storage keys: an original storage keeps its id; a copy's fresh storage is id + N.
-    # A view or in-place result shares the key of the input it aliases *as read in this
-    # step*, so a backward view of a rebuilt value lives in the rebuilt storage.
-    value_keys: dict[tuple[str, bool], list[int]] = {}
+    size: dict[int, int] = {}
+    role: dict[int, str] = {}
+    # An original storage is keyed by its id; each rebuilt instance's fresh storage gets a
+    # new key. A view or in-place result shares the key of the input it aliases *as read
+    # in this step*, so a backward view of a rebuilt value lives in the rebuilt storage.
+    value_keys: dict[tuple[str, int], list[int]] = {}
+    next_key = len(tensors)
 
-    def keys(node: str, is_copy: bool) -> list[int]:
-        found = value_keys.get((node, is_copy))
+    def keys(node: str, instance: int) -> list[int]:
+        found = value_keys.get((node, instance))
         return found if found is not None else list(index.storages.get(node, []))
 
     for i, (step, reads) in enumerate(zip(schedule.steps, schedule.reads)):
         inherited: dict[int, int] = {}
-        for a, is_copy in reads:
-            for s, k in zip(index.storages.get(a, []), keys(a, is_copy)):
+        for a, instance in reads:
+            for s, k in zip(index.storages.get(a, []), keys(a, instance)):
                 inherited[s] = k
                 if k in start:
                     end[k] = i
-        own = [inherited.get(s, s + n_storages if step.copy else s) for s in index.storages.get(step.node, [])]
-        value_keys[(step.node, step.copy)] = own
-        for k in own:
-            if k >= n_storages or k not in index.persistent:
-                start.setdefault(k, i)
+        own: list[int] = []
+        for s in index.storages.get(step.node, []):
+            k = inherited.get(s)
+            if k is None:
+                if step.copy:
+                    k, next_key = next_key, next_key + 1
+                else:
+                    k = s
+            own.append(k)
+            if k not in start and (k >= len(tensors) or k not in index.persistent):
+                start[k] = i
+                size[k] = round_up(tensors[s].nbytes, granularity)
+                role[k] = tensors[s].role.value
+            if k in start:
                 end[k] = max(end.get(k, i), i)
-    for a, is_copy in schedule.output_reads:
-        for k in keys(a, is_copy):
+        value_keys[(step.node, step.instance)] = own
+    for a, instance in schedule.output_reads:
+        for k in keys(a, instance):
             if k in start:
                 end[k] = n_steps
     ks = sorted(start)
@@ -335,10 +399,10 @@ def simulate_schedule(index: GraphIndex, schedule: Schedule, granularity: int = 
             persistent[t.role.value] = persistent.get(t.role.value, 0) + round_up(t.nbytes, granularity)
     return simulate_intervals(
         n_steps,
-        np.array([round_up(tensors[k % n_storages].nbytes, granularity) for k in ks], dtype=np.int64),
+        np.array([size[k] for k in ks], dtype=np.int64),
         np.array([start[k] for k in ks], dtype=np.int64),
         np.array([end[k] for k in ks], dtype=np.int64),
-        [tensors[k % n_storages].role.value for k in ks],
+        [role[k] for k in ks],
         persistent,
     )
 
