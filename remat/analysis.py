@@ -195,6 +195,18 @@ def analyze(tg: TrainGraph, gm: torch.fx.GraphModule | None = None, phase: dict[
         tensors[sid].last_use = end
 
     grad_storages = {sid for name in tg.grad_nodes.values() if name in node_storages for sid in node_storages[name]}
+    # A tied weight's gradient is the sum of partial gradients (one per use): those are
+    # gradients too, not temporaries, though they live long before the sum is made.
+    by_name = {n.name: n for n in op_nodes}
+    todo = [by_name[n] for n in tg.grad_nodes.values() if n in by_name]
+    while todo:
+        node = todo.pop()
+        if node.target not in (torch.ops.aten.add.Tensor, torch.ops.aten.detach.default):
+            continue
+        for arg in node.all_input_nodes:
+            if arg.name in by_name and phase[arg.name] is Phase.BACKWARD:
+                grad_storages.update(node_storages[arg.name])
+                todo.append(by_name[arg.name])
     loss_storages = set(node_storages.get(tg.loss_node, []))
     for t in tensors:
         if t.persistent:
