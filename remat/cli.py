@@ -219,8 +219,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- registry and main
 
 
+def configure_run(p: argparse.ArgumentParser) -> None:
+    from remat.cli_run import configure_run as configure
+
+    configure(p)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from remat.cli_run import cmd_run as run
+
+    return run(args)
+
+
 COMMANDS: list[Command] = [
     Command("profile", "capture one training iteration, profile it and show where the memory goes", configure_profile, cmd_profile),
+    Command("run", "train with the rewritten graph; check it against eager and measure it", configure_run, cmd_run),
     Command("demo", "profile two small models quickly and show the outputs", configure_demo, cmd_demo),
 ]
 

@@ -127,6 +127,15 @@ class Profile:
         """Node name -> median seconds: what the planners take."""
         return {n.name: n.seconds for n in self.nodes}
 
+    def scratch_by_node(self) -> dict[str, int]:
+        """Bytes each node held beyond what the simulator sees: its kernel's scratch.
+
+        The measured peak while a node ran, less the simulated bytes live during it; the
+        simulator adds these back so that predictions include oneDNN/cuDNN workspaces.
+        """
+        during = self.to_timeline().during
+        return {n.name: max(0, int(n.peak_bytes) - int(during[i])) for i, n in enumerate(self.nodes) if n.peak_bytes > during[i]}
+
     def to_timeline(self) -> Timeline:
         """The simulated timeline back from its stored per-role arrays."""
         by_role = {r.value: np.asarray(self.timeline.get(r.value, [0] * self.num_nodes), dtype=np.int64) for r in ROLES}

@@ -92,12 +92,23 @@ def _is_random(node: torch.fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 
 
+# Ops that write some inputs in place without saying so in their schema: argument positions.
+# native_batch_norm updates running_mean / running_var in training mode.
+_UNDECLARED_WRITES: dict[Any, tuple[int, ...]] = {
+    aten.native_batch_norm.default: (3, 4),
+    aten.cudnn_batch_norm.default: (3, 4),
+    aten.miopen_batch_norm.default: (3, 4),
+}
+
+
 def _written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The input nodes whose storage this op writes in place (schema `Tensor(a!)`)."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return []
-    out: list[torch.fx.Node] = []
+    out: list[torch.fx.Node] = [
+        node.args[i] for i in _UNDECLARED_WRITES.get(target, ()) if i < len(node.args) and isinstance(node.args[i], torch.fx.Node)
+    ]
     for i, arg in enumerate(target._schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
@@ -128,6 +139,9 @@ class GraphIndex:
     persistent: set[int] = field(default_factory=set)
     node_map: dict[str, torch.fx.Node] = field(default_factory=dict)
     last_late_reader: dict[str, int] = field(default_factory=dict)  # forward value -> last rank after the forward that reads it
+    # Measured kernel scratch per node (Profile.scratch_by_node()), set by whoever has a
+    # profile: the plan simulator then predicts what the allocator will see.
+    scratch: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def build(cls, tg: TrainGraph, analysis: GraphAnalysis) -> "GraphIndex":
@@ -404,6 +418,7 @@ def simulate_schedule(index: GraphIndex, schedule: Schedule, granularity: int = 
         np.array([end[k] for k in ks], dtype=np.int64),
         [role[k] for k in ks],
         persistent,
+        np.array([index.scratch.get(s.node, 0) for s in schedule.steps], dtype=np.int64) if index.scratch else None,
     )
 
 

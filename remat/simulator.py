@@ -59,8 +59,12 @@ def simulate_intervals(
     end: np.ndarray,
     roles: list[str],
     persistent_by_role: dict[str, int],
+    scratch: np.ndarray | None = None,
 ) -> Timeline:
-    """Timeline of storages each live over steps [start, end] (inclusive, clipped to the order)."""
+    """Timeline of storages each live over steps [start, end] (inclusive, clipped to the order).
+
+    `scratch[r]`: bytes step r's kernel holds only while it runs (counted as "other").
+    """
     during = np.zeros(n_steps, dtype=np.int64)
     by_role: dict[str, np.ndarray] = {}
     roles_arr = np.asarray(roles)
@@ -73,6 +77,8 @@ def simulate_intervals(
             np.add.at(diff, start[mask], nbytes[mask])
             np.add.at(diff, end[mask] + 1, -nbytes[mask])
         arr = np.cumsum(diff[:-1])
+        if role is Role.OTHER and scratch is not None:
+            arr = arr + scratch.astype(np.int64)
         by_role[role.value] = arr
         during += arr
     return Timeline(
@@ -83,10 +89,11 @@ def simulate_intervals(
     )
 
 
-def simulate(analysis: GraphAnalysis, granularity: int = 1) -> Timeline:
+def simulate(analysis: GraphAnalysis, granularity: int = 1, scratch: dict[str, int] | None = None) -> Timeline:
     """The timeline of the graph as analysed, in its own order (no recomputation).
 
-    `granularity` rounds each storage up as the allocator does (512 bytes on CUDA).
+    `granularity` rounds each storage up as the allocator does (512 bytes on CUDA);
+    `scratch` adds each node's measured kernel scratch (Profile.scratch_by_node()).
     """
     transient = [t for t in analysis.tensors if not t.persistent]
     persistent: dict[str, int] = {}
@@ -100,6 +107,7 @@ def simulate(analysis: GraphAnalysis, granularity: int = 1) -> Timeline:
         np.array([t.last_use for t in transient], dtype=np.int64),
         [t.role.value for t in transient],
         persistent,
+        np.array([scratch.get(n, 0) for n in analysis.node_names], dtype=np.int64) if scratch else None,
     )
 
 

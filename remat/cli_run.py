@@ -1,0 +1,190 @@
+"""`remat run`: train with the rewritten graph, check it against eager, measure it.
+
+Everything is measured in one process: eager and remat each train their own identical
+copy of the model, their peaks come from the same allocator tracker, and their times are
+taken alternately (DESIGN.md, "Measuring time").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+GiB = 2**30
+
+
+def configure_run(p: argparse.ArgumentParser) -> None:
+    from remat.models import MODEL_NAMES, OPTIMIZER_NAMES
+    from remat.planners import PLANNERS
+
+    p.add_argument("--model", required=True, metavar="NAME", help=f"one of: {', '.join(MODEL_NAMES)}")
+    p.add_argument("--batch-size", type=int, required=True, metavar="B")
+    p.add_argument(
+        "--budget",
+        required=True,
+        metavar="X",
+        help='fraction of the activation peak (e.g. 0.5), an absolute cap ("6GiB", bytes), or "none" for no recomputation',
+    )
+    p.add_argument("--planner", default="mutwo", help=f"one of: {', '.join(PLANNERS)} (default: mutwo)")
+    p.add_argument("--optimizer", default="sgd", metavar="NAME", help=f"one of: {', '.join(OPTIMIZER_NAMES)} (default: sgd)")
+    p.add_argument("--steps", type=int, default=3, metavar="N", help="training steps to run after the measurements (default: 3)")
+    p.add_argument("--pairs", type=int, default=5, metavar="K", help="alternating eager/remat timing pairs (default: 5)")
+    p.add_argument("--check", action="store_true", help="first compare 3 steps bitwise against eager PyTorch")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout; progress goes to stderr")
+
+
+def _budget_arg(text: str) -> Any:
+    return None if text.strip().lower() == "none" else text
+
+
+def run_one(
+    model: str,
+    batch_size: int,
+    budget: Any,
+    *,
+    planner: str = "mutwo",
+    optimizer: str = "sgd",
+    steps: int = 3,
+    pairs: int = 5,
+    check: bool = False,
+    device: str = "cpu",
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Compile, optionally check, measure and time one configuration; the `--json` object."""
+    import torch
+
+    import remat
+    from remat.check import check_against_eager, time_alternating, twin
+    from remat.cli import UsageError, _check_device, _positive
+    from remat.memory import measure_peak
+    from remat.models import MODEL_NAMES, OPTIMIZER_NAMES, build_model, make_optimizer, make_train_step
+
+    if model not in MODEL_NAMES:
+        raise UsageError(f"unknown model {model!r}; available models: {', '.join(MODEL_NAMES)}")
+    if optimizer not in OPTIMIZER_NAMES:
+        raise UsageError(f"unknown optimizer {optimizer!r}; available optimizers: {', '.join(OPTIMIZER_NAMES)}")
+    _positive(batch_size, "batch size")
+    _positive(pairs, "--pairs")
+    if steps < 0:
+        raise UsageError(f"--steps must be 0 or more, got {steps}")
+    _check_device(device)
+
+    def say(msg: str) -> None:
+        if progress:
+            print(msg, file=sys.stderr, flush=True)
+
+    spec = build_model(model, batch_size, seed=seed, device=device)
+    opt = make_optimizer(optimizer, spec.model.parameters())
+    # Gradients stay set after each step so that --check compares them too.
+    train_step = make_train_step(spec.loss_fn, zero_grad_first=True)
+    eager_model, eager_opt = twin(spec.model, opt)
+
+    t0 = time.perf_counter()
+    say(f"compiling {model} (batch {batch_size}, budget {budget}, planner {planner}) ...")
+    step = remat.compile(train_step, spec.model, opt, spec.batch, memory_budget=budget, planner=planner, progress=progress)
+    report = step.report
+    say(
+        f"compiled in {time.perf_counter() - t0:.1f} s: {report.num_recomputed} activations recomputed, "
+        f"predicted peak {report.predicted_peak_bytes / GiB:.3f} GiB (no recomputation: {report.baseline_peak_bytes / GiB:.3f} GiB)"
+    )
+
+    grads_match: bool | None = None
+    mismatches: list[str] = []
+    if check:
+        say("checking 3 steps against eager PyTorch ...")
+        result = check_against_eager(train_step, eager_model, eager_opt, spec.model, opt, step, spec.batch, steps=3, seed=seed)
+        grads_match, mismatches = result.match, result.mismatches
+        say(result.summary())
+    else:
+        step(spec.batch)  # the first step of a shape measures its peak
+        train_step(eager_model, eager_opt, spec.batch)
+
+    persistent = report.persistent_bytes
+    eager_peak = persistent + measure_peak(lambda: train_step(eager_model, eager_opt, spec.batch), device).peak_bytes
+    # The captured graph without recomputation, run on the eager copy: the baseline remat starts from.
+    from remat.capture import flat_inputs, run_captured
+
+    tg = step.compiled_for(spec.batch).tg
+    base_inputs = flat_inputs(tg, eager_model, eager_opt, spec.batch)
+    baseline_measured = persistent + measure_peak(lambda: run_captured(tg, tg.gm, eager_model, base_inputs), device).peak_bytes
+
+    say(f"timing eager vs remat, {pairs} alternating pairs ...")
+    timing = time_alternating(
+        lambda: train_step(eager_model, eager_opt, spec.batch), lambda: step(spec.batch), pairs=pairs, device=device
+    )
+    losses = []
+    for i in range(steps):
+        losses.append(float(step(spec.batch)))
+        say(f"step {i + 1}/{steps}: loss {losses[-1]:.6f}")
+
+    plan = report.plan
+    predicted_overhead = plan.predicted_overhead_seconds if plan else 0.0
+    base_iter = report.profile.iteration_seconds
+    return {
+        "model": model,
+        "batch_size": batch_size,
+        "optimizer": optimizer,
+        "device": device,
+        "planner": planner if plan else None,
+        "budget": budget,
+        "budget_bytes": report.budget_bytes,
+        "persistent_bytes": persistent,
+        "eager_peak_bytes": eager_peak,
+        "baseline_peak_bytes": baseline_measured,
+        "baseline_peak_bytes_predicted": report.baseline_peak_bytes,
+        "predicted_peak_bytes": report.predicted_peak_bytes,
+        "peak_bytes_measured": report.measured_peak_bytes,
+        "eager_activation_peak_bytes": eager_peak - persistent,
+        "activation_peak_bytes_measured": (report.measured_peak_bytes or 0) - persistent,
+        "eager_iteration_seconds": timing.a_seconds,
+        "iteration_seconds": timing.b_seconds,
+        "overhead_ratio": timing.ratio,
+        "overhead_ratio_spread": list(timing.ratio_spread),
+        "timing_pairs": timing.pairs,
+        "predicted_overhead_ratio": (base_iter + predicted_overhead) / base_iter if base_iter else None,
+        "predicted_overhead_seconds": predicted_overhead,
+        "num_recomputed": report.num_recomputed,
+        "recompute_ops": report.copies,
+        "grads_match": grads_match,
+        "mismatches": mismatches[:20],
+        "compile_seconds": report.compile_seconds,
+        "losses": losses,
+        "torch": torch.__version__,
+    }
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from remat.report import console_for
+
+    result = run_one(
+        args.model,
+        args.batch_size,
+        _budget_arg(args.budget),
+        planner=args.planner,
+        optimizer=args.optimizer,
+        steps=args.steps,
+        pairs=args.pairs,
+        check=args.check,
+        device=args.device,
+        seed=args.seed,
+    )
+    if args.json:
+        print(json.dumps(result))
+    else:
+        console = console_for(sys.stdout)
+        mib = 2**20
+        console.print(
+            f"{result['model']} batch {result['batch_size']}: peak eager {result['eager_peak_bytes'] / mib:.1f} MiB, "
+            f"remat {result['peak_bytes_measured'] / mib:.1f} MiB measured / {result['predicted_peak_bytes'] / mib:.1f} MiB predicted; "
+            f"time ratio remat/eager {result['overhead_ratio']:.3f} "
+            f"(spread {result['overhead_ratio_spread'][0]:.3f}-{result['overhead_ratio_spread'][1]:.3f}); "
+            f"{result['num_recomputed']} activations recomputed"
+            + ("" if result["grads_match"] is None else f"; bitwise equal to eager: {result['grads_match']}")
+        )
+    return 0 if result["grads_match"] is not False else 1

@@ -1,0 +1,269 @@
+"""`remat.compile`: the user's training step, captured, planned, rewritten and run.
+
+One compiled graph per batch shape (captured and planned the first time that shape is
+seen); a batch of another structure, dtype or device is an error, never a silent
+re-trace that trains something else.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from remat.analysis import analyze
+from remat.budget import parse_budget
+from remat.capture import (
+    InputKind,
+    TrainGraph,
+    TrainStep,
+    batch_leaf_names,
+    capture,
+    flat_inputs,
+    run_captured,
+)
+from remat.errors import CaptureError, RematError
+from remat.memory import measure_peak
+from remat.plan import Plan
+from remat.planners import make_plan
+from remat.profiler import Profile, profile
+from remat.rewriter import rewrite
+from remat.schedule import GraphIndex, build_schedule, simulate_schedule
+from remat.simulator import simulate
+
+
+@dataclass
+class StepReport:
+    """What remat decided for one batch shape, and what it measured."""
+
+    profile: Profile
+    plan: Plan | None  # None: no recomputation (memory_budget=None)
+    budget_bytes: int | None
+    baseline_peak_bytes: int  # simulated, captured graph without recomputation
+    predicted_peak_bytes: int  # simulated, rewritten graph
+    persistent_bytes: int
+    measured_peak_bytes: int | None = None  # persistent + the allocator's peak of a real step
+    num_recomputed: int = 0
+    compile_seconds: float = 0.0
+    copies: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "budget_bytes": self.budget_bytes,
+            "baseline_peak_bytes": self.baseline_peak_bytes,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "measured_peak_bytes": self.measured_peak_bytes,
+            "persistent_bytes": self.persistent_bytes,
+            "num_recomputed": self.num_recomputed,
+            "recompute_ops": self.copies,
+            "compile_seconds": self.compile_seconds,
+            "planner": self.plan.planner if self.plan else None,
+            "predicted_overhead_seconds": self.plan.predicted_overhead_seconds if self.plan else 0.0,
+        }
+
+
+@dataclass
+class CompiledGraph:
+    tg: TrainGraph
+    gm: torch.fx.GraphModule
+    report: StepReport
+    written_buffers: list[int]  # placeholder positions of buffers the step writes in place
+    measured: bool = False
+
+
+def _signature(batch: Any) -> tuple[str, tuple[tuple[tuple[int, ...], torch.dtype, str], ...]]:
+    leaves, spec = pytree.tree_flatten(batch)
+    sig = tuple(
+        (tuple(leaf.shape), leaf.dtype, str(leaf.device)) if isinstance(leaf, torch.Tensor) else ((), type(leaf), "")
+        for leaf in leaves
+    )
+    return str(spec), sig
+
+
+@dataclass
+class RematStep:
+    """A training step that runs the rewritten graph. Call it with a batch: `loss = step(batch)`."""
+
+    train_step: TrainStep
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    memory_budget: str | int | float | None
+    planner: str = "mutwo"
+    profile_runs: int = 3
+    measure: bool = True  # measure the allocator's peak on the first step of each shape
+    progress: bool = False
+    _graphs: dict[Any, CompiledGraph] = field(default_factory=dict)
+    _structure: str | None = None
+    _last: CompiledGraph | None = None
+
+    def __post_init__(self) -> None:
+        # Parse now: a bad budget is an error at compile time, not at the first step.
+        self._budget = parse_budget(self.memory_budget) if self.memory_budget is not None else None
+
+    @property
+    def report(self) -> StepReport:
+        if self._last is None:
+            raise RematError("nothing compiled yet: call the step with a batch first")
+        return self._last.report
+
+    @property
+    def graph_module(self) -> torch.fx.GraphModule:
+        if self._last is None:
+            raise RematError("nothing compiled yet: call the step with a batch first")
+        return self._last.gm
+
+    def compiled_for(self, batch: Any) -> CompiledGraph:
+        """The compiled graph for this batch's shape, compiling it if it is new."""
+        structure, sig = _signature(batch)
+        if self._structure is not None and structure != self._structure:
+            raise CaptureError(
+                f"this step was compiled for batches structured as {self._structure}, got {structure}; "
+                "compile another step for another batch structure"
+            )
+        cached = self._graphs.get(sig)
+        if cached is not None:
+            return cached
+        if self._graphs:
+            self._check_dtype_device(batch, next(iter(self._graphs.values())).tg)
+        compiled = self._compile(batch)
+        self._structure = structure
+        self._graphs[sig] = compiled
+        return compiled
+
+    def _check_dtype_device(self, batch: Any, tg: TrainGraph) -> None:
+        leaves = pytree.tree_leaves(batch)
+        for name, leaf, (_, dtype, device) in zip(batch_leaf_names(batch), leaves, tg.batch_signature()):
+            if not isinstance(leaf, torch.Tensor):
+                raise CaptureError(f"{name} is a {type(leaf).__name__}, not a tensor")
+            got_dtype = str(leaf.dtype).replace("torch.", "")
+            if got_dtype != dtype or str(leaf.device) != device:
+                raise CaptureError(
+                    f"{name} is {got_dtype} on {leaf.device}, but the step was compiled for {dtype} on {device}; "
+                    "convert the batch (e.g. .to(device, dtype)) or compile a new step"
+                )
+
+    def _compile(self, batch: Any) -> CompiledGraph:
+        start = time.perf_counter()
+        tg = capture(self.train_step, self.model, self.optimizer, batch)
+        analysis = analyze(tg)
+        prof = profile(tg, self.model, self.optimizer, batch, runs=self.profile_runs, progress=self.progress)
+        index = GraphIndex.build(tg, analysis)
+        index.scratch = prof.scratch_by_node()
+        baseline = simulate(analysis, scratch=index.scratch)
+        plan: Plan | None = None
+        budget_bytes: int | None = None
+        if self._budget is None:
+            gm = tg.gm
+            predicted = baseline.peak_bytes
+        else:
+            budget_bytes = self._budget.to_bytes(baseline.persistent_bytes, baseline.step_peak_bytes)
+            node_seconds = {n.name: n.seconds for n in prof.nodes}
+            plan = make_plan(self.planner, index, node_seconds, budget_bytes)
+            schedule = build_schedule(index, plan.dropped(index))
+            predicted = simulate_schedule(index, schedule).peak_bytes
+            gm = rewrite(index, schedule).gm if schedule.copies else tg.gm
+        report = StepReport(
+            profile=prof,
+            plan=plan,
+            budget_bytes=budget_bytes,
+            baseline_peak_bytes=baseline.peak_bytes,
+            predicted_peak_bytes=predicted,
+            persistent_bytes=baseline.persistent_bytes,
+            num_recomputed=plan.num_recomputed if plan else 0,
+            copies=sum(1 for n in gm.graph.nodes if n.name.endswith("_recomputed")),
+            compile_seconds=time.perf_counter() - start,
+        )
+        placeholders = [n.name for n in tg.gm.graph.nodes if n.op == "placeholder"]
+        written = {s for n in index.order for s in index.writes[n]}
+        written_buffers = [
+            i
+            for i, (name, spec) in enumerate(zip(placeholders, tg.inputs))
+            if spec.kind is InputKind.BUFFER and set(analysis.node_storages[name]) & written
+        ]
+        return CompiledGraph(tg=tg, gm=gm, report=report, written_buffers=written_buffers)
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        compiled = self.compiled_for(batch)
+        self._last = compiled
+        inputs = flat_inputs(compiled.tg, self.model, self.optimizer, batch)
+        if self.measure and not compiled.measured:
+            measured = measure_peak(lambda: self._run(compiled, inputs), compiled.tg.device)
+            compiled.report.measured_peak_bytes = compiled.report.persistent_bytes + measured.peak_bytes
+            compiled.measured = True
+            return measured.result
+        return self._run(compiled, inputs)
+
+    def _run(self, compiled: CompiledGraph, inputs: list[torch.Tensor]) -> torch.Tensor:
+        """One step; on failure, put back the state the step had changed (see `_Undo`)."""
+        undo = _Undo(compiled, inputs)
+        try:
+            return run_captured(compiled.tg, compiled.gm, self.model, inputs)
+        except Exception as e:
+            undo.restore(e)
+            raise
+
+
+class _Undo:
+    """Restores a failed step's in-place changes to persistent state.
+
+    The forward pass writes buffers (BatchNorm running statistics) in place: those are
+    small and copied before each step. Parameters and optimizer state change only in the
+    optimizer phase, the last part of the step; version counters tell whether a failure
+    came after some of them had changed, which cannot be undone without a second copy of
+    all of them, and the error then says so.
+    """
+
+    def __init__(self, compiled: CompiledGraph, inputs: list[torch.Tensor]) -> None:
+        self.buffers = [(inputs[i], inputs[i].detach().clone()) for i in compiled.written_buffers]
+        self.watched = [
+            (spec.name, t, t._version)
+            for spec, t in zip(compiled.tg.inputs, inputs)
+            if spec.kind in (InputKind.PARAMETER, InputKind.OPTIMIZER_STATE)
+        ]
+
+    def restore(self, error: Exception) -> None:
+        with torch.no_grad():
+            for t, saved in self.buffers:
+                t.copy_(saved)
+        changed = [name for name, t, version in self.watched if t._version != version]
+        if changed:
+            error.add_note(
+                f"remat: the step failed during the optimizer update; {len(changed)} parameters or optimizer "
+                f"states (first: {changed[0]}) were already updated and are not restored"
+            )
+
+
+def compile(  # noqa: A001 - the public name mirrors torch.compile
+    train_step: TrainStep,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    example_batch: Any,
+    memory_budget: str | int | float | None = None,
+    planner: str = "mutwo",
+    *,
+    profile_runs: int = 3,
+    measure: bool = True,
+    progress: bool = False,
+) -> RematStep:
+    """Compile `train_step(model, optimizer, batch) -> loss` into a step that fits `memory_budget`.
+
+    `memory_budget`: a fraction in (0, 1] of the activation peak without recomputation,
+    an absolute cap on the whole peak (bytes, or "6GiB"), or None for no recomputation.
+    The example batch is compiled right away, so errors surface here.
+    """
+    step = RematStep(
+        train_step=train_step,
+        model=model,
+        optimizer=optimizer,
+        memory_budget=memory_budget,
+        planner=planner,
+        profile_runs=profile_runs,
+        measure=measure,
+        progress=progress,
+    )
+    step._last = step.compiled_for(example_batch)
+    return step
