@@ -231,9 +231,35 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def configure_plan(p: argparse.ArgumentParser) -> None:
+    from remat.cli_plan import configure
+
+    configure(p)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from remat.cli_plan import run
+
+    return run(args)
+
+
+def configure_frontier(p: argparse.ArgumentParser) -> None:
+    from remat.cli_frontier import configure_frontier as configure
+
+    configure(p)
+
+
+def cmd_frontier(args: argparse.Namespace) -> int:
+    from remat.cli_frontier import cmd_frontier as run
+
+    return run(args)
+
+
 COMMANDS: list[Command] = [
     Command("profile", "capture one training iteration, profile it and show where the memory goes", configure_profile, cmd_profile),
+    Command("plan", "choose what to recompute under a memory budget and predict the cost", configure_plan, cmd_plan),
     Command("run", "train with the rewritten graph; check it against eager and measure it", configure_run, cmd_run),
+    Command("frontier", "plan (and run) every budget with every planner: overhead against peak memory", configure_frontier, cmd_frontier),
     Command("demo", "profile two small models quickly and show the outputs", configure_demo, cmd_demo),
 ]
 

@@ -1,0 +1,386 @@
+"""The memory–time frontier: every planner at every budget, on one profile (issue 6).
+
+`run_frontier` profiles a model once, then plans each budget with each planner on the
+same node times (`remat.planners.make_plan`); with `measure`, each plan is also rewritten
+and run: three steps compared bitwise with eager PyTorch (`remat.check`), then the
+allocator's peak of one more step (`remat.memory.measure_peak`) next to the prediction.
+A budget a planner cannot meet is recorded (its error message) and the sweep goes on.
+Results are written after every point (frontier.json, frontier.csv), the plot and the
+summary table after every budget, so an interrupted sweep keeps what it did.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from remat.budget import Budget, parse_budget
+from remat.errors import BudgetError, RematError
+
+MiB = 2**20
+DEFAULT_PLANNERS = ("mutwo", "chen", "milp")
+
+
+def parse_budgets(text: str) -> list[str]:
+    """`start:stop:step` (fractions, stop included) or a comma list of budgets ("0.5,6GiB")."""
+    text = text.strip()
+    if ":" in text:
+        parts = text.split(":")
+        if len(parts) != 3:
+            raise RematError(f"invalid budget range {text!r}: expected start:stop:step, e.g. 0.1:1.0:0.1")
+        try:
+            start, stop, step = (float(p) for p in parts)
+        except ValueError:
+            raise RematError(f"invalid budget range {text!r}: start, stop and step must be numbers") from None
+        if not (step > 0 and 0 < start <= stop <= 1):
+            raise RematError(f"invalid budget range {text!r}: need 0 < start <= stop <= 1 and step > 0")
+        count = int(math.floor((stop - start) / step + 1e-9)) + 1
+        values = [round(start + i * step, 10) for i in range(count)]
+        out = [f"{v:g}" for v in values]
+    else:
+        out = [p.strip() for p in text.split(",") if p.strip()]
+    if not out:
+        raise RematError(f"no budgets in {text!r}")
+    for b in out:
+        parse_budget(b)  # refuse a bad one before any profiling
+    return out
+
+
+@dataclass
+class Point:
+    """One planner at one budget."""
+
+    planner: str
+    budget: str
+    budget_bytes: int
+    fraction: float | None  # the budget as a fraction of the activation peak (None: absolute)
+    status: str  # "ok", "no_plan" (BudgetError), "error"
+    error: str | None = None
+    predicted_peak_bytes: int | None = None
+    predicted_step_peak_bytes: int | None = None
+    predicted_overhead_seconds: float | None = None
+    predicted_overhead_fraction: float | None = None
+    planning_seconds: float | None = None
+    num_recomputed: int | None = None
+    measured_peak_bytes: int | None = None  # persistent + the allocator's peak of one step
+    measured_step_peak_bytes: int | None = None
+    peak_error: float | None = None  # (measured - predicted) / predicted, whole peak
+    grads_match: bool | None = None
+    mismatches: list[str] = field(default_factory=list)
+    measured_overhead_ratio: float | None = None  # remat / eager step time (alternating pairs), if timed
+    solver: dict[str, Any] = field(default_factory=dict)  # the planner's own stats (milp: status, bound, gap)
+
+
+@dataclass
+class Frontier:
+    model: str
+    batch_size: int
+    optimizer: str
+    device: str
+    planners: list[str]
+    budgets: list[str]
+    persistent_bytes: int
+    baseline_peak_bytes: int
+    baseline_step_peak_bytes: int
+    baseline_iteration_seconds: float
+    measured_baseline_peak_bytes: int | None = None
+    profile_seconds: float = 0.0
+    time_limit: float | None = None
+    points: list[Point] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def point(self, planner: str, budget: str) -> Point | None:
+        return next((p for p in self.points if p.planner == planner and p.budget == budget), None)
+
+
+# ---------------------------------------------------------------------- the sweep
+
+
+def _say(progress: bool, msg: str) -> None:
+    if progress:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def run_frontier(
+    model: str,
+    batch_size: int,
+    planners: list[str] | tuple[str, ...] = DEFAULT_PLANNERS,
+    budgets: list[str] | None = None,
+    *,
+    optimizer: str = "sgd",
+    measure: bool = False,
+    out_dir: str | Path | None = None,
+    time_limit: float = 60.0,
+    device: str = "cpu",
+    seed: int = 0,
+    runs: int = 3,
+    pairs: int = 0,
+    profile_path: str | Path | None = None,
+    progress: bool = True,
+) -> Frontier:
+    """Plan (and with `measure`, run) every budget with every planner; write the results."""
+    from remat.analysis import analyze
+    from remat.capture import capture, flat_inputs, run_captured
+    from remat.check import check_against_eager, time_alternating, twin
+    from remat.cli import UsageError, _check_device, _positive
+    from remat.memory import measure_peak
+    from remat.models import MODEL_NAMES, OPTIMIZER_NAMES, build_model, make_optimizer, make_train_step
+    from remat.plan import evaluate
+    from remat.planners import PLANNERS, make_plan
+    from remat.profiler import profile
+    from remat.rewriter import rewrite
+    from remat.schedule import GraphIndex, build_schedule
+
+    budgets = list(budgets) if budgets is not None else parse_budgets("0.1:1.0:0.1")
+    parsed = [parse_budget(b) for b in budgets]
+    unknown = [p for p in planners if p not in PLANNERS]
+    if unknown:
+        raise UsageError(f"unknown planner {unknown[0]!r}; available planners: {', '.join(PLANNERS)}")
+    if model not in MODEL_NAMES:
+        raise UsageError(f"unknown model {model!r}; available models: {', '.join(MODEL_NAMES)}")
+    if optimizer not in OPTIMIZER_NAMES:
+        raise UsageError(f"unknown optimizer {optimizer!r}; available optimizers: {', '.join(OPTIMIZER_NAMES)}")
+    _positive(batch_size, "batch size")
+    _check_device(device)
+    if time_limit <= 0:
+        raise UsageError(f"--time-limit must be positive, got {time_limit}")
+    out = Path(out_dir) if out_dir is not None else Path("runs") / f"frontier-{model}-b{batch_size}"
+
+    spec = build_model(model, batch_size, seed=seed, device=device)
+    opt = make_optimizer(optimizer, spec.model.parameters())
+    # Gradients stay set after a step, so that the eager check compares them too.
+    train_step = make_train_step(spec.loss_fn, zero_grad_first=True)
+    tg = capture(train_step, spec.model, opt, spec.batch)
+    analysis = analyze(tg)
+    t0 = time.perf_counter()
+    if profile_path is not None:
+        from remat.cli_plan import load_profile_for
+
+        prof = load_profile_for(profile_path, tg, model, batch_size, optimizer)
+    else:
+        _say(progress, f"profiling {model} (batch {batch_size}, {optimizer}) ...")
+        prof = profile(tg, spec.model, opt, spec.batch, runs=runs, device=device, progress=False, analysis=analysis)
+        prof.model, prof.batch_size, prof.optimizer = model, batch_size, optimizer
+        prof.to_json(out / "profile.json")
+    profile_seconds = time.perf_counter() - t0
+    node_seconds = prof.seconds_by_node()
+    index = GraphIndex.build(tg, analysis)
+    index.scratch = prof.scratch_by_node()  # predictions include measured kernel scratch
+    baseline = evaluate(index, set(), node_seconds)
+    base_tl = baseline.timeline
+    frontier = Frontier(
+        model=model,
+        batch_size=batch_size,
+        optimizer=optimizer,
+        device=device,
+        planners=list(planners),
+        budgets=list(budgets),
+        persistent_bytes=int(base_tl.persistent_bytes),
+        baseline_peak_bytes=int(base_tl.peak_bytes),
+        baseline_step_peak_bytes=int(base_tl.step_peak_bytes),
+        baseline_iteration_seconds=float(prof.iteration_seconds),
+        measured_baseline_peak_bytes=int(prof.measured_peak_bytes) if prof.measured_peak_bytes is not None else None,
+        profile_seconds=profile_seconds,
+        time_limit=time_limit,
+        meta={"seed": seed, "runs": runs, "fingerprint": prof.fingerprint, "num_nodes": len(index.order)},
+    )
+    _say(progress, f"{len(index.order)} nodes; peak without recomputation {base_tl.peak_bytes / MiB:,.2f} MiB "
+         f"(persistent {base_tl.persistent_bytes / MiB:,.2f} MiB); iteration {prof.iteration_seconds * 1e3:,.1f} ms")
+
+    for budget, b in zip(budgets, parsed):
+        budget_bytes = b.to_bytes(base_tl.persistent_bytes, base_tl.step_peak_bytes)
+        fraction = b.fraction if b.fraction is not None else None
+        for planner in planners:
+            point = Point(planner=planner, budget=budget, budget_bytes=int(budget_bytes), fraction=fraction, status="ok")
+            kwargs: dict[str, Any] = {"time_limit": time_limit} if planner == "milp" else {}
+            t1 = time.perf_counter()
+            try:
+                plan = make_plan(
+                    planner, index, node_seconds, int(budget_bytes), fingerprint=prof.fingerprint, model=model,
+                    batch_size=batch_size, optimizer=optimizer, baseline_iteration_seconds=prof.iteration_seconds, **kwargs,
+                )
+            except BudgetError as e:
+                point.status, point.error = "no_plan", str(e)
+                point.planning_seconds = time.perf_counter() - t1
+                frontier.points.append(point)
+                _say(progress, f"  {budget:>6} {planner:>6}: no plan ({point.planning_seconds:.2f} s)")
+                write_results(frontier, out)
+                continue
+            except RematError as e:
+                point.status, point.error = "error", f"{type(e).__name__}: {e}"
+                frontier.points.append(point)
+                _say(progress, f"  {budget:>6} {planner:>6}: error: {e}")
+                write_results(frontier, out)
+                continue
+            point.predicted_peak_bytes = plan.predicted_peak_bytes
+            point.predicted_step_peak_bytes = plan.predicted_step_peak_bytes
+            point.predicted_overhead_seconds = plan.predicted_overhead_seconds
+            point.predicted_overhead_fraction = plan.predicted_overhead_fraction
+            point.planning_seconds = plan.planning_seconds
+            point.num_recomputed = plan.num_recomputed
+            point.solver = {k: v for k, v in plan.meta.items() if isinstance(v, (int, float, str, bool)) or v is None}
+            if measure:
+                schedule = build_schedule(index, plan.dropped(index))
+                gm = rewrite(index, schedule).gm if schedule.copies else tg.gm
+                eager_model, eager_opt = twin(spec.model, opt)
+                remat_model, remat_opt = twin(spec.model, opt)
+
+                def remat_step(batch: Any, gm: Any = gm, m: Any = remat_model, o: Any = remat_opt) -> Any:
+                    return run_captured(tg, gm, m, flat_inputs(tg, m, o, batch))
+
+                check = check_against_eager(train_step, eager_model, eager_opt, remat_model, remat_opt, remat_step, spec.batch, steps=3, seed=seed)
+                point.grads_match = check.match
+                point.mismatches = check.mismatches[:10]
+                measured = measure_peak(lambda: remat_step(spec.batch), device)
+                point.measured_peak_bytes = int(base_tl.persistent_bytes + measured.peak_bytes)
+                point.measured_step_peak_bytes = int(measured.peak_bytes)
+                point.peak_error = (point.measured_peak_bytes - plan.predicted_peak_bytes) / plan.predicted_peak_bytes
+                if pairs > 0:
+                    timing = time_alternating(
+                        lambda: train_step(eager_model, eager_opt, spec.batch), lambda: remat_step(spec.batch), pairs=pairs, device=device
+                    )
+                    point.measured_overhead_ratio = timing.ratio
+            frontier.points.append(point)
+            _say(progress, f"  {budget:>6} {planner:>6}: {describe(point, frontier.baseline_iteration_seconds)}")
+            write_results(frontier, out)
+        write_results(frontier, out, plot=True)
+    return frontier
+
+
+def describe(p: Point, iteration: float) -> str:
+    s = (f"peak {p.predicted_peak_bytes / MiB:,.2f} MiB predicted, overhead {p.predicted_overhead_fraction:.1%} "
+         f"({p.num_recomputed} dropped, planned in {p.planning_seconds:.2f} s)")
+    if p.solver.get("milp_status"):
+        s += f", milp {p.solver['milp_status']}, gap {p.solver.get('milp_gap_seconds') or 0.0:.2g} s"
+    if p.measured_peak_bytes is not None:
+        s += f"; measured {p.measured_peak_bytes / MiB:,.2f} MiB ({p.peak_error:+.2%}), eager-equal: {p.grads_match}"
+    return s
+
+
+# ---------------------------------------------------------------------- output
+
+CSV_FIELDS = [
+    "planner", "budget", "fraction", "budget_bytes", "status", "predicted_peak_bytes", "predicted_step_peak_bytes",
+    "predicted_overhead_seconds", "predicted_overhead_fraction", "planning_seconds", "num_recomputed",
+    "measured_peak_bytes", "measured_step_peak_bytes", "peak_error", "grads_match", "measured_overhead_ratio",
+    "milp_status", "milp_lower_bound", "milp_gap_seconds", "milp_iterations", "milp_solver_seconds", "error",
+]
+
+
+def write_results(frontier: Frontier, out: Path, plot: bool = False) -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"json": out / "frontier.json", "csv": out / "frontier.csv", "table": out / "frontier.md"}
+    tmp = files["json"].with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(frontier.to_dict(), indent=1))
+    tmp.replace(files["json"])
+    with files["csv"].open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for p in frontier.points:
+            row = {k: v for k, v in asdict(p).items() if k in CSV_FIELDS}
+            for k in ("milp_status", "milp_lower_bound", "milp_gap_seconds", "milp_iterations", "milp_solver_seconds"):
+                row[k] = p.solver.get(k)
+            row["error"] = (p.error or "").splitlines()[0][:200] if p.error else ""
+            w.writerow(row)
+    files["table"].write_text(markdown_table(frontier))
+    if plot:
+        files["plot"] = plot_frontier(frontier, out / "frontier.png")
+    return files
+
+
+def markdown_table(fr: Frontier) -> str:
+    """Per budget: each planner's predicted overhead, μ-TWO's gap to the exact planner, solver time."""
+    it = fr.baseline_iteration_seconds
+    head = ["budget", "cap MiB"]
+    for p in fr.planners:
+        head += [f"{p} peak MiB", f"{p} overhead"]
+    has = {"mutwo", "milp"} <= set(fr.planners)
+    if has:
+        head += ["μ-TWO gap (of iteration)", "μ-TWO / exact"]
+    if "milp" in fr.planners:
+        head += ["milp status", "milp proven gap", "milp s"]
+    measured = any(p.measured_peak_bytes is not None for p in fr.points)
+    if measured:
+        head += ["measured/predicted peak (worst)", "eager-equal"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for b in fr.budgets:
+        pts = {p: fr.point(p, b) for p in fr.planners}
+        first = next((x for x in pts.values() if x is not None), None)
+        if first is None:
+            continue
+        row = [b, f"{first.budget_bytes / MiB:,.2f}"]
+        for p in fr.planners:
+            x = pts[p]
+            if x is None or x.status != "ok":
+                row += ["—", "no plan" if x is not None and x.status == "no_plan" else "error"]
+            else:
+                row += [f"{x.predicted_peak_bytes / MiB:,.2f}", f"{x.predicted_overhead_fraction:.2%}"]
+        mu, ex = pts.get("mutwo"), pts.get("milp")
+        if has:
+            if mu is not None and ex is not None and mu.status == ex.status == "ok":
+                gap = (mu.predicted_overhead_seconds - ex.predicted_overhead_seconds) / it if it else 0.0
+                ratio = mu.predicted_overhead_seconds / ex.predicted_overhead_seconds if ex.predicted_overhead_seconds > 0 else (1.0 if mu.predicted_overhead_seconds <= 0 else math.inf)
+                row += [f"{gap:+.2%}", f"{ratio:.2f}×"]
+            else:
+                row += ["—", "—"]
+        if "milp" in fr.planners:
+            if ex is not None and ex.status == "ok":
+                g = ex.solver.get("milp_gap_seconds") or 0.0
+                row += [str(ex.solver.get("milp_status")), f"{g / it:.2%}" if it else "—", f"{ex.planning_seconds:.2f}"]
+            else:
+                row += ["infeasible" if ex is not None and ex.status == "no_plan" else "—", "—", f"{ex.planning_seconds:.2f}" if ex and ex.planning_seconds else "—"]
+        if measured:
+            ok = [x for x in pts.values() if x is not None and x.measured_peak_bytes is not None]
+            if ok:
+                worst = max(ok, key=lambda x: abs(x.peak_error or 0.0))
+                diff = (worst.measured_peak_bytes or 0) - (worst.predicted_peak_bytes or 0)
+                row += [f"{worst.peak_error:+.2%} ({diff / 1024:+,.0f} KiB)", "yes" if all(x.grads_match for x in ok) else "NO"]
+            else:
+                row += ["—", "—"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_frontier(fr: Frontier, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"mutwo": "#c44e52", "chen": "#4c72b0", "milp": "#55a868"}
+    labels = {"mutwo": "μ-TWO (greedy)", "chen": "Chen √n segments", "milp": "exact (MILP)"}
+    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=120)
+    for planner in fr.planners:
+        pts = sorted((p for p in fr.points if p.planner == planner and p.status == "ok"), key=lambda p: p.predicted_peak_bytes or 0)
+        if not pts:
+            continue
+        c = colors.get(planner)
+        xs = [p.predicted_peak_bytes / MiB for p in pts]
+        ys = [100 * (p.predicted_overhead_fraction or 0.0) for p in pts]
+        ax.plot(xs, ys, marker="o", color=c, label=f"{labels.get(planner, planner)}: predicted peak")
+        meas = [(p.measured_peak_bytes / MiB, 100 * (p.predicted_overhead_fraction or 0.0)) for p in pts if p.measured_peak_bytes is not None]
+        if meas:
+            ax.scatter([m[0] for m in meas], [m[1] for m in meas], marker="x", s=45, color=c, label=f"{labels.get(planner, planner)}: measured peak")
+        timed = [(p.measured_peak_bytes / MiB, 100 * (p.measured_overhead_ratio - 1)) for p in pts if p.measured_overhead_ratio is not None and p.measured_peak_bytes is not None]
+        if timed:
+            ax.scatter([m[0] for m in timed], [m[1] for m in timed], marker="^", s=35, facecolors="none", edgecolors=c, label=f"{labels.get(planner, planner)}: measured time")
+    ax.axvline(fr.baseline_peak_bytes / MiB, color="#888888", linestyle=":", label="peak without recomputation")
+    ax.set_xlabel("peak memory of the iteration (MiB; persistent bytes included)")
+    ax.set_ylabel("recompute overhead (% of the iteration time, predicted)")
+    ax.set_title(f"Memory–time frontier: {fr.model}, batch {fr.batch_size} ({fr.optimizer}, {fr.device})", fontsize=11)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

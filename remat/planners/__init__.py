@@ -1,0 +1,40 @@
+"""Planners: each takes a graph, its node times and a budget, and returns a Plan.
+
+One interface (`make_plan`), one registry line per planner: a new planner is one new
+module exposing `plan(index, node_seconds, budget_bytes, **meta) -> Plan` and one line
+in `_MODULES`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from remat.errors import PlanError
+from remat.plan import Plan, check_node_seconds
+from remat.schedule import GraphIndex
+
+_MODULES: dict[str, str] = {
+    "mutwo": "remat.planners.mutwo",
+    "chen": "remat.planners.chen",
+    "milp": "remat.planners.milp",
+}
+PLANNERS: tuple[str, ...] = tuple(_MODULES)
+
+
+def make_plan(planner: str, index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, **meta: Any) -> Plan:
+    """Plan with `planner` under a cap of `budget_bytes` on the whole peak.
+
+    `meta` is passed to the Plan: model, batch_size, optimizer, fingerprint (the
+    profile's), baseline_iteration_seconds, meta. Raises BudgetError when no plan fits,
+    with the smallest peak the planner reached.
+    """
+    if planner not in _MODULES:
+        raise PlanError(f"unknown planner {planner!r}; available planners: {', '.join(PLANNERS)}")
+    check_node_seconds(index, node_seconds)
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        from remat.errors import BudgetError
+
+        raise BudgetError(f"budget_bytes must be a positive number of bytes, got {budget_bytes!r}; use remat.budget.parse_budget")
+    module = importlib.import_module(_MODULES[planner])
+    return module.plan(index, node_seconds, budget_bytes, **meta)

@@ -1,0 +1,214 @@
+"""The μ-TWO recomputation planner (Purandare et al., MLSys 2023; after Capuchin, ASPLOS 2020).
+
+DESIGN.md, "The μ-TWO recomputation planner". The greedy core (`greedy`) is a pure
+function over small records (size, recompute sources, recompute time) and a `fits`
+callback; `plan_mutwo` builds the records from a graph and answers `fits` with the
+schedule and the plan simulator, so that what the greedy checks is what will run.
+
+The greedy's cost model is the paper's: a tensor recomputed through another recomputed
+tensor pays for that one's recompute again (times add up along chains), as the schedule
+does too (a block's intermediates are rebuilt for each later block that needs them).
+Its running sums only rank candidates: the overhead a plan reports is the schedule's
+(`recompute_seconds`), which also shares rebuilds within a block and removes forward ops
+that only fed dropped tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Hashable
+
+from remat.errors import PlanError
+from remat.plan import Evaluation, Evaluator, Plan, assemble_plan, no_plan_error
+from remat.schedule import GraphIndex
+
+Id = Hashable
+
+
+# ---------------------------------------------------------------------- the greedy core
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One activation that may be recomputed, as the greedy sees it before any pick."""
+
+    id: Id
+    size: int  # bytes freed by dropping it
+    sources: frozenset  # ids of the tensors its recompute reads (kept activations, parameters, inputs)
+    time: float  # seconds to recompute it from those sources
+    order: int = 0  # tie-break: among equal ratios and sizes, the earliest (creation rank) first
+
+
+@dataclass
+class PickLog:
+    """What one step of the greedy did (DESIGN.md step 2), and the simulated peak after it."""
+
+    pick: Id
+    ratio: float  # its ratio when picked: size / total recompute time
+    total_time: float  # its total recompute time when picked
+    recomputed_updates: dict  # id -> (sources, time): already-recomputed tensors that now recompute through it
+    candidate_updates: dict  # id -> (sources, time): remaining candidates that had it as a source
+    total_time_updates: dict  # id -> total time: remaining candidates among its sources
+    peak: int | None  # simulated peak after the pick (None: not simulated, provably above the budget)
+    fits: bool
+    rejected: str | None = None  # why the schedule refused this pick (it was then left out)
+
+
+@dataclass
+class GreedyResult:
+    picks: list  # ids in pick order (rejected picks excluded)
+    log: list[PickLog]
+    fitted: bool
+    sources: dict = field(default_factory=dict)  # id -> final sources of each pick
+    times: dict = field(default_factory=dict)  # id -> final recompute time of each pick
+
+
+def ratio_of(size: int, total_time: float) -> float:
+    return math.inf if total_time <= 0 else size / total_time
+
+
+def greedy(candidates: list[Candidate], fits: Callable[[list], tuple[bool, int | None]]) -> GreedyResult:
+    """Pick candidates by recompute ratio until `fits(picks)` says the plan fits.
+
+    `fits` gets the picks so far (the newest last) and answers (fits?, simulated peak);
+    it may raise PlanError to refuse a pick, which is then dropped from the candidates.
+    Ties in ratio go to the larger tensor, then to the smaller `order`.
+    """
+    ids = [c.id for c in candidates]
+    if len(set(ids)) != len(ids):
+        raise ValueError("candidate ids must be unique")
+    size = {c.id: c.size for c in candidates}
+    order = {c.id: c.order for c in candidates}
+    sources: dict[Id, set] = {c.id: set(c.sources) for c in candidates}
+    rtime: dict[Id, float] = {c.id: float(c.time) for c in candidates}
+    remaining: set = set(ids)
+    recomputed: list = []
+    is_recomputed: set = set()
+    # Who reads whom, kept both ways: users[s] = tensors (recomputed or not) with s in their sources.
+    users: dict[Id, set] = {}
+    for c in candidates:
+        for s in c.sources:
+            users.setdefault(s, set()).add(c.id)
+    # dependents[c] = recomputed tensors with c among their sources: if c is recomputed
+    # too, each of them pays for c once more (DESIGN.md step 2, third bullet).
+    dependents: dict[Id, int] = {}
+
+    def total(cid: Id) -> float:
+        return rtime[cid] * (1 + dependents.get(cid, 0))
+
+    log: list[PickLog] = []
+    while remaining:
+        best = max(remaining, key=lambda c: (ratio_of(size[c], total(c)), size[c], -order[c]))
+        best_total = total(best)
+        remaining.discard(best)
+        try:
+            ok, peak = fits([*recomputed, best])
+        except PlanError as e:
+            log.append(PickLog(best, ratio_of(size[best], best_total), best_total, {}, {}, {}, None, False, str(e)))
+            continue
+        recomputed.append(best)
+        is_recomputed.add(best)
+        t_sources = set(sources[best])
+        t_time = rtime[best]
+        for s in t_sources:
+            dependents[s] = dependents.get(s, 0) + 1
+        rec_updates: dict = {}
+        cand_updates: dict = {}
+        for u in sorted(users.pop(best, set()), key=order.__getitem__):
+            if u == best:
+                continue
+            srcs = sources[u]
+            srcs.discard(best)
+            for s in t_sources:
+                if s not in srcs:
+                    srcs.add(s)
+                    users.setdefault(s, set()).add(u)
+                    if u in is_recomputed:
+                        dependents[s] = dependents.get(s, 0) + 1
+            rtime[u] += t_time
+            target = rec_updates if u in is_recomputed else cand_updates
+            target[u] = (frozenset(srcs), rtime[u])
+        total_updates = {s: total(s) for s in sorted((s for s in t_sources if s in remaining), key=order.__getitem__)}
+        log.append(PickLog(best, ratio_of(size[best], best_total), best_total, rec_updates, cand_updates, total_updates, peak, ok))
+        if ok:
+            break
+    fitted = bool(log) and log[-1].fits
+    return GreedyResult(
+        picks=recomputed,
+        log=log,
+        fitted=fitted,
+        sources={r: frozenset(sources[r]) for r in recomputed},
+        times={r: rtime[r] for r in recomputed},
+    )
+
+
+# ---------------------------------------------------------------------- from a graph
+
+
+def candidate_records(index: GraphIndex, node_seconds: dict[str, float]) -> list[Candidate]:
+    """Every activation that may be recomputed, with its sources and time when only it is dropped."""
+    out: list[Candidate] = []
+    for t in index.analysis.activations():
+        if index.candidate_problem(t.id) is not None:
+            continue
+        dropped = frozenset([t.id])
+        ops = index.closure(index.backward_readers(t.id), dropped, set())
+        op_set = set(ops)
+        srcs: set[int] = set()
+        for n in ops:
+            for a in index.reads_of_copy(n):
+                if a not in op_set:
+                    srcs.update(index.storages.get(a, []))
+        srcs.discard(t.id)
+        out.append(Candidate(id=t.id, size=t.nbytes, sources=frozenset(srcs), time=float(sum(node_seconds[n] for n in ops)), order=t.created))
+    return out
+
+
+@dataclass
+class MutwoResult:
+    plan: Plan
+    greedy: GreedyResult
+    records: list[Candidate]
+
+
+def plan_mutwo(index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, *, simulate_every_pick: bool = False, **meta) -> MutwoResult:
+    """μ-TWO's greedy on a graph: the first pick sequence whose simulated peak fits.
+
+    Every prefix of the picks is checked with the plan simulator, except those that a
+    lower bound (plan.PeakLowerBound) already puts above the budget (their log entry has
+    no peak): the stop is the first pick that fits, as if every prefix had been
+    simulated. `simulate_every_pick` simulates them all anyway, for a complete log.
+    """
+    t0 = time.perf_counter()
+    ev = Evaluator(index, node_seconds, budget_bytes, use_bound=not simulate_every_pick)
+    baseline = ev.baseline
+    extra = dict(meta.pop("meta", None) or {})
+    if baseline.peak_bytes <= budget_bytes:
+        plan = assemble_plan("mutwo", index, node_seconds, budget_bytes, [], baseline, baseline.timeline, time.perf_counter() - t0, meta=extra, **meta)
+        return MutwoResult(plan, GreedyResult([], [], True), [])
+    records = candidate_records(index, node_seconds)
+    last: dict[str, Evaluation] = {}
+
+    def fits(picks: list) -> tuple[bool, int | None]:
+        ok, peak, evaluation = ev.check(set(picks))
+        if ok:
+            assert evaluation is not None
+            last["fit"] = evaluation
+        return ok, peak
+
+    result = greedy(records, fits)
+    if not result.fitted:
+        raise no_plan_error("mutwo", budget_bytes, ev.smallest_peak(), baseline.peak_bytes, len(records))
+    extra.update(ev.stats())
+    extra["candidates"] = len(records)
+    plan = assemble_plan(
+        "mutwo", index, node_seconds, budget_bytes, list(result.picks), last["fit"], baseline.timeline, time.perf_counter() - t0, meta=extra, **meta
+    )
+    return MutwoResult(plan, result, records)
+
+
+def plan(index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, **meta) -> Plan:
+    """The planner interface (remat.planners.make_plan)."""
+    return plan_mutwo(index, node_seconds, budget_bytes, **meta).plan
