@@ -20,8 +20,10 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch._prims_common import make_channels_last_strides_for, make_contiguous_strides_for
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat.errors import CaptureError
 
@@ -132,16 +134,17 @@ def batch_leaf_names(batch: Any) -> list[str]:
     return [f"batch{pytree.keystr(p)}" for p, _ in pytree.tree_flatten_with_path(batch)[0]]
 
 
-def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+def _init_optimizer_state(optimizer: torch.optim.Optimizer, only: set[int] | None = None) -> None:
     """Create the state the first `step()` would create, so that every step runs one graph.
 
     The values are exactly what the optimizer's first step makes (zeros; Adam's step 0),
     so the captured step updates bitwise as the eager first step does. SGD's first step
     copies the gradient into a fresh momentum buffer; `0 * momentum + grad` gives the same.
+    `only`: ids of the parameters to create state for (default: all).
     """
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if optimizer.state.get(p):
+            if optimizer.state.get(p) or (only is not None and id(p) not in only):
                 continue
             if isinstance(optimizer, torch.optim.SGD):
                 if group["momentum"] != 0:
@@ -168,7 +171,7 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _optimizer_states(
-    optimizer: torch.optim.Optimizer | None, params: dict[str, torch.Tensor]
+    optimizer: torch.optim.Optimizer | None, params: dict[str, torch.Tensor], only: set[int] | None = None
 ) -> dict[str, dict[str, torch.Tensor]]:
     if optimizer is None:
         return {}
@@ -180,7 +183,7 @@ def _optimizer_states(
                     "the optimizer holds a tensor that is not a parameter of the model; "
                     "build the optimizer from model.parameters()"
                 )
-    _init_optimizer_state(optimizer)
+    _init_optimizer_state(optimizer, only)
     states: dict[str, dict[str, torch.Tensor]] = {}
     for name, p in params.items():
         st = optimizer.state.get(p)
@@ -231,7 +234,9 @@ def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: torch.optim.O
     """The real tensors for the graph's placeholders, in order."""
     params = _unique_named(model.named_parameters())
     buffers = _unique_named(model.named_buffers())
-    states = _optimizer_states(optimizer, params) if tg.has_optimizer else {}
+    # Only the state the graph reads: eager creates none for a parameter without a gradient.
+    wanted = {id(params[i.name.rsplit(".", 1)[0]]) for i in tg.inputs if i.kind is InputKind.OPTIMIZER_STATE}
+    states = _optimizer_states(optimizer, params, wanted) if tg.has_optimizer else {}
     leaves, spec = _check_batch(batch)
     if str(spec) != tg.batch_spec:
         raise CaptureError(
@@ -282,6 +287,7 @@ def capture(
     if len(devices) != 1:
         raise CaptureError(f"model and batch must be on one device, found {sorted(devices)}; move them with .to(device)")
     device = devices.pop()
+    had_state = {id(p) for p, st in optimizer.state.items() if st} if optimizer is not None else set()
     states = _optimizer_states(optimizer, params)
 
     real_to_name = {id(p): n for n, p in params.items()}
@@ -309,6 +315,7 @@ def capture(
     state_keys = [(n, list(st)) for n, st in states.items()]
     grad_order: list[str] = []  # filled while tracing: names of the grads the "grads" marker holds
     final_grads: list[str] = []
+    probe = {"preset_grads": False}  # see _check_no_accumulation
 
     def traced(*args: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         it = iter(args)
@@ -318,6 +325,10 @@ def capture(
         t_batch = pytree.tree_unflatten(list(it), spec)
         for p in t_params.values():
             p.requires_grad_(True)
+        if probe["preset_grads"]:
+            for p in t_params.values():
+                p.grad = torch.zeros_like(p)
+            _marker([p.grad for p in t_params.values()], "preset_grads")
         calls = {"backward": 0}
         real_backward = torch.autograd.backward
 
@@ -345,6 +356,7 @@ def capture(
                 stack.callback(handle.remove)
             torch.autograd.backward = backward
             stack.callback(setattr, torch.autograd, "backward", real_backward)
+            stack.enter_context(_CpuBatchNormStrides())
             loss = train_step(model, optimizer, t_batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise CaptureError(f"train_step must return the loss as a one-element tensor, got {type(loss).__name__}")
@@ -363,7 +375,131 @@ def capture(
         raise _explain_trace_failure(e) from e
     finally:
         model.train(was_training)
+    if final_grads:
+        # Gradients stay set after the step, so the next step starts with them: it must
+        # clear them before its backward (the graph computes fresh ones).
+        probe["preset_grads"] = True
+        n_order, n_final = len(grad_order), len(final_grads)
+        try:
+            probe_gm = make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=False)(*flat)
+        finally:
+            model.train(was_training)
+            del grad_order[n_order:], final_grads[n_final:]
+        _check_no_accumulation(probe_gm)
+    _check_static_shapes(gm)
+    if optimizer is not None:
+        inputs = _drop_unread_new_state(gm, inputs, optimizer, params, had_state)
     return _finish(gm, inputs, grad_order, final_grads, str(spec), optimizer is not None, device)
+
+
+def _drop_unread_new_state(
+    gm: torch.fx.GraphModule,
+    inputs: list[GraphInput],
+    optimizer: torch.optim.Optimizer,
+    params: dict[str, torch.Tensor],
+    had_state: set[int],
+) -> list[GraphInput]:
+    """Undo the first-step state of parameters the step gave no gradient.
+
+    The optimizer skips a parameter whose `.grad` is None and eager never creates its
+    state; the state made before tracing (`_init_optimizer_state`) is then read by no
+    node. It is removed from the optimizer and from the graph's inputs, so that the
+    optimizer's state is what eager's would be (and costs no memory).
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    read: dict[str, bool] = {}  # parameter -> whether any of its new state is read
+    for node, inp in zip(placeholders, inputs):
+        if inp.kind is InputKind.OPTIMIZER_STATE:
+            pname = inp.name.rsplit(".", 1)[0]
+            read[pname] = read.get(pname, False) or bool(node.users) or id(params[pname]) in had_state
+    keep: list[GraphInput] = []
+    for node, inp in zip(placeholders, inputs):
+        pname = inp.name.rsplit(".", 1)[0]
+        if inp.kind is InputKind.OPTIMIZER_STATE and not read[pname]:
+            optimizer.state.pop(params[pname], None)
+            gm.graph.erase_node(node)
+            continue
+        keep.append(inp)
+    return keep
+
+
+def _check_no_accumulation(probe_gm: torch.fx.GraphModule) -> None:
+    """Refuse a step that adds its gradients to those of the step before.
+
+    `probe_gm` was traced with every parameter's `.grad` already set: if train_step calls
+    zero_grad() before backward(), nothing reads those gradients (or they are zeroed in
+    place first); otherwise backward accumulates into them, which a graph computing
+    fresh gradients would silently not do.
+    """
+    marker = next(n for n in probe_gm.graph.nodes if n.target is _MARKER and n.args[1] == "preset_grads")
+    for preset in marker.args[0]:
+        users = [u for u in preset.users if u is not marker]
+        if users and users[0].target not in (torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar):
+            raise CaptureError(
+                "train_step leaves gradients set and does not clear them before backward(), so each step "
+                "would add its gradients to the previous step's (gradient accumulation across calls). "
+                "remat captures steps that start from zero gradients: call optimizer.zero_grad() (or "
+                "model.zero_grad()) in train_step before loss.backward()."
+            )
+
+
+def _check_static_shapes(gm: torch.fx.GraphModule) -> None:
+    """Refuse a trace in which an op's output shape depends on tensor values.
+
+    Fake tensors give such outputs (nonzero, boolean-mask indexing) symbolic sizes instead
+    of failing; the analysis, the simulator and the planners need every size.
+    """
+    for node in gm.graph.nodes:
+        for v in _vals(node):
+            if any(not isinstance(d, int) for d in v.shape):
+                raise CaptureError(
+                    f"an op in train_step returns a shape that depends on tensor values ({node.target} "
+                    f"makes a tensor of shape {tuple(v.shape)}); remat needs static shapes: replace it "
+                    "(e.g. masked ops such as torch.where instead of nonzero/boolean indexing)."
+                )
+
+
+_BATCH_NORMS = (
+    torch.ops.aten.native_batch_norm.default,
+    torch.ops.aten._native_batch_norm_legit.default,
+    torch.ops.aten._native_batch_norm_legit.no_stats,
+    torch.ops.aten._native_batch_norm_legit_no_training.default,
+)
+_BATCH_NORM_BACKWARD = torch.ops.aten.native_batch_norm_backward.default
+
+
+class _CpuBatchNormStrides(TorchDispatchMode):
+    """Give fake CPU BatchNorm outputs the strides the CPU kernels give real ones.
+
+    The CPU kernels (forward and backward) allocate their first output in the input's
+    suggested memory format: contiguous, or channels-last. The fake kernels keep the
+    strides of the input (forward) or of the incoming gradient (backward), which differ
+    when those are not contiguous, as for BatchNorm1d on x.transpose(1, 2) or a gradient
+    that flows back through a transpose (pytorch/pytorch#192668). The trace would then
+    record views that fail on real tensors ("view size is not compatible"), or layouts
+    that change the order of summation: a step that crashes or does not match eager.
+    Where they differ, the output is replaced by an `as_strided` view with the real
+    strides: a no-op on the real output, and the rest of the trace follows real layouts.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if func in _BATCH_NORMS or (func is _BATCH_NORM_BACKWARD and args[9][0]):
+            x = args[1] if func is _BATCH_NORM_BACKWARD else args[0]
+            y = out[0]
+            if x.device.type == "cpu" and isinstance(y, torch.Tensor):
+                if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+                    want = make_channels_last_strides_for(y.shape)
+                else:
+                    want = make_contiguous_strides_for(y.shape)
+                if tuple(y.stride()) != tuple(want):
+                    out = (torch.ops.aten.as_strided.default(y, y.shape, want), *out[1:])
+        return out
+
+
+def _vals(node: torch.fx.Node) -> list[torch.Tensor]:
+    v = node.meta.get("val")
+    return [t for t in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, torch.Tensor)]
 
 
 def _explain_trace_failure(e: Exception) -> CaptureError:
@@ -451,9 +587,13 @@ def run_captured(
     Leaves each parameter's `.grad` as the eager step would: the graph's final gradient
     where train_step left one set, None where it cleared them.
     """
+    params = _unique_named(model.named_parameters())
+    # The step clears the previous gradients before its backward (checked at capture);
+    # drop them now, as eager's zero_grad() would, rather than hold them through the step.
+    for p in params.values():
+        p.grad = None
     with torch.no_grad():
         loss, grads = gm(*inputs)
-    params = _unique_named(model.named_parameters())
     final = dict(zip(tg.grad_names, grads))
     for name, p in params.items():
         p.grad = final.get(name)

@@ -199,11 +199,12 @@ def make_train_step(loss_fn: LossFn, zero_grad_first: bool = False) -> Callable[
     By default gradients are cleared after the step, as in a usual loop. With
     `zero_grad_first=True` they are cleared before the forward instead, so after the
     step each parameter's `.grad` holds this iteration's gradient and tests can compare
-    it (with no optimizer, the model's own `zero_grad()` is used).
+    it. With no optimizer the model's own `zero_grad()` always runs first: the step
+    leaves this iteration's gradients for the caller, never adds to the last ones.
     """
 
     def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: Batch) -> Tensor:
-        if zero_grad_first:
+        if zero_grad_first or optimizer is None:
             if optimizer is not None:
                 optimizer.zero_grad()
             else:

@@ -150,3 +150,23 @@ def test_other_batch_structure_is_refused_at_run_time():
     tg = capture(make_train_step(spec.loss_fn), spec.model, None, spec.batch)
     with pytest.raises(CaptureError, match="different structure"):
         flat_inputs(tg, spec.model, None, {"x": spec.batch[0]})
+
+
+def test_step_that_accumulates_gradients_across_calls_is_refused():
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def accumulating(m, o, b):  # no zero_grad anywhere: eager adds to last step's grads
+        loss = m(b).pow(2).mean()
+        loss.backward()
+        o.step()
+        return loss
+
+    with pytest.raises(CaptureError, match="does not clear them before backward"):
+        capture(accumulating, model, opt, torch.randn(2, 4))
+    # Clearing in place (set_to_none=False) before backward is a fresh start too.
+    def clears_in_place(m, o, b):
+        o.zero_grad(set_to_none=False)
+        return accumulating(m, o, b)
+
+    capture(clears_in_place, model, opt, torch.randn(2, 4))

@@ -117,12 +117,15 @@ def test_usage_errors_exit_2(capsys):
 
 
 def test_capture_errors_are_reported_without_traceback(capsys, monkeypatch):
-    import remat.capture
+    import importlib
+
+    # `remat.capture` is also the public function; the module is reached by its full name.
+    capture_module = importlib.import_module("remat.capture")
 
     def refuse(*args, **kwargs):
         raise CaptureError("train_step has data-dependent Python control flow; use torch.where")
 
-    monkeypatch.setattr(remat.capture, "capture", refuse)
+    monkeypatch.setattr(capture_module, "capture", refuse)
     rc, err = _error(capsys, ["profile", "--model", "mlp", "--batch-size", "2"])
     assert rc == 2
     assert "remat: error: train_step has data-dependent Python control flow; use torch.where" in err
