@@ -229,7 +229,7 @@ def run_frontier(
             point.num_recomputed = plan.num_recomputed
             point.solver = {k: v for k, v in plan.meta.items() if isinstance(v, (int, float, str, bool)) or v is None}
             if measure:
-                schedule = build_schedule(index, plan.dropped(index))
+                schedule = plan.schedule(index)
                 gm = rewrite(index, schedule).gm if schedule.copies else tg.gm
                 eager_model, eager_opt = twin(spec.model, opt)
                 remat_model, remat_opt = twin(spec.model, opt)

@@ -61,6 +61,7 @@ class Plan:
     batch_size: int | None = None
     optimizer: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    share_rebuilt: bool = False  # the schedule policy it was made for (build_schedule)
 
     @property
     def keys(self) -> list[str]:
@@ -96,7 +97,7 @@ class Plan:
             )
 
     def schedule(self, index: GraphIndex) -> Schedule:
-        return build_schedule(index, self.dropped(index))
+        return build_schedule(index, self.dropped(index), self.share_rebuilt)
 
     def _made_for(self) -> str:
         if self.model is None:
@@ -204,8 +205,10 @@ class Evaluation:
         return self.timeline.peak_bytes
 
 
-def evaluate(index: GraphIndex, dropped: set[int] | frozenset[int], node_seconds: dict[str, float]) -> Evaluation:
-    schedule = build_schedule(index, dropped)
+def evaluate(
+    index: GraphIndex, dropped: set[int] | frozenset[int], node_seconds: dict[str, float], share_rebuilt: bool = False
+) -> Evaluation:
+    schedule = build_schedule(index, dropped, share_rebuilt)
     return Evaluation(schedule, simulate_schedule(index, schedule), recompute_seconds(schedule, node_seconds))
 
 
@@ -225,9 +228,11 @@ def assemble_plan(
     optimizer: str | None = None,
     baseline_iteration_seconds: float | None = None,
     meta: dict[str, Any] | None = None,
+    share_rebuilt: bool = False,
 ) -> Plan:
     entries = describe_recomputed(index, set(picks), picks, node_seconds)
     return Plan(
+        share_rebuilt=share_rebuilt,
         planner=planner,
         fingerprint=fingerprint if fingerprint is not None else graph_fingerprint_of(index),
         budget_bytes=int(budget_bytes),
@@ -467,7 +472,10 @@ class Evaluator:
     are simulated at the end, only if their bound is below the best peak seen).
     """
 
-    def __init__(self, index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, use_bound: bool = True):
+    def __init__(
+        self, index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, use_bound: bool = True, share_rebuilt: bool = False
+    ):
+        self.share_rebuilt = share_rebuilt
         self.index = index
         self.use_bound = use_bound
         self.node_seconds = node_seconds
@@ -488,7 +496,7 @@ class Evaluator:
             self.skipped_by_bound += 1
             self._skipped.append((lb, dropped))
             return False, None, None
-        ev = evaluate(self.index, dropped, self.node_seconds)
+        ev = evaluate(self.index, dropped, self.node_seconds, self.share_rebuilt)
         self.simulations += 1
         if ev.peak_bytes < lb:
             self.bound_violations += 1

@@ -163,7 +163,7 @@ class RematStep:
             budget_bytes = self._budget.to_bytes(baseline.persistent_bytes, baseline.step_peak_bytes)
             node_seconds = {n.name: n.seconds for n in prof.nodes}
             plan = make_plan(self.planner, index, node_seconds, budget_bytes)
-            schedule = build_schedule(index, plan.dropped(index))
+            schedule = plan.schedule(index)
             predicted = simulate_schedule(index, schedule).peak_bytes
             gm = rewrite(index, schedule).gm if schedule.copies else tg.gm
         report = StepReport(

@@ -187,6 +187,15 @@ class GraphIndex:
             last_late_reader=last_late,
         )
 
+    def storage_last_read(self, name: str) -> int:
+        """The last rank after the forward pass that reads any value on `name`'s storages."""
+        cache = self.__dict__.setdefault("_storage_last_read", {})
+        if not cache:
+            for n, r in self.last_late_reader.items():
+                for sid in self.storages.get(n, []):
+                    cache[sid] = max(cache.get(sid, -1), r)
+        return max((cache.get(sid, -1) for sid in self.storages.get(name, [])), default=-1)
+
     def available(self, name: str, dropped: frozenset[int] | set[int]) -> bool:
         """Whether a value can be read in the backward pass without being rebuilt."""
         if name not in self.rank or name not in self.forward:
@@ -280,8 +289,13 @@ def recompute_seconds(schedule: Schedule, node_seconds: dict[str, float]) -> flo
     return sum(node_seconds[s.node] for s in schedule.steps if s.copy) - sum(node_seconds[n] for n in schedule.removed)
 
 
-def build_schedule(index: GraphIndex, dropped: set[int] | frozenset[int]) -> Schedule:
-    """The order the rewritten graph runs in when the storages in `dropped` are recomputed."""
+def build_schedule(index: GraphIndex, dropped: set[int] | frozenset[int], share_rebuilt: bool = False) -> Schedule:
+    """The order the rewritten graph runs in when the storages in `dropped` are recomputed.
+
+    `share_rebuilt`: every rebuilt value that later nodes read is kept for them, not only
+    the block's targets (Chen's segments: a segment is recomputed once, then held until
+    its backward pass is done), trading memory for not rebuilding chains again.
+    """
     dropped = frozenset(dropped)
     bad = [s for s in dropped if s not in index.activation]
     if bad:
@@ -304,8 +318,8 @@ def build_schedule(index: GraphIndex, dropped: set[int] | frozenset[int]) -> Sch
                 return ORIGINAL
             if a in block:
                 return block[a]
-            if a in target and r_u <= index.last_late_reader[a]:
-                return target[a]  # still alive: its last reader is u or later
+            if a in target and r_u <= index.storage_last_read(a):
+                return target[a]  # the original would still be alive here: no extra memory
             return None
 
         needed = [a for a in index.inputs[u] if resolve(a) is None]
@@ -328,6 +342,10 @@ def build_schedule(index: GraphIndex, dropped: set[int] | frozenset[int]) -> Sch
                 next_instance += 1
             for a in needed:
                 target[a] = block[a]
+            if share_rebuilt:
+                for c, instance in block.items():
+                    if c in index.last_late_reader:
+                        target[c] = instance
         tail_steps.append(Step(u))
         tail_reads.append([(a, resolve(a)) for a in index.inputs[u]])  # type: ignore[misc]
     output_reads = [(a, ORIGINAL) for a in index.output_inputs]

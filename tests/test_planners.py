@@ -411,8 +411,8 @@ def test_bad_budget_bytes_and_node_times(chain):
 @pytest.mark.parametrize("planner", ["mutwo", "chen"])
 def test_plans_are_deterministic(residual, planner):
     ns = seconds(residual, mm=4.0, mm_1=2.0, sin=0.5)
-    a = make_plan(planner, residual, ns, RESIDUAL_PERSISTENT + 16000).to_dict()
-    b = make_plan(planner, build(Residual), ns, RESIDUAL_PERSISTENT + 16000).to_dict()
+    a = make_plan(planner, residual, ns, RESIDUAL_PERSISTENT + 17000).to_dict()
+    b = make_plan(planner, build(Residual), ns, RESIDUAL_PERSISTENT + 17000).to_dict()
     for d in (a, b):
         d.pop("planning_seconds")
     assert a == b

@@ -65,7 +65,8 @@ def segment_counts(n: int) -> list[int]:
 def plan(index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, **meta) -> Plan:
     """The planner interface (remat.planners.make_plan)."""
     t0 = time.perf_counter()
-    ev = Evaluator(index, node_seconds, budget_bytes)
+    # Chen's segments are recomputed once and held through their backward pass.
+    ev = Evaluator(index, node_seconds, budget_bytes, share_rebuilt=True)
     baseline = ev.baseline
     extra = dict(meta.pop("meta", None) or {})
     if baseline.peak_bytes <= budget_bytes:
@@ -95,4 +96,4 @@ def plan(index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, *
     picks = [s for s in candidates if s in dropped]  # forward order
     extra.update(ev.stats())
     extra.update({"segments": k, "candidates": len(candidates), "segment_counts_tried": len(seen)})
-    return assemble_plan("chen", index, node_seconds, budget_bytes, picks, evaluation, baseline.timeline, time.perf_counter() - t0, meta=extra, **meta)
+    return assemble_plan("chen", index, node_seconds, budget_bytes, picks, evaluation, baseline.timeline, time.perf_counter() - t0, meta=extra, share_rebuilt=True, **meta)
