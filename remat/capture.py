@@ -311,7 +311,6 @@ def capture(
         inputs.append(GraphInput(n, InputKind.BATCH, *_describe(leaf)))
         flat.append(leaf)
 
-    n_params, n_buffers = len(params), len(buffers)
     state_keys = [(n, list(st)) for n, st in states.items()]
     grad_order: list[str] = []  # filled while tracing: names of the grads the "grads" marker holds
     final_grads: list[str] = []

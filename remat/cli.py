@@ -63,18 +63,24 @@ def _positive(value: int, what: str) -> int:
     return value
 
 
-def build_and_capture(model: str, batch_size: int, optimizer: str, device: str, seed: int) -> tuple[Any, Any, Any, Any]:
-    """(spec, optimizer, train graph, seconds it took): the start of every pipeline command."""
-    from remat.capture import capture
-    from remat.models import MODEL_NAMES, OPTIMIZER_NAMES, build_model, make_optimizer, make_train_step
+def check_model_args(model: str, batch_size: int, optimizer: str, device: str) -> None:
+    """Refuse bad names and sizes in a blink, before a large model is built."""
+    from remat.models import MODEL_NAMES, OPTIMIZER_NAMES
 
-    # Names first: they fail in a blink, before a large model is built.
     if model not in MODEL_NAMES:
         raise UsageError(f"unknown model {model!r}; available models: {', '.join(MODEL_NAMES)}")
     if optimizer not in OPTIMIZER_NAMES:
         raise UsageError(f"unknown optimizer {optimizer!r}; available optimizers: {', '.join(OPTIMIZER_NAMES)}")
     _positive(batch_size, "batch size")
     _check_device(device)
+
+
+def build_and_capture(model: str, batch_size: int, optimizer: str, device: str, seed: int) -> tuple[Any, Any, Any, Any]:
+    """(spec, optimizer, train graph, seconds it took): the start of every pipeline command."""
+    from remat.capture import capture
+    from remat.models import build_model, make_optimizer, make_train_step
+
+    check_model_args(model, batch_size, optimizer, device)
     try:
         spec = build_model(model, batch_size, seed=seed, device=device)
         opt = make_optimizer(optimizer, spec.model.parameters())

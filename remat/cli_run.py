@@ -61,19 +61,14 @@ def run_one(
 
     import remat
     from remat.check import check_against_eager, time_alternating, twin
-    from remat.cli import UsageError, _check_device, _positive
+    from remat.cli import UsageError, _positive, check_model_args
     from remat.memory import measure_peak
-    from remat.models import MODEL_NAMES, OPTIMIZER_NAMES, build_model, make_optimizer, make_train_step
+    from remat.models import build_model, make_optimizer, make_train_step
 
-    if model not in MODEL_NAMES:
-        raise UsageError(f"unknown model {model!r}; available models: {', '.join(MODEL_NAMES)}")
-    if optimizer not in OPTIMIZER_NAMES:
-        raise UsageError(f"unknown optimizer {optimizer!r}; available optimizers: {', '.join(OPTIMIZER_NAMES)}")
-    _positive(batch_size, "batch size")
+    check_model_args(model, batch_size, optimizer, device)
     _positive(pairs, "--pairs")
     if steps < 0:
         raise UsageError(f"--steps must be 0 or more, got {steps}")
-    _check_device(device)
 
     def say(msg: str) -> None:
         if progress:

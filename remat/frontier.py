@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from remat.budget import Budget, parse_budget
+from remat.budget import parse_budget
 from remat.errors import BudgetError, RematError
 
 MiB = 2**20
@@ -131,26 +131,21 @@ def run_frontier(
     from remat.analysis import analyze
     from remat.capture import capture, flat_inputs, run_captured
     from remat.check import check_against_eager, time_alternating, twin
-    from remat.cli import UsageError, _check_device, _positive
+    from remat.cli import UsageError, check_model_args
     from remat.memory import measure_peak
-    from remat.models import MODEL_NAMES, OPTIMIZER_NAMES, build_model, make_optimizer, make_train_step
+    from remat.models import build_model, make_optimizer, make_train_step
     from remat.plan import evaluate
     from remat.planners import PLANNERS, make_plan
     from remat.profiler import profile
     from remat.rewriter import rewrite
-    from remat.schedule import GraphIndex, build_schedule
+    from remat.schedule import GraphIndex
 
     budgets = list(budgets) if budgets is not None else parse_budgets("0.1:1.0:0.1")
     parsed = [parse_budget(b) for b in budgets]
     unknown = [p for p in planners if p not in PLANNERS]
     if unknown:
         raise UsageError(f"unknown planner {unknown[0]!r}; available planners: {', '.join(PLANNERS)}")
-    if model not in MODEL_NAMES:
-        raise UsageError(f"unknown model {model!r}; available models: {', '.join(MODEL_NAMES)}")
-    if optimizer not in OPTIMIZER_NAMES:
-        raise UsageError(f"unknown optimizer {optimizer!r}; available optimizers: {', '.join(OPTIMIZER_NAMES)}")
-    _positive(batch_size, "batch size")
-    _check_device(device)
+    check_model_args(model, batch_size, optimizer, device)
     if time_limit <= 0:
         raise UsageError(f"--time-limit must be positive, got {time_limit}")
     out = Path(out_dir) if out_dir is not None else Path("runs") / f"frontier-{model}-b{batch_size}"

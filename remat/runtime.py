@@ -32,7 +32,7 @@ from remat.plan import Plan
 from remat.planners import make_plan
 from remat.profiler import Profile, profile
 from remat.rewriter import rewrite
-from remat.schedule import GraphIndex, build_schedule, simulate_schedule
+from remat.schedule import GraphIndex, simulate_schedule
 from remat.simulator import simulate
 
 
