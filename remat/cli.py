@@ -200,10 +200,12 @@ DEMO_MODELS: tuple[tuple[str, int], ...] = (("bert-tiny", 2), ("resnet-tiny", 2)
 
 def configure_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/demo", metavar="DIR", help="output folder (default: runs/demo)")
+    p.add_argument("--profile-only", action="store_true", help="only the two small profiles (seconds), not the BERT bench (minutes)")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Profile two small models and say where the outputs are. Later stages extend it."""
+    """The main job on a small default: profile two small models, then BERT-base's bench
+    (eager vs remat vs HF checkpointing at two batch sizes), and say where everything is."""
     from remat.report import breakdown_table, console_for, phase_table
 
     console = console_for(sys.stdout)
@@ -216,9 +218,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
             f"simulated peak {prof.simulated_peak_bytes / 2**20:.2f} MiB, measured {prof.measured_peak_bytes / 2**20:.2f} MiB\n"
         )
         written.append((model, out, files))
-    console.print("[bold]outputs[/bold]")
+    console.print("[bold]profile outputs[/bold]")
     for model, out, files in written:
         console.print(f"  {model}: {out}/ ({', '.join(p.name for p in files.values())})")
+    if not args.profile_only:
+        from remat.bench import demo
+
+        demo(Path(args.out))
     return 0
 
 
@@ -249,6 +255,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def configure_bench(p: argparse.ArgumentParser) -> None:
+    from remat.cli_bench import configure_bench as configure
+
+    configure(p)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from remat.cli_bench import cmd_bench as run
+
+    return run(args)
+
+
+def configure_maxbatch(p: argparse.ArgumentParser) -> None:
+    from remat.cli_bench import configure_maxbatch as configure
+
+    configure(p)
+
+
+def cmd_maxbatch(args: argparse.Namespace) -> int:
+    from remat.cli_bench import cmd_maxbatch as run
+
+    return run(args)
+
+
 def configure_frontier(p: argparse.ArgumentParser) -> None:
     from remat.cli_frontier import configure_frontier as configure
 
@@ -265,6 +295,8 @@ COMMANDS: list[Command] = [
     Command("profile", "capture one training iteration, profile it and show where the memory goes", configure_profile, cmd_profile),
     Command("plan", "choose what to recompute under a memory budget and predict the cost", configure_plan, cmd_plan),
     Command("run", "train with the rewritten graph; check it against eager and measure it", configure_run, cmd_run),
+    Command("bench", "eager, remat and the usual checkpointing baselines side by side over batch sizes", configure_bench, cmd_bench),
+    Command("maxbatch", "the largest batch that fits a memory cap, with and without remat", configure_maxbatch, cmd_maxbatch),
     Command("frontier", "plan (and run) every budget with every planner: overhead against peak memory", configure_frontier, cmd_frontier),
     Command("demo", "profile two small models quickly and show the outputs", configure_demo, cmd_demo),
 ]

@@ -1,0 +1,189 @@
+"""`remat bench` and `remat maxbatch` (the sweep logic lives in remat/bench.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _ints(text: str, what: str) -> list[int]:
+    from remat.cli import UsageError
+
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not out or any(x < 1 for x in out):
+        raise UsageError(f"{what} must be positive integers, got {text!r}")
+    return out
+
+
+def _fractions(text: str) -> list[float | str]:
+    from remat.cli import UsageError
+
+    if text.strip().lower() in ("", "none"):
+        return []
+    try:
+        out = [x.strip() if x.strip() == "min" or x.strip().startswith("=") else float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--budgets must be comma-separated fractions such as 0.5,0.3 (or min), got {text!r}") from None
+    if any(not isinstance(x, str) and not (0 < x <= 1) for x in out):
+        raise UsageError(f"--budgets must be fractions in (0, 1], got {text!r}")
+    return out
+
+
+def configure_bench(p: argparse.ArgumentParser) -> None:
+    from remat.baselines import BASELINES
+    from remat.models import MODEL_NAMES, OPTIMIZER_NAMES
+
+    p.add_argument("--model", metavar="NAME", help=f"one of: {', '.join(MODEL_NAMES)}")
+    p.add_argument("--batch-sizes", default="2,4,8", metavar="B,B,...", help="batch sizes to sweep (default: 2,4,8)")
+    p.add_argument("--budgets", default="0.5", metavar="X,X,...", help="remat budgets: fractions of the activation peak, min (the smallest peak the planner reaches), or =BASELINE (that baseline's measured peak at the same batch size, already in the results: --resume) (default: 0.5)")
+    p.add_argument(
+        "--baselines",
+        default="hf,sequential",
+        metavar="NAME,...",
+        help=f"from: {', '.join(BASELINES)}, or none (default: hf,sequential; compile runs at each budget)",
+    )
+    p.add_argument("--optimizer", default="sgd", metavar="NAME", help=f"one of: {', '.join(OPTIMIZER_NAMES)} (default: sgd)")
+    p.add_argument("--planner", default="mutwo", help="remat planner (default: mutwo)")
+    p.add_argument("--pairs", type=int, default=3, metavar="K", help="timing rounds, each eager + every method (default: 3)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, metavar="DIR", help="output folder (default: runs/bench-<model>)")
+    p.add_argument("--resume", action="store_true", help="keep the runs already in DIR/results.json and do only the rest")
+    p.add_argument("--retry-failed", action="store_true", help="with --resume: run failed runs again (not those that failed to fit their budget)")
+    p.add_argument("--replot", metavar="DIR", default=None, help="only redraw tables and plots from DIR/results.json")
+    p.add_argument("--json", action="store_true", help="print the output files as one JSON object on stdout")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from remat.baselines import BASELINES
+    from remat.bench import bench, replot
+    from remat.cli import UsageError, _check_device, _positive
+    from remat.models import MODEL_NAMES, OPTIMIZER_NAMES
+    from remat.report import console_for
+
+    if args.replot:
+        files = replot(args.replot)
+    else:
+        if not args.model:
+            raise UsageError("--model is required (or --replot DIR)")
+        if args.model not in MODEL_NAMES:
+            raise UsageError(f"unknown model {args.model!r}; available models: {', '.join(MODEL_NAMES)}")
+        if args.optimizer not in OPTIMIZER_NAMES:
+            raise UsageError(f"unknown optimizer {args.optimizer!r}; available optimizers: {', '.join(OPTIMIZER_NAMES)}")
+        _positive(args.pairs, "--pairs")
+        _check_device(args.device)
+        baselines = [] if args.baselines.strip().lower() in ("", "none") else [b.strip() for b in args.baselines.split(",") if b.strip()]
+        unknown = [b for b in baselines if b not in BASELINES]
+        if unknown:
+            raise UsageError(f"unknown baseline {unknown[0]!r}; available baselines: {', '.join(BASELINES)}")
+        budgets = _fractions(args.budgets)
+        if "compile" in baselines and not [b for b in budgets if not isinstance(b, str)]:
+            raise UsageError("the compile baseline runs at remat's budgets: give --budgets")
+        out = Path(args.out) if args.out else Path("runs") / f"bench-{args.model}"
+        files = bench(
+            args.model,
+            _ints(args.batch_sizes, "--batch-sizes"),
+            budgets,
+            baselines,
+            out,
+            optimizer=args.optimizer,
+            device=args.device,
+            planner=args.planner,
+            pairs=args.pairs,
+            seed=args.seed,
+            resume=args.resume,
+            retry_failed=args.retry_failed,
+        )
+    if args.json:
+        print(json.dumps({k: str(v) for k, v in files.items()}))
+    else:
+        console = console_for(sys.stdout)
+        console.print(f"tables: {files['tables']}\nplots: {files['peak_plot']}, {files['latency_plot']}, {files['tradeoff_plot']}\nraw: {files['results']}, {files['results_csv']}")
+    return 0
+
+
+def configure_maxbatch(p: argparse.ArgumentParser) -> None:
+    from remat.models import MODEL_NAMES, OPTIMIZER_NAMES
+
+    p.add_argument("--model", required=True, metavar="NAME", help=f"one of: {', '.join(MODEL_NAMES)}")
+    p.add_argument("--cap", required=True, metavar="SIZE", help='memory cap on the whole peak, e.g. "8GiB"')
+    p.add_argument("--budget", type=float, default=None, metavar="X", help="plan remat at this fraction instead of at the cap itself")
+    p.add_argument("--max-batch", type=int, default=256, metavar="N", help="largest batch size to try (default: 256)")
+    p.add_argument("--start", type=int, default=1, metavar="B", help="first batch size tried; node costs are profiled there (default: 1)")
+    p.add_argument("--optimizer", default="sgd", metavar="NAME", help=f"one of: {', '.join(OPTIMIZER_NAMES)} (default: sgd)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-confirm", action="store_true", help="simulator only: skip the measured runs")
+    p.add_argument("--out", default=None, metavar="DIR", help="write maxbatch-<cap>MiB.json here (default: runs/maxbatch-<model>)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout; progress goes to stderr")
+
+
+def cmd_maxbatch(args: argparse.Namespace) -> int:
+    from remat.bench import maxbatch
+    from remat.cli import UsageError, _check_device, _positive
+    from remat.models import MODEL_NAMES, OPTIMIZER_NAMES
+
+    if args.model not in MODEL_NAMES:
+        raise UsageError(f"unknown model {args.model!r}; available models: {', '.join(MODEL_NAMES)}")
+    if args.optimizer not in OPTIMIZER_NAMES:
+        raise UsageError(f"unknown optimizer {args.optimizer!r}; available optimizers: {', '.join(OPTIMIZER_NAMES)}")
+    _positive(args.max_batch, "--max-batch")
+    _positive(args.start, "--start")
+    _check_device(args.device)
+    if args.budget is not None and not (0 < args.budget <= 1):
+        raise UsageError(f"--budget must be a fraction in (0, 1], got {args.budget}")
+    out = Path(args.out) if args.out else Path("runs") / f"maxbatch-{args.model}"
+    result = maxbatch(
+        args.model,
+        args.cap,
+        budget=args.budget,
+        max_batch=args.max_batch,
+        start=args.start,
+        optimizer=args.optimizer,
+        device=args.device,
+        seed=args.seed,
+        confirm=not args.no_confirm,
+        out_dir=out,
+        say=lambda s: print(s, file=sys.stderr, flush=True),
+    )
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(result["summary"])
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Until cli.py lists them: `python -m remat.cli_bench bench|maxbatch ...`."""
+    from remat.cli import Command, _Parser, UsageError
+    from remat.errors import RematError
+
+    commands = [
+        Command("bench", "sweep batch sizes: eager, remat, baselines; plots and tables", configure_bench, cmd_bench),
+        Command("maxbatch", "largest batch under a memory cap, with and without remat", configure_maxbatch, cmd_maxbatch),
+    ]
+    parser = _Parser(prog="remat")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for c in commands:
+        p = sub.add_parser(c.name, help=c.help, description=c.help)
+        c.configure(p)
+        p.set_defaults(_run=c.run)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code) if isinstance(e.code, int) else 0
+    try:
+        return args._run(args)
+    except (UsageError, RematError) as e:
+        print(f"remat: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

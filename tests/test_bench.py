@@ -1,0 +1,154 @@
+"""remat bench / maxbatch and the baselines, on tiny models (fast)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from remat.baselines import NotSupported, block_sequence, make_baseline, sqrt_segments
+from remat.bench import _search, bench, load_results, maxbatch, replot
+from remat.check import compare_state, twin
+from remat.cli_bench import main as cli_main
+from remat.models import build_model, make_optimizer, make_train_step
+
+
+def _eager_and(name: str, model_name: str, batch: int = 4):
+    spec = build_model(model_name, batch)
+    opt = make_optimizer("sgd", spec.model.parameters())
+    step = make_train_step(spec.loss_fn)
+    em, eo = twin(spec.model, opt)
+    bm, bo = twin(spec.model, opt)
+    bstep = make_baseline(name, bm, spec.loss_fn)
+    for i in range(2):
+        torch.manual_seed(i)
+        le = step(em, eo, spec.batch)
+        torch.manual_seed(i)
+        lb = bstep(bm, bo, spec.batch)
+        assert torch.equal(le.detach(), lb.detach())
+    return compare_state(em, eo, bm, bo)
+
+
+@pytest.mark.parametrize("name,model", [("hf", "bert-tiny"), ("sequential", "bert-tiny"), ("sequential", "mlp-deep")])
+def test_baselines_train_like_eager(name, model):
+    # Checkpointing replays the RNG (dropout) and recomputes the same ops: bitwise equal on CPU.
+    assert _eager_and(name, model) == []
+
+
+def test_sequential_on_resnet_updates_batchnorm_statistics_twice():
+    # torch.utils.checkpoint re-runs BatchNorm in training mode during the backward, so
+    # running statistics move twice per step: everything else matches eager (remat
+    # recomputes BatchNorm with its stat-free twin and has no such difference).
+    diffs = _eager_and("sequential", "resnet-tiny")
+    assert diffs and all(d.startswith("buffer ") and ("running_" in d or "num_batches" in d) for d in diffs), diffs[:3]
+
+
+def test_hf_resnet_is_not_supported_with_reason():
+    spec = build_model("resnet-tiny", 2)
+    with pytest.raises(NotSupported, match="does not support"):
+        make_baseline("hf", spec.model, spec.loss_fn)
+    with pytest.raises(NotSupported, match="not a Hugging Face model"):
+        make_baseline("hf", build_model("mlp-deep", 2).model, spec.loss_fn)
+
+
+def test_block_sequences():
+    assert len(block_sequence(build_model("bert-tiny", 2).model)[0]) == 2
+    assert len(block_sequence(build_model("resnet-tiny", 2).model)[0]) == 4  # depths [1, 1, 1, 1], flattened
+    assert len(block_sequence(build_model("mlp-deep", 2).model)[0]) == 15
+    assert [sqrt_segments(n) for n in (1, 4, 12, 50)] == [1, 2, 3, 7]
+
+
+def test_sequential_checkpointing_saves_memory_on_mlp_deep():
+    from remat.memory import measure_peak
+
+    spec = build_model("mlp-deep", 512)
+    opt = make_optimizer("sgd", spec.model.parameters())
+    step = make_train_step(spec.loss_fn)
+    em, eo = twin(spec.model, opt)
+    bm, bo = twin(spec.model, opt)
+    bstep = make_baseline("sequential", bm, spec.loss_fn)
+    step(em, eo, spec.batch), bstep(bm, bo, spec.batch)
+    eager = measure_peak(lambda: step(em, eo, spec.batch)).peak_bytes
+    seq = measure_peak(lambda: bstep(bm, bo, spec.batch)).peak_bytes
+    assert seq < 0.9 * eager
+
+
+def test_search_doubles_then_bisects():
+    best, tried = _search(lambda b: b <= 37, 1, 256)
+    assert best == 37 and tried[:7] == [1, 2, 4, 8, 16, 32, 64]
+    assert _search(lambda b: False, 4, 256)[0] == 0
+    assert _search(lambda b: True, 1, 20)[0] == 20
+
+
+def test_bench_records_every_run_resumes_and_replots(tmp_path, monkeypatch):
+    import remat
+    from remat.errors import BudgetError
+
+    real_compile = remat.compile
+
+    def compile_or_fail(*args, memory_budget=None, **kw):  # a budget no plan reaches, made certain
+        if memory_budget == 0.01:
+            raise BudgetError("no mutwo plan fits the budget (test)")
+        return real_compile(*args, memory_budget=memory_budget, **kw)
+
+    monkeypatch.setattr(remat, "compile", compile_or_fail)
+    out = tmp_path / "bench"
+    files = bench("mlp-deep", [1024], ["min", 0.01], ["sequential", "hf"], out, pairs=1, progress=False)
+    doc = load_results(out)
+    runs = {(r["batch_size"], r["method"]): r for r in doc["runs"]}
+    assert set(runs) == {(b, m) for b in (1024,) for m in ("eager", "remat@min", "remat@0.01", "sequential", "hf")}
+    for b in (1024,):
+        eager, remat = runs[(b, "eager")], runs[(b, "remat@min")]
+        assert eager["status"] == remat["status"] == "ok"
+        assert remat["peak_bytes"] < eager["peak_bytes"]  # measured, same tracker
+        assert remat["predicted_peak_bytes"] < eager["predicted_peak_bytes"]
+        assert remat["predicted_peak_bytes"] and remat["ratio_to_eager"] > 0 and remat["rounds"] == 1
+        assert runs[(b, "remat@0.01")]["status"] == "failed" and "BudgetError" in runs[(b, "remat@0.01")]["reason"]
+        assert runs[(b, "hf")]["status"] == "not supported"
+        assert runs[(b, "sequential")]["status"] == "ok"
+        assert doc["stats"][str(b)]["num_activations"] > 0
+    for f in files.values():
+        assert f.exists() and f.stat().st_size > 0
+    assert "remat@min" in (out / "tables.md").read_text()
+
+    # Resume: nothing left to do, nothing re-measured.
+    before = (out / "results.json").read_text()
+    bench("mlp-deep", [1024], ["min", 0.01], ["sequential", "hf"], out, pairs=1, resume=True, progress=False)
+    assert json.loads((out / "results.json").read_text())["runs"] == json.loads(before)["runs"]
+    # Resume with one more batch size: only that one runs.
+    bench("mlp-deep", [1024, 512], ["min"], [], out, pairs=1, resume=True, progress=False)
+    doc = load_results(out)
+    assert {r["batch_size"] for r in doc["runs"]} == {512, 1024}
+    assert [r.get("seconds_all") for r in doc["runs"] if r["batch_size"] == 1024] == [
+        r.get("seconds_all") for r in json.loads(before)["runs"] if r["batch_size"] == 1024
+    ]
+    (out / "peak_vs_batch.png").unlink()
+    assert replot(out)["peak_plot"].exists()
+
+
+def test_maxbatch_remat_fits_a_larger_batch(tmp_path):
+    from remat.analysis import analyze
+    from remat.capture import capture
+    from remat.simulator import simulate
+
+    spec = build_model("mlp-deep", 256)
+    tg = capture(make_train_step(spec.loss_fn), spec.model, make_optimizer("sgd", spec.model.parameters()), spec.batch)
+    cap = simulate(analyze(tg)).peak_bytes + 4096  # eager fits about 256
+    r = maxbatch("mlp-deep", cap, max_batch=512, start=64, out_dir=tmp_path)
+    assert r["eager_max_batch_measured"] and r["remat_max_batch_measured"] >= r["eager_max_batch_measured"]  # mlp-deep: gradients bound the peak
+    for m in r["measured"]:
+        if m["method"] == "remat" and m["batch_size"] == r["remat_max_batch_measured"]:
+            assert m["peak_bytes"] <= cap
+    assert "remat fits batch" in r["summary"]
+    assert list(tmp_path.glob("maxbatch-*.json"))
+
+
+def test_cli_usage_errors(capsys):
+    assert cli_main(["bench", "--model", "nope"]) == 2
+    assert "unknown model" in capsys.readouterr().err
+    assert cli_main(["bench", "--model", "mlp", "--baselines", "magic"]) == 2
+    assert "unknown baseline" in capsys.readouterr().err
+    assert cli_main(["bench", "--model", "mlp", "--budgets", "2"]) == 2
+    assert cli_main(["maxbatch", "--model", "mlp", "--cap", "0.5"]) == 2
+    assert "absolute size" in capsys.readouterr().err
