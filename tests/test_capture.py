@@ -16,8 +16,7 @@ TINY = [("mlp", 4), ("bert-tiny", 2), ("resnet-tiny", 2)]
 
 
 @pytest.mark.parametrize("model_name,batch_size", TINY)
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-@pytest.mark.parametrize("zero_grad_first", [False, True])
+@pytest.mark.parametrize("optimizer,zero_grad_first", [("sgd", False), ("adamw", True)])
 def test_captured_graph_trains_bitwise_like_eager(model_name, batch_size, optimizer, zero_grad_first):
     spec = build_model(model_name, batch_size)
     opt = make_optimizer(optimizer, spec.model.parameters())
