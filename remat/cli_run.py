@@ -101,12 +101,18 @@ def run_one(
         train_step(eager_model, eager_opt, spec.batch)
 
     persistent = report.persistent_bytes
+    # Each step clears the previous gradients first: clear them before measuring, so that
+    # a peak counts what the step itself allocates (as for remat's first, measured step).
+    for p in [*eager_model.parameters(), *spec.model.parameters()]:
+        p.grad = None
     eager_peak = persistent + measure_peak(lambda: train_step(eager_model, eager_opt, spec.batch), device).peak_bytes
     # The captured graph without recomputation, run on the eager copy: the baseline remat starts from.
     from remat.capture import flat_inputs, run_captured
 
     tg = step.compiled_for(spec.batch).tg
     base_inputs = flat_inputs(tg, eager_model, eager_opt, spec.batch)
+    for p in eager_model.parameters():
+        p.grad = None
     baseline_measured = persistent + measure_peak(lambda: run_captured(tg, tg.gm, eager_model, base_inputs), device).peak_bytes
 
     say(f"timing eager vs remat, {pairs} alternating pairs ...")

@@ -191,6 +191,10 @@ class RematStep:
         self._last = compiled
         inputs = flat_inputs(compiled.tg, self.model, self.optimizer, batch)
         if self.measure and not compiled.measured:
+            # The step drops the previous gradients first; drop them before the
+            # measurement starts, so that its peak counts only what the step allocates.
+            for p in self.model.parameters():
+                p.grad = None
             measured = measure_peak(lambda: self._run(compiled, inputs), compiled.tg.device)
             compiled.report.measured_peak_bytes = compiled.report.persistent_bytes + measured.peak_bytes
             compiled.measured = True
