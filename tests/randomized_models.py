@@ -1,0 +1,706 @@
+"""Random small models for the randomized tests (issue 7), and the check each one must pass.
+
+A model is a `RandomSpec`: its inputs and a list of ops over a pool of values, each op
+reading earlier values and adding one (or two) to the pool. `RandomNet(spec)` builds the
+parameters and interprets the ops; its forward returns the loss. Ops cover what the
+captured graphs of real models are made of, and especially what aliases storage: views,
+reshapes, transposes, slices, chunks, broadcasts, in-place ops on fresh values and on
+slices of them. The hypothesis strategy `random_specs()` draws specs that always train in
+eager PyTorch (in-place ops are only drawn where autograd allows them), except for the
+rare "hostile" construct that remat must refuse to capture.
+
+`check_example(spec)` compiles the model with remat and checks it against eager; it
+returns an `Outcome`, and raises AssertionError on anything wrong. The tests
+(tests/test_randomized.py) and the long run (benchmarks/long_randomized.py) share it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import remat
+import remat.runtime
+from remat.analysis import analyze
+from remat.capture import Phase
+from remat.check import check_against_eager, twin
+from remat.errors import BudgetError, CaptureError
+from remat.simulator import simulate
+
+try:  # the strategy needs hypothesis (the `test` extra); the rest of the module does not
+    from hypothesis import strategies as st
+except ImportError:  # pragma: no cover
+    st = None  # type: ignore[assignment]
+
+# Kernels allocate scratch of their own that no graph shows (oneDNN convolutions, GEMM
+# packing buffers, the allocator's alignment): up to ~100 KiB seen on these graphs, where
+# a peak is a few hundred KiB, so 3% alone would be noise. The measured peak must be
+# within max(3% of the prediction, SCRATCH_SLACK) of it, and at most SCRATCH_SLACK over
+# the budget.
+SCRATCH_SLACK = 128 * 1024
+REL_TOL = 0.03
+MAX_NUMEL = 1 << 15  # 128 KiB of float32: the largest value an op may make
+
+WIDTHS = (8, 16, 32, 64)
+HOSTILE = ("branch", "mask", "item")
+
+
+# ---------------------------------------------------------------------------- the spec
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str
+    ins: tuple[int, ...]  # indices into the value pool
+    arg: tuple = ()  # op-specific settings
+
+    def __repr__(self) -> str:
+        a = f", {self.arg}" if self.arg else ""
+        return f"Op({self.kind!r}, {self.ins}{a})"
+
+
+@dataclass(frozen=True)
+class RandomSpec:
+    batch: int
+    seq: int
+    features: int  # width of the float input "x" (B, T, features); 0: no such input
+    image: tuple[int, int] = (0, 0)  # (channels, side) of "img" (B, C, S, S); (0, 0): none
+    vocab: int = 0  # "ids" (B, T) in [0, vocab); 0: none
+    ops: tuple[Op, ...] = ()
+    loss: str = "meansq"  # "meansq" | "mse" | "ce"
+    extra_loss: bool = False  # add the mean of every value no op reads to the loss
+    optimizer: str = "sgd"  # "sgd" (momentum 0.9) | "adamw"
+    zero_grad_first: bool = True
+    budget: float = 0.5
+    retry: float = 0.0  # where to retry a refused budget: 0 the reachable peak .. 1 the baseline
+    hostile: str | None = None  # a construct capture must refuse (see HOSTILE)
+    seed: int = 0
+
+    def input_names(self) -> list[str]:
+        return [n for n, on in (("x", self.features), ("img", self.image[0]), ("ids", self.vocab)) if on]
+
+    def describe(self) -> str:
+        ins = {"x": (self.batch, self.seq, self.features), "img": (self.batch, self.image[0], self.image[1], self.image[1]),
+               "ids": (self.batch, self.seq)}
+        lines = [f"inputs {[f'{n}{ins[n]}' for n in self.input_names()]}, loss {self.loss}"
+                 f"{' + extra' if self.extra_loss else ''}, {self.optimizer}, budget {self.budget:g} (retry {self.retry:g})"
+                 f"{'' if self.zero_grad_first else ', zero_grad after step'}"
+                 f"{', hostile ' + self.hostile if self.hostile else ''}, seed {self.seed}"]
+        lines += [f"  v{len(self.input_names()) + i}: {op!r}" for i, op in enumerate(self.ops)]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- the model
+
+
+class RandomNet(nn.Module):
+    """Interprets a RandomSpec; `forward(batch)` returns the loss."""
+
+    def __init__(self, spec: RandomSpec):
+        super().__init__()
+        self.spec = spec
+        shapes = value_shapes(spec)
+        mods: dict[str, nn.Module] = {}
+        for i, op in enumerate(spec.ops):
+            src = shapes[op.ins[0]] if op.ins else None
+            if op.kind == "linear":
+                mods[f"m{i}"] = nn.Linear(src[-1], op.arg[0], bias=op.arg[1])
+            elif op.kind == "conv":
+                mods[f"m{i}"] = nn.Conv2d(src[1], op.arg[0], op.arg[1], padding=op.arg[1] // 2, bias=op.arg[2])
+            elif op.kind == "layer_norm":
+                mods[f"m{i}"] = nn.LayerNorm(src[-1])
+            elif op.kind == "batch_norm":
+                mods[f"m{i}"] = nn.BatchNorm1d(src[-1]) if len(src) == 3 else nn.BatchNorm2d(src[1])
+            elif op.kind == "embedding":
+                mods[f"m{i}"] = nn.Embedding(spec.vocab, op.arg[0])
+            elif op.kind == "dropout":
+                mods[f"m{i}"] = nn.Dropout(op.arg[0])
+        self.mods = nn.ModuleDict(mods)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        spec = self.spec
+        vals: list[torch.Tensor] = [batch[n] for n in spec.input_names()]
+        read: set[int] = set()
+        for i, op in enumerate(spec.ops):
+            read.update(op.ins)
+            xs = [vals[j] for j in op.ins]
+            out = _apply(op, xs, self.mods[f"m{i}"] if f"m{i}" in self.mods else None)
+            if op.kind == "chunk":
+                vals.extend(out)
+            else:
+                vals.append(out)
+            if spec.hostile and i == len(spec.ops) // 2:
+                vals[-1] = _hostile(spec.hostile, vals[-1])
+        out = vals[-1]
+        if spec.loss == "mse":
+            loss = F.mse_loss(out, batch["target"])
+        elif spec.loss == "ce":
+            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), batch["labels"])
+        else:
+            loss = out.pow(2).mean()
+        if spec.extra_loss:
+            for j, v in enumerate(vals[:-1]):
+                if j not in read and v.is_floating_point():
+                    loss = loss + v.mean()
+        return loss
+
+
+def _apply(op: Op, xs: list[torch.Tensor], mod: nn.Module | None) -> Any:
+    k = op.kind
+    x = xs[0] if xs else None
+    if k in ("linear", "conv", "layer_norm", "embedding", "dropout"):
+        return mod(x)
+    if k == "batch_norm":  # arg: make the input contiguous first (BatchNorm1d: else it is a transpose)
+        if x.dim() == 3:
+            x = x.transpose(1, 2)
+            return mod(x.contiguous() if op.arg[0] else x).transpose(1, 2)
+        return mod(x.contiguous() if op.arg[0] else x)
+    if k == "relu":
+        return torch.relu(x)
+    if k == "relu_":
+        return x.relu_()
+    if k == "gelu":
+        return F.gelu(x)
+    if k == "sigmoid":
+        return torch.sigmoid(x)
+    if k == "tanh":
+        return torch.tanh(x)
+    if k == "softmax":
+        return torch.softmax(x, dim=op.arg[0])
+    if k == "add":
+        return x + xs[1]
+    if k == "mul":
+        return x * xs[1]
+    if k == "add_":
+        return x.add_(xs[1])
+    if k == "cat":
+        return torch.cat([x, xs[1]], dim=-1)
+    if k == "matmul":
+        return torch.matmul(x, xs[1].transpose(1, 2)) * (1.0 / math.sqrt(x.shape[-1]))
+    if k == "bmm":  # arg: multiply by the transpose of the second
+        return torch.bmm(x, xs[1].transpose(1, 2) if op.arg and op.arg[0] else xs[1])
+    if k == "transpose":
+        return x.transpose(1, 2)
+    if k == "reshape":
+        b, t, d = x.shape
+        return x.reshape(b, t * 2, d // 2)
+    if k == "flatten":
+        return x.flatten(2)
+    if k == "to_seq":
+        return x.flatten(2).transpose(1, 2)
+    if k == "slice":
+        lo, hi = op.arg
+        return x[..., lo:hi]
+    if k == "stride":
+        return x[:, ::2]
+    if k == "chunk":
+        return list(x.chunk(2, dim=-1))
+    if k == "expand":
+        return x[:, :1].expand_as(x)
+    if k == "slice_relu_":
+        x[..., : op.arg[0]].relu_()
+        return x
+    if k == "slice_mul_":
+        x[..., : op.arg[0]].mul_(0.5)
+        return x
+    if k == "pool":
+        return F.max_pool2d(x, 2) if op.arg[0] == "max" else F.avg_pool2d(x, 2)
+    raise ValueError(f"unknown op {k}")
+
+
+def _hostile(kind: str, x: torch.Tensor) -> torch.Tensor:
+    if kind == "branch":  # Python control flow on a tensor's value
+        return x * 2 if x.sum() > 0 else x
+    if kind == "mask":  # boolean-mask indexing: the output's shape depends on values
+        return x + x[x > 0].sum()
+    if kind == "item":  # a tensor's value read into Python
+        return x * float(x.mean().item())
+    raise ValueError(kind)
+
+
+# ---------------------------------------------------------------------------- shapes
+
+
+def input_shapes(spec: RandomSpec) -> list[tuple[int, ...]]:
+    shapes = {"x": (spec.batch, spec.seq, spec.features), "img": (spec.batch, spec.image[0], spec.image[1], spec.image[1]),
+              "ids": (spec.batch, spec.seq)}
+    return [shapes[n] for n in spec.input_names()]
+
+
+def out_shapes(op: Op, ins: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The shapes of the values `op` adds to the pool."""
+    k, s = op.kind, ins[0] if ins else ()
+    if k == "linear":
+        return [(*s[:-1], op.arg[0])]
+    if k == "conv":
+        return [(s[0], op.arg[0], s[2], s[3])]
+    if k == "embedding":
+        return [(*s, op.arg[0])]
+    if k == "cat":
+        return [(*s[:-1], s[-1] + ins[1][-1])]
+    if k == "matmul":
+        return [(s[0], s[1], s[1])]
+    if k == "bmm":
+        return [(s[0], s[1], ins[1][1] if op.arg and op.arg[0] else ins[1][2])]
+    if k == "transpose":
+        return [(s[0], s[2], s[1], *s[3:])]
+    if k == "reshape":
+        return [(s[0], s[1] * 2, s[2] // 2)]
+    if k == "flatten":
+        return [(s[0], s[1], s[2] * s[3])]
+    if k == "to_seq":
+        return [(s[0], s[2] * s[3], s[1])]
+    if k == "slice":
+        return [(*s[:-1], op.arg[1] - op.arg[0])]
+    if k == "stride":
+        return [(s[0], (s[1] + 1) // 2, *s[2:])]
+    if k == "chunk":
+        return [(*s[:-1], s[-1] // 2)] * 2
+    if k == "pool":
+        return [(s[0], s[1], s[2] // 2, s[3] // 2)]
+    return [s]
+
+
+def value_shapes(spec: RandomSpec) -> list[tuple[int, ...]]:
+    shapes = input_shapes(spec)
+    for op in spec.ops:
+        shapes.extend(out_shapes(op, [shapes[i] for i in op.ins]))
+    return shapes
+
+
+def make_batch(spec: RandomSpec) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(spec.seed)
+    batch: dict[str, torch.Tensor] = {}
+    for name, shape in zip(spec.input_names(), input_shapes(spec)):
+        if name == "ids":
+            batch[name] = torch.randint(0, spec.vocab, shape, generator=gen)
+        else:
+            batch[name] = torch.randn(shape, generator=gen)
+    out = value_shapes(spec)[-1]
+    if spec.loss == "mse":
+        batch["target"] = torch.randn(out, generator=gen)
+    elif spec.loss == "ce":
+        batch["labels"] = torch.randint(0, out[-1], (math.prod(out[:-1]),), generator=gen)
+    return batch
+
+
+def build(spec: RandomSpec) -> tuple[RandomNet, torch.optim.Optimizer, dict[str, torch.Tensor]]:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = RandomNet(spec).train()
+    if spec.optimizer == "adamw":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    return model, opt, make_batch(spec)
+
+
+def make_train_step(spec: RandomSpec):
+    def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if spec.zero_grad_first:
+            optimizer.zero_grad()
+        loss = model(batch)
+        loss.backward()
+        optimizer.step()
+        if not spec.zero_grad_first:
+            optimizer.zero_grad()
+        return loss
+
+    return train_step
+
+
+# ---------------------------------------------------------------------------- the strategy
+
+
+@dataclass
+class _Value:
+    shape: tuple[int, ...]
+    group: int  # storage group: views and in-place results share their input's
+    is_float: bool = True
+    expanded: bool = False  # a stride-0 view or one of chunk's views: never written in place
+    grad: bool = False  # depends on a parameter
+
+
+class _Pool:
+    """The values drawn so far, and where autograd allows an in-place op.
+
+    An in-place op is legal on a group (a storage and its views) only while nothing has
+    saved it for backward: its maker does not save its output (relu, sigmoid, tanh and
+    softmax do) and no op other than a view has read it yet. Inputs are never written.
+    """
+
+    def __init__(self) -> None:
+        self.values: list[_Value] = []
+        self.writable: dict[int, bool] = {}
+
+    def add(self, shape: tuple[int, ...], group: int | None = None, writable: bool = False, **kw: Any) -> int:
+        if group is None:
+            group = len(self.writable)
+            self.writable[group] = writable
+        self.values.append(_Value(shape, group, **kw))
+        return len(self.values) - 1
+
+
+_PARAMETRIZED = {"linear", "conv", "layer_norm", "batch_norm", "embedding"}
+_SAVES_OUTPUT = {"relu", "sigmoid", "tanh", "softmax", "relu_", "slice_relu_"}
+_VIEWS = {"transpose", "slice", "stride", "chunk", "expand", "to_seq", "flatten", "reshape"}
+
+
+if st is not None:
+
+    @st.composite
+    def _pick(draw: Any, pool: _Pool, ok: Any) -> int | None:
+        """An index of a value satisfying `ok`, the most recent first (shrinks to chains)."""
+        cands = [i for i, v in enumerate(pool.values) if v.is_float and ok(v)]
+        if not cands:
+            return None
+        back = draw(st.integers(0, len(cands) - 1))
+        return cands[-1 - back]
+
+    @st.composite
+    def random_specs(draw: Any, max_ops: int = 14, hostile: bool = True) -> RandomSpec:
+        """A random model, loss, optimizer and budget (see the module docstring)."""
+        batch = draw(st.sampled_from([4, 2, 8]))
+        seq = draw(st.sampled_from([8, 4, 16]))
+        kinds = draw(st.sampled_from([("x",), ("ids",), ("img",), ("x", "ids"), ("img", "x")]))
+        features = draw(st.sampled_from(WIDTHS)) if "x" in kinds else 0
+        image = (draw(st.sampled_from([3, 8])), draw(st.sampled_from([8, 4, 16]))) if "img" in kinds else (0, 0)
+        vocab = draw(st.sampled_from([50, 7])) if "ids" in kinds else 0
+        spec0 = RandomSpec(batch, seq, features, image, vocab)
+        pool = _Pool()
+        for name, shape in zip(spec0.input_names(), input_shapes(spec0)):
+            pool.add(shape, is_float=name != "ids")
+        ops: list[Op] = []
+        if vocab:
+            ops.append(Op("embedding", (len(pool.values) - 1,), (draw(st.sampled_from(WIDTHS)),)))
+            pool.add(out_shapes(ops[-1], [pool.values[-1].shape])[0], writable=True, grad=True)
+        n_ops = draw(st.integers(min(3, max_ops), max_ops))
+        for _ in range(n_ops):
+            op = draw(_op(pool))
+            if op is None:
+                continue
+            ins = [pool.values[i] for i in op.ins]
+            shapes = out_shapes(op, [v.shape for v in ins])
+            grad = op.kind in _PARAMETRIZED or any(v.grad for v in ins)
+            if op.kind not in _VIEWS or op.kind == "chunk":
+                # Read (and maybe saved for backward): no more in-place writes. Views made
+                # by chunk (a multi-view op) may not be written, nor their base after them.
+                for v in ins:
+                    pool.writable[v.group] = False
+            if op.kind in _VIEWS:
+                for s in shapes:
+                    pool.add(s, group=ins[0].group, expanded=ins[0].expanded or op.kind in ("expand", "chunk"), grad=grad)
+            elif op.kind in ("relu_", "add_", "slice_relu_", "slice_mul_"):
+                pool.writable[ins[0].group] = op.kind not in _SAVES_OUTPUT
+                pool.add(shapes[0], group=ins[0].group, grad=grad)
+            else:
+                pool.add(shapes[0], writable=op.kind not in _SAVES_OUTPUT, grad=grad)
+            ops.append(op)
+        if not pool.values[-1].grad:  # the loss must depend on a parameter
+            ops.append(Op("linear", (len(pool.values) - 1,), (16, True)))
+        loss = draw(st.sampled_from(["meansq", "mse", "ce"]))
+        hostile = draw(st.sampled_from(HOSTILE)) if ops and hostile and draw(st.integers(0, 9)) == 9 else None
+        return RandomSpec(
+            batch,
+            seq,
+            features,
+            image,
+            vocab,
+            ops=tuple(ops),
+            loss=loss,
+            extra_loss=draw(st.booleans()),
+            optimizer=draw(st.sampled_from(["sgd", "adamw"])),
+            zero_grad_first=draw(st.booleans()),
+            budget=draw(st.one_of(st.sampled_from([0.5, 1.0, 0.1]), st.floats(0.02, 1.0))),
+            retry=draw(st.sampled_from([0.0, 0.5, 0.2, 0.8])),
+            hostile=hostile,
+            seed=draw(st.integers(0, 2**16)),
+        )
+
+    def _fits(shape: tuple[int, ...]) -> bool:
+        return math.prod(shape) <= MAX_NUMEL
+
+    @st.composite
+    def _op(draw: Any, pool: _Pool) -> Op | None:
+        kind = draw(st.sampled_from(OP_KINDS))
+        p = lambda ok: draw(_pick(pool, ok))  # noqa: E731
+        if kind in ("relu", "gelu", "sigmoid", "tanh", "dropout", "layer_norm", "softmax", "transpose"):
+            i = p(lambda v: kind != "transpose" or len(v.shape) >= 3)
+            if i is None:
+                return None
+            if kind == "dropout":
+                return Op(kind, (i,), (draw(st.sampled_from([0.1, 0.5])),))
+            if kind == "softmax":
+                return Op(kind, (i,), (draw(st.sampled_from([-1, 1])),))
+            return Op(kind, (i,))
+        if kind == "linear":
+            i = p(lambda v: True)
+            if i is None:
+                return None
+            d = draw(st.sampled_from(WIDTHS))
+            if not _fits((*pool.values[i].shape[:-1], d)):
+                return None
+            return Op(kind, (i,), (d, draw(st.booleans())))
+        if kind == "conv":
+            i = p(lambda v: len(v.shape) == 4)
+            if i is None:
+                return None
+            c = draw(st.sampled_from([4, 8, 16]))
+            s = pool.values[i].shape
+            if not _fits((s[0], c, s[2], s[3])):
+                return None
+            return Op(kind, (i,), (c, draw(st.sampled_from([3, 1])), draw(st.booleans())))
+        if kind == "batch_norm":
+            i = p(lambda v: len(v.shape) in (3, 4))
+            return None if i is None else Op(kind, (i,), (draw(st.sampled_from([True, True, True, False])),))
+        if kind in ("relu_", "slice_relu_", "slice_mul_"):
+            i = p(lambda v: pool.writable[v.group] and not v.expanded)
+            if i is None:
+                return None
+            if kind == "relu_":
+                return Op(kind, (i,))
+            d = pool.values[i].shape[-1]
+            return Op(kind, (i,), (draw(st.integers(1, d)),))
+        if kind in ("add", "mul", "add_", "cat", "matmul"):
+            first = (lambda v: pool.writable[v.group] and not v.expanded) if kind == "add_" else (lambda v: len(v.shape) == 3 if kind == "matmul" else True)
+            i = p(first)
+            if i is None:
+                return None
+            a = pool.values[i].shape
+            if kind == "cat":
+                j = p(lambda v: v.shape[:-1] == a[:-1])
+                if j is None or not _fits((*a[:-1], a[-1] + pool.values[j].shape[-1])):
+                    return None
+            else:
+                j = p(lambda v: v.shape == a)
+                if kind == "add_" and j is not None and pool.values[j].group == pool.values[i].group:
+                    j = None  # x.add_(view of x): reads what it writes
+                if j is None:
+                    return None
+            return Op(kind, (i, j))
+        if kind == "bmm":
+            i = p(lambda v: len(v.shape) == 3)
+            if i is None:
+                return None
+            a = pool.values[i].shape
+            transposed = draw(st.booleans())
+            if transposed:  # x @ y^T: y is (B, S, a[2])
+                j = p(lambda v: len(v.shape) == 3 and v.shape[0] == a[0] and v.shape[2] == a[2])
+            else:  # x @ y: y is (B, a[2], D)
+                j = p(lambda v: len(v.shape) == 3 and v.shape[:2] == (a[0], a[2]))
+            if j is None:
+                return None
+            b = pool.values[j].shape
+            if not _fits((a[0], a[1], b[1] if transposed else b[2])):
+                return None
+            return Op(kind, (i, j), (transposed,))
+        if kind == "reshape":
+            i = p(lambda v: len(v.shape) == 3 and v.shape[2] % 2 == 0)
+            return None if i is None else Op(kind, (i,))
+        if kind in ("flatten", "to_seq", "pool"):
+            i = p(lambda v: len(v.shape) == 4 and (kind != "pool" or all(d % 2 == 0 and d >= 2 for d in v.shape[2:])))
+            if i is None:
+                return None
+            return Op(kind, (i,), (draw(st.sampled_from(["max", "avg"])),) if kind == "pool" else ())
+        if kind == "slice":
+            i = p(lambda v: v.shape[-1] >= 2)
+            if i is None:
+                return None
+            d = pool.values[i].shape[-1]
+            lo = draw(st.integers(0, d - 1))
+            return Op(kind, (i,), (lo, draw(st.integers(lo + 1, d))))
+        if kind == "stride":
+            i = p(lambda v: len(v.shape) >= 3 and v.shape[1] >= 2)
+            return None if i is None else Op(kind, (i,))
+        if kind == "chunk":
+            i = p(lambda v: v.shape[-1] % 2 == 0)
+            return None if i is None else Op(kind, (i,))
+        if kind == "expand":
+            i = p(lambda v: len(v.shape) >= 3)
+            return None if i is None else Op(kind, (i,))
+        raise AssertionError(kind)
+
+
+OP_KINDS = (
+    "linear", "relu", "add", "relu_", "gelu", "sigmoid", "tanh", "softmax", "layer_norm", "batch_norm",
+    "dropout", "mul", "add_", "cat", "matmul", "bmm", "transpose", "reshape", "slice", "stride", "chunk",
+    "expand", "slice_relu_", "slice_mul_", "conv", "pool", "flatten", "to_seq",
+)
+
+
+# ---------------------------------------------------------------------------- the check
+
+
+@dataclass
+class Outcome:
+    """What one example did. `kind`: "ran"; "ran_after_refusal" (the budget was refused, and
+    a budget between the reachable peak and the baseline ran instead); "capture_error" (a
+    hostile construct refused)."""
+
+    kind: str
+    budget_bytes: int | None = None
+    predicted_peak: int | None = None
+    measured_peak: int | None = None
+    storages_peak: int | None = None  # simulated without the measured kernel scratch
+    baseline_peak: int | None = None
+    num_recomputed: int = 0
+    copies: int = 0
+    nodes: int = 0
+    message: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+_BUDGET_ERROR = re.compile(r"budget of .*?\((\d+) bytes\): the smallest peak it could reach is .*?\((\d+) bytes\), from .*?without")
+
+
+def parse_budget_error(message: str) -> tuple[int, int]:
+    """(budget bytes, smallest reachable peak) from a planner's BudgetError message."""
+    m = _BUDGET_ERROR.search(message)
+    assert m, f"a BudgetError must say the budget and the smallest reachable peak in bytes: {message}"
+    return int(m.group(1)), int(m.group(2))
+
+
+@contextlib.contextmanager
+def reuse_profiles() -> Iterator[dict[str, Any]]:
+    """Make `remat.compile` capture and profile each model once and reuse both after.
+
+    The greedy's picks depend on the measured node times; replanning the same graph at
+    another budget must see the same times, or "the smallest peak it could reach" would
+    not be reproducible. (Reusing the capture only saves time: nothing between the two
+    compiles changes the model.) Yields the profiles, by graph fingerprint.
+    """
+    from remat.profiler import graph_fingerprint
+
+    real_profile, real_capture = remat.runtime.profile, remat.runtime.capture
+    profiles: dict[str, Any] = {}
+    captures: dict[tuple[int, int], Any] = {}
+
+    def profile(tg, *args, **kwargs):  # type: ignore[no-untyped-def]
+        key = graph_fingerprint(tg)
+        if key not in profiles:
+            profiles[key] = real_profile(tg, *args, **kwargs)
+        return profiles[key]
+
+    def capture(train_step, model, optimizer, batch):  # type: ignore[no-untyped-def]
+        key = (id(model), id(optimizer))
+        if key not in captures:
+            captures[key] = real_capture(train_step, model, optimizer, batch)
+        return captures[key]
+
+    remat.runtime.profile, remat.runtime.capture = profile, capture
+    try:
+        yield profiles
+    finally:
+        remat.runtime.profile, remat.runtime.capture = real_profile, real_capture
+
+
+def rewritten_phases(tg: remat.TrainGraph, gm: torch.fx.GraphModule) -> dict[str, Phase]:
+    """Phases of a rewritten graph: a recompute copy belongs to the phase of the op it precedes."""
+    phase: dict[str, Phase] = {}
+    following = Phase.OPTIMIZER
+    for node in reversed([n for n in gm.graph.nodes if n.op == "call_function"]):
+        following = tg.phase.get(node.name, following)
+        phase[node.name] = following
+    return phase
+
+
+def original_name(node_name: str) -> str:
+    """The node a rewritten graph's node copies (itself, unless it is a recompute copy)."""
+    return re.sub(r"_recomputed(_\d+)?$", "", node_name)
+
+
+def _compile(spec: RandomSpec, model: nn.Module, opt: torch.optim.Optimizer, batch: Any, budget: Any) -> remat.RematStep:
+    return remat.compile(make_train_step(spec), model, opt, batch, memory_budget=budget, profile_runs=1)
+
+
+def check_example(spec: RandomSpec, steps: int = 3) -> Outcome:
+    """Compile `spec` with remat and check it against eager PyTorch (see the module docstring).
+
+    - A hostile construct: remat must refuse it with a CaptureError that names it.
+    - Otherwise, a BudgetError must be right: the smallest peak it names is above the
+      budget, and a plan at that peak exists (same profile); that plan is then run.
+    - Whatever runs: loss, gradients, parameters, buffers and optimizer state bitwise
+      equal to eager over `steps` steps; predicted peak within the budget; the simulator
+      on the graph that runs gives exactly the predicted peak; the measured peak within
+      max(3%, SCRATCH_SLACK) of the prediction and at most SCRATCH_SLACK over the budget.
+    """
+    model, opt, batch = build(spec)
+    eager_model, eager_opt = twin(model, opt)
+    kind = "ran"
+    notes: list[str] = []
+    with reuse_profiles() as profiles:
+        try:
+            step = _compile(spec, model, opt, batch, spec.budget)
+        except CaptureError as e:
+            msg = str(e)
+            if spec.hostile:
+                assert "data-dependent" in msg or "depends on tensor values" in msg, f"unclear refusal of {spec.hostile}: {msg}"
+                return Outcome("capture_error", message=msg)
+            raise AssertionError(f"remat refused a model with no unsupported construct: {e}") from e
+        except BudgetError as e:
+            assert not spec.hostile, f"{spec.hostile} was captured: {e}"
+            budget_bytes, reachable = parse_budget_error(str(e))
+            assert reachable > budget_bytes, f"refused a budget above the peak it says it can reach: {e}"
+            # Any budget from the reachable peak up must fit (the same picks reach it);
+            # `spec.retry` places the retry between the reachable and the baseline peak.
+            (prof,) = profiles.values()
+            retry = reachable + int(spec.retry * max(0, prof.simulated_peak_bytes - reachable))
+            try:
+                step = _compile(spec, model, opt, batch, retry)
+            except BudgetError as e2:
+                raise AssertionError(f"the planner said it could reach {reachable} bytes, but refused {retry}: {e2}") from e2
+            kind = "ran_after_refusal"
+            notes.append(f"budget {budget_bytes} refused, reachable {reachable}, ran at {retry}")
+    assert not spec.hostile, f"{spec.hostile} was captured without complaint"
+
+    report = step.report
+    compiled = step._last
+    assert compiled is not None
+    result = check_against_eager(make_train_step(spec), eager_model, eager_opt, model, opt, step, batch, steps=steps)
+    assert result.match, result.summary()
+
+    budget = report.budget_bytes
+    assert budget is not None and report.plan is not None
+    assert report.predicted_peak_bytes <= budget, f"predicted {report.predicted_peak_bytes} over the budget {budget}"
+    assert report.predicted_peak_bytes == report.plan.predicted_peak_bytes
+    # The simulator on the graph that actually runs: its own storages, its own order (and
+    # the kernel scratch the profile measured per node, a copy's being its original's).
+    scratch = report.profile.scratch_by_node() if hasattr(report.profile, "scratch_by_node") else {}
+    analysis = analyze(compiled.tg, compiled.gm, rewritten_phases(compiled.tg, compiled.gm))
+    copy_scratch = {n: scratch.get(original_name(n), 0) for n in analysis.node_names}
+    actual = simulate(analysis, scratch=copy_scratch) if scratch else simulate(analysis)
+    assert actual.peak_bytes == report.predicted_peak_bytes, (
+        f"simulated peak of the rewritten graph {actual.peak_bytes} != plan's prediction {report.predicted_peak_bytes}"
+    )
+    measured = report.measured_peak_bytes
+    assert measured is not None
+    predicted = report.predicted_peak_bytes
+    tol = max(REL_TOL * predicted, SCRATCH_SLACK)
+    assert abs(measured - predicted) <= tol, f"measured peak {measured} vs predicted {predicted} (tolerance {tol:.0f})"
+    assert measured <= budget + SCRATCH_SLACK, f"measured peak {measured} over the budget {budget}"
+    # The storages alone (no measured scratch, which would hide a storage the analysis
+    # missed or counted twice): the allocator holds them, and at most the kernels'
+    # scratch more.
+    storages_only = simulate(analysis).peak_bytes
+    assert -SCRATCH_SLACK <= measured - storages_only <= SCRATCH_SLACK, (
+        f"measured peak {measured} vs {storages_only} simulated from the storages alone"
+    )
+    return Outcome(
+        kind,
+        budget_bytes=budget,
+        predicted_peak=predicted,
+        measured_peak=measured,
+        storages_peak=storages_only,
+        baseline_peak=report.baseline_peak_bytes,
+        num_recomputed=report.num_recomputed,
+        copies=report.copies,
+        nodes=len(compiled.tg.op_nodes()),
+        notes=notes,
+    )
