@@ -231,73 +231,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- registry and main
 
 
-def configure_run(p: argparse.ArgumentParser) -> None:
-    from remat.cli_run import configure_run as configure
+def _lazy(module: str, configure: str, run: str) -> tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]:
+    """configure/run of a subcommand that lives in its own module, imported only when used."""
+    import importlib
 
-    configure(p)
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    from remat.cli_run import cmd_run as run
-
-    return run(args)
-
-
-def configure_plan(p: argparse.ArgumentParser) -> None:
-    from remat.cli_plan import configure
-
-    configure(p)
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    from remat.cli_plan import run
-
-    return run(args)
-
-
-def configure_bench(p: argparse.ArgumentParser) -> None:
-    from remat.cli_bench import configure_bench as configure
-
-    configure(p)
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from remat.cli_bench import cmd_bench as run
-
-    return run(args)
-
-
-def configure_maxbatch(p: argparse.ArgumentParser) -> None:
-    from remat.cli_bench import configure_maxbatch as configure
-
-    configure(p)
-
-
-def cmd_maxbatch(args: argparse.Namespace) -> int:
-    from remat.cli_bench import cmd_maxbatch as run
-
-    return run(args)
-
-
-def configure_frontier(p: argparse.ArgumentParser) -> None:
-    from remat.cli_frontier import configure_frontier as configure
-
-    configure(p)
-
-
-def cmd_frontier(args: argparse.Namespace) -> int:
-    from remat.cli_frontier import cmd_frontier as run
-
-    return run(args)
+    return (
+        lambda p: getattr(importlib.import_module(module), configure)(p),
+        lambda args: getattr(importlib.import_module(module), run)(args),
+    )
 
 
 COMMANDS: list[Command] = [
     Command("profile", "capture one training iteration, profile it and show where the memory goes", configure_profile, cmd_profile),
-    Command("plan", "choose what to recompute under a memory budget and predict the cost", configure_plan, cmd_plan),
-    Command("run", "train with the rewritten graph; check it against eager and measure it", configure_run, cmd_run),
-    Command("bench", "eager, remat and the usual checkpointing baselines side by side over batch sizes", configure_bench, cmd_bench),
-    Command("maxbatch", "the largest batch that fits a memory cap, with and without remat", configure_maxbatch, cmd_maxbatch),
-    Command("frontier", "plan (and run) every budget with every planner: overhead against peak memory", configure_frontier, cmd_frontier),
+    Command("plan", "choose what to recompute under a memory budget and predict the cost", *_lazy("remat.cli_plan", "configure", "run")),
+    Command("run", "train with the rewritten graph; check it against eager and measure it", *_lazy("remat.cli_run", "configure_run", "cmd_run")),
+    Command("bench", "eager, remat and the usual checkpointing baselines side by side over batch sizes", *_lazy("remat.cli_bench", "configure_bench", "cmd_bench")),
+    Command("maxbatch", "the largest batch that fits a memory cap, with and without remat", *_lazy("remat.cli_bench", "configure_maxbatch", "cmd_maxbatch")),
+    Command("frontier", "plan (and run) every budget with every planner: overhead against peak memory", *_lazy("remat.cli_frontier", "configure_frontier", "cmd_frontier")),
     Command("demo", "profile two small models quickly and show the outputs", configure_demo, cmd_demo),
 ]
 
