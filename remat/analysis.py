@@ -99,6 +99,41 @@ def _tensors_in(value: Any) -> list[torch.Tensor | None]:
     return []
 
 
+# CPU kernels of these losses reduce into their elementwise buffer and return a 0-dim
+# tensor on it: with reduction "mean" or "sum", the loss's storage still holds one
+# element per input element (torch 2.13), where the fake kernel says one element. The
+# loss is an output of the step, so that buffer lives to its end.
+_LOSSES_ON_THEIR_BUFFER = {
+    torch.ops.aten.mse_loss.default,
+    torch.ops.aten.smooth_l1_loss.default,
+    torch.ops.aten.binary_cross_entropy.default,
+    torch.ops.aten.soft_margin_loss.default,
+}
+
+
+def _storage_nbytes(node: torch.fx.Node, t: torch.Tensor) -> int:
+    """Bytes of the storage `t` lives in, as the real kernel allocates it."""
+    nbytes = t.untyped_storage().nbytes()
+    if node.op == "call_function" and node.target in _LOSSES_ON_THEIR_BUFFER and t.dim() == 0 and t.device.type == "cpu":
+        shapes = [a.meta["val"].shape for a in node.args if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+        nbytes = max(nbytes, torch.Size(torch.broadcast_shapes(*shapes)).numel() * t.element_size())
+    return nbytes
+
+
+def _masked_outputs(node: torch.fx.Node) -> list[int]:
+    """Outputs an op's `output_mask` turns off (convolution_backward, native_batch_norm_backward,
+    native_layer_norm_backward, ...): the real kernel returns an undefined tensor there, the
+    fake kernel a full-size one that no node reads."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return []
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.name == "output_mask":
+            mask = node.args[i] if i < len(node.args) else node.kwargs.get("output_mask")
+            return [j for j, on in enumerate(mask or []) if not on]
+    return []
+
+
 def _key(node: torch.fx.Node, index: int, vals: list) -> str:
     return node.name if not isinstance(node.meta.get("val"), (list, tuple)) else f"{node.name}#{index}"
 
@@ -120,6 +155,7 @@ def analyze(tg: TrainGraph, gm: torch.fx.GraphModule | None = None, phase: dict[
     by_ref: dict[StorageWeakRef, int] = {}
     node_storages: dict[str, list[int]] = {}
     new_storages: list[list[int]] = [[] for _ in op_nodes]
+    undefined: set[StorageWeakRef] = set()  # fake outputs the real kernel does not make
     placeholder_index = 0
 
     def storage_id(t: torch.Tensor, node: torch.fx.Node, created: int, role: Role, persistent: bool, key: str) -> int:
@@ -133,7 +169,7 @@ def analyze(tg: TrainGraph, gm: torch.fx.GraphModule | None = None, phase: dict[
                     id=sid,
                     node=node.name,
                     key=key,
-                    nbytes=t.untyped_storage().nbytes(),
+                    nbytes=_storage_nbytes(node, t),
                     role=role,
                     created=created,
                     last_use=end if persistent else created,
@@ -159,6 +195,11 @@ def analyze(tg: TrainGraph, gm: torch.fx.GraphModule | None = None, phase: dict[
             ]
         elif node.op == "call_function":
             vals = _tensors_in(node.meta.get("val"))
+            for i in _masked_outputs(node):
+                if i < len(vals) and vals[i] is not None:
+                    undefined.add(StorageWeakRef(vals[i].untyped_storage()))
+            if undefined:  # the masked outputs and the getitems that read them hold nothing
+                vals = [None if v is not None and StorageWeakRef(v.untyped_storage()) in undefined else v for v in vals]
             node_storages[node.name] = [
                 storage_id(v, node, rank[node.name], Role.OTHER, False, _key(node, i, vals))
                 for i, v in enumerate(vals)

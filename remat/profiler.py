@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import hashlib
+import operator
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,8 +30,8 @@ import torch.fx
 from torch.fx.node import map_arg
 
 from remat.analysis import ROLES, GraphAnalysis, Role, analyze
-from remat.capture import InputKind, Phase, TrainGraph, flat_inputs
-from remat.errors import PlanError, RematError
+from remat.capture import CORRECTED_STRIDES, InputKind, Phase, TrainGraph, flat_inputs
+from remat.errors import CaptureError, PlanError, RematError
 from remat.memory import _quiet_stdio, cpu_memory_events, measure_peak
 from remat.serialize import dump_document, load_document
 from remat.simulator import Timeline, simulate
@@ -263,7 +264,9 @@ class _NodeRunner:
                 i += 1
         self.num_ops = i
 
-    def run(self, inputs: list[torch.Tensor], hook: Callable[[int, Callable[[], Any]], Any]) -> None:
+    def run(self, inputs: list[torch.Tensor], hook: Callable[[int, Callable[[], Any]], Any], check_layout: bool = False) -> None:
+        """One step, node by node. `check_layout`: refuse the graph at the first CPU op whose
+        real output strides differ from the trace's (see `_check_layout`)."""
         env: dict[torch.fx.Node, Any] = dict(zip(self.placeholders, inputs))
         lookup = env.__getitem__
         for s in self.steps:
@@ -274,6 +277,8 @@ class _NodeRunner:
                 target = node.target
                 env[node] = hook(self.op_index[node], lambda: target(*args, **kwargs))
                 del args, kwargs
+                if check_layout:
+                    _check_layout(node, env[node])
             elif node.op == "get_attr":
                 obj: Any = self.gm
                 for part in str(node.target).split("."):
@@ -286,7 +291,35 @@ class _NodeRunner:
         env.clear()
 
 
-def _time_run_cpu(runner: _NodeRunner, inputs: list[torch.Tensor]) -> np.ndarray:
+def _check_layout(node: torch.fx.Node, value: Any) -> None:
+    """Refuse a CPU op whose real output has other strides than its fake one in the trace.
+
+    The trace decides views, copies and reshapes from the fake strides; where a fake
+    kernel predicts other strides than the real one (capture._CpuOutputStrides corrects
+    the ones known), the step would fail on real tensors or not match eager bitwise.
+    Dimensions of size 1 have no meaningful stride and are ignored.
+    """
+    source = node.args[0] if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node) else node
+    if source.target in CORRECTED_STRIDES:  # its fake output is followed by the real strides' view
+        return
+    fake = node.meta.get("val")
+    reals = value if isinstance(value, (list, tuple)) else [value]
+    fakes = fake if isinstance(fake, (list, tuple)) else [fake]
+    for real, f in zip(reals, fakes):
+        if not isinstance(real, torch.Tensor) or not isinstance(f, torch.Tensor) or real.device.type != "cpu":
+            continue
+        if tuple(real.shape) != tuple(f.shape):
+            continue
+        if any(d > 1 and a != b for d, a, b in zip(real.shape, real.stride(), f.stride())):
+            raise CaptureError(
+                f"the captured step does not match the real kernels: {node.target} ({node.name}) makes a tensor of "
+                f"shape {tuple(real.shape)} with strides {real.stride()} on the CPU, where PyTorch's fake kernel "
+                f"predicted {f.stride()}, so the trace may hold views that fail or that do not match eager. Make the "
+                "op's inputs contiguous (.contiguous()) in the model, and please report the op."
+            )
+
+
+def _time_run_cpu(runner: _NodeRunner, inputs: list[torch.Tensor], check_layout: bool = False) -> np.ndarray:
     times = np.zeros(runner.num_ops, dtype=np.float64)
     clock = time.perf_counter
 
@@ -296,7 +329,7 @@ def _time_run_cpu(runner: _NodeRunner, inputs: list[torch.Tensor]) -> np.ndarray
         times[i] = clock() - t0
         return out
 
-    runner.run(inputs, hook)
+    runner.run(inputs, hook, check_layout)
     return times
 
 
@@ -497,7 +530,7 @@ def profile(
         times: list[np.ndarray] = []
         with _progress(progress, total, "warm-up" if warmup else "timing") as advance:
             for i in range(warmup + runs):
-                t = _time_run_cuda(runner, inputs, dev) if is_cuda else _time_run_cpu(runner, inputs)
+                t = _time_run_cuda(runner, inputs, dev) if is_cuda else _time_run_cpu(runner, inputs, check_layout=i == 0)
                 if i >= warmup:
                     times.append(t)
                 advance("timing" if i + 1 < warmup + runs else "memory per node")

@@ -1,7 +1,3 @@
-# The randomized model check of issue 7, kept out of CI for now: its CI-sized run fails on
-# the example below (measured peak above the simulator on a tiny embedding → softmax →
-# transpose → matmul graph: 550416 measured vs 419336 simulated bytes). Run it with
-# `.venv/bin/python -m pytest -q benchmarks/randomized_suite.py` once that is understood.
 """Randomized models (issue 7): never a wrong gradient, never over budget.
 
 Hypothesis draws small models from tests/randomized_models.py (random DAGs of linear,
@@ -17,11 +13,6 @@ The tests after it pin the bugs the randomized runs found, each with its minimal
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-
 import dataclasses
 
 import pytest
@@ -33,6 +24,7 @@ from torch import nn
 import remat
 from remat.check import check_against_eager, twin
 from remat.errors import BudgetError, CaptureError
+from remat.simulator import simulate
 from randomized_models import (
     HOSTILE,
     OP_KINDS,
@@ -79,6 +71,19 @@ INPLACE_THROUGH_VIEWS = RandomSpec(
          Op("gelu", (4,)), Op("mul", (5, 6)), Op("linear", (7,), (16, False))),
     optimizer="adamw", budget=0.2,
 )
+# A mean squared error on a transposed output: the CPU backward of mse_loss returns a
+# contiguous gradient, its fake kernel the input's strides ("view size is not compatible").
+MSE_ON_TRANSPOSE = RandomSpec(
+    4, 8, 0, (3, 8), ops=(Op("linear", (0,), (8, False)), Op("add", (1, 1)), Op("to_seq", (2,))), loss="mse", budget=0.5
+)
+# LayerNorm's backward with a gradient that comes back through a transpose: the CPU
+# kernel returns it contiguous, the fake kernel in the gradient's strides.
+LN_BACKWARD_THROUGH_TRANSPOSE = RandomSpec(
+    8, 8, 0, vocab=7,
+    ops=(Op("embedding", (0,), (16,)), Op("sigmoid", (1,)), Op("cat", (2, 2)), Op("layer_norm", (3,)), Op("transpose", (4,)),
+         Op("sigmoid", (5,))),
+    loss="ce", optimizer="adamw", budget=0.1, seed=31229,
+)
 # Boolean-mask indexing: traced with a symbolic size, and the simulator then failed with
 # GuardOnDataDependentSymNode instead of a CaptureError.
 MASK_INDEXING = RandomSpec(4, 4, 16, ops=(Op("linear", (0,), (16, True)), Op("relu", (1,))), hostile="mask")
@@ -96,6 +101,8 @@ MASK_INDEXING = RandomSpec(4, 4, 16, ops=(Op("linear", (0,), (16, True)), Op("re
 @example(BN_SLICE_INPLACE)
 @example(UNUSED_PARAMETER)
 @example(MASK_INDEXING)
+@example(MSE_ON_TRANSPOSE)
+@example(LN_BACKWARD_THROUGH_TRANSPOSE)
 @example(SLICE_KEEPS_BASE_ALIVE)
 @example(INPLACE_THROUGH_VIEWS)
 def test_random_models_train_bitwise_like_eager_within_budget(spec: RandomSpec) -> None:
@@ -175,3 +182,117 @@ def test_boolean_mask_indexing_is_refused_at_capture() -> None:
     model, opt, batch = build(MASK_INDEXING)
     with pytest.raises(CaptureError, match="shape that depends on tensor values"):
         remat.capture(make_train_step(MASK_INDEXING), model, opt, batch)
+
+
+def _profiled(model: nn.Module, loss_fn, batch):  # type: ignore[no-untyped-def]
+    from remat.profiler import profile
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step_fn(m, o, b):  # type: ignore[no-untyped-def]
+        o.zero_grad()
+        loss = loss_fn(m, b)
+        loss.backward()
+        o.step()
+        return loss
+
+    tg = remat.capture(step_fn, model, opt, batch)
+    return tg, remat.analyze(tg), profile(tg, model, opt, batch, runs=1, progress=False)
+
+
+def test_a_mean_squared_error_keeps_its_elementwise_buffer() -> None:
+    """CPU mse_loss returns a 0-dim tensor on its elementwise buffer, which the loss (an
+    output of the step) keeps alive to the end; the fake kernel says 4 bytes."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 256), torch.randn(64, 256)
+    tg, analysis, prof = _profiled(nn.Linear(256, 256), lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), (x, y))
+    (loss,) = [t for t in analysis.tensors if t.node == tg.loss_node]
+    assert loss.nbytes == x.numel() * 4
+    assert simulate(analysis).step_peak_bytes == prof.measured_step_peak_bytes
+
+
+def test_outputs_masked_off_in_the_backward_hold_no_storage() -> None:
+    """native_batch_norm_backward with output_mask [False, ...] (its input needs no
+    gradient): the fake kernel returns a full-size grad_input, the CPU kernel none."""
+    torch.manual_seed(0)
+    tg, analysis, prof = _profiled(nn.BatchNorm1d(64), lambda m, b: torch.softmax(m(b), dim=1).pow(2).mean(), torch.randn(32, 64))
+    (bwd,) = [n for n in tg.gm.graph.nodes if n.target is torch.ops.aten.native_batch_norm_backward.default]
+    assert bwd.args[-1][0] is False
+    masked = [u for u in bwd.users if u.args[1] == 0]
+    assert all(analysis.node_storages[u.name] == [] for u in masked)
+    during = simulate(analysis).during
+    assert all(int(during[i]) <= node.peak_bytes for i, node in enumerate(prof.nodes))
+
+
+@pytest.mark.xfail(strict=True, reason="plan.PeakLowerBound exceeds the simulated peak when a recomputed op has kernel scratch")
+def test_peak_lower_bound_with_scratch_is_a_lower_bound() -> None:
+    """Found by the randomized runs: the planner then skips a plan that fits, and refuses a
+    budget it says it can reach ("Raise the budget to at least X", then X is refused)."""
+    from remat.plan import PeakLowerBound, evaluate
+    from remat.schedule import GraphIndex, build_schedule, simulate_schedule
+
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    tg, analysis, _ = _profiled(
+        model, lambda m, b: nn.functional.mse_loss(torch.softmax(m(b[0]), dim=1), b[1]), (torch.randn(2, 16, 16), torch.randn(2, 16, 16))
+    )
+    index = GraphIndex.build(tg, analysis)
+    index.scratch = {"_softmax": 2048}  # what the CPU softmax over dim 1 allocates for itself
+    (probs,) = [t.id for t in analysis.activations() if t.node == "_softmax"]
+    bound = PeakLowerBound(index, evaluate(index, set(), {n: 0.0 for n in index.order}).timeline)
+    simulated = simulate_schedule(index, build_schedule(index, {probs})).peak_bytes
+    assert bound(frozenset({probs})) <= simulated
+
+
+def test_an_op_whose_real_strides_differ_from_the_trace_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The profiler's first run compares every CPU op's real strides with the trace's: an
+    op whose fake kernel is wrong and not corrected at capture gives a CaptureError that
+    names it, not "view size is not compatible" from deep in the step."""
+    import sys
+
+    monkeypatch.setattr(sys.modules["remat.capture"], "_cpu_output_strides", lambda func, args: None)
+    monkeypatch.setattr(sys.modules["remat.profiler"], "CORRECTED_STRIDES", frozenset())
+    model, opt, batch = build(MSE_ON_TRANSPOSE)
+    with pytest.raises(CaptureError, match="does not match the real kernels: aten.mse_loss_backward"):
+        remat.compile(make_train_step(MSE_ON_TRANSPOSE), model, opt, batch, memory_budget=0.5, profile_runs=1)
+
+
+class StaleView(nn.Module):
+    """A view of a tensor that is then written in place, read after the write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.bn = nn.Embedding(50, 8), nn.BatchNorm1d(3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        s = self.emb(ids)[..., 1:4]
+        b = self.bn(s.transpose(1, 2).contiguous()).transpose(1, 2)
+        d = s * 2.0
+        t = d.transpose(1, 2)  # a view of d ...
+        d.add_(b)  # ... whose base is then written in place ...
+        return d.pow(2).mean() + t.mean()  # ... and read after the write
+
+
+@pytest.mark.xfail(strict=True, reason="known limitation: make_fx replays the stale view, eager uses as_strided")
+def test_a_view_read_after_its_base_is_written_in_place_trains_bitwise() -> None:
+    """Eager autograd regenerates such a view's backward with as_strided (a contiguous
+    gradient); traced on fake tensors (Python dispatch), autograd replays the view
+    instead (a transposed gradient). The gradients are equal up to rounding (~1e-8), not
+    bitwise: BatchNorm's backward sums them in another order. The generator leaves such
+    stale views out (randomized_models._Pool.stale)."""
+    torch.manual_seed(0)
+    model = StaleView()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    ids = torch.randint(0, 50, (2, 4))
+
+    def step_fn(m, o, b):  # type: ignore[no-untyped-def]
+        o.zero_grad()
+        loss = m(b)
+        loss.backward()
+        o.step()
+        return loss
+
+    eager = twin(model, opt)
+    step = remat.compile(step_fn, model, opt, ids, memory_budget=None, profile_runs=1)
+    result = check_against_eager(step_fn, *eager, model, opt, step, ids, steps=3)
+    assert result.match, result.summary()
