@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                         overhead_fraction=plan.predicted_overhead_fraction,
                         num_recomputed=plan.num_recomputed,
                         simulations=plan.meta.get("simulations", ""),
-                        note=f"segments={plan.meta['segments']}" if "segments" in plan.meta else "",
+                        note=", ".join(f"{k}={plan.meta[k]}" for k in ("segments", "schedule") if k in plan.meta),
                     )
                 rows.append(row)
                 done = row["status"] == "plan"

@@ -521,7 +521,7 @@ class Evaluator:
                 return Reach(best, lb, False)
             if self.bound(dropped) >= best:  # the whole bound (above stopped at the cheap part)
                 continue
-            peak = evaluate(self.index, dropped, self.node_seconds).peak_bytes
+            peak = evaluate(self.index, dropped, self.node_seconds, self.share_rebuilt).peak_bytes
             self.simulations += 1
             if peak < lb:
                 self.bound_violations += 1

@@ -226,6 +226,30 @@ def test_chain_mutwo_by_hand(chain):
     assert entry.ratio == 4096.0
 
 
+def test_mutwo_keeps_the_cheaper_rebuild_schedule(chain, residual):
+    """The greedy runs under both rebuild policies and keeps the cheaper plan that fits."""
+    ns = seconds(chain, mm=2.0, mm_1=4.0)
+    # Same picks as above (sin_1, sin, mm), same peak (12420): per block, mm (2 s) is
+    # rebuilt for mm_5's block and again for cos_1's, 6 s in all; shared, its one copy is
+    # kept from mm_5 to cos_1 (dead at rank 18 either way): 4 s.
+    plan = make_plan("mutwo", chain, ns, CHAIN_PERSISTENT + 13000)
+    assert plan.share_rebuilt and plan.meta["schedule"] == "shared"
+    assert plan.keys == ["sin_1", "sin", "mm"] and plan.predicted_overhead_seconds == pytest.approx(4.0)
+    assert plan.predicted_peak_bytes == CHAIN_PERSISTENT + 12420
+    assert plan.meta["other_schedule"]["schedule"] == "per-block"
+    assert plan.meta["other_schedule"]["predicted_overhead_seconds"] == pytest.approx(6.0)
+    # The plan runs as it was simulated: its own schedule says the same.
+    assert evaluate(chain, plan.dropped(chain), ns, share_rebuilt=True).overhead_seconds == pytest.approx(4.0)
+    # Equal costs: per block (sin_1 and sin are each read by one block only).
+    plan = make_plan("mutwo", chain, ns, CHAIN_PERSISTENT + 15000)
+    assert not plan.share_rebuilt and plan.keys == ["sin_1", "sin"]
+    # On the residual block, held copies do not fit 16000: per block it is.
+    ns = seconds(residual, mm=4.0, mm_1=2.0, sin=0.5)
+    plan = make_plan("mutwo", residual, ns, RESIDUAL_PERSISTENT + 16000)
+    assert not plan.share_rebuilt and plan.meta["schedule"] == "per-block"
+    assert "no mutwo plan fits" in plan.meta["other_schedule"]["error"]
+
+
 def test_chain_budget_below_reach_says_the_minimum(chain):
     ns = seconds(chain, mm=2.0, mm_1=4.0)
     # Dropping all four leaves rank 18 at 12420 (mm_1 must be there for cos): the minimum

@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
-from remat.errors import PlanError
-from remat.plan import Evaluation, Evaluator, Plan, assemble_plan, no_plan_error
+from remat.errors import BudgetError, PlanError
+from remat.plan import REFINE_SECONDS, Evaluation, Evaluator, Plan, assemble_plan, no_plan_error
 from remat.schedule import GraphIndex
 
 Id = Hashable
@@ -173,42 +173,145 @@ class MutwoResult:
     records: list[Candidate]
 
 
-def plan_mutwo(index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, *, simulate_every_pick: bool = False, **meta) -> MutwoResult:
+def plan_mutwo(
+    index: GraphIndex,
+    node_seconds: dict[str, float],
+    budget_bytes: int,
+    *,
+    simulate_every_pick: bool = False,
+    share_rebuilt: bool = False,
+    give_up_above_seconds: float | None = None,
+    patience: int | None = None,
+    **meta,
+) -> MutwoResult:
     """μ-TWO's greedy on a graph: the first pick sequence whose simulated peak fits.
 
     Every prefix of the picks is checked with the plan simulator, except those that a
     lower bound (plan.PeakLowerBound) already puts above the budget (their log entry has
     no peak): the stop is the first pick that fits, as if every prefix had been
     simulated. `simulate_every_pick` simulates them all anyway, for a complete log.
+    `share_rebuilt` is the schedule policy the picks are simulated (and later run) with
+    (schedule.build_schedule). A BudgetError it raises carries the `Reach` as `.reach`.
+
+    Two stops, for a run that only competes with a plan already found (see `plan`):
+    `give_up_above_seconds` ends the greedy once a simulated prefix's predicted
+    overhead reaches it (more picks only add rebuilds), and `patience` once that many
+    simulated prefixes in a row have not lowered the smallest peak seen (under the
+    shared schedule, held rebuilds can make the peak rise with every further pick).
+    Both are deterministic, so plans stay reproducible.
     """
     t0 = time.perf_counter()
-    ev = Evaluator(index, node_seconds, budget_bytes, use_bound=not simulate_every_pick)
+    ev = Evaluator(index, node_seconds, budget_bytes, use_bound=not simulate_every_pick, share_rebuilt=share_rebuilt)
     baseline = ev.baseline
     extra = dict(meta.pop("meta", None) or {})
+    extra["schedule"] = SCHEDULE_NAMES[share_rebuilt]
     if baseline.peak_bytes <= budget_bytes:
         plan = assemble_plan("mutwo", index, node_seconds, budget_bytes, [], baseline, baseline.timeline, time.perf_counter() - t0, meta=extra, **meta)
         return MutwoResult(plan, GreedyResult([], [], True), [])
     records = candidate_records(index, node_seconds)
     last: dict[str, Evaluation] = {}
+    stale = {"best": baseline.peak_bytes, "since": 0}
 
     def fits(picks: list) -> tuple[bool, int | None]:
         ok, peak, evaluation = ev.check(set(picks))
         if ok:
             assert evaluation is not None
             last["fit"] = evaluation
+        elif evaluation is not None:
+            if give_up_above_seconds is not None and evaluation.overhead_seconds >= give_up_above_seconds:
+                raise _GiveUp
+            stale["since"] = 0 if evaluation.peak_bytes < stale["best"] else stale["since"] + 1
+            stale["best"] = min(stale["best"], evaluation.peak_bytes)
+            if patience is not None and stale["since"] >= patience:
+                raise _GiveUp
         return ok, peak
 
-    result = greedy(records, fits)
+    gave_up = False
+    try:
+        result = greedy(records, fits)
+    except _GiveUp:
+        result, gave_up = GreedyResult([], [], False), True
     if not result.fitted:
-        raise no_plan_error("mutwo", budget_bytes, ev.smallest_peak(), baseline.peak_bytes, len(records))
+        reach = ev.smallest_peak(time_limit=0.0 if gave_up else REFINE_SECONDS)
+        error = no_plan_error("mutwo", budget_bytes, reach, baseline.peak_bytes, len(records))
+        error.reach = reach  # type: ignore[attr-defined]
+        raise error
     extra.update(ev.stats())
     extra["candidates"] = len(records)
     plan = assemble_plan(
-        "mutwo", index, node_seconds, budget_bytes, list(result.picks), last["fit"], baseline.timeline, time.perf_counter() - t0, meta=extra, **meta
+        "mutwo",
+        index,
+        node_seconds,
+        budget_bytes,
+        list(result.picks),
+        last["fit"],
+        baseline.timeline,
+        time.perf_counter() - t0,
+        meta=extra,
+        share_rebuilt=share_rebuilt,
+        **meta,
     )
     return MutwoResult(plan, result, records)
 
 
+SCHEDULE_NAMES = {False: "per-block", True: "shared"}
+# Simulated prefixes in a row without a lower peak before the shared-schedule greedy
+# stops (on ResNet-152 its peak only rises after the first few hundred picks, and each
+# simulation of a large drop set takes a fraction of a second).
+SHARED_PATIENCE = 24
+
+
+class _GiveUp(Exception):
+    """Raised inside the greedy's `fits` to end a run that can no longer win."""
+
+
 def plan(index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, **meta) -> Plan:
-    """The planner interface (remat.planners.make_plan)."""
-    return plan_mutwo(index, node_seconds, budget_bytes, **meta).plan
+    """The planner interface (remat.planners.make_plan).
+
+    The greedy decides what to drop; how the dropped tensors are rebuilt is the
+    schedule's policy: once per backward block that reads them (the paper's cost model;
+    less memory held) or once for all their later readers (`share_rebuilt`, as in Chen's
+    segments; less time, more memory held). Neither is better everywhere: on long
+    chains at tight budgets sharing saves rebuilding a prefix many times, elsewhere its
+    held copies force more drops. The greedy runs under each (the shared run stops
+    once it cannot win: `plan_mutwo`'s stops) and the plan with the smaller predicted
+    overhead is kept (per-block on a tie); `meta["schedule"]` says which, and
+    `meta["other_schedule"]` what the other reached.
+    """
+    t0 = time.perf_counter()
+    results: dict[bool, MutwoResult] = {}
+    errors: dict[bool, BudgetError] = {}
+    rest = {k: v for k, v in meta.items() if k != "meta"}
+    try:
+        results[False] = plan_mutwo(index, node_seconds, budget_bytes, meta=dict(meta.get("meta") or {}), **rest)
+    except BudgetError as e:
+        errors[False] = e
+    if errors or results[False].plan.recomputed:  # else the budget fits without recomputation
+        # The shared schedule only competes: it stops once it cannot beat the per-block plan.
+        cap = results[False].plan.predicted_overhead_seconds if results else None
+        try:
+            results[True] = plan_mutwo(
+                index, node_seconds, budget_bytes, share_rebuilt=True, give_up_above_seconds=cap, patience=SHARED_PATIENCE,
+                meta=dict(meta.get("meta") or {}), **rest,
+            )
+        except BudgetError as e:
+            errors[True] = e
+    if not results:
+        # The error of the policy that got closer to the budget.
+        raise min(errors.values(), key=lambda e: getattr(e, "reach").best)
+    # Shared only when it saves time beyond rounding (sums of the same node times in another order).
+    chosen = True if True in results and (False not in results or results[True].plan.predicted_overhead_seconds
+                                          < results[False].plan.predicted_overhead_seconds * (1 - 1e-9)) else False
+    plan = results[chosen].plan
+    other = not chosen
+    if other in results:
+        plan.meta["other_schedule"] = {
+            "schedule": SCHEDULE_NAMES[other],
+            "predicted_overhead_seconds": results[other].plan.predicted_overhead_seconds,
+            "predicted_peak_bytes": results[other].plan.predicted_peak_bytes,
+            "num_recomputed": results[other].plan.num_recomputed,
+        }
+    elif other in errors:
+        plan.meta["other_schedule"] = {"schedule": SCHEDULE_NAMES[other], "error": str(errors[other])}
+    plan.planning_seconds = time.perf_counter() - t0
+    return plan
