@@ -258,7 +258,7 @@ SCHEDULE_NAMES = {False: "per-block", True: "shared"}
 # Simulated prefixes in a row without a lower peak before the shared-schedule greedy
 # stops (on ResNet-152 its peak only rises after the first few hundred picks, and each
 # simulation of a large drop set takes a fraction of a second).
-SHARED_PATIENCE = 24
+SHARED_PATIENCE = 8
 
 
 class _GiveUp(Exception):
