@@ -3,7 +3,8 @@
 Writes to the output folder: frontier.json (everything), frontier.csv (one row per planner
 and budget), frontier.md (per budget: overheads, μ-TWO's gap to the exact planner, solver
 times), frontier.png (overhead against peak memory, one curve per planner) and
-profile.json (pass it back with --profile to skip profiling).
+profile.json (pass it back with --profile to skip profiling). The files are rewritten
+after every point; --resume keeps the points already there and does only the rest.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ def configure_frontier(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", default="sgd", metavar="NAME", help=f"one of: {', '.join(OPTIMIZER_NAMES)} (default: sgd)")
     p.add_argument("--profile", default=None, metavar="FILE", help="a profile.json of this model and batch size (skips profiling)")
     p.add_argument("--out", default=None, metavar="DIR", help="output folder (default: runs/frontier-<model>-b<B>)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the points already in DIR/frontier.json (same model, batch size, optimizer and device) and do only the rest, "
+        "on the node times of DIR/profile.json",
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--runs", type=int, default=3, metavar="N", help="timed runs per node when profiling (default: 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model's weights and batch (default: 0)")
@@ -50,22 +57,27 @@ def cmd_frontier(args: argparse.Namespace) -> int:
     planners = [p.strip() for p in args.planners.split(",") if p.strip()]
     budgets = parse_budgets(args.budgets)
     out = Path(args.out) if args.out else Path("runs") / f"frontier-{args.model}-b{args.batch_size}"
-    fr = run_frontier(
-        args.model,
-        args.batch_size,
-        planners,
-        budgets,
-        optimizer=args.optimizer,
-        measure=args.measure,
-        out_dir=out,
-        time_limit=args.time_limit,
-        device=args.device,
-        seed=args.seed,
-        runs=args.runs,
-        pairs=args.pairs if args.measure else 0,
-        profile_path=args.profile,
-        progress=True,
-    )
+    try:
+        fr = run_frontier(
+            args.model,
+            args.batch_size,
+            planners,
+            budgets,
+            optimizer=args.optimizer,
+            measure=args.measure,
+            out_dir=out,
+            time_limit=args.time_limit,
+            device=args.device,
+            seed=args.seed,
+            runs=args.runs,
+            pairs=args.pairs if args.measure else 0,
+            profile_path=args.profile,
+            progress=True,
+            resume=args.resume,
+        )
+    except KeyboardInterrupt:
+        print(f"interrupted: every point finished so far is in {out}/frontier.json; rerun with --resume to do only the rest", file=sys.stderr)
+        raise
     stream = sys.stderr if args.json else sys.stdout
     print(markdown_table(fr), file=stream)
     print(f"wrote {out}/frontier.json, frontier.csv, frontier.md, frontier.png ({time.perf_counter() - t0:.1f} s)", file=stream)

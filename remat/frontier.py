@@ -4,14 +4,20 @@
 same node times (`remat.planners.make_plan`); with `measure`, each plan is also rewritten
 and run: three steps compared bitwise with eager PyTorch (`remat.check`), then the
 allocator's peak of one more step (`remat.memory.measure_peak`) next to the prediction.
-A budget a planner cannot meet is recorded (its error message) and the sweep goes on.
-Results are written after every point (frontier.json, frontier.csv), the plot and the
-summary table after every budget, so an interrupted sweep keeps what it did.
+A budget a planner cannot meet is recorded (its error message) and the sweep goes on, as
+does a configuration that fails in any other way (out of memory while its plan runs,
+say): an "error" point with the reason.
+
+Results are written after every point (frontier.json, frontier.csv, frontier.md), each
+file replaced whole, and the plot after every budget, so a sweep stopped at any moment
+(Ctrl-C, a killed run) keeps every point it finished; `resume=True` (`--resume`) keeps
+them and does only the rest.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import sys
@@ -110,6 +116,123 @@ def _say(progress: bool, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
+@dataclass
+class Sweep:
+    """What every point of one sweep shares: the graph, its profile, the model to run."""
+
+    model: str
+    batch_size: int
+    optimizer: str
+    device: str
+    seed: int
+    time_limit: float
+    measure: bool
+    pairs: int
+    tg: Any
+    index: Any
+    prof: Any
+    node_seconds: dict[str, float]
+    persistent_bytes: int
+    spec: Any  # models.ModelSpec: the model and batch the plans run on
+    opt: Any
+    train_step: Any
+
+
+def run_point(sw: Sweep, planner: str, budget: str, budget_bytes: int, fraction: float | None) -> Point:
+    """One planner at one budget: plan it and, with `sw.measure`, run it.
+
+    A budget the planner cannot meet is a "no_plan" point; a planner's RematError, or
+    any failure while the plan is run (out of memory, say), an "error" point keeping
+    what was predicted: the sweep goes on either way.
+    """
+    from remat.planners import make_plan
+
+    point = Point(planner=planner, budget=budget, budget_bytes=int(budget_bytes), fraction=fraction, status="ok")
+    kwargs: dict[str, Any] = {"time_limit": sw.time_limit} if planner == "milp" else {}
+    t1 = time.perf_counter()
+    try:
+        plan = make_plan(
+            planner, sw.index, sw.node_seconds, int(budget_bytes), fingerprint=sw.prof.fingerprint, model=sw.model,
+            batch_size=sw.batch_size, optimizer=sw.optimizer, baseline_iteration_seconds=sw.prof.iteration_seconds, **kwargs,
+        )
+    except BudgetError as e:
+        point.status, point.error = "no_plan", str(e)
+        point.planning_seconds = time.perf_counter() - t1
+        return point
+    except RematError as e:
+        point.status, point.error = "error", f"{type(e).__name__}: {e}"
+        point.planning_seconds = time.perf_counter() - t1
+        return point
+    point.predicted_peak_bytes = plan.predicted_peak_bytes
+    point.predicted_step_peak_bytes = plan.predicted_step_peak_bytes
+    point.predicted_overhead_seconds = plan.predicted_overhead_seconds
+    point.predicted_overhead_fraction = plan.predicted_overhead_fraction
+    point.planning_seconds = plan.planning_seconds
+    point.num_recomputed = plan.num_recomputed
+    point.solver = {
+        k: (None if isinstance(v, float) and not math.isfinite(v) else v)  # JSON has no infinity (an unbounded solver)
+        for k, v in plan.meta.items()
+        if isinstance(v, (int, float, str, bool)) or v is None
+    }
+    if sw.measure:
+        try:
+            _measure(sw, plan, point)
+        except Exception as e:  # noqa: BLE001 - a plan that fails to run (out of memory) is a result
+            from remat.bench import _reason
+
+            point.status, point.error = "error", f"while running the plan: {_reason(e)}"
+            _release(sw.device)
+    return point
+
+
+def _measure(sw: Sweep, plan: Any, point: Point) -> None:
+    """Run the plan: three steps bitwise against eager, one step's peak, and timing pairs."""
+    from remat.capture import flat_inputs, run_captured
+    from remat.check import check_against_eager, time_alternating, twin
+    from remat.memory import measure_peak
+    from remat.rewriter import rewrite
+
+    tg, spec = sw.tg, sw.spec
+    schedule = plan.schedule(sw.index)
+    gm = rewrite(sw.index, schedule).gm if schedule.copies else tg.gm
+    eager_model, eager_opt = twin(spec.model, sw.opt)
+    remat_model, remat_opt = twin(spec.model, sw.opt)
+
+    def remat_step(batch: Any) -> Any:
+        return run_captured(tg, gm, remat_model, flat_inputs(tg, remat_model, remat_opt, batch))
+
+    check = check_against_eager(sw.train_step, eager_model, eager_opt, remat_model, remat_opt, remat_step, spec.batch, steps=3, seed=sw.seed)
+    point.grads_match = check.match
+    point.mismatches = check.mismatches[:10]
+    measured = measure_peak(lambda: remat_step(spec.batch), sw.device)
+    point.measured_peak_bytes = int(sw.persistent_bytes + measured.peak_bytes)
+    point.measured_step_peak_bytes = int(measured.peak_bytes)
+    point.peak_error = (point.measured_peak_bytes - plan.predicted_peak_bytes) / plan.predicted_peak_bytes
+    if sw.pairs > 0:
+        timing = time_alternating(
+            lambda: sw.train_step(eager_model, eager_opt, spec.batch), lambda: remat_step(spec.batch), pairs=sw.pairs, device=sw.device
+        )
+        point.measured_overhead_ratio = timing.ratio
+
+
+def _release(device: str) -> None:
+    """Give back what a failed configuration held, so that the next one starts clean."""
+    import gc
+
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def _finished(p: Point, measure: bool) -> bool:
+    """Whether a point kept from an earlier sweep stands (a resumed sweep skips it)."""
+    if p.status not in ("ok", "no_plan", "error"):
+        return False
+    return not (measure and p.status == "ok" and p.measured_peak_bytes is None)  # planned only: now run it too
+
+
 def run_frontier(
     model: str,
     batch_size: int,
@@ -126,18 +249,22 @@ def run_frontier(
     pairs: int = 0,
     profile_path: str | Path | None = None,
     progress: bool = True,
+    resume: bool = False,
 ) -> Frontier:
-    """Plan (and with `measure`, run) every budget with every planner; write the results."""
+    """Plan (and with `measure`, run) every budget with every planner; write the results.
+
+    The results are on disk after every point. With `resume`, the points already in the
+    output folder's frontier.json (of the same model, batch size, optimizer and device)
+    are kept and not planned again, and its profile.json gives the node times, so that
+    the new points are planned on the same ones.
+    """
     from remat.analysis import analyze
-    from remat.capture import capture, flat_inputs, run_captured
-    from remat.check import check_against_eager, time_alternating, twin
+    from remat.capture import capture
     from remat.cli import UsageError, check_model_args
-    from remat.memory import measure_peak
     from remat.models import build_model, make_optimizer, make_train_step
     from remat.plan import evaluate
-    from remat.planners import PLANNERS, make_plan
+    from remat.planners import PLANNERS
     from remat.profiler import profile
-    from remat.rewriter import rewrite
     from remat.schedule import GraphIndex
 
     budgets = list(budgets) if budgets is not None else parse_budgets("0.1:1.0:0.1")
@@ -149,6 +276,9 @@ def run_frontier(
     if time_limit <= 0:
         raise UsageError(f"--time-limit must be positive, got {time_limit}")
     out = Path(out_dir) if out_dir is not None else Path("runs") / f"frontier-{model}-b{batch_size}"
+    previous = _resumable(out, model, batch_size, optimizer, device) if resume else None
+    if previous is not None and profile_path is None and (out / "profile.json").is_file():
+        profile_path = out / "profile.json"
 
     spec = build_model(model, batch_size, seed=seed, device=device)
     opt = make_optimizer(optimizer, spec.model.parameters())
@@ -167,6 +297,12 @@ def run_frontier(
         prof.model, prof.batch_size, prof.optimizer = model, batch_size, optimizer
         prof.to_json(out / "profile.json")
     profile_seconds = time.perf_counter() - t0
+    if previous is not None and previous.meta.get("fingerprint") not in (None, prof.fingerprint):
+        raise UsageError(
+            f"--resume: {out / 'frontier.json'} was made on another graph (fingerprint {str(previous.meta['fingerprint'])[:12]}…, "
+            f"this one {prof.fingerprint[:12]}…): another torch or remat version captures it differently. Use another --out, "
+            "or drop --resume to start over."
+        )
     node_seconds = prof.seconds_by_node()
     index = GraphIndex.build(tg, analysis)
     index.scratch = prof.scratch_by_node()  # predictions include measured kernel scratch
@@ -188,67 +324,92 @@ def run_frontier(
         time_limit=time_limit,
         meta={"seed": seed, "runs": runs, "fingerprint": prof.fingerprint, "num_nodes": len(index.order)},
     )
+    if previous is not None:  # its points first; planners and budgets it had that this sweep has not stay listed
+        frontier.points = list(previous.points)
+        frontier.planners += [p for p in previous.planners if p not in frontier.planners]
+        frontier.budgets += [b for b in previous.budgets if b not in frontier.budgets]
+        frontier.meta["resumed_from"] = len(previous.points)
     _say(progress, f"{len(index.order)} nodes; peak without recomputation {base_tl.peak_bytes / MiB:,.2f} MiB "
          f"(persistent {base_tl.persistent_bytes / MiB:,.2f} MiB); iteration {prof.iteration_seconds * 1e3:,.1f} ms")
+    sweep = Sweep(
+        model=model, batch_size=batch_size, optimizer=optimizer, device=device, seed=seed, time_limit=time_limit, measure=measure,
+        pairs=pairs, tg=tg, index=index, prof=prof, node_seconds=node_seconds, persistent_bytes=int(base_tl.persistent_bytes),
+        spec=spec, opt=opt, train_step=train_step,
+    )  # fmt: skip
 
     for budget, b in zip(budgets, parsed):
         budget_bytes = b.to_bytes(base_tl.persistent_bytes, base_tl.step_peak_bytes)
         fraction = b.fraction if b.fraction is not None else None
         for planner in planners:
-            point = Point(planner=planner, budget=budget, budget_bytes=int(budget_bytes), fraction=fraction, status="ok")
-            kwargs: dict[str, Any] = {"time_limit": time_limit} if planner == "milp" else {}
+            kept = frontier.point(planner, budget)
+            if kept is not None and _finished(kept, measure):
+                _say(progress, f"  {budget:>6} {planner:>6}: kept from {out / 'frontier.json'} ({kept.status})")
+                continue
+            if kept is not None:
+                frontier.points.remove(kept)
             t1 = time.perf_counter()
             try:
-                plan = make_plan(
-                    planner, index, node_seconds, int(budget_bytes), fingerprint=prof.fingerprint, model=model,
-                    batch_size=batch_size, optimizer=optimizer, baseline_iteration_seconds=prof.iteration_seconds, **kwargs,
-                )
-            except BudgetError as e:
-                point.status, point.error = "no_plan", str(e)
-                point.planning_seconds = time.perf_counter() - t1
-                frontier.points.append(point)
-                _say(progress, f"  {budget:>6} {planner:>6}: no plan ({point.planning_seconds:.2f} s)")
-                write_results(frontier, out)
-                continue
-            except RematError as e:
-                point.status, point.error = "error", f"{type(e).__name__}: {e}"
-                frontier.points.append(point)
-                _say(progress, f"  {budget:>6} {planner:>6}: error: {e}")
-                write_results(frontier, out)
-                continue
-            point.predicted_peak_bytes = plan.predicted_peak_bytes
-            point.predicted_step_peak_bytes = plan.predicted_step_peak_bytes
-            point.predicted_overhead_seconds = plan.predicted_overhead_seconds
-            point.predicted_overhead_fraction = plan.predicted_overhead_fraction
-            point.planning_seconds = plan.planning_seconds
-            point.num_recomputed = plan.num_recomputed
-            point.solver = {k: v for k, v in plan.meta.items() if isinstance(v, (int, float, str, bool)) or v is None}
-            if measure:
-                schedule = plan.schedule(index)
-                gm = rewrite(index, schedule).gm if schedule.copies else tg.gm
-                eager_model, eager_opt = twin(spec.model, opt)
-                remat_model, remat_opt = twin(spec.model, opt)
+                point = run_point(sweep, planner, budget, int(budget_bytes), fraction)
+            except Exception as e:  # noqa: BLE001 - one configuration failing (out of memory, a crash) is a result
+                from remat.bench import _reason
 
-                def remat_step(batch: Any, gm: Any = gm, m: Any = remat_model, o: Any = remat_opt) -> Any:
-                    return run_captured(tg, gm, m, flat_inputs(tg, m, o, batch))
-
-                check = check_against_eager(train_step, eager_model, eager_opt, remat_model, remat_opt, remat_step, spec.batch, steps=3, seed=seed)
-                point.grads_match = check.match
-                point.mismatches = check.mismatches[:10]
-                measured = measure_peak(lambda: remat_step(spec.batch), device)
-                point.measured_peak_bytes = int(base_tl.persistent_bytes + measured.peak_bytes)
-                point.measured_step_peak_bytes = int(measured.peak_bytes)
-                point.peak_error = (point.measured_peak_bytes - plan.predicted_peak_bytes) / plan.predicted_peak_bytes
-                if pairs > 0:
-                    timing = time_alternating(
-                        lambda: train_step(eager_model, eager_opt, spec.batch), lambda: remat_step(spec.batch), pairs=pairs, device=device
-                    )
-                    point.measured_overhead_ratio = timing.ratio
+                point = Point(planner=planner, budget=budget, budget_bytes=int(budget_bytes), fraction=fraction, status="error",
+                              error=_reason(e), planning_seconds=time.perf_counter() - t1)  # fmt: skip
+                _release(device)
             frontier.points.append(point)
-            _say(progress, f"  {budget:>6} {planner:>6}: {describe(point, frontier.baseline_iteration_seconds)}")
+            frontier.points.sort(key=lambda p: (_position(frontier.budgets, p.budget), _position(frontier.planners, p.planner)))
+            if point.status == "ok":
+                _say(progress, f"  {budget:>6} {planner:>6}: {describe(point, frontier.baseline_iteration_seconds)}")
+            elif point.status == "no_plan":
+                _say(progress, f"  {budget:>6} {planner:>6}: no plan ({point.planning_seconds:.2f} s)")
+            else:
+                _say(progress, f"  {budget:>6} {planner:>6}: error: {point.error}")
             write_results(frontier, out)
         write_results(frontier, out, plot=True)
     return frontier
+
+
+def _position(items: list[str], item: str) -> int:
+    return items.index(item) if item in items else len(items)
+
+
+FRONTIER_FORMAT = "remat.frontier"
+FRONTIER_VERSION = 1
+
+
+def load_frontier(path: str | Path) -> Frontier:
+    """A frontier.json back as a Frontier; a broken or foreign file is refused (PlanError).
+
+    Files written before frontier.json carried a format tag are read too.
+    """
+    from remat.serialize import check_fields, load_document
+
+    path = Path(path)
+    doc = load_document(path, FRONTIER_FORMAT, FRONTIER_VERSION, untagged=True)
+    check_fields(doc, Frontier, str(path))
+    d = {k: v for k, v in doc.items() if k not in ("format", "version")}
+    d["points"] = [Point(**p) for p in d["points"]]
+    return Frontier(**d)
+
+
+def _resumable(out: Path, model: str, batch_size: int, optimizer: str, device: str) -> Frontier | None:
+    """The frontier a resumed sweep goes on from (None: none yet), refused if it is of another configuration."""
+    from remat.cli import UsageError
+
+    path = out / "frontier.json"
+    if not path.exists():
+        return None
+    previous = load_frontier(path)
+    wanted = (model, batch_size, optimizer, device)
+    found = (previous.model, previous.batch_size, previous.optimizer, previous.device)
+    for what, w, f in zip(("model", "batch size", "optimizer", "device"), wanted, found):
+        if w != f:
+            raise UsageError(
+                f"--resume: {path} is a frontier of {found[0]} with batch size {found[1]} ({found[2]}, {found[3]}), not of "
+                f"{model} with batch size {batch_size} ({optimizer}, {device}): its {what} differs. Use another --out, or drop "
+                "--resume to start over."
+            )
+    return previous
 
 
 def describe(p: Point, iteration: float) -> str:
@@ -272,24 +433,39 @@ CSV_FIELDS = [
 
 
 def write_results(frontier: Frontier, out: Path, plot: bool = False) -> dict[str, Path]:
+    """frontier.json, .csv and .md (and with `plot`, .png), each replaced whole: a sweep
+    stopped at any moment leaves every file as it was after its last finished point."""
+    from remat.serialize import write_atomic
+
     out.mkdir(parents=True, exist_ok=True)
     files = {"json": out / "frontier.json", "csv": out / "frontier.csv", "table": out / "frontier.md"}
-    tmp = files["json"].with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(frontier.to_dict(), indent=1))
-    tmp.replace(files["json"])
-    with files["csv"].open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        w.writeheader()
-        for p in frontier.points:
-            row = {k: v for k, v in asdict(p).items() if k in CSV_FIELDS}
-            for k in ("milp_status", "milp_lower_bound", "milp_gap_seconds", "milp_iterations", "milp_solver_seconds"):
-                row[k] = p.solver.get(k)
-            row["error"] = (p.error or "").splitlines()[0][:200] if p.error else ""
-            w.writerow(row)
-    files["table"].write_text(markdown_table(frontier))
+    doc = {"format": FRONTIER_FORMAT, "version": FRONTIER_VERSION, **_finite(frontier.to_dict())}
+    write_atomic(files["json"], json.dumps(doc, indent=1, allow_nan=False))
+    buf = io.StringIO(newline="")
+    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS)
+    w.writeheader()
+    for p in frontier.points:
+        row = {k: v for k, v in asdict(p).items() if k in CSV_FIELDS}
+        for k in ("milp_status", "milp_lower_bound", "milp_gap_seconds", "milp_iterations", "milp_solver_seconds"):
+            row[k] = p.solver.get(k)
+        row["error"] = (p.error or "").splitlines()[0][:200] if p.error else ""
+        w.writerow(row)
+    write_atomic(files["csv"], buf.getvalue())
+    write_atomic(files["table"], markdown_table(frontier))
     if plot:
         files["plot"] = plot_frontier(frontier, out / "frontier.png")
     return files
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every NaN or infinity as None: JSON has neither, and a resume reads it back."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def markdown_table(fr: Frontier) -> str:
@@ -376,6 +552,11 @@ def plot_frontier(fr: Frontier, path: Path) -> Path:
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        fig.savefig(tmp, format="png")
+        tmp.replace(path)  # never half a picture
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return path

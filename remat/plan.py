@@ -8,8 +8,9 @@ can be checked against, and applied to, a fresh capture of the same graph.
 from __future__ import annotations
 
 import hashlib
+import re
 import time
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +18,12 @@ import numpy as np
 
 from remat.errors import BudgetError, PlanError
 from remat.schedule import GraphIndex, Schedule, build_schedule, recompute_seconds, simulate_schedule
-from remat.serialize import dump_document, load_document
+from remat.serialize import check_fields, describe_value, dump_document, load_document
 from remat.simulator import Timeline
 
 PLAN_FORMAT = "remat.plan"
 PLAN_VERSION = 1
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass
@@ -111,24 +113,20 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "plan") -> "Plan":
+        """A plan from its JSON object, refused (PlanError, naming the field) unless every
+        field is there, of its type, and the entries agree with each other."""
+        check_fields(d, cls, where, _PLAN_SIGNS)
         d = {k: v for k, v in d.items() if k not in ("format", "version")}
-        names = {f.name for f in fields(cls)}
-        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
-        missing = sorted(required - d.keys())
-        if missing:
-            raise PlanError(f"{where} is missing the field(s) {', '.join(missing)}; was it written by this version of remat?")
-        unknown = sorted(d.keys() - names)
-        if unknown:
-            raise PlanError(f"{where} has unknown field(s) {', '.join(unknown)}; was it written by this version of remat?")
-        if not isinstance(d["recomputed"], list):
-            raise PlanError(f"{where}: \"recomputed\" must be a list")
-        rec_names = {f.name for f in fields(Recomputed)}
-        entries = []
+        if not _SHA256.fullmatch(d["fingerprint"]):
+            raise PlanError(
+                f"{where}: fingerprint must be a sha256 digest (64 hexadecimal digits), not {describe_value(d['fingerprint'])}"
+            )
+        seen: dict[str, int] = {}
         for i, r in enumerate(d["recomputed"]):
-            if not isinstance(r, dict) or set(r) != rec_names:
-                got = sorted(r) if isinstance(r, dict) else type(r).__name__
-                raise PlanError(f"{where}: recomputed[{i}] must have exactly the fields {sorted(rec_names)}, got {got}")
-            entries.append(Recomputed(**r))
+            if r["key"] in seen:
+                raise PlanError(f"{where}: recomputed[{i}] repeats the tensor {r['key']} of recomputed[{seen[r['key']]}]")
+            seen[r["key"]] = i
+        entries = [Recomputed(**r) for r in d["recomputed"]]
         d["recomputed"] = entries
         plan = cls(**d)
         if plan.num_recomputed != len(entries):
@@ -141,6 +139,20 @@ class Plan:
     @classmethod
     def from_json(cls, path: str | Path) -> "Plan":
         return cls.from_dict(load_document(path, PLAN_FORMAT, PLAN_VERSION), where=str(path))
+
+
+# Fields that are counts, bytes or seconds: a negative one is an edited or broken file.
+_PLAN_SIGNS: dict[type, dict[str, str]] = {
+    Plan: {
+        **{k: "non-negative" for k in (
+            "budget_bytes", "predicted_peak_bytes", "predicted_step_peak_bytes", "baseline_peak_bytes",
+            "predicted_overhead_seconds", "baseline_iteration_seconds", "planning_seconds", "num_recomputed",
+            "persistent_bytes", "baseline_step_peak_bytes",
+        )},
+        "batch_size": "positive",
+    },
+    Recomputed: {"nbytes": "non-negative", "recompute_seconds": "non-negative", "ratio": "non-negative"},
+}  # fmt: skip
 
 
 def graph_fingerprint_of(index: GraphIndex) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import hashlib
+import json
 import operator
 import sys
 import time
@@ -33,7 +34,7 @@ from remat.analysis import ROLES, GraphAnalysis, Role, analyze
 from remat.capture import CORRECTED_STRIDES, InputKind, Phase, TrainGraph, flat_inputs
 from remat.errors import CaptureError, PlanError, RematError
 from remat.memory import _quiet_stdio, cpu_memory_events, measure_peak
-from remat.serialize import dump_document, load_document
+from remat.serialize import check_fields, dump_document, load_document
 from remat.simulator import Timeline, simulate
 
 PROFILE_FORMAT = "remat.profile"
@@ -149,7 +150,12 @@ class Profile:
         )
 
     def check_graph(self, tg: TrainGraph) -> None:
-        """Refuse to use this profile for a graph other than the one it measured."""
+        """Refuse to use this profile for a graph other than the one it measured.
+
+        The graph fingerprint (ops and input shapes) first; then every node's name, op
+        and phase, which the fingerprint does not cover: an edited profile would time
+        nodes this graph does not have.
+        """
         fp = graph_fingerprint(tg)
         if fp != self.fingerprint:
             what = f" ({self.model}, batch {self.batch_size})" if self.model else ""
@@ -157,6 +163,20 @@ class Profile:
                 f"this profile{what} was measured on another graph (fingerprint {self.fingerprint[:12]}…, "
                 f"this graph {fp[:12]}…): the model, optimizer or batch shape differ. Profile this graph again."
             )
+        ops = tg.op_nodes()
+        if len(ops) != len(self.nodes):
+            raise PlanError(
+                f"this profile has {len(self.nodes)} nodes, but this graph {len(ops)}: the profile was edited, or measured "
+                "on another graph. Profile this graph again."
+            )
+        for i, (mine, node) in enumerate(zip(self.nodes, ops)):
+            theirs = (node.name, target_name(node.target), tg.phase[node.name].value)
+            if (mine.name, mine.target, mine.phase) != theirs:
+                raise PlanError(
+                    f"this profile's node {i} is {mine.name} ({mine.target}, {mine.phase}), but this graph's node {i} is "
+                    f"{theirs[0]} ({theirs[1]}, {theirs[2]}): the profile was edited, or measured on another graph. "
+                    "Profile this graph again."
+                )
 
     # ------------------------------------------------------------------ JSON
 
@@ -164,28 +184,85 @@ class Profile:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Profile":
-        d = dict(d)
-        d.pop("format", None)
-        d.pop("version", None)
-        try:
-            d["nodes"] = [NodeProfile(**n) for n in d["nodes"]]
-            d["tensors"] = [TensorProfile(**t) for t in d["tensors"]]
-            d["phase_bounds"] = {k: (int(v[0]), int(v[1])) for k, v in d["phase_bounds"].items()}
-            return cls(**d)
-        except (KeyError, TypeError) as e:
-            raise PlanError(f"malformed remat profile: {e}") from None
+    def from_dict(cls, d: dict[str, Any], where: str = "profile") -> "Profile":
+        """A profile from its JSON object, refused (PlanError, naming the field) unless every
+        field is there, of its type, and the fields agree with each other."""
+        where = f"malformed remat profile {where}"
+        check_fields(d, cls, where, _PROFILE_SIGNS)
+        d = {k: v for k, v in d.items() if k not in ("format", "version")}
+        _check_consistent(d, where)
+        d["nodes"] = [NodeProfile(**n) for n in d["nodes"]]
+        d["tensors"] = [TensorProfile(**t) for t in d["tensors"]]
+        d["phase_bounds"] = {k: (v[0], v[1]) for k, v in d["phase_bounds"].items()}
+        return cls(**d)
 
     def to_json(self, path: str | Path) -> Path:
         return dump_document(path, PROFILE_FORMAT, PROFILE_VERSION, self.to_dict())
 
     @classmethod
     def from_json(cls, path: str | Path) -> "Profile":
-        doc = load_document(path, PROFILE_FORMAT, PROFILE_VERSION)
-        try:
-            return cls.from_dict(doc)
-        except PlanError as e:
-            raise PlanError(f"{path}: {e}") from None
+        return cls.from_dict(load_document(path, PROFILE_FORMAT, PROFILE_VERSION), where=str(path))
+
+
+# Fields that are counts, bytes or seconds: a negative one is an edited or broken file. The
+# nodes' live and peak bytes are counted above what was live before the step, and a step
+# may free some of that (gradients set to None): those may be negative.
+_PROFILE_SIGNS: dict[type, dict[str, str]] = {
+    Profile: {
+        **{k: "non-negative" for k in (
+            "phase_seconds", "iteration_seconds", "persistent_by_role", "persistent_bytes", "simulated_peak_bytes",
+            "simulated_step_peak_bytes", "peak_breakdown", "timeline", "warmup", "phase_bounds",
+        )},
+        "runs": "positive",
+        "batch_size": "positive",
+    },
+    NodeProfile: {"seconds": "non-negative", "allocated_bytes": "non-negative"},
+    TensorProfile: {"nbytes": "non-negative", "inactive_seconds": "non-negative"},
+}  # fmt: skip
+
+
+def _check_consistent(d: dict[str, Any], where: str) -> None:
+    """Refuse a profile (already of the right types) whose fields disagree with each other."""
+    n = len(d["nodes"])
+    roles = [r.value for r in ROLES]
+
+    def refuse(detail: str) -> PlanError:
+        return PlanError(f"{where}: {detail}")
+
+    names: dict[str, int] = {}
+    for i, node in enumerate(d["nodes"]):
+        if node["name"] in names:
+            raise refuse(f"nodes[{i}] repeats the name {node['name']} of nodes[{names[node['name']]}]")
+        names[node["name"]] = i
+        if node["phase"] not in PHASES:
+            raise refuse(f"nodes[{i}].phase is {node['phase']!r}, not one of {', '.join(PHASES)}")
+    for field_name in ("timeline", "persistent_by_role", "peak_breakdown"):
+        odd = [k for k in d[field_name] if k not in roles]
+        if odd:
+            raise refuse(f"{field_name} has the role(s) {', '.join(odd)}, not one of {', '.join(roles)}")
+    for role, values in d["timeline"].items():
+        if len(values) != n:
+            raise refuse(f"timeline[{json.dumps(role)}] has {len(values)} entries, but the profile has {n} nodes")
+    odd = [k for k in d["phase_bounds"] if k not in PHASES]
+    if odd:
+        raise refuse(f"phase_bounds has the phase(s) {', '.join(odd)}, not one of {', '.join(PHASES)}")
+    for phase, (lo, hi) in d["phase_bounds"].items():
+        if not 0 <= lo <= hi <= n:
+            raise refuse(f"phase_bounds[{json.dumps(phase)}] is [{lo}, {hi}], not within the {n} nodes")
+    if not -1 <= d["peak_rank"] < max(n, 1):
+        raise refuse(f"peak_rank is {d['peak_rank']}, outside the {n} nodes")
+    ids: dict[int, int] = {}
+    for i, t in enumerate(d["tensors"]):
+        if t["id"] in ids:
+            raise refuse(f"tensors[{i}] repeats the id {t['id']} of tensors[{ids[t['id']]}]")
+        ids[t["id"]] = i
+        if t["role"] not in roles:
+            raise refuse(f"tensors[{i}].role is {t['role']!r}, not one of {', '.join(roles)}")
+        # Ranks: -1 is "before the step" (inputs), n "after it" (what outlives the step).
+        for key, lo, hi in (("created", -1, n - 1), ("last_use", -1, n), ("last_forward_use", 0, n - 1), ("first_backward_use", 0, n - 1)):
+            v = t[key]
+            if v is not None and not lo <= v <= hi:
+                raise refuse(f"tensors[{i}].{key} is {v}, outside the {n} nodes")
 
 
 # ---------------------------------------------------------------------- graph identity

@@ -127,6 +127,95 @@ def test_bench_records_every_run_resumes_and_replots(tmp_path, monkeypatch):
     assert replot(out)["peak_plot"].exists()
 
 
+def test_interrupted_bench_keeps_finished_runs_and_resumes(tmp_path, monkeypatch):
+    import remat.bench as bench_mod
+    import remat.models
+
+    real_rounds = bench_mod.time_round_robin
+    rounds = []
+
+    def ctrl_c_in_second(*args, **kwargs):  # Ctrl-C while the 2nd batch size is being timed
+        rounds.append(1)
+        if len(rounds) == 2:
+            raise KeyboardInterrupt
+        return real_rounds(*args, **kwargs)
+
+    monkeypatch.setattr(bench_mod, "time_round_robin", ctrl_c_in_second)
+    out = tmp_path / "bench"
+    with pytest.raises(KeyboardInterrupt):
+        bench("mlp-deep", [512, 1024], [0.9], [], out, pairs=1, progress=False)
+    # The finished batch size is on disk; the one stopped half-way is marked running.
+    stopped = load_results(out)
+    runs = {(r["batch_size"], r["method"]): r for r in stopped["runs"]}
+    assert runs[(512, "eager")]["status"] == runs[(512, "remat@0.9")]["status"] == "ok"
+    assert runs[(512, "remat@0.9")]["seconds_all"] and runs[(512, "remat@0.9")]["peak_bytes"]
+    assert runs[(1024, "eager")]["status"] == runs[(1024, "remat@0.9")]["status"] == "running"
+    assert not list(out.glob("*.tmp"))
+
+    # Resumed, un-patched: the finished batch size is not run again (its model is never
+    # built), the stopped one is run from the start.
+    monkeypatch.setattr(bench_mod, "time_round_robin", real_rounds)
+    real_build, built = remat.models.build_model, []
+
+    def build_model(name, batch_size, **kwargs):
+        built.append(batch_size)
+        return real_build(name, batch_size, **kwargs)
+
+    monkeypatch.setattr(remat.models, "build_model", build_model)
+    bench("mlp-deep", [512, 1024], [0.9], [], out, pairs=1, resume=True, progress=False)
+    assert built == [1024]
+    doc = load_results(out)
+    assert [r for r in doc["runs"] if r["batch_size"] == 512] == [r for r in stopped["runs"] if r["batch_size"] == 512]
+    assert {(r["batch_size"], r["method"]): r["status"] for r in doc["runs"]} == {
+        (b, m): "ok" for b in (512, 1024) for m in ("eager", "remat@0.9")
+    }
+
+
+def test_bench_out_of_memory_in_one_configuration(tmp_path, monkeypatch):
+    import remat
+    import remat.baselines
+    import remat.models
+
+    oom = "CUDA out of memory. Tried to allocate 4.00 GiB (GPU 0; 79.10 GiB total capacity)"
+    real_compile, real_baseline, real_build = remat.compile, remat.baselines.make_baseline, remat.models.build_model
+
+    def compile_oom(*args, memory_budget=None, **kwargs):  # out of memory while it is set up
+        if memory_budget == 0.5:
+            raise RuntimeError(oom)
+        return real_compile(*args, memory_budget=memory_budget, **kwargs)
+
+    def baseline_oom_later(*args, **kwargs):  # out of memory in its 3rd step: the first timing round
+        step, calls = real_baseline(*args, **kwargs), []
+
+        def run(*a, **kw):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError(oom)
+            return step(*a, **kw)
+
+        run.segments, run.blocks = step.segments, step.blocks
+        return run
+
+    def build_oom(name, batch_size, **kwargs):  # a whole batch size out of memory
+        if batch_size == 4096:
+            raise MemoryError("cannot allocate the batch")
+        return real_build(name, batch_size, **kwargs)
+
+    monkeypatch.setattr(remat, "compile", compile_oom)
+    monkeypatch.setattr(remat.baselines, "make_baseline", baseline_oom_later)
+    monkeypatch.setattr(remat.models, "build_model", build_oom)
+    out = tmp_path / "bench"
+    bench("mlp-deep", [4096, 512], [0.5, 0.9], ["sequential"], out, pairs=1, progress=False)
+    runs = {(r["batch_size"], r["method"]): r for r in load_results(out)["runs"]}
+    assert runs[(4096, "eager")]["status"] == "failed"
+    assert runs[(4096, "eager")]["reason"] == "out of memory: MemoryError: cannot allocate the batch"
+    assert runs[(512, "remat@0.5")]["status"] == "failed" and runs[(512, "remat@0.5")]["reason"] == f"out of memory: RuntimeError: {oom}"
+    assert runs[(512, "sequential")]["status"] == "failed" and runs[(512, "sequential")]["reason"] == f"out of memory: RuntimeError: {oom}"
+    assert runs[(512, "sequential")]["peak_bytes"]  # measured before it failed
+    for method in ("eager", "remat@0.9"):  # the sweep went on
+        assert runs[(512, method)]["status"] == "ok" and runs[(512, method)]["rounds"] == 1
+
+
 def test_maxbatch_remat_fits_a_larger_batch(tmp_path):
     from remat.analysis import analyze
     from remat.capture import capture
