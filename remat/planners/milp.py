@@ -9,22 +9,59 @@ schedule (schedule.py) fixes everything else, and the program models that schedu
   values that are not a shared target still alive at u. Both are lower bounds on x
   (x[u, c] >= U(c) for a needed input, x[u, c] >= x[u, c'] + U(c) - 1 along an edge
   c' reads c), and the objective pays for every copy, so at the optimum x is the block.
+- When a shared target is alive (the schedule's storage-level reuse): an unavailable
+  value a read after the forward pass is rebuilt at its first late reader, and that copy
+  serves every later block, as a needed input or as an intermediate of a closure, up to
+  the last late read of *any* value on a's storages (GraphIndex.storage_last_read: views
+  of a, such as the `detach` autograd saves, count), not only up to a's own last reader.
+  The window is fixed by the graph (it starts where a is first read, and a is not rebuilt
+  again inside it), so the blocks stay linear in d and the objective is exact.
 - rm[n] = 1 if forward op n is removed (only copies read it): rm[n] <= copies of n,
   rm[n] <= rm[f] for each forward reader f, rm[n] <= U(n); the objective gains its time.
-- objective: sum of copy times minus removed times = schedule.recompute_seconds.
+- objective: sum of copy times minus removed times = schedule.recompute_seconds of
+  build_schedule(index, dropped) for every dropped set (tests check it on every subset of
+  small candidate sets, binaries fixed).
 - memory: at each backward node, PeakLowerBound's linear form (kept activations live over
-  their interval, dropped ones over the span of their late readers, storages made after
+  their interval, dropped ones over the span of their late readers, extended to the last
+  reader of the backward views of the rebuilt copy (_copy_spans), storages made after
   the forward pass as they are) plus the node's kernel scratch; and at each copy c of a
   block, what is live over the whole block plus c's new bytes, its scratch and its inputs
-  rebuilt in the block. Every term is a lower bound on what the simulator counts, so
-  the program is a relaxation: its optimum (or HiGHS's dual bound) is a lower bound on
-  the best true cost.
+  rebuilt in the block. Every term is a lower bound on what the simulator counts (a
+  copy the schedule reuses past those spans is held longer still, which is not
+  counted), so with the exact objective the program is a relaxation of the schedule:
+  for every dropped set it costs what the schedule costs, and admits the set under any
+  budget the simulated peak fits. Its optimum (or HiGHS's dual bound) is thus a lower
+  bound on the best true cost.
 
 The truth is build_schedule + simulate_schedule. Each solution of the program is run
 through them; whatever it is, a no-good cut then excludes it, and the program is solved
 again, until its bound reaches the best fitting plan found (proven optimal), the program
 has no solution left, or the time limit. The returned plan carries the proven gap
 (best true cost - lower bound) in its meta.
+
+The shared schedule (build_schedule(..., share_rebuilt=True): every rebuilt value that a
+later node reads is held for it up to its storage's last late read, not only the targets)
+has a program of its own, the same with three changes:
+- P_a = the copies of a made so far in the blocks up to storage_last_read(a), for each
+  value a with late readers; P_a <= 1 (held, a is not copied again in that window). A
+  block's rows for a subtract the P_a of the blocks before it: x[u, a] >= U(a) - P_a,
+  x[u, a] >= x[u, c] + U(a) - 1 - P_a.
+- Copies only where needed: x[u, a] <= U(a), and x[u, a] <= the copies in u's block that
+  read a (unless u reads a itself). Per block the objective alone keeps x down, but
+  shared, a copy made early (in a block that does not need it) is held for later blocks
+  and would price a set below its schedule. With d fixed, block by block in order, these
+  rows leave exactly build_schedule's copies, so this objective is exact too (tests check
+  it as for the per-block program).
+- memory: a copy of a made before a's first late reader is held until that reader: its
+  new storages count at each backward node in between (P_a of the blocks up to there),
+  except where a span of the same storage already counts it.
+
+Both run (plan()): the per-block program first, then its fitting drop sets re-run under
+the shared schedule (a plan in hand), then the shared program, cut off at the cheapest
+plan in hand. The plan is the cheaper of the two schedules' best, and "optimal", the
+bound and the gap hold over both (meta "milp_schedules"). The shared program's LP
+relaxation is weaker (held copies are sums of fractional copies), so it branches more:
+seconds on bert-tiny where the per-block one takes a tenth of that.
 
 Coarsening: with `group_size` k > 1 (or automatically above `max_binaries` candidates),
 candidates are grouped k at a time in creation order and a group is dropped or kept as
@@ -44,11 +81,64 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from remat.errors import BudgetError, PlanError
 from remat.plan import Evaluation, Plan, PeakLowerBound, assemble_plan, evaluate
+from remat.planners.mutwo import SCHEDULE_NAMES
 from remat.schedule import GraphIndex
 
 DEFAULT_TIME_LIMIT = 60.0
+SHARED_TRIES = 8  # fitting per-block plans re-run under the shared schedule, cheapest first (a plan in hand for its program)
 MAX_BINARIES = 400  # above this many candidates, group them (coarsening)
 REL_TOL = 1e-6
+
+
+def _copy_spans(index: GraphIndex) -> dict[int, list[tuple[int, int]]]:
+    """Per activation: rank spans [first, last] over which a dropped storage's rebuilt copy
+    is surely alive (overlapping spans merged).
+
+    Each forward value a on it with readers after the forward pass is rebuilt at its first
+    such reader, and that copy lives at least to a's last late reader, and further to the
+    last reader of every backward view of it: a backward op whose output is on the same
+    storage (autograd's `detach` of a saved `detach`, read by `_log_softmax_backward_data`)
+    aliases the copy, and the simulator keeps the copy alive for the view's readers
+    (or to the end, for a graph output). PeakLowerBound's spans stop at a's own late
+    readers; counting the views too is still a lower bound, and a much tighter one where
+    autograd saves a view (without it the cut loop runs through dozens of plans whose
+    peak sits in such a gap).
+    """
+    n = len(index.order)
+    outputs = set(index.output_inputs)
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for a in index.forward:
+        late = [index.rank[u] for u in index.users.get(a, []) if u not in index.forward]
+        if not late:
+            continue
+        for s in index.storages.get(a, []):
+            if s not in index.activation:
+                continue
+            hi = max(late)
+            todo = [u for u in index.users.get(a, []) if u not in index.forward and s in index.storages.get(u, [])]
+            seen: set[str] = set()
+            while todo:
+                v = todo.pop()
+                if v in seen:
+                    continue
+                seen.add(v)
+                if v in outputs:
+                    hi = n - 1
+                for w in index.users.get(v, []):
+                    hi = max(hi, index.rank[w])
+                    if s in index.storages.get(w, []):
+                        todo.append(w)
+            spans.setdefault(s, []).append((min(late), hi))
+    merged: dict[int, list[tuple[int, int]]] = {}
+    for s, xs in spans.items():
+        out: list[tuple[int, int]] = []
+        for lo, hi in sorted(xs):
+            if out and lo <= out[-1][1]:
+                out[-1] = (out[-1][0], max(out[-1][1], hi))
+            else:
+                out.append((lo, hi))
+        merged[s] = out
+    return merged
 
 
 class _Rows:
@@ -106,11 +196,16 @@ class MilpModel:
     num_x: int
     build_seconds: float
     stats: dict[str, Any] = field(default_factory=dict)
+    share_rebuilt: bool = False  # the schedule it models (build_schedule's policy)
 
     # ------------------------------------------------------------------ building
 
     @classmethod
-    def build(cls, index: GraphIndex, node_seconds: dict[str, float], candidates: list[int] | None = None, group_size: int = 1) -> "MilpModel":
+    def build(
+        cls, index: GraphIndex, node_seconds: dict[str, float], candidates: list[int] | None = None, group_size: int = 1, share_rebuilt: bool = False
+    ) -> "MilpModel":
+        """The program of build_schedule(index, dropped, share_rebuilt) (module docstring): its
+        cost of a dropped set is the schedule's, its memory rows lower bounds of its peak."""
         t0 = time.perf_counter()
         tensors = index.analysis.tensors
         if candidates is None:
@@ -158,10 +253,11 @@ class MilpModel:
                 assert not forced
                 if len(cols) == 1:
                     col = cols[0]
-                else:  # OR of several: v >= each (a lower bound; copies only push it up)
+                else:  # OR of several: v >= each (copies only push it up), and v <= their sum
                     col = new_var()
                     for d in cols:
                         rows.add([(col, 1.0), (d, -1.0)], 0.0, math.inf)
+                    rows.add([(col, 1.0)] + [(d, -1.0) for d in cols], -math.inf, 0.0)
                 u_col[a] = col
             return col
 
@@ -172,7 +268,20 @@ class MilpModel:
                 first_late[a] = min(late)
 
         def alive(a: str, r: int) -> bool:
-            return a in first_late and first_late[a] < r <= index.last_late_reader[a]
+            """Whether a rebuilt copy of `a` is still a shared target at rank r (when U(a)).
+
+            An unavailable value a is rebuilt at its first late reader (nothing can have made
+            it a target before: build_schedule makes targets only of the inputs a node reads
+            itself), and that copy serves every block up to the last late read of any value
+            on a's storages (schedule.storage_last_read: the original storage would be alive
+            that long, so holding the copy costs no memory). Up to that rank a is never
+            rebuilt again, so the window depends on the graph alone and not on d. The
+            window ends at the storage's last read, not a's own: e.g. a sigmoid output
+            rebuilt for one mm is reused when the block of a later reader of its `detach`
+            view rebuilds the view. Ending it at a's own last reader instead makes blocks
+            rebuild what the schedule reuses, and the objective exceeds the true cost.
+            """
+            return a in first_late and first_late[a] < r <= index.storage_last_read(a)
 
         def new_storages(c: str) -> list[int]:
             read = {s for a in index.reads_of_copy(c) for s in index.storages.get(a, [])}
@@ -183,6 +292,12 @@ class MilpModel:
         x_col: dict[tuple[int, str], int] = {}
         x_of_node: dict[str, list[int]] = {}
         block_nodes: list[list[str]] = []
+        # Shared schedule only: held[a] = the column of P_a, the number of copies of a made so
+        # far in blocks up to a's storage's last late read, and early[a] = (rank, P_a column)
+        # after each such block before a's first late reader (for the memory rows).
+        held: dict[str, int] = {}
+        early: dict[str, list[tuple[int, int]]] = {}
+        held_vars = 0
         for j, u in enumerate(tail):
             r = index.rank[u]
             needed = [a for a in index.inputs[u] if a in unavail and not alive(a, r)]
@@ -202,20 +317,62 @@ class MilpModel:
                 x_of_node.setdefault(c, []).append(col)
                 if c not in new_bytes:
                     new_bytes[c] = sum(tensors[s].nbytes for s in new_storages(c))
+
+            def hold(a: str) -> list[tuple[int, float]]:
+                """Shared schedule: + P_a, a copy of a made by an earlier block and still held
+                here (its window (that rank, storage_last_read(a)] covers r, since r does). P_a
+                counts those copies; the schedule makes at most one, so with P_a <= 1 it is
+                the OR of them."""
+                col = held.get(a) if share_rebuilt and a in first_late and r <= index.storage_last_read(a) else None
+                return [] if col is None else [(col, 1.0)]
+
             for a in dict.fromkeys(needed):
                 forced, _ = unavail[a]
-                if forced:
+                if forced and not hold(a):
                     lower[x_col[(j, a)]] = 1.0
+                elif forced:
+                    rows.add([(x_col[(j, a)], 1.0)] + hold(a), 1.0, math.inf)
                 else:
-                    rows.add([(x_col[(j, a)], 1.0), (u_term(a), -1.0)], 0.0, math.inf)
+                    rows.add([(x_col[(j, a)], 1.0), (u_term(a), -1.0)] + hold(a), 0.0, math.inf)
             for c in members:
                 for a in index.reads_of_copy(c):
                     if a in seen:
                         forced, _ = unavail[a]
                         if forced:
-                            rows.add([(x_col[(j, a)], 1.0), (x_col[(j, c)], -1.0)], 0.0, math.inf)
+                            rows.add([(x_col[(j, a)], 1.0), (x_col[(j, c)], -1.0)] + hold(a), 0.0, math.inf)
                         else:
-                            rows.add([(x_col[(j, a)], 1.0), (x_col[(j, c)], -1.0), (u_term(a), -1.0)], -1.0, math.inf)
+                            rows.add([(x_col[(j, a)], 1.0), (x_col[(j, c)], -1.0), (u_term(a), -1.0)] + hold(a), -1.0, math.inf)
+            if share_rebuilt:
+                # Copies are made only where the schedule needs them: an unavailable value read
+                # by u, or by another copy in the block. Per block the objective alone keeps x
+                # at that; shared, copying a value early (in a block that does not need it)
+                # would hold it for later blocks and could price a set below its schedule, so
+                # x is pinned from above too: x <= U, x <= the copies reading it (+1 when u
+                # reads it). With d fixed, the rows then admit exactly build_schedule's x.
+                direct = set(index.inputs[u])
+                readers_in: dict[str, list[int]] = {}
+                for c in members:
+                    for a in index.reads_of_copy(c):
+                        if a in seen:
+                            readers_in.setdefault(a, []).append(x_col[(j, c)])
+                for a in members:
+                    forced, _ = unavail[a]
+                    if not forced:
+                        rows.add([(x_col[(j, a)], 1.0), (u_term(a), -1.0)], -math.inf, 0.0)
+                    if a not in direct:
+                        rows.add([(x_col[(j, a)], 1.0)] + [(x, -1.0) for x in readers_in.get(a, [])], -math.inf, 0.0)
+                # Every copy of a value with late readers is held up to its storage's last late
+                # read (build_schedule's share_rebuilt): at most one copy of it in the blocks up
+                # to there, so P_a <= 1.
+                for a in members:
+                    if a in first_late and r <= index.storage_last_read(a):
+                        prev = held.get(a)
+                        col = new_var()
+                        rows.add([(col, 1.0), (x_col[(j, a)], -1.0)] + ([(prev, -1.0)] if prev is not None else []), 0.0, 0.0)
+                        held[a] = col
+                        held_vars += 1
+                        if r < first_late[a]:
+                            early.setdefault(a, []).append((r, col))
         num_x = len(x_col)
 
         # Removal of forward ops that only copies read (the greatest such set, as build_schedule).
@@ -238,9 +395,10 @@ class MilpModel:
 
         # Memory: the linear form of PeakLowerBound at each backward step, and over each block.
         baseline = evaluate(index, set(), node_seconds)
-        # The same accounting as plan.PeakLowerBound (which tests check against the simulator).
+        # The accounting of plan.PeakLowerBound, with the spans of dropped storages carried
+        # through backward views (_copy_spans).
         safe = PeakLowerBound._safe_activations(index)
-        spans = PeakLowerBound._tail_read_spans(index)
+        spans = _copy_spans(index)
         n = len(index.order)
         tr = np.array([index.rank[u] for u in tail], dtype=np.int64)
         rp = np.concatenate([[tr[0] - 1], tr[:-1]]) if len(tr) else tr
@@ -269,16 +427,33 @@ class MilpModel:
             for lo, hi in spans.get(s, ()):
                 at[:, g] += t.nbytes * ((lo <= tr) & (tr <= hi))
                 both[:, g] += t.nbytes * ((lo <= rp) & (hi >= tr))
+        # Shared schedule: a copy of a made before a's first late reader is held from its block
+        # to that reader (which reads it), a fresh storage for each of a's new storages. Only
+        # where no span of a dropped storage is counted already (a view of a rebuilt there may
+        # be that same copy), and at most one such copy exists at a time, so the sum P_a is it.
+        held_terms: list[list[tuple[int, float]]] = [[] for _ in range(len(tr))]
+        for a, entries in early.items():
+            own = [s for s in new_storages(a) if s not in index.persistent]
+            for i, (r0, col) in enumerate(entries):
+                r1 = entries[i + 1][0] if i + 1 < len(entries) else first_late[a]
+                for k in range(int(np.searchsorted(tr, r0)), int(np.searchsorted(tr, r1))):
+                    t_k = int(tr[k])
+                    nb = sum(
+                        tensors[s].nbytes for s in own
+                        if not (s in cand_set and any(lo <= t_k <= hi for lo, hi in spans.get(s, ())))
+                    )
+                    if nb:
+                        held_terms[k].append((col, float(nb)))
         # One row per distinct pattern of coefficients (steps between events share one).
         patterns: dict[bytes, int] = {}
         at_rows_const: list[float] = []
         at_terms: list[list[tuple[int, float]]] = []
         for j in range(len(tr)):
-            key = at[j].tobytes()
+            key = at[j].tobytes() + repr(held_terms[j]).encode()
             p = patterns.get(key)
             if p is None:
                 patterns[key] = p = len(at_terms)
-                at_terms.append([(int(c), float(at[j, c])) for c in np.flatnonzero(at[j])])
+                at_terms.append([(int(c), float(at[j, c])) for c in np.flatnonzero(at[j])] + held_terms[j])
                 at_rows_const.append(at_const[j])
             else:
                 at_rows_const[p] = max(at_rows_const[p], at_const[j])
@@ -342,8 +517,11 @@ class MilpModel:
             persistent=int(baseline.timeline.persistent_bytes),
             num_x=num_x,
             build_seconds=time.perf_counter() - t0,
+            share_rebuilt=share_rebuilt,
         )
         model.stats = {"binaries": ncols, "copy_vars": num_x, "removable": len(removable), "memory_patterns": len(at_terms), "block_rows": len(block_rows)}
+        if share_rebuilt:
+            model.stats["held_vars"] = held_vars
         return model
 
     # ------------------------------------------------------------------ one budget
@@ -387,6 +565,7 @@ class MilpResult:
     over_budget: int  # solutions whose simulated peak was over the budget
     smallest_peak: int | None = None
     log: list[dict[str, Any]] = field(default_factory=list)
+    fitting: list[tuple[float, frozenset[int]]] = field(default_factory=list)  # (true cost, set) of every solution that fit, cheapest first
 
     @property
     def gap_seconds(self) -> float | None:
@@ -395,8 +574,14 @@ class MilpResult:
         return max(0.0, self.evaluation.overhead_seconds - self.lower_bound)
 
 
-def solve(model: MilpModel, budget_bytes: int, time_limit: float = DEFAULT_TIME_LIMIT) -> MilpResult:
-    """The lazy loop: solve the relaxation, check its plan with the schedule, cut, repeat."""
+def solve(model: MilpModel, budget_bytes: int, time_limit: float = DEFAULT_TIME_LIMIT, cutoff: float = math.inf) -> MilpResult:
+    """The lazy loop: solve the relaxation, check its plan with the schedule, cut, repeat.
+
+    Plans are checked with the schedule the model is of (model.share_rebuilt). `cutoff`:
+    the cost of a plan already in hand (from the other schedule); the loop also ends once
+    its bound reaches it, with status "cutoff" if it found nothing cheaper: then no plan
+    of this schedule costs less than `cutoff`.
+    """
     t0 = time.perf_counter()
     index, ns = model.index, model.node_seconds
     mem, least = model.memory_rows(budget_bytes)
@@ -409,6 +594,7 @@ def solve(model: MilpModel, budget_bytes: int, time_limit: float = DEFAULT_TIME_
     iterations = rejected = over = 0
     smallest: int | None = least
     log: list[dict[str, Any]] = []
+    fitting: dict[frozenset[int], float] = {}
     if least is not None:
         return MilpResult(None, None, math.inf, "infeasible", 0, time.perf_counter() - t0, None, 0, 0, 0, least)
     while True:
@@ -439,7 +625,7 @@ def solve(model: MilpModel, budget_bytes: int, time_limit: float = DEFAULT_TIME_
         dropped = model.dropped_of(res.x)
         entry: dict[str, Any] = {"model_cost": float(res.fun), "bound": level, "dropped": len(dropped)}
         try:
-            ev = evaluate(index, dropped, ns)
+            ev = evaluate(index, dropped, ns, share_rebuilt=model.share_rebuilt)
         except PlanError as e:
             rejected += 1
             entry["rejected"] = str(e)
@@ -448,6 +634,7 @@ def solve(model: MilpModel, budget_bytes: int, time_limit: float = DEFAULT_TIME_
             entry.update(peak=int(ev.peak_bytes), cost=float(ev.overhead_seconds))
             smallest = ev.peak_bytes if smallest is None else min(smallest, ev.peak_bytes)
             if ev.peak_bytes <= budget_bytes:
+                fitting[dropped] = float(ev.overhead_seconds)
                 if best is None or ev.overhead_seconds < best[0]:
                     best = (float(ev.overhead_seconds), dropped, ev, float(res.fun))
             else:
@@ -457,6 +644,10 @@ def solve(model: MilpModel, budget_bytes: int, time_limit: float = DEFAULT_TIME_
             status = "optimal"
             bound = min(best[0], level)
             break
+        if cutoff < math.inf and cutoff <= level + max(1e-12, REL_TOL * abs(cutoff)):
+            status = "optimal" if best is not None else "cutoff"
+            bound = level if best is None else min(best[0], level)
+            break
         if res.status == 1:  # stopped by the time limit: the bound is all we have
             break
         # No-good cut: exclude exactly this choice of d.
@@ -464,9 +655,11 @@ def solve(model: MilpModel, budget_bytes: int, time_limit: float = DEFAULT_TIME_
         off = [g for g in range(nd) if res.x[g] <= 0.5]
         cuts.add([(g, -1.0) for g in on] + [(g, 1.0) for g in off], 1.0 - len(on), math.inf)
     seconds = time.perf_counter() - t0
+    found = sorted(((c, d) for d, c in fitting.items()), key=lambda x: (x[0], len(x[1]), sorted(x[1])))
     if best is None:
-        return MilpResult(None, None, bound, status if status != "optimal" else "infeasible", iterations, seconds, None, cuts_count(cuts), rejected, over, smallest, log)
-    return MilpResult(best[1], best[2], bound, status, iterations, seconds, best[3], cuts_count(cuts), rejected, over, smallest, log)
+        status = "infeasible" if status == "optimal" else status
+        return MilpResult(None, None, bound, status, iterations, seconds, None, cuts_count(cuts), rejected, over, smallest, log, found)
+    return MilpResult(best[1], best[2], bound, status, iterations, seconds, best[3], cuts_count(cuts), rejected, over, smallest, log, found)
 
 
 def cuts_count(rows: _Rows) -> int:
@@ -476,16 +669,27 @@ def cuts_count(rows: _Rows) -> int:
 # ---------------------------------------------------------------------- the interface
 
 _CACHE: dict[tuple, MilpModel] = {}
+_CACHE_SIZE = 4  # the two schedules' programs of a graph, and room for a second grouping
 
 
-def model_for(index: GraphIndex, node_seconds: dict[str, float], candidates: list[int] | None, group_size: int) -> MilpModel:
-    """The program's structure, built once per graph, node times and grouping (frontiers reuse it)."""
-    key = (id(index), id(node_seconds), tuple(candidates) if candidates is not None else None, group_size, tuple(sorted(index.scratch.items())))
+def model_for(
+    index: GraphIndex, node_seconds: dict[str, float], candidates: list[int] | None, group_size: int, share_rebuilt: bool = False
+) -> MilpModel:
+    """The program's structure, built once per graph, node times, grouping and schedule (frontiers reuse it)."""
+    key = (id(index), id(node_seconds), tuple(candidates) if candidates is not None else None, group_size,
+           tuple(sorted(index.scratch.items())), share_rebuilt)  # fmt: skip
     model = _CACHE.get(key)
-    if model is None or model.index is not index:
-        _CACHE.clear()
-        model = _CACHE[key] = MilpModel.build(index, node_seconds, candidates, group_size)
+    if model is None or model.index is not index or model.node_seconds is not node_seconds:
+        # Keys hold ids: a model of another graph (or a collected one whose id came back) goes.
+        for k in [k for k, m in _CACHE.items() if m.index is not index or m.node_seconds is not node_seconds]:
+            del _CACHE[k]
+        while len(_CACHE) >= _CACHE_SIZE:
+            del _CACHE[next(iter(_CACHE))]
+        model = _CACHE[key] = MilpModel.build(index, node_seconds, candidates, group_size, share_rebuilt=share_rebuilt)
     return model
+
+
+PROVEN = ("optimal", "infeasible", "cutoff")  # a run's statuses that prove its part of the bound
 
 
 def plan(
@@ -497,53 +701,146 @@ def plan(
     candidates: list[int] | None = None,
     group_size: int | None = None,
     max_binaries: int = MAX_BINARIES,
+    compete_shared: bool = True,
     **meta: Any,
 ) -> Plan:
-    """The planner interface (remat.planners.make_plan); `time_limit` in seconds."""
+    """The planner interface (remat.planners.make_plan); `time_limit` in seconds.
+
+    One program per rebuild schedule of build_schedule, as μ-TWO's plan() runs its greedy
+    under both: per block (share_rebuilt=False) first, with up to half the time limit;
+    the fitting drop sets its cut loop found are then run under the shared schedule
+    (SHARED_TRIES, cheapest first: a plan in hand), and the shared program runs with the
+    rest of the time, cut off at the cheapest plan in hand (it only has to prove that no
+    shared plan is cheaper). The plan is the cheapest over both (per block on a tie,
+    beyond rounding); `meta["schedule"]` says which, `meta["other_schedule"]` what the
+    other reached. "optimal", `milp_lower_bound` and `milp_gap_seconds` hold over the
+    schedules in `meta["milp_schedules"]`; `meta["milp_per_block"]` and
+    `meta["milp_shared"]` hold each program's own run. `compete_shared=False`: the
+    per-block program alone, with the whole time limit.
+    """
     t0 = time.perf_counter()
     extra = dict(meta.pop("meta", None) or {})
     baseline = evaluate(index, set(), node_seconds)
+    families = [False, True] if compete_shared else [False]
+    schedules = ",".join(SCHEDULE_NAMES[f] for f in families)
     if baseline.peak_bytes <= budget_bytes:
         extra.update(milp_status="optimal", milp_lower_bound=0.0, milp_gap_seconds=0.0, milp_iterations=0, milp_solver_seconds=0.0)
+        extra.update(schedule=SCHEDULE_NAMES[False], milp_schedules=schedules)
         return assemble_plan("milp", index, node_seconds, budget_bytes, [], baseline, baseline.timeline, time.perf_counter() - t0, meta=extra, **meta)
     if candidates is None:
         candidates = [t.id for t in index.analysis.activations() if index.candidate_problem(t.id) is None]
     if group_size is None:
         group_size = max(1, math.ceil(len(candidates) / max_binaries))
-    model = model_for(index, node_seconds, candidates, group_size)
-    result = solve(model, budget_bytes, time_limit=max(0.1, time_limit - (time.perf_counter() - t0)))
-    if result.evaluation is None or result.dropped is None:
-        if result.status == "infeasible":
+    deadline = t0 + time_limit
+    models: dict[bool, MilpModel] = {}
+    runs: dict[bool, MilpResult] = {}
+    # Per schedule: (cost, dropped, evaluation, the program's cost or None for a re-run seed).
+    found: dict[bool, tuple[float, frozenset[int], Evaluation, float | None]] = {}
+
+    def keep(share: bool, dropped: frozenset[int] | None, ev: Evaluation | None, model_cost: float | None) -> None:
+        if dropped is not None and ev is not None and (share not in found or ev.overhead_seconds < found[share][0]):
+            found[share] = (float(ev.overhead_seconds), dropped, ev, model_cost)
+
+    models[False] = model_for(index, node_seconds, candidates, group_size)
+    left = deadline - time.perf_counter()
+    runs[False] = solve(models[False], budget_bytes, time_limit=max(0.1, left / 2 if compete_shared else left))
+    keep(False, runs[False].dropped, runs[False].evaluation, runs[False].model_objective)
+    tried = 0
+    if compete_shared:
+        seed, tried = _best_shared(index, node_seconds, budget_bytes, runs[False].fitting, deadline)
+        if seed is not None:
+            keep(True, seed[0], seed[1], None)
+        models[True] = model_for(index, node_seconds, candidates, group_size, share_rebuilt=True)
+        cutoff = min((f[0] for f in found.values()), default=math.inf)
+        runs[True] = solve(models[True], budget_bytes, time_limit=max(0.1, deadline - time.perf_counter()), cutoff=cutoff)
+        keep(True, runs[True].dropped, runs[True].evaluation, runs[True].model_objective)
+    if not found:
+        if all(r.status == "infeasible" for r in runs.values()):
             from remat.budget import format_bytes
 
-            least = result.smallest_peak or baseline.peak_bytes
+            least = min((r.smallest_peak for r in runs.values() if r.smallest_peak is not None), default=baseline.peak_bytes)
             raise BudgetError(
                 f"no milp plan fits the budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes): the exact planner "
                 f"proved that no choice among the {len(candidates)} activations that may be recomputed reaches it "
+                f"under the {' or the '.join(SCHEDULE_NAMES[f] for f in families)} rebuild schedule "
                 f"(the peak stays at or above {format_bytes(least)} ({least} bytes) on its lower bound; "
                 f"{format_bytes(baseline.peak_bytes)} without recomputation). Raise the budget, or lower the batch size."
             )
         raise BudgetError(
             f"the milp planner found no plan within the budget of {budget_bytes} bytes in its time limit of "
-            f"{time_limit:g} s ({result.iterations} solutions tried, {result.over_budget} over the budget, "
-            f"{result.rejected} refused by the schedule); raise --time-limit, or use the mutwo planner"
+            f"{time_limit:g} s ({sum(r.iterations for r in runs.values())} solutions tried, "
+            f"{sum(r.over_budget for r in runs.values())} over the budget, {sum(r.rejected for r in runs.values())} "
+            "refused by the schedule); raise --time-limit, or use the mutwo planner"
         )
-    ev = result.evaluation
+    # Shared only when it saves time beyond rounding (sums of the same node times in another order).
+    use_shared = True in found and (False not in found or found[True][0] < found[False][0] * (1 - 1e-9))
+    cost, dropped, ev, model_cost = found[use_shared]
+    other = not use_shared
+    if other in found:
+        extra["other_schedule"] = {
+            "schedule": SCHEDULE_NAMES[other],
+            "predicted_overhead_seconds": found[other][0],
+            "predicted_peak_bytes": int(found[other][2].peak_bytes),
+            "num_recomputed": len(found[other][1]),
+        }
+    # The bound over both schedules: each run's bound holds over its schedule's plans (a
+    # run cut off at a plan's cost proves none of its plans is cheaper than that plan).
+    lower = min(r.lower_bound for r in runs.values())
+    for share, r in runs.items():
+        extra[f"milp_{SCHEDULE_NAMES[share].replace('-', '_')}"] = {
+            "status": r.status, "lower_bound": _finite(r.lower_bound), "iterations": r.iterations, "cuts": r.cuts,
+            "over_budget": r.over_budget, "rejected": r.rejected, "solver_seconds": r.solver_seconds,
+            "build_seconds": models[share].build_seconds, "best_seconds": found[share][0] if share in found else None,
+            **models[share].stats,
+        }  # fmt: skip
     extra.update(
-        milp_status=result.status,
-        milp_lower_bound=result.lower_bound,
-        milp_gap_seconds=result.gap_seconds,
-        milp_model_cost=result.model_objective,
-        milp_iterations=result.iterations,
-        milp_cuts=result.cuts,
-        milp_over_budget=result.over_budget,
-        milp_rejected=result.rejected,
-        milp_solver_seconds=result.solver_seconds,
-        milp_build_seconds=model.build_seconds,
+        schedule=SCHEDULE_NAMES[use_shared],
+        milp_schedules=schedules,
+        milp_status="optimal" if all(r.status in PROVEN for r in runs.values()) else "time_limit",
+        # None where a run stopped before any bound (JSON has no infinities).
+        milp_lower_bound=_finite(lower),
+        milp_gap_seconds=_finite(max(0.0, cost - lower)),
+        milp_model_cost=model_cost,
+        milp_iterations=sum(r.iterations for r in runs.values()),
+        milp_cuts=sum(r.cuts for r in runs.values()),
+        milp_over_budget=sum(r.over_budget for r in runs.values()),
+        milp_rejected=sum(r.rejected for r in runs.values()),
+        milp_solver_seconds=sum(r.solver_seconds for r in runs.values()),
+        milp_build_seconds=sum(m.build_seconds for m in models.values()),
+        milp_shared_tried=tried,
         milp_group_size=group_size,
         milp_time_limit=time_limit,
         candidates=len(candidates),
-        **{f"milp_{k}": v for k, v in model.stats.items()},
+        **{f"milp_{k}": v for k, v in models[False].stats.items()},
     )
-    picks = sorted(result.dropped, key=lambda s: (index.analysis.tensors[s].created, s))
-    return assemble_plan("milp", index, node_seconds, budget_bytes, picks, ev, baseline.timeline, time.perf_counter() - t0, meta=extra, **meta)
+    picks = sorted(dropped, key=lambda s: (index.analysis.tensors[s].created, s))
+    return assemble_plan(
+        "milp", index, node_seconds, budget_bytes, picks, ev, baseline.timeline, time.perf_counter() - t0, meta=extra, share_rebuilt=use_shared, **meta
+    )
+
+
+def _finite(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None
+
+
+def _best_shared(
+    index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, fitting: list[tuple[float, frozenset[int]]], deadline: float
+) -> tuple[tuple[frozenset[int], Evaluation] | None, int]:
+    """The cheapest of `fitting` (per-block-fitting drop sets, cheapest first) that fits under
+    the shared schedule, and how many were tried. The shared schedule holds every rebuilt
+    value for its later readers: fewer rebuilds, more memory held, so a set that fits per
+    block may not fit shared. The per-block optimum is always tried, the others while the
+    time limit lasts. Cheap (a few simulations), and a plan in hand for the shared program."""
+    best: tuple[frozenset[int], Evaluation] | None = None
+    tried = 0
+    for _, dropped in fitting[:SHARED_TRIES]:
+        if tried and time.perf_counter() > deadline:
+            break
+        tried += 1
+        try:
+            ev = evaluate(index, dropped, node_seconds, share_rebuilt=True)
+        except PlanError:
+            continue
+        if ev.peak_bytes <= budget_bytes and (best is None or ev.overhead_seconds < best[1].overhead_seconds):
+            best = (dropped, ev)
+    return best, tried
