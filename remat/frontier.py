@@ -416,7 +416,8 @@ def describe(p: Point, iteration: float) -> str:
     s = (f"peak {p.predicted_peak_bytes / MiB:,.2f} MiB predicted, overhead {p.predicted_overhead_fraction:.1%} "
          f"({p.num_recomputed} dropped, planned in {p.planning_seconds:.2f} s)")
     if p.solver.get("milp_status"):
-        s += f", milp {p.solver['milp_status']}, gap {p.solver.get('milp_gap_seconds') or 0.0:.2g} s"
+        gap = p.solver.get("milp_gap_seconds")
+        s += f", milp {p.solver['milp_status']}, gap " + ("unknown" if gap is None else f"{gap:.2g} s")
     if p.measured_peak_bytes is not None:
         s += f"; measured {p.measured_peak_bytes / MiB:,.2f} MiB ({p.peak_error:+.2%}), eager-equal: {p.grads_match}"
     return s
@@ -505,8 +506,8 @@ def markdown_table(fr: Frontier) -> str:
                 row += ["—", "—"]
         if "milp" in fr.planners:
             if ex is not None and ex.status == "ok":
-                g = ex.solver.get("milp_gap_seconds") or 0.0
-                row += [str(ex.solver.get("milp_status")), f"{g / it:.2%}" if it else "—", f"{ex.planning_seconds:.2f}"]
+                g = ex.solver.get("milp_gap_seconds")  # None: no finite bound proven (a time-out)
+                row += [str(ex.solver.get("milp_status")), f"{g / it:.2%}" if it and g is not None else "—", f"{ex.planning_seconds:.2f}"]
             else:
                 row += ["infeasible" if ex is not None and ex.status == "no_plan" else "—", "—", f"{ex.planning_seconds:.2f}" if ex and ex.planning_seconds else "—"]
         if measured:
