@@ -276,22 +276,30 @@ class PeakLowerBound:
       readers all come after the forward pass and read it directly);
     - a kept activation is live if r lies in [created, last use] (it is read directly);
     - a dropped activation is live if r lies between the first and the last reader after
-      the forward pass of one value on it: that value is rebuilt for its first reader
-      and the copy is shared by its later readers.
-    And in the block before a node u that starts such a span while no copy of s is
-    alive, the op that made s runs again, with the ops that rebuild its gone inputs: at
-    each of those copies its output, its inputs, and everything live both before and
-    after the block are live at once. Each node's measured kernel
-    scratch (index.scratch) is added where it runs, as the simulator does.
-    The bound is the largest of those sums, plus the persistent bytes: a few cumsums,
-    where a simulation builds a whole schedule. It lets a planner skip simulating plans
-    that cannot fit; tests check it against the simulator. Activations that the
-    backward reads through a value holding other storages too are left out when kept
-    (whether that value is rebuilt depends on the others), which only lowers it.
+      the forward pass of one value on it (or a reader of a backward view of that value):
+      they all read one copy, made in the first reader's block or, under the shared
+      schedule (`share_rebuilt`), in the earlier block that rebuilt it on the way to
+      something else and held it, from where it is live.
+    The blocks are worked out as build_schedule places them: which ops each block
+    copies depends only on the dropped set and on which copies earlier blocks left for
+    later readers, so a walk over the nodes that read a dropped value finds them without
+    building the steps. At each copy its output, its inputs, what earlier copies of the
+    block made and the block, its node or (shared) a later reader still reads, and
+    everything live both before and after the block are live at once. Each node's
+    measured kernel scratch (index.scratch) is added where it runs, at the node and at
+    each copy of it, as the simulator does.
+    The bound is the largest of those sums, plus the persistent bytes: a few cumsums and
+    a walk over the blocks, where a simulation builds and runs a whole schedule. It lets
+    a planner skip simulating plans that cannot fit, so it must be built for the
+    schedule policy the planner simulates; tests check it against the simulator under
+    both. Activations that the backward reads through a value holding other storages
+    too are left out when kept (whether that value is rebuilt depends on the others),
+    which only lowers it.
     """
 
-    def __init__(self, index: GraphIndex, baseline: Timeline):
+    def __init__(self, index: GraphIndex, baseline: Timeline, share_rebuilt: bool = False):
         self.index = index
+        self.share_rebuilt = share_rebuilt
         tensors = index.analysis.tensors
         n = len(index.order)
         self._n = n
@@ -316,12 +324,45 @@ class PeakLowerBound:
         for r in self._tail.tolist():
             _add(at, r, r, self._scratch.get(index.order[r], 0))
         self._at, self._across = at, across
-        self._spans = self._tail_read_spans(index)
-        self._late: dict[str, tuple[int, int]] = {}  # forward value -> (first, last) rank of its late readers
-        for a in index.forward:
-            late = [index.rank[u] for u in index.users.get(a, []) if u not in index.forward]
-            if late:
-                self._late[a] = (min(late), max(late))
+        # Per forward value read after the forward pass: the rank of its first such reader,
+        # and per storage the span over which the copy those readers share is live.
+        self._first_late = {
+            a: min(index.rank[u] for u in index.users.get(a, []) if u not in index.forward) for a in index.last_late_reader
+        }
+        self._value_spans = self._copy_spans(index)
+        by_storage: dict[int, list[tuple[int, int]]] = {}
+        for value_spans in self._value_spans.values():
+            for s, span in value_spans.items():
+                if s in index.activation:
+                    by_storage.setdefault(s, []).append(span)
+        self._spans = _merge(by_storage)  # per activation: where a copy of it is live once it is dropped
+        # Where blocks can be: before the nodes after the forward pass that read a forward
+        # value on a given activation (a block runs only before a node that reads a value
+        # that is not available), or one on a storage that is never available.
+        late_ranks: dict[int, set[int]] = {}
+        always: set[int] = set()
+        for r in self._tail.tolist():
+            for a in index.inputs[index.order[r]]:
+                if a not in index.forward:
+                    continue
+                for s in index.storages.get(a, []):
+                    if s in index.activation:
+                        late_ranks.setdefault(s, set()).add(r)
+                    elif s not in index.persistent:
+                        always.add(r)
+        self._late_ranks = {s: sorted(rs) for s, rs in late_ranks.items()}
+        self._always = always
+        self._reads = {a: index.reads_of_copy(a) for a in index.forward}
+        # Per forward op: the storages (not persistent) a copy of it makes and reads, and
+        # the bytes it makes, and reads plus its scratch.
+        self._outs = {a: [s for s in index.storages.get(a, []) if s not in index.persistent] for a in index.forward}
+        self._ins = {
+            a: list(dict.fromkeys(s for b in self._reads[a] for s in index.storages.get(b, []) if s not in index.persistent))
+            for a in index.forward
+        }
+        self._out_bytes = {a: sum(tensors[s].nbytes for s in self._outs[a]) for a in index.forward}
+        self._in_bytes = {a: sum(tensors[s].nbytes for s in self._ins[a]) + self._scratch.get(a, 0) for a in index.forward}
+        self._shared_until = {a: index.storage_last_read(a) for a in index.forward}
 
     @staticmethod
     def _safe_activations(index: GraphIndex) -> set[int]:
@@ -336,30 +377,44 @@ class PeakLowerBound:
         return {s for s in index.activation if s not in unsafe}
 
     @staticmethod
-    def _tail_read_spans(index: GraphIndex) -> dict[int, list[tuple[int, int]]]:
-        """Per activation: rank spans [first, last] of the readers after the forward pass of
-        each forward value on it (overlapping spans merged)."""
-        spans: dict[int, list[tuple[int, int]]] = {}
+    def _copy_spans(index: GraphIndex) -> dict[str, dict[int, tuple[int, int]]]:
+        """Per forward value read after the forward pass, per storage of it (not persistent):
+        the rank span [first, last] over which the copy of it that those readers share is
+        live: from its first to its last reader after the forward pass, and on to the last
+        reader of every backward view of it (autograd's `detach` of a saved `detach`),
+        which aliases the copy, or to the end for a graph output."""
+        n = len(index.order)
+        outputs = set(index.output_inputs)
+        out: dict[str, dict[int, tuple[int, int]]] = {}
         for a in index.forward:
-            late = [index.rank[u] for u in index.users.get(a, []) if u not in index.forward]
+            late = [u for u in index.users.get(a, []) if u not in index.forward]
             if not late:
                 continue
+            lo = min(index.rank[u] for u in late)
+            spans = out.setdefault(a, {})
             for s in index.storages.get(a, []):
-                if s in index.activation:
-                    spans.setdefault(s, []).append((min(late), max(late)))
-        merged: dict[int, list[tuple[int, int]]] = {}
-        for s, xs in spans.items():
-            out: list[tuple[int, int]] = []
-            for lo, hi in sorted(xs):
-                if out and lo <= out[-1][1]:
-                    out[-1] = (out[-1][0], max(out[-1][1], hi))
-                else:
-                    out.append((lo, hi))
-            merged[s] = out
-        return merged
+                if s in index.persistent:
+                    continue
+                hi = max(index.rank[u] for u in late)
+                todo = [u for u in late if s in index.storages.get(u, [])]
+                seen: set[str] = set()
+                while todo:
+                    v = todo.pop()
+                    if v in seen:
+                        continue
+                    seen.add(v)
+                    if v in outputs:
+                        hi = n - 1
+                    for w in index.users.get(v, []):
+                        hi = max(hi, index.rank[w])
+                        if s in index.storages.get(w, []):
+                            todo.append(w)
+                spans[s] = (lo, hi)
+        return out
 
     def __call__(self, dropped: set[int] | frozenset[int], above: int | None = None) -> int:
-        """The bound for `dropped`. With `above`, stop early once the cheap part exceeds it."""
+        """The bound for `dropped`. With `above`, stop early once what is summed so far exceeds
+        it (the cheap part first): the answer is then still a lower bound, above `above`."""
         if not self._m:
             return self.persistent
         tensors = self.index.analysis.tensors
@@ -376,78 +431,148 @@ class PeakLowerBound:
         best = int(np.cumsum(at[:n])[self._tail].max())
         if not dropped or (above is not None and self.persistent + best > above):
             return self.persistent + best
+        blocks, held = self._blocks(dropped)
+        spans: dict[int, list[tuple[int, int]]] = {}  # storages whose copies live longer than self._spans says
+        if held:
+            # Under the shared schedule a copy made in an earlier block than its first
+            # reader's is live from there: its spans start at that block.
+            extra: dict[int, list[tuple[int, int]]] = {}
+            for c, r in held:
+                for s, (_, hi) in self._value_spans[c].items():
+                    if s in dropped or s not in self.index.activation:
+                        extra.setdefault(s, []).append((r, hi))
+            for s, xs in extra.items():
+                t = tensors[s]
+                for lo, hi in self._spans.get(s, ()) if s in dropped else ():
+                    _add(at, lo, hi, -t.nbytes)
+                    _add(across, lo + 1, hi, -t.nbytes)
+                    xs.append((lo, hi))
+            spans = _merge(extra)
+            for s, xs in spans.items():
+                for lo, hi in xs:
+                    _add(at, lo, hi, tensors[s].nbytes)
+                    _add(across, lo + 1, hi, tensors[s].nbytes)
+            best = int(np.cumsum(at[:n])[self._tail].max())
         across_curve = np.cumsum(across[:n])
-        blocks: dict[int, set[str]] = {}
-        for s in sorted(dropped):
-            # Where a span starts, no copy of s is alive: the op that made s runs again in
-            # that node's block, with the ops that rebuild its gone inputs.
-            for r, _ in self._spans.get(s, ()):
-                self._block_walk(tensors[s].node, r, dropped, blocks.setdefault(r, set()))
-        for r, ops in blocks.items():
-            best = max(best, int(across_curve[r]) + self._block_peak(r, ops, dropped))
+        # Blocks by a cheap cap on what they can add (all they make, and the largest
+        # inputs and scratch of one copy), highest first: the rest are skipped once the
+        # bound is above their cap, or above `above`.
+        out_bytes, in_bytes = self._out_bytes, self._in_bytes
+        caps = sorted(
+            ((int(across_curve[r]) + sum(out_bytes[c] for c in ops) + max(in_bytes[c] for c in ops), r, ops) for r, ops in blocks),
+            key=lambda x: -x[0],
+        )
+        for cap, r, ops in caps:
+            if cap <= best or (above is not None and self.persistent + best > above):
+                break
+            best = max(best, int(across_curve[r]) + self._block_peak(r, ops, dropped, spans))
         return self.persistent + best
 
-    def _block_walk(self, maker: str, r: int, dropped: set[int] | frozenset[int], ops: set[str]) -> None:
-        """Add to `ops` the copy of `maker` in the block before rank r and the copies that
-        rebuild its gone inputs there (all of them run in that block)."""
+    def _blocks(self, dropped: set[int] | frozenset[int]) -> tuple[list[tuple[int, set[str]]], list[tuple[str, int]]]:
+        """The blocks of build_schedule(index, dropped, share_rebuilt), as (rank of the node
+        the block runs before, the forward ops it copies), found the way build_schedule
+        finds them but only before the nodes that read a value on a dropped storage; and,
+        under the shared schedule, the values (with the rank of the block) that a block
+        rebuilds and holds before their first reader after the forward pass."""
         index = self.index
-        stack = [maker]
-        while stack:
-            c = stack.pop()
-            if c in ops:
-                continue
-            ops.add(c)
-            for a in index.reads_of_copy(c):
-                if a in index.forward and a not in ops and not index.available(a, dropped):
-                    late = self._late.get(a)
-                    if late is None or not late[0] < r <= late[1]:  # not a copy alive from an earlier block
-                        stack.append(a)
+        ranks = set(self._always)
+        for s in dropped:
+            ranks.update(self._late_ranks.get(s, ()))
+        gone: dict[str, bool] = {}
 
-    def _block_peak(self, r: int, ops: set[str], dropped: set[int] | frozenset[int]) -> int:
+        def unavailable(a: str) -> bool:
+            g = gone.get(a)
+            if g is None:
+                g = gone[a] = not index.available(a, dropped)
+            return g
+
+        target: set[str] = set()  # values whose copy later readers share (while r <= _shared_until)
+        shared_until, reads, first_late = self._shared_until, self._reads, self._first_late
+        blocks: list[tuple[int, set[str]]] = []
+        held: list[tuple[str, int]] = []
+        for r in sorted(ranks):
+
+            def rebuilt_here(a: str) -> bool:
+                return unavailable(a) and not (a in target and r <= shared_until[a])
+
+            needed = [a for a in index.inputs[index.order[r]] if rebuilt_here(a)]
+            if not needed:
+                continue
+            seen: set[str] = set()
+            todo = list(needed)
+            while todo:
+                c = todo.pop()
+                if c in seen:
+                    continue
+                seen.add(c)
+                todo.extend(a for a in reads[c] if a not in seen and rebuilt_here(a))
+            target.update(needed)
+            if self.share_rebuilt:
+                for c in seen:
+                    if c in index.last_late_reader:
+                        target.add(c)
+                        if r < first_late[c]:
+                            held.append((c, r))
+            blocks.append((r, seen))
+        return blocks, held
+
+    def _block_peak(self, r: int, ops: set[str], dropped: set[int] | frozenset[int], spans: dict[int, list[tuple[int, int]]]) -> int:
         """The most bytes beyond the `across` curve live at one of these copies (of the block
         before rank r): what they made and is still to be read in the block (or by the node
-        at r), the inputs of the copy running, and its scratch."""
+        at r, or, held by the shared schedule, later), the inputs of the copy running, and
+        its scratch."""
         index = self.index
         tensors = index.analysis.tensors
+        outs, ins = self._outs, self._ins
         seq = sorted(ops, key=index.rank.__getitem__)
+        k = len(seq)
         pos = {c: i for i, c in enumerate(seq)}
         start: dict[int, int] = {}
         end: dict[int, int] = {}
         for i, c in enumerate(seq):
-            for st in index.storages.get(c, []):
+            held = self.share_rebuilt and r <= index.last_late_reader.get(c, -1)
+            for st in outs[c]:
                 start.setdefault(st, i)
-                end[st] = max(end.get(st, i), i)
-            for a in index.reads_of_copy(c):
+                end[st] = k if held else max(end.get(st, i), i)
+            for a in self._reads[c]:
                 if a in pos:
-                    for st in index.storages.get(a, []):
-                        end[st] = max(end.get(st, i), i)
+                    for st in outs[a]:
+                        end[st] = max(end[st], i)
         for a in index.inputs[index.order[r]]:
             if a in pos:
-                for st in index.storages.get(a, []):
-                    end[st] = len(seq)
-        diff = np.zeros(len(seq) + 2, dtype=np.int64)
+                for st in outs[a]:
+                    end[st] = k
+        counted: dict[int, bool] = {}
+
+        def across(st: int) -> bool:
+            c = counted.get(st)
+            if c is None:
+                c = counted[st] = self._counted_across(st, r, dropped, spans)
+            return c
+
+        diff = [0] * (k + 2)
         for st, lo in start.items():
-            if st not in index.persistent and not self._counted_across(st, r, dropped):
+            if not across(st):
                 diff[lo] += tensors[st].nbytes
-                diff[min(end[st], len(seq)) + 1] -= tensors[st].nbytes
-        live = np.cumsum(diff[: len(seq)])
-        best = 0
+                diff[min(end[st], k) + 1] -= tensors[st].nbytes
+        best = live = 0
         for i, c in enumerate(seq):
-            extra = int(live[i]) + self._scratch.get(c, 0)
-            seen: set[int] = set()
-            for a in index.reads_of_copy(c):
-                for st in index.storages.get(a, []):
-                    if st in seen or st in index.persistent or (st in start and start[st] <= i <= end[st]):
-                        continue
-                    seen.add(st)
-                    if not self._counted_across(st, r, dropped):
-                        extra += tensors[st].nbytes
-            best = max(best, extra)
+            live += diff[i]
+            extra = live + self._scratch.get(c, 0)
+            for st in ins[c]:
+                lo = start.get(st)
+                if (lo is None or not lo <= i <= end[st]) and not across(st):
+                    extra += tensors[st].nbytes
+            if extra > best:
+                best = extra
         return best
 
-    def _counted_across(self, st: int, r: int, dropped: set[int] | frozenset[int]) -> bool:
-        """Whether storage `st` is already in the `across` curve at rank r."""
+    def _counted_across(self, st: int, r: int, dropped: set[int] | frozenset[int], spans: dict[int, list[tuple[int, int]]]) -> bool:
+        """Whether storage `st` is already in the `across` curve at rank r (`spans`: the
+        spans of the storages whose copies live longer than self._spans says)."""
         t = self.index.analysis.tensors[st]
+        if st in spans:
+            return any(lo < r <= hi for lo, hi in spans[st])
         if st in dropped:
             return any(lo < r <= hi for lo, hi in self._spans.get(st, ()))
         if st in self._safe:
@@ -455,6 +580,21 @@ class PeakLowerBound:
         if st in self.index.activation:
             return False
         return t.created >= 0 and self.index.order[t.created] not in self.index.forward and t.created < r <= t.last_use
+
+
+def _merge(spans: dict[int, list[tuple[int, int]]]) -> dict[int, list[tuple[int, int]]]:
+    """Each storage's rank spans, sorted, overlapping ones merged (storages without any left out)."""
+    merged: dict[int, list[tuple[int, int]]] = {}
+    for s, xs in spans.items():
+        out: list[tuple[int, int]] = []
+        for lo, hi in sorted(xs):
+            if out and lo <= out[-1][1]:
+                out[-1] = (out[-1][0], max(out[-1][1], hi))
+            else:
+                out.append((lo, hi))
+        if out:
+            merged[s] = out
+    return merged
 
 
 def _add(diff: np.ndarray, lo: int, hi: int, nbytes: int) -> None:
@@ -493,7 +633,7 @@ class Evaluator:
         self.node_seconds = node_seconds
         self.budget_bytes = int(budget_bytes)
         self.baseline = evaluate(index, set(), node_seconds)
-        self.bound = PeakLowerBound(index, self.baseline.timeline)
+        self.bound = PeakLowerBound(index, self.baseline.timeline, share_rebuilt=share_rebuilt)  # for the schedule it simulates
         self.simulations = 1
         self.skipped_by_bound = 0
         self.bound_violations = 0  # a simulated peak below its bound: the bound is wrong (tests assert none)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -724,13 +723,10 @@ def check_example(spec: RandomSpec, steps: int = 3) -> Outcome:
                 step = _compile(spec, model, opt, batch, retry)
             except BudgetError as e2:
                 (tg,) = cache["captures"].values()
-                if not _refused_by_the_bound(tg, prof, retry):
-                    raise AssertionError(f"the planner said it could reach {reachable} bytes, but refused {retry}: {e2}") from e2
-                # Known bug (docs/RESULTS.md, issue 7): plan.PeakLowerBound can exceed the
-                # simulated peak when a recomputed op has measured kernel scratch, and the
-                # greedy then skips a plan that fits. Without the bound the same greedy fits.
-                warnings.warn(f"refused a reachable budget because of PeakLowerBound: {spec!r}", stacklevel=2)
-                return Outcome("refused_by_bound", message=str(e2))
+                # plan.PeakLowerBound once exceeded the simulated peak (kernel scratch,
+                # shared copies) and the greedy then skipped a plan that fits; say which.
+                why = "the lower bound skipped it" if _refused_by_the_bound(tg, prof, retry) else "no plan without the bound either"
+                raise AssertionError(f"the planner said it could reach {reachable} bytes, but refused {retry} ({why}): {e2}") from e2
             kind = "ran_after_refusal"
             notes.append(f"budget {budget_bytes} refused, reachable {reachable}, ran at {retry}")
     assert not spec.hostile, f"{spec.hostile} was captured without complaint"

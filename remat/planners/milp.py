@@ -99,10 +99,9 @@ def _copy_spans(index: GraphIndex) -> dict[int, list[tuple[int, int]]]:
     last reader of every backward view of it: a backward op whose output is on the same
     storage (autograd's `detach` of a saved `detach`, read by `_log_softmax_backward_data`)
     aliases the copy, and the simulator keeps the copy alive for the view's readers
-    (or to the end, for a graph output). PeakLowerBound's spans stop at a's own late
-    readers; counting the views too is still a lower bound, and a much tighter one where
-    autograd saves a view (without it the cut loop runs through dozens of plans whose
-    peak sits in such a gap).
+    (or to the end, for a graph output). Counting the views is still a lower bound, and a
+    much tighter one where autograd saves a view (without it the cut loop runs through
+    dozens of plans whose peak sits in such a gap); PeakLowerBound does the same.
     """
     n = len(index.order)
     outputs = set(index.output_inputs)
