@@ -383,8 +383,6 @@ class PeakLowerBound:
         live: from its first to its last reader after the forward pass, and on to the last
         reader of every backward view of it (autograd's `detach` of a saved `detach`),
         which aliases the copy, or to the end for a graph output."""
-        n = len(index.order)
-        outputs = set(index.output_inputs)
         out: dict[str, dict[int, tuple[int, int]]] = {}
         for a in index.forward:
             late = [u for u in index.users.get(a, []) if u not in index.forward]
@@ -393,23 +391,8 @@ class PeakLowerBound:
             lo = min(index.rank[u] for u in late)
             spans = out.setdefault(a, {})
             for s in index.storages.get(a, []):
-                if s in index.persistent:
-                    continue
-                hi = max(index.rank[u] for u in late)
-                todo = [u for u in late if s in index.storages.get(u, [])]
-                seen: set[str] = set()
-                while todo:
-                    v = todo.pop()
-                    if v in seen:
-                        continue
-                    seen.add(v)
-                    if v in outputs:
-                        hi = n - 1
-                    for w in index.users.get(v, []):
-                        hi = max(hi, index.rank[w])
-                        if s in index.storages.get(w, []):
-                            todo.append(w)
-                spans[s] = (lo, hi)
+                if s not in index.persistent:
+                    spans[s] = (lo, index.copy_last_read(a, s))
         return out
 
     def __call__(self, dropped: set[int] | frozenset[int], above: int | None = None) -> int:

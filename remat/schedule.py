@@ -260,6 +260,30 @@ class GraphIndex:
             if a in self.forward and any(u not in self.forward for u in self.users.get(a, []))
         ]
 
+    def copy_last_read(self, a: str, sid: int) -> int:
+        """The last rank at which storage `sid` of a rebuilt copy of forward value `a` is
+        read: a's last reader after the forward pass, or later the last reader of a
+        backward view of the copy (autograd's `detach` of a saved `detach` aliases it),
+        transitively; the last rank for a graph output. The span a copy must live,
+        whichever block made it (PeakLowerBound and the exact planner count it)."""
+        late = [u for u in self.users.get(a, []) if u not in self.forward]
+        hi = max((self.rank[u] for u in late), default=-1)
+        outputs = set(self.output_inputs)
+        todo = [u for u in late if sid in self.storages.get(u, [])]
+        seen: set[str] = set()
+        while todo:
+            v = todo.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            if v in outputs:
+                hi = len(self.order) - 1
+            for w in self.users.get(v, []):
+                hi = max(hi, self.rank[w])
+                if sid in self.storages.get(w, []):
+                    todo.append(w)
+        return hi
+
     def candidate_problem(self, sid: int) -> str | None:
         """Why activation `sid` may not be recomputed on its own (None if it may)."""
         if sid not in self.activation:

@@ -103,31 +103,14 @@ def _copy_spans(index: GraphIndex) -> dict[int, list[tuple[int, int]]]:
     much tighter one where autograd saves a view (without it the cut loop runs through
     dozens of plans whose peak sits in such a gap); PeakLowerBound does the same.
     """
-    n = len(index.order)
-    outputs = set(index.output_inputs)
     spans: dict[int, list[tuple[int, int]]] = {}
     for a in index.forward:
         late = [index.rank[u] for u in index.users.get(a, []) if u not in index.forward]
         if not late:
             continue
         for s in index.storages.get(a, []):
-            if s not in index.activation:
-                continue
-            hi = max(late)
-            todo = [u for u in index.users.get(a, []) if u not in index.forward and s in index.storages.get(u, [])]
-            seen: set[str] = set()
-            while todo:
-                v = todo.pop()
-                if v in seen:
-                    continue
-                seen.add(v)
-                if v in outputs:
-                    hi = n - 1
-                for w in index.users.get(v, []):
-                    hi = max(hi, index.rank[w])
-                    if s in index.storages.get(w, []):
-                        todo.append(w)
-            spans.setdefault(s, []).append((min(late), hi))
+            if s in index.activation:
+                spans.setdefault(s, []).append((min(late), index.copy_last_read(a, s)))
     merged: dict[int, list[tuple[int, int]]] = {}
     for s, xs in spans.items():
         out: list[tuple[int, int]] = []
