@@ -335,7 +335,7 @@ class PeakLowerBound:
             for s, span in value_spans.items():
                 if s in index.activation:
                     by_storage.setdefault(s, []).append(span)
-        self._spans = _merge(by_storage)  # per activation: where a copy of it is live once it is dropped
+        self._spans = merge_spans(by_storage)  # per activation: where a copy of it is live once it is dropped
         # Where blocks can be: before the nodes after the forward pass that read a forward
         # value on a given activation (a block runs only before a node that reads a value
         # that is not available), or one on a storage that is never available.
@@ -430,7 +430,7 @@ class PeakLowerBound:
                     _add(at, lo, hi, -t.nbytes)
                     _add(across, lo + 1, hi, -t.nbytes)
                     xs.append((lo, hi))
-            spans = _merge(extra)
+            spans = merge_spans(extra)
             for s, xs in spans.items():
                 for lo, hi in xs:
                     _add(at, lo, hi, tensors[s].nbytes)
@@ -565,7 +565,7 @@ class PeakLowerBound:
         return t.created >= 0 and self.index.order[t.created] not in self.index.forward and t.created < r <= t.last_use
 
 
-def _merge(spans: dict[int, list[tuple[int, int]]]) -> dict[int, list[tuple[int, int]]]:
+def merge_spans(spans: dict[int, list[tuple[int, int]]]) -> dict[int, list[tuple[int, int]]]:
     """Each storage's rank spans, sorted, overlapping ones merged (storages without any left out)."""
     merged: dict[int, list[tuple[int, int]]] = {}
     for s, xs in spans.items():

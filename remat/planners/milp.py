@@ -80,7 +80,7 @@ import scipy.sparse as sp
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from remat.errors import BudgetError, PlanError
-from remat.plan import Evaluation, Plan, PeakLowerBound, assemble_plan, evaluate
+from remat.plan import Evaluation, Plan, PeakLowerBound, assemble_plan, evaluate, merge_spans
 from remat.planners.mutwo import SCHEDULE_NAMES
 from remat.schedule import GraphIndex
 
@@ -111,16 +111,7 @@ def _copy_spans(index: GraphIndex) -> dict[int, list[tuple[int, int]]]:
         for s in index.storages.get(a, []):
             if s in index.activation:
                 spans.setdefault(s, []).append((min(late), index.copy_last_read(a, s)))
-    merged: dict[int, list[tuple[int, int]]] = {}
-    for s, xs in spans.items():
-        out: list[tuple[int, int]] = []
-        for lo, hi in sorted(xs):
-            if out and lo <= out[-1][1]:
-                out[-1] = (out[-1][0], max(out[-1][1], hi))
-            else:
-                out.append((lo, hi))
-        merged[s] = out
-    return merged
+    return merge_spans(spans)
 
 
 class _Rows:
