@@ -63,6 +63,18 @@ def _positive(value: int, what: str) -> int:
     return value
 
 
+def add_model_arguments(p: argparse.ArgumentParser, budget_help: str) -> None:
+    """--model, --batch-size, --budget, --planner and --optimizer, as `plan` and `run` take them."""
+    from remat.models import MODEL_NAMES, OPTIMIZER_NAMES
+    from remat.planners import PLANNERS
+
+    p.add_argument("--model", required=True, metavar="NAME", help=f"one of: {', '.join(MODEL_NAMES)}")
+    p.add_argument("--batch-size", type=int, required=True, metavar="B")
+    p.add_argument("--budget", required=True, metavar="X", help=budget_help)
+    p.add_argument("--planner", default="mutwo", metavar="NAME", help=f"one of: {', '.join(PLANNERS)} (default: mutwo)")
+    p.add_argument("--optimizer", default="sgd", metavar="NAME", help=f"one of: {', '.join(OPTIMIZER_NAMES)} (default: sgd)")
+
+
 def check_model_args(model: str, batch_size: int, optimizer: str, device: str) -> None:
     """Refuse bad names and sizes in a blink, before a large model is built."""
     from remat.models import MODEL_NAMES, OPTIMIZER_NAMES

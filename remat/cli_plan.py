@@ -21,19 +21,9 @@ MiB = 2**20
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from remat.models import MODEL_NAMES, OPTIMIZER_NAMES
-    from remat.planners import PLANNERS
+    from remat.cli import add_model_arguments
 
-    p.add_argument("--model", required=True, metavar="NAME", help=f"one of: {', '.join(MODEL_NAMES)}")
-    p.add_argument("--batch-size", type=int, required=True, metavar="B")
-    p.add_argument(
-        "--budget",
-        required=True,
-        metavar="X",
-        help='a fraction of the activation peak in (0, 1] (e.g. 0.5), or a cap on the whole peak: bytes or "6GiB", "500MB"',
-    )
-    p.add_argument("--planner", default="mutwo", metavar="NAME", help=f"one of: {', '.join(PLANNERS)} (default: mutwo)")
-    p.add_argument("--optimizer", default="sgd", metavar="NAME", help=f"one of: {', '.join(OPTIMIZER_NAMES)} (default: sgd)")
+    add_model_arguments(p, 'a fraction of the activation peak in (0, 1] (e.g. 0.5), or a cap on the whole peak: bytes or "6GiB", "500MB"')
     p.add_argument("--profile", default=None, metavar="FILE", help="a profile.json of this model and batch size (skips profiling)")
     p.add_argument("--out", default=None, metavar="DIR", help="output folder (default: runs/plan-<model>-b<B>-<planner>)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout; tables go to stderr")

@@ -17,19 +17,9 @@ GiB = 2**30
 
 
 def configure_run(p: argparse.ArgumentParser) -> None:
-    from remat.models import MODEL_NAMES, OPTIMIZER_NAMES
-    from remat.planners import PLANNERS
+    from remat.cli import add_model_arguments
 
-    p.add_argument("--model", required=True, metavar="NAME", help=f"one of: {', '.join(MODEL_NAMES)}")
-    p.add_argument("--batch-size", type=int, required=True, metavar="B")
-    p.add_argument(
-        "--budget",
-        required=True,
-        metavar="X",
-        help='fraction of the activation peak (e.g. 0.5), an absolute cap ("6GiB", bytes), or "none" for no recomputation',
-    )
-    p.add_argument("--planner", default="mutwo", help=f"one of: {', '.join(PLANNERS)} (default: mutwo)")
-    p.add_argument("--optimizer", default="sgd", metavar="NAME", help=f"one of: {', '.join(OPTIMIZER_NAMES)} (default: sgd)")
+    add_model_arguments(p, 'fraction of the activation peak (e.g. 0.5), an absolute cap ("6GiB", bytes), or "none" for no recomputation')
     p.add_argument("--steps", type=int, default=3, metavar="N", help="training steps to run after the measurements (default: 3)")
     p.add_argument("--pairs", type=int, default=5, metavar="K", help="alternating eager/remat timing pairs (default: 5)")
     p.add_argument("--check", action="store_true", help="first compare 3 steps bitwise against eager PyTorch")
