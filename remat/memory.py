@@ -10,6 +10,7 @@ no measure (the C allocator keeps freed pages).
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -45,6 +46,21 @@ def _quiet_stdio() -> Iterator[None]:
         os.close(devnull)
 
 
+@contextlib.contextmanager
+def no_gc() -> Iterator[None]:
+    """Collect garbage first, then keep the collector off while a measured run goes on: a
+    collection in the middle would free objects that are not the step's and move what the
+    allocator reports as held (seen once in 3000 random models, by 64 bytes at one node)."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def cpu_memory_events(prof: profile) -> list[tuple[int, int]]:
     """(time ns, bytes: + allocation / - free) of the CPU allocator, in time order."""
     events = [
@@ -73,13 +89,14 @@ def measure_peak(fn: Callable[[], Any], device: str | torch.device = "cpu") -> M
     if device.type != "cpu":
         raise ValueError(f"cannot measure memory on device {device}: only cpu and cuda are supported")
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _quiet_stdio():
-        prof.start()
-    try:
-        result = fn()
-    finally:
+    with no_gc():
         with _quiet_stdio():
-            prof.stop()
+            prof.start()
+        try:
+            result = fn()
+        finally:
+            with _quiet_stdio():
+                prof.stop()
     running = peak = 0
     for _, nbytes in cpu_memory_events(prof):
         running += nbytes

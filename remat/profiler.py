@@ -33,7 +33,7 @@ from torch.fx.node import map_arg
 from remat.analysis import ROLES, GraphAnalysis, Role, analyze
 from remat.capture import CORRECTED_STRIDES, InputKind, Phase, TrainGraph, flat_inputs
 from remat.errors import CaptureError, PlanError, RematError
-from remat.memory import _quiet_stdio, cpu_memory_events, measure_peak
+from remat.memory import _quiet_stdio, cpu_memory_events, measure_peak, no_gc
 from remat.serialize import check_fields, dump_document, load_document
 from remat.simulator import Timeline, simulate
 
@@ -446,13 +446,14 @@ def _memory_run_cpu(runner: _NodeRunner, inputs: list[torch.Tensor]) -> _NodeMem
             return fn()
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _quiet_stdio():
-        prof.start()
-    try:
-        runner.run(inputs, hook)
-    finally:
+    with no_gc():
         with _quiet_stdio():
-            prof.stop()
+            prof.start()
+        try:
+            runner.run(inputs, hook)
+        finally:
+            with _quiet_stdio():
+                prof.stop()
     n = runner.num_ops
     begin = np.full(n, -1, dtype=np.int64)
     for e in prof.profiler.kineto_results.events():
