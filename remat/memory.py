@@ -48,10 +48,10 @@ def _quiet_stdio() -> Iterator[None]:
 
 @contextlib.contextmanager
 def no_gc() -> Iterator[None]:
-    """Collect garbage first, then keep the collector off while a measured run goes on: a
-    collection in the middle would free objects that are not the step's and move what the
-    allocator reports as held (seen once in 3000 random models, by 64 bytes at one node)."""
-    gc.collect()
+    """Keep the garbage collector off while a measured run goes on: a collection in the
+    middle would free objects that are not the step's and move what the allocator reports
+    as held (seen once in 3000 random models, by 64 bytes at one node). No collection
+    before it either: with torch loaded one costs tens of ms, more than a small step."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
