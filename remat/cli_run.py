@@ -52,7 +52,7 @@ def run_one(
     import remat
     from remat.check import check_against_eager, time_alternating, twin
     from remat.cli import UsageError, _positive, check_model_args
-    from remat.memory import measure_peak
+    from remat.memory import measure_step_peak
     from remat.models import build_model, make_optimizer, make_train_step
 
     check_model_args(model, batch_size, optimizer, device)
@@ -91,19 +91,15 @@ def run_one(
         train_step(eager_model, eager_opt, spec.batch)
 
     persistent = report.persistent_bytes
-    # Each step clears the previous gradients first: clear them before measuring, so that
-    # a peak counts what the step itself allocates (as for remat's first, measured step).
-    for p in [*eager_model.parameters(), *spec.model.parameters()]:
+    for p in spec.model.parameters():  # not held through the measurements below (remat's step drops them too)
         p.grad = None
-    eager_peak = persistent + measure_peak(lambda: train_step(eager_model, eager_opt, spec.batch), device).peak_bytes
+    eager_peak = persistent + measure_step_peak(lambda: train_step(eager_model, eager_opt, spec.batch), device, eager_model).peak_bytes
     # The captured graph without recomputation, run on the eager copy: the baseline remat starts from.
     from remat.capture import flat_inputs, run_captured
 
     tg = step.compiled_for(spec.batch).tg
     base_inputs = flat_inputs(tg, eager_model, eager_opt, spec.batch)
-    for p in eager_model.parameters():
-        p.grad = None
-    baseline_measured = persistent + measure_peak(lambda: run_captured(tg, tg.gm, eager_model, base_inputs), device).peak_bytes
+    baseline_measured = persistent + measure_step_peak(lambda: run_captured(tg, tg.gm, eager_model, base_inputs), device, eager_model).peak_bytes
 
     say(f"timing eager vs remat, {pairs} alternating pairs ...")
     timing = time_alternating(

@@ -189,7 +189,7 @@ def _measure(sw: Sweep, plan: Any, point: Point) -> None:
     """Run the plan: three steps bitwise against eager, one step's peak, and timing pairs."""
     from remat.capture import flat_inputs, run_captured
     from remat.check import check_against_eager, time_alternating, twin
-    from remat.memory import measure_peak
+    from remat.memory import measure_step_peak
     from remat.rewriter import rewrite
 
     tg, spec = sw.tg, sw.spec
@@ -204,12 +204,7 @@ def _measure(sw: Sweep, plan: Any, point: Point) -> None:
     check = check_against_eager(sw.train_step, eager_model, eager_opt, remat_model, remat_opt, remat_step, spec.batch, steps=3, seed=sw.seed)
     point.grads_match = check.match
     point.mismatches = check.mismatches[:10]
-    # The check left gradients set; the step frees them as it starts, which the allocator
-    # profiler (it did not see them allocated) cannot subtract: the step would seem to
-    # hold less than it does. Each step starts without gradients, so clear them first.
-    for p in remat_model.parameters():
-        p.grad = None
-    measured = measure_peak(lambda: remat_step(spec.batch), sw.device)
+    measured = measure_step_peak(lambda: remat_step(spec.batch), sw.device, remat_model)  # the check left gradients set
     point.measured_peak_bytes = int(sw.persistent_bytes + measured.peak_bytes)
     point.measured_step_peak_bytes = int(measured.peak_bytes)
     point.peak_error = (point.measured_peak_bytes - plan.predicted_peak_bytes) / plan.predicted_peak_bytes
@@ -344,7 +339,7 @@ def run_frontier(
 
     for budget, b in zip(budgets, parsed):
         budget_bytes = b.to_bytes(base_tl.persistent_bytes, base_tl.step_peak_bytes)
-        fraction = b.fraction if b.fraction is not None else None
+        fraction = b.fraction
         for planner in planners:
             kept = frontier.point(planner, budget)
             if kept is not None and _finished(kept, measure):

@@ -27,7 +27,7 @@ from remat.capture import (
     run_captured,
 )
 from remat.errors import CaptureError, RematError
-from remat.memory import measure_peak
+from remat.memory import measure_step_peak
 from remat.plan import Plan
 from remat.planners import make_plan
 from remat.profiler import Profile, profile
@@ -191,11 +191,7 @@ class RematStep:
         self._last = compiled
         inputs = flat_inputs(compiled.tg, self.model, self.optimizer, batch)
         if self.measure and not compiled.measured:
-            # The step drops the previous gradients first; drop them before the
-            # measurement starts, so that its peak counts only what the step allocates.
-            for p in self.model.parameters():
-                p.grad = None
-            measured = measure_peak(lambda: self._run(compiled, inputs), compiled.tg.device)
+            measured = measure_step_peak(lambda: self._run(compiled, inputs), compiled.tg.device, self.model)
             compiled.report.measured_peak_bytes = compiled.report.persistent_bytes + measured.peak_bytes
             compiled.measured = True
             return measured.result
