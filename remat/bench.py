@@ -138,7 +138,7 @@ def _method_order(name: str) -> tuple[int, float]:
 
 RESULT_COLUMNS = [
     "model", "device", "optimizer", "batch_size", "method", "kind", "budget", "status", "reason",
-    "peak_bytes", "predicted_peak_bytes", "persistent_bytes", "activation_peak_bytes",
+    "peak_bytes", "predicted_peak_bytes", "reserved_peak_bytes", "persistent_bytes", "activation_peak_bytes",
     "eager_activation_peak_bytes", "activation_ratio_to_eager",
     "seconds", "eager_seconds", "ratio_to_eager", "ratio_min", "ratio_max", "rounds",
     "num_recomputed", "predicted_overhead_ratio", "setup_seconds", "notes",
@@ -470,11 +470,14 @@ def run_batch(
             if x.record["status"] == "failed":
                 continue
             try:
-                peak = measure_peak(x.step, device).peak_bytes
+                measured = measure_peak(x.step, device)
             except Exception as e:  # noqa: BLE001
                 x.record.update(status="failed", reason=_reason(e))
                 continue
+            peak = measured.peak_bytes
             x.record.update(persistent_bytes=persistent, peak_bytes=persistent + peak, activation_peak_bytes=peak)
+            if measured.reserved_peak_bytes is not None:
+                x.record["reserved_peak_bytes"] = persistent + measured.reserved_peak_bytes
         eager_act = eager.record.get("activation_peak_bytes")
         for x in live:
             if eager_act and x.record.get("activation_peak_bytes") is not None:
@@ -701,6 +704,7 @@ def results_rows(doc: dict[str, Any]) -> list[list[Any]]:
                 r.get("status"),
                 _fmt(r.get("peak_bytes") / MiB) if ok and r.get("peak_bytes") else "–",
                 _fmt(r.get("predicted_peak_bytes") / MiB) if r.get("predicted_peak_bytes") else "–",
+                _fmt(r.get("reserved_peak_bytes") / MiB) if ok and r.get("reserved_peak_bytes") else "–",
                 _fmt(r.get("activation_peak_bytes") / MiB) if ok and r.get("activation_peak_bytes") is not None else "–",
                 _fmt(r.get("activation_ratio_to_eager"), 2) if ok and r.get("activation_ratio_to_eager") is not None else ("1.00" if ok and r["kind"] == "eager" else "–"),
                 _fmt(r.get("seconds") * 1e3, 0) if ok and r.get("seconds") else "–",
@@ -712,7 +716,7 @@ def results_rows(doc: dict[str, Any]) -> list[list[Any]]:
     return rows
 
 
-RESULTS_HEADER = ["batch", "method", "status", "peak MiB (measured)", "peak MiB (predicted)", "activation peak MiB", "act. peak / eager", "ms / iteration (median)", "time / eager (median, min–max)", "predicted time / eager", "note"]
+RESULTS_HEADER = ["batch", "method", "status", "peak MiB (measured)", "peak MiB (predicted)", "reserved MiB (CUDA)", "activation peak MiB", "act. peak / eager", "ms / iteration (median)", "time / eager (median, min–max)", "predicted time / eager", "note"]
 
 
 def write_markdown(doc: dict[str, Any], path: Path) -> Path:

@@ -24,6 +24,12 @@ def configure_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pairs", type=int, default=5, metavar="K", help="alternating eager/remat timing pairs (default: 5)")
     p.add_argument("--check", action="store_true", help="first compare 3 steps bitwise against eager PyTorch")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic kernels (torch.use_deterministic_algorithms): on a GPU, some kernels (atomic adds) "
+        "differ from run to run, so eager differs from itself and --check cannot compare bitwise without it",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout; progress goes to stderr")
 
@@ -45,9 +51,16 @@ def run_one(
     device: str = "cpu",
     seed: int = 0,
     progress: bool = True,
+    deterministic: bool = False,
 ) -> dict[str, Any]:
     """Compile, optionally check, measure and time one configuration; the `--json` object."""
+    import os
+
     import torch
+
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts; required by the flag
+        torch.use_deterministic_algorithms(True)
 
     import remat
     from remat.check import check_against_eager, time_alternating, twin
@@ -93,7 +106,8 @@ def run_one(
     persistent = report.persistent_bytes
     for p in spec.model.parameters():  # not held through the measurements below (remat's step drops them too)
         p.grad = None
-    eager_peak = persistent + measure_step_peak(lambda: train_step(eager_model, eager_opt, spec.batch), device, eager_model).peak_bytes
+    eager_measured = measure_step_peak(lambda: train_step(eager_model, eager_opt, spec.batch), device, eager_model)
+    eager_peak = persistent + eager_measured.peak_bytes
     # The captured graph without recomputation, run on the eager copy: the baseline remat starts from.
     from remat.capture import flat_inputs, run_captured
 
@@ -127,6 +141,8 @@ def run_one(
         "baseline_peak_bytes_predicted": report.baseline_peak_bytes,
         "predicted_peak_bytes": report.predicted_peak_bytes,
         "peak_bytes_measured": report.measured_peak_bytes,
+        "eager_reserved_peak_bytes": None if eager_measured.reserved_peak_bytes is None else persistent + eager_measured.reserved_peak_bytes,
+        "reserved_peak_bytes_measured": report.measured_reserved_peak_bytes,
         "eager_activation_peak_bytes": eager_peak - persistent,
         "activation_peak_bytes_measured": (report.measured_peak_bytes or 0) - persistent,
         "eager_iteration_seconds": timing.a_seconds,
@@ -141,6 +157,7 @@ def run_one(
         "grads_match": grads_match,
         "mismatches": mismatches[:20],
         "compile_seconds": report.compile_seconds,
+        "deterministic": deterministic,
         "losses": losses,
         "torch": torch.__version__,
     }
@@ -160,6 +177,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         check=args.check,
         device=args.device,
         seed=args.seed,
+        deterministic=args.deterministic,
     )
     if args.json:
         print(json.dumps(result))

@@ -47,6 +47,7 @@ class StepReport:
     predicted_peak_bytes: int  # simulated, rewritten graph
     persistent_bytes: int
     measured_peak_bytes: int | None = None  # persistent + the allocator's peak of a real step
+    measured_reserved_peak_bytes: int | None = None  # CUDA: persistent + the segments that step reserved
     num_recomputed: int = 0
     compile_seconds: float = 0.0
     copies: int = 0
@@ -57,6 +58,7 @@ class StepReport:
             "baseline_peak_bytes": self.baseline_peak_bytes,
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "measured_peak_bytes": self.measured_peak_bytes,
+            "measured_reserved_peak_bytes": self.measured_reserved_peak_bytes,
             "persistent_bytes": self.persistent_bytes,
             "num_recomputed": self.num_recomputed,
             "recompute_ops": self.copies,
@@ -193,6 +195,8 @@ class RematStep:
         if self.measure and not compiled.measured:
             measured = measure_step_peak(lambda: self._run(compiled, inputs), compiled.tg.device, self.model)
             compiled.report.measured_peak_bytes = compiled.report.persistent_bytes + measured.peak_bytes
+            if measured.reserved_peak_bytes is not None:
+                compiled.report.measured_reserved_peak_bytes = compiled.report.persistent_bytes + measured.reserved_peak_bytes
             compiled.measured = True
             return measured.result
         return self._run(compiled, inputs)
