@@ -36,6 +36,7 @@ _INPUT_ROLE = {
     InputKind.PARAMETER: Role.PARAMETER,
     InputKind.BUFFER: Role.PARAMETER,
     InputKind.OPTIMIZER_STATE: Role.OPTIMIZER_STATE,
+    InputKind.HYPERPARAMETER: Role.INPUT,
     InputKind.BATCH: Role.INPUT,
 }
 
@@ -227,13 +228,17 @@ def analyze(tg: TrainGraph, gm: torch.fx.GraphModule | None = None, phase: dict[
             if t.created >= 0 and phase[op_nodes[t.created].name] is Phase.FORWARD:
                 if ph is Phase.FORWARD:
                     t.last_forward_use = r if t.last_forward_use is None else max(t.last_forward_use, r)
-                elif ph is Phase.BACKWARD and t.first_backward_use is None:
+                elif t.first_backward_use is None:
+                    # First read after the forward pass: in the backward, or later (the
+                    # optimizer phase, a returned value such as detached logits).
                     t.first_backward_use = r
 
     output_node = next(n for n in nodes if n.op == "output")
     output_storages = {sid for inp in output_node.all_input_nodes for sid in node_storages.get(inp.name, [])}
     for sid in output_storages:
         tensors[sid].last_use = end
+    _, grad_outputs = output_node.args[0]  # see TrainGraph: (step outputs, grads)
+    grad_output_storages = {sid for g in grad_outputs for sid in node_storages.get(g.name, [])}
 
     grad_storages = {sid for name in tg.grad_nodes.values() if name in node_storages for sid in node_storages[name]}
     # A tied weight's gradient is the sum of partial gradients (one per use): those are
@@ -248,12 +253,11 @@ def analyze(tg: TrainGraph, gm: torch.fx.GraphModule | None = None, phase: dict[
             if arg.name in by_name and phase[arg.name] is Phase.BACKWARD:
                 grad_storages.update(node_storages[arg.name])
                 todo.append(by_name[arg.name])
-    loss_storages = set(node_storages.get(tg.loss_node, []))
     for t in tensors:
         if t.persistent:
             continue
         created_phase = phase[op_nodes[t.created].name]
-        if t.id in grad_storages or (t.id in output_storages and t.id not in loss_storages):
+        if t.id in grad_storages or t.id in grad_output_storages:
             t.role = Role.GRADIENT
         elif created_phase is Phase.FORWARD and t.first_backward_use is not None:
             t.role = Role.ACTIVATION

@@ -25,6 +25,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from remat import hyperparams
 from remat.errors import CaptureError
 
 TrainStep = Callable[[torch.nn.Module, "torch.optim.Optimizer | None", Any], torch.Tensor]
@@ -40,6 +41,7 @@ class InputKind(str, Enum):
     PARAMETER = "parameter"
     BUFFER = "buffer"
     OPTIMIZER_STATE = "optimizer_state"
+    HYPERPARAMETER = "hyperparameter"  # a float of optimizer.param_groups, read at every call
     BATCH = "batch"
 
 
@@ -59,7 +61,8 @@ class TrainGraph:
     """The captured iteration: an fx graph plus what each placeholder and output means.
 
     `gm(*flat_inputs)` runs one step in place (under no_grad) and returns
-    `(loss, grads)`, where `grads[i]` is the final `.grad` of parameter `grad_names[i]`.
+    `(outputs, grads)`: `outputs` the tensors train_step returned (flattened; the
+    structure is `output_spec`), `grads[i]` the final `.grad` of parameter `grad_names[i]`.
     """
 
     gm: torch.fx.GraphModule
@@ -71,6 +74,9 @@ class TrainGraph:
     batch_spec: str  # pytree structure of the batch, as text, to reject other structures
     has_optimizer: bool
     device: str
+    output_spec: Any = None  # pytree spec of train_step's return value (None: one tensor)
+    trainable: tuple[str, ...] = ()  # parameters that required a gradient at capture
+    groups: list[hyperparams.GroupSpec] = field(default_factory=list)  # what the update assumes of param_groups
     meta: dict[str, Any] = field(default_factory=dict)
 
     def op_nodes(self) -> list[torch.fx.Node]:
@@ -231,12 +237,30 @@ def _optimizer_on(
 
 
 def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, batch: Any) -> list[torch.Tensor]:
-    """The real tensors for the graph's placeholders, in order."""
+    """The real tensors for the graph's placeholders, in order.
+
+    Also where the loop around the step is checked: a change the graph cannot follow
+    (a frozen parameter thawed, an optimizer flag or group changed) is refused here,
+    and the hyperparameters are read from the param groups as they are now.
+    """
     params = _unique_named(model.named_parameters())
     buffers = _unique_named(model.named_buffers())
+    trainable = tuple(n for n, p in params.items() if p.requires_grad)
+    if trainable != tg.trainable:
+        changed = sorted(set(trainable) ^ set(tg.trainable))
+        raise CaptureError(
+            f"requires_grad of {len(changed)} parameters changed since the step was compiled (first: {changed[0]}); "
+            "the captured graph computes gradients for the parameters that required them then. Compile a new step "
+            "(remat.compile) after freezing or unfreezing parameters."
+        )
+    if tg.has_optimizer:
+        names = {id(p): n for n, p in params.items()}
+        hyperparams.check_unchanged(optimizer, tg.groups, names)
     # Only the state the graph reads: eager creates none for a parameter without a gradient.
     wanted = {id(params[i.name.rsplit(".", 1)[0]]) for i in tg.inputs if i.kind is InputKind.OPTIMIZER_STATE}
     states = _optimizer_states(optimizer, params, wanted) if tg.has_optimizer else {}
+    hyper_names = [i.name for i in tg.inputs if i.kind is InputKind.HYPERPARAMETER]
+    hyper = dict(zip(hyper_names, hyperparams.values(optimizer, hyper_names))) if hyper_names else {}
     leaves, spec = _check_batch(batch)
     if str(spec) != tg.batch_spec:
         raise CaptureError(
@@ -252,6 +276,8 @@ def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: torch.optim.O
         elif inp.kind is InputKind.OPTIMIZER_STATE:
             pname, key = inp.name.rsplit(".", 1)
             out.append(states[pname][key])
+        elif inp.kind is InputKind.HYPERPARAMETER:
+            out.append(hyper[inp.name])
     out.extend(leaves)
     return out
 
@@ -283,6 +309,9 @@ def capture(
     buffers = _unique_named(model.named_buffers())
     if not params:
         raise CaptureError("the model has no parameters: there is nothing to train")
+    trainable = tuple(n for n, p in params.items() if p.requires_grad)
+    if not trainable:
+        raise CaptureError("no parameter of the model requires a gradient: there is nothing to train")
     devices = {str(t.device) for t in [*params.values(), *buffers.values(), *leaves]}
     if len(devices) != 1:
         raise CaptureError(f"model and batch must be on one device, found {sorted(devices)}; move them with .to(device)")
@@ -307,6 +336,15 @@ def capture(
         for key, value in st.items():
             inputs.append(GraphInput(f"{n}.{key}", InputKind.OPTIMIZER_STATE, *_describe(value)))
             flat.append(value)
+    hyper_values: dict[str, float] = {}
+    if optimizer is not None:
+        for gi, group in enumerate(optimizer.param_groups):
+            for key, value in hyperparams.float_entries(group).items():
+                name = hyperparams.input_name(gi, key)
+                hyper_values[name] = value
+                inputs.append(GraphInput(name, InputKind.HYPERPARAMETER, (), "float64", "cpu"))
+                flat.append(torch.tensor(value, dtype=torch.float64))
+    hyper_names = list(hyper_values)
     for n, leaf in zip(batch_leaf_names(example_batch), leaves):
         inputs.append(GraphInput(n, InputKind.BATCH, *_describe(leaf)))
         flat.append(leaf)
@@ -314,20 +352,26 @@ def capture(
     state_keys = [(n, list(st)) for n, st in states.items()]
     grad_order: list[str] = []  # filled while tracing: names of the grads the "grads" marker holds
     final_grads: list[str] = []
+    output_spec: list[Any] = []
     probe = {"preset_grads": False}  # see _check_no_accumulation
+    # Floats the update branches on (`if weight_decay != 0`) keep their zero-ness from the
+    # capture; the others are free symbols. `symbols` names a float a trace tripped on.
+    zero_facts = {n: v == 0 for n, v in hyper_values.items() if hyperparams.parse_input_name(n)[1] in hyperparams.BRANCHED_KEYS}
+    symbols: dict[str, str] = {}
 
-    def traced(*args: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def traced(*args: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         it = iter(args)
         t_params = {n: next(it) for n in params}
         t_buffers = {n: next(it) for n in buffers}
         t_states = {n: {k: next(it) for k in keys} for n, keys in state_keys}
+        t_hyper = {n: next(it) for n in hyper_names}
         t_batch = pytree.tree_unflatten(list(it), spec)
-        for p in t_params.values():
-            p.requires_grad_(True)
+        for n, p in t_params.items():
+            p.requires_grad_(n in trainable)
         if probe["preset_grads"]:
-            for p in t_params.values():
-                p.grad = torch.zeros_like(p)
-            _marker([p.grad for p in t_params.values()], "preset_grads")
+            for n in trainable:
+                t_params[n].grad = torch.zeros_like(t_params[n])
+            _marker([t_params[n].grad for n in trainable], "preset_grads")
         calls = {"backward": 0}
         real_backward = torch.autograd.backward
 
@@ -351,44 +395,125 @@ def capture(
             stack.enter_context(stateless._reparametrize_module(model, mapping))
             if optimizer is not None:
                 stack.enter_context(_optimizer_on(optimizer, real_to_name, t_params, t_states))
+                stack.enter_context(hyperparams.symbolic(optimizer, t_hyper, zero_facts, symbols))
                 handle = optimizer.register_step_pre_hook(step_pre_hook)
                 stack.callback(handle.remove)
             torch.autograd.backward = backward
             stack.callback(setattr, torch.autograd, "backward", real_backward)
             stack.enter_context(_CpuOutputStrides())
-            loss = train_step(model, optimizer, t_batch)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise CaptureError(f"train_step must return the loss as a one-element tensor, got {type(loss).__name__}")
+            result = train_step(model, optimizer, t_batch)
+        outputs, out_spec = _step_outputs(result)
         if calls["backward"] == 0:
             raise CaptureError("train_step never called loss.backward(): remat captures a whole training step")
         grads = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]
         final_grads.extend(n for n, _ in grads)
-        return loss.detach(), [g for _, g in grads]
+        output_spec[:] = [out_spec]
+        return outputs, [g for _, g in grads]
+
+    def trace() -> torch.fx.GraphModule:
+        # A branch on a hyperparameter other than the known ones: fix its zero-ness too, and trace again.
+        while True:
+            n_order, n_final = len(grad_order), len(final_grads)
+            try:
+                return make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=False)(*flat)
+            except Exception as e:  # noqa: BLE001 - translated into a message a user can act on
+                del grad_order[n_order:], final_grads[n_final:]
+                branched = _branched_hyperparameters(e, symbols)
+                new = [name for name in branched if name not in zero_facts]
+                if not new:
+                    if isinstance(e, CaptureError):
+                        raise
+                    raise _explain_trace_failure(e) from e
+                zero_facts.update({name: hyper_values[name] == 0 for name in new})
+            finally:
+                model.train(was_training)
 
     was_training = model.training
-    try:
-        gm = make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=False)(*flat)
-    except CaptureError:
-        raise
-    except Exception as e:  # noqa: BLE001 - translated into a message a user can act on
-        raise _explain_trace_failure(e) from e
-    finally:
-        model.train(was_training)
+    gm = trace()
     if final_grads:
         # Gradients stay set after the step, so the next step starts with them: it must
         # clear them before its backward (the graph computes fresh ones).
         probe["preset_grads"] = True
         n_order, n_final = len(grad_order), len(final_grads)
         try:
-            probe_gm = make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=False)(*flat)
+            probe_gm = trace()
         finally:
-            model.train(was_training)
             del grad_order[n_order:], final_grads[n_final:]
         _check_no_accumulation(probe_gm)
     _check_static_shapes(gm)
+    groups: list[hyperparams.GroupSpec] = []
     if optimizer is not None:
         inputs = _drop_unread_new_state(gm, inputs, optimizer, params, had_state)
-    return _finish(gm, inputs, grad_order, final_grads, str(spec), optimizer is not None, device)
+        inputs = _drop_unread_hyperparameters(gm, inputs)
+        _check_first_step_state(optimizer, had_state, {id(params[n]) for n in final_grads})
+        groups = hyperparams.group_specs(optimizer, real_to_name, zero_facts)
+    tg = _finish(gm, inputs, grad_order, final_grads, str(spec), optimizer is not None, device)
+    tg.output_spec = output_spec[0]
+    tg.trainable = trainable
+    tg.groups = groups
+    return tg
+
+
+def _step_outputs(result: Any) -> tuple[list[torch.Tensor], Any]:
+    """train_step's return value as graph outputs: its tensors, detached, and its structure.
+
+    A lone tensor is the loss; a tuple, list or dict may add other tensors (logits for
+    metrics), which come back to the caller as they were returned.
+    """
+    if isinstance(result, torch.Tensor):
+        if result.numel() != 1:
+            raise CaptureError(f"train_step must return the loss as a one-element tensor, got shape {tuple(result.shape)}")
+        return [result.detach()], None
+    leaves, out_spec = pytree.tree_flatten(result)
+    if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+        kinds = sorted({type(t).__name__ for t in leaves if not isinstance(t, torch.Tensor)}) or ["nothing"]
+        raise CaptureError(
+            f"train_step must return the loss, or a tuple, list or dict of tensors; it returned {type(result).__name__} "
+            f"holding {', '.join(kinds)}. Return tensors only (compute Python numbers such as accuracy from them outside)."
+        )
+    return [t.detach() for t in leaves], out_spec
+
+
+def _branched_hyperparameters(e: BaseException, symbols: dict[str, str]) -> list[str]:
+    """The hyperparameters a failed trace branched on, from a data-dependent guard's condition."""
+    while e is not None:
+        cond = getattr(e, "cond", None)
+        if cond is not None and hasattr(cond, "free_symbols"):
+            return [symbols[str(s)] for s in cond.free_symbols if str(s) in symbols]
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return []
+
+
+def _drop_unread_hyperparameters(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> list[GraphInput]:
+    """Remove the hyperparameters the update never reads (a scheduler's initial_lr, a float
+    fixed at zero), so that only what changes the step is an input."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    keep: list[GraphInput] = []
+    for node, inp in zip(placeholders, inputs):
+        if inp.kind is InputKind.HYPERPARAMETER:
+            for user in list(node.users):
+                if user.target is torch.ops.aten._local_scalar_dense.default and not user.users:
+                    gm.graph.erase_node(user)
+            if not node.users:
+                gm.graph.erase_node(node)
+                continue
+        keep.append(inp)
+    return keep
+
+
+def _check_first_step_state(optimizer: torch.optim.Optimizer, had_state: set[int], updated: set[int]) -> None:
+    """SGD's first step copies the gradient into the momentum buffer; the zero buffer remat
+    creates gives the same only without dampening (`0 * m + (1 - dampening) * g`)."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return
+    for group in optimizer.param_groups:
+        if group["momentum"] != 0 and group["dampening"] != 0:
+            if any(id(p) in updated and id(p) not in had_state for p in group["params"]):
+                raise CaptureError(
+                    "SGD with momentum and dampening copies the first gradient into its momentum buffer undamped; "
+                    "remat cannot create that state ahead of the step. Run one eager training step before "
+                    "remat.compile, or set dampening=0."
+                )
 
 
 def _drop_unread_new_state(
@@ -627,8 +752,9 @@ def run_captured(
     gm: torch.fx.GraphModule,
     model: torch.nn.Module,
     inputs: list[torch.Tensor],
-) -> torch.Tensor:
-    """Run one step of `gm` (the captured graph or a rewrite of it) in place.
+) -> Any:
+    """Run one step of `gm` (the captured graph or a rewrite of it) in place; returns what
+    train_step returns (the loss, or its tuple/dict of tensors).
 
     Leaves each parameter's `.grad` as the eager step would: the graph's final gradient
     where train_step left one set, None where it cleared them.
@@ -639,8 +765,8 @@ def run_captured(
     for p in params.values():
         p.grad = None
     with torch.no_grad():
-        loss, grads = gm(*inputs)
+        outputs, grads = gm(*inputs)
     final = dict(zip(tg.grad_names, grads))
     for name, p in params.items():
         p.grad = final.get(name)
-    return loss
+    return outputs[0] if tg.output_spec is None else pytree.tree_unflatten(list(outputs), tg.output_spec)

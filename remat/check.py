@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree as pytree
 
 
 @dataclass
@@ -81,18 +82,34 @@ def check_against_eager(
     batch: Any,
     steps: int = 3,
     seed: int = 0,
+    between_steps: Callable[[int, torch.nn.Module, Any], None] | None = None,
+    batches: list[Any] | None = None,
 ) -> CheckResult:
-    """Run `steps` steps on both sides with the same seeds and compare everything after each."""
+    """Run `steps` steps on both sides with the same seeds and compare everything after each.
+
+    `between_steps(i, model, optimizer)`, if given, runs on each side after step i: what
+    a training loop does between steps (a scheduler, a hand-set learning rate, ...).
+    `batches`, if given, are used in turn instead of `batch`.
+    """
     mismatches: list[str] = []
     for i in range(steps):
+        b = batches[i % len(batches)] if batches else batch
         torch.manual_seed(seed + i)
-        loss_e = train_step(eager_model, eager_opt, batch)
+        out_e = train_step(eager_model, eager_opt, b)
         torch.manual_seed(seed + i)
-        loss_r = remat_step(batch)
-        d = _diff(loss_e.detach(), loss_r.detach())
-        if d:
-            mismatches.append(f"step {i + 1} loss: {d}")
+        out_r = remat_step(b)
+        leaves_e, spec_e = pytree.tree_flatten(out_e)
+        leaves_r, spec_r = pytree.tree_flatten(out_r)
+        if spec_e != spec_r:
+            mismatches.append(f"step {i + 1} returned {spec_r}, eager {spec_e}")
+        for j, (x, y) in enumerate(zip(leaves_e, leaves_r)):
+            d = _diff(x.detach(), y.detach())
+            if d:
+                mismatches.append(f"step {i + 1} {'loss' if j == 0 else f'output {j}'}: {d}")
         mismatches += [f"step {i + 1} {m}" for m in compare_state(eager_model, eager_opt, remat_model, remat_opt)]
+        if between_steps is not None:
+            between_steps(i, eager_model, eager_opt)
+            between_steps(i, remat_model, remat_opt)
     return CheckResult(match=not mismatches, steps=steps, mismatches=mismatches)
 
 
