@@ -367,18 +367,17 @@ def run_batch(
     from remat.capture import capture
     from remat.check import twin
     from remat.memory import measure_peak
-    from remat.models import build_model, make_optimizer, make_train_step
     from remat.profiler import profile
     from remat.simulator import simulate
+    from remat.workloads import load
 
     base = {"model": model_name, "device": device, "optimizer": optimizer, "batch_size": batch_size}
     todo = [m for m in methods if m.kind != "eager" and not results.done(batch_size, m.name)]
     eager_done = results.done(batch_size, "eager")
     if not todo and eager_done and str(batch_size) in results.stats:
         return
-    spec = build_model(model_name, batch_size, seed=seed, device=device)
-    opt = make_optimizer(optimizer, spec.model.parameters())
-    train_step = make_train_step(spec.loss_fn)
+    spec = load(model_name, batch_size, optimizer, seed=seed, device=device)
+    opt, train_step = spec.optimizer, spec.train_step
 
     def plain_step(m: Any, o: Any) -> Callable[[], Any]:
         return lambda: train_step(m, o, spec.batch)
@@ -443,6 +442,10 @@ def run_batch(
                     )
                     fn = (lambda s: lambda: s(spec.batch))(step)
                 else:
+                    if spec.loss_fn is None:
+                        from remat.baselines import NotSupported
+
+                        raise NotSupported(f"{model_name} is a factory with its own train_step; {m.kind} rebuilds the step around a loss")
                     bstep = make_baseline(m.kind, mm, spec.loss_fn, budget=m.budget)
                     if m.kind == "sequential":
                         rec["notes"] = f"{bstep.segments} segments over {bstep.blocks} blocks"  # type: ignore[attr-defined]
@@ -955,14 +958,13 @@ def _simulated_fit(model_name: str, batch_size: int, cap: int, budget: float | N
     from remat.budget import parse_budget
     from remat.capture import capture
     from remat.errors import BudgetError
-    from remat.models import build_model, make_optimizer, make_train_step
     from remat.planners import make_plan
     from remat.schedule import GraphIndex, build_schedule, simulate_schedule
     from remat.simulator import simulate
+    from remat.workloads import load
 
-    spec = build_model(model_name, batch_size, seed=seed, device=device)
-    opt = make_optimizer(optimizer, spec.model.parameters())
-    tg = capture(make_train_step(spec.loss_fn), spec.model, opt, spec.batch)
+    spec = load(model_name, batch_size, optimizer, seed=seed, device=device)
+    tg = capture(spec.train_step, spec.model, spec.optimizer, spec.batch)
     analysis = analyze(tg)
     index = GraphIndex.build(tg, analysis)
     # Node times and kernel scratch from one profiled batch size, scaled by batch size:
@@ -1036,8 +1038,8 @@ def maxbatch(
     from remat.capture import capture
     from remat.check import twin
     from remat.memory import measure_peak
-    from remat.models import build_model, make_optimizer, make_train_step
     from remat.profiler import profile
+    from remat.workloads import load
 
     cap_budget = parse_budget(cap)
     if cap_budget.nbytes is None:
@@ -1049,9 +1051,9 @@ def maxbatch(
 
     # Costs for the planner during the search: one profile at the start batch size.
     b0 = max(1, start)
-    spec = build_model(model, b0, seed=seed, device=device)
-    opt = make_optimizer(optimizer, spec.model.parameters())
-    tg = capture(make_train_step(spec.loss_fn), spec.model, opt, spec.batch)
+    spec = load(model, b0, optimizer, seed=seed, device=device)
+    opt = spec.optimizer
+    tg = capture(spec.train_step, spec.model, opt, spec.batch)
     say(f"profiling {model} at batch {b0} for node costs ...")
     prof = profile(tg, spec.model, opt, spec.batch, runs=1, progress=False)
     secs = prof.seconds_by_node()
@@ -1095,9 +1097,8 @@ def maxbatch(
         rec: dict[str, Any] = {"method": kind, "batch_size": b}
         t = time.perf_counter()
         try:
-            spec = build_model(model, b, seed=seed, device=device)
-            opt = make_optimizer(optimizer, spec.model.parameters())
-            train_step = make_train_step(spec.loss_fn)
+            spec = load(model, b, optimizer, seed=seed, device=device)
+            opt, train_step = spec.optimizer, spec.train_step
             m, o = twin(spec.model, opt)
             del spec.model
             if kind == "eager":

@@ -63,12 +63,20 @@ def _positive(value: int, what: str) -> int:
     return value
 
 
+MODEL_HELP = (
+    "a built-in model (mlp, mlp-deep, bert, bert-tiny, resnet152, resnet-tiny), hf:<model_type> "
+    "(any transformers architecture with random weights, e.g. hf:gpt2; config fields may follow: "
+    "hf:llama:num_hidden_layers=2,hidden_size=256), or package.module:function (your factory returning "
+    "model, optimizer, batch, train_step)"
+)
+
+
 def add_model_arguments(p: argparse.ArgumentParser, budget_help: str) -> None:
     """--model, --batch-size, --budget, --planner and --optimizer, as `plan` and `run` take them."""
-    from remat.models import MODEL_NAMES, OPTIMIZER_NAMES
+    from remat.models import OPTIMIZER_NAMES
     from remat.planners import PLANNERS
 
-    p.add_argument("--model", required=True, metavar="NAME", help=f"one of: {', '.join(MODEL_NAMES)}")
+    p.add_argument("--model", required=True, metavar="NAME", help=MODEL_HELP)
     p.add_argument("--batch-size", type=int, required=True, metavar="B")
     p.add_argument("--budget", required=True, metavar="X", help=budget_help)
     p.add_argument("--planner", default="mutwo", metavar="NAME", help=f"one of: {', '.join(PLANNERS)} (default: mutwo)")
@@ -77,10 +85,13 @@ def add_model_arguments(p: argparse.ArgumentParser, budget_help: str) -> None:
 
 def check_model_args(model: str, batch_size: int, optimizer: str, device: str) -> None:
     """Refuse bad names and sizes in a blink, before a large model is built."""
-    from remat.models import MODEL_NAMES, OPTIMIZER_NAMES
+    from remat.models import OPTIMIZER_NAMES
+    from remat.workloads import WorkloadError, check_name
 
-    if model not in MODEL_NAMES:
-        raise UsageError(f"unknown model {model!r}; available models: {', '.join(MODEL_NAMES)}")
+    try:
+        check_name(model)
+    except WorkloadError as e:
+        raise UsageError(str(e)) from None
     if optimizer not in OPTIMIZER_NAMES:
         raise UsageError(f"unknown optimizer {optimizer!r}; available optimizers: {', '.join(OPTIMIZER_NAMES)}")
     _positive(batch_size, "batch size")
@@ -90,17 +101,22 @@ def check_model_args(model: str, batch_size: int, optimizer: str, device: str) -
 def build_and_capture(model: str, batch_size: int, optimizer: str, device: str, seed: int) -> tuple[Any, Any, Any, Any]:
     """(spec, optimizer, train graph, seconds it took): the start of every pipeline command."""
     from remat.capture import capture
-    from remat.models import build_model, make_optimizer, make_train_step
+
+    spec = load_workload(model, batch_size, optimizer, device, seed)
+    t0 = time.perf_counter()
+    tg = capture(spec.train_step, spec.model, spec.optimizer, spec.batch)
+    return spec, spec.optimizer, tg, time.perf_counter() - t0
+
+
+def load_workload(model: str, batch_size: int, optimizer: str, device: str, seed: int, zero_grad_first: bool = False) -> Any:
+    """The `remat.workloads.Workload` of --model, with its errors as usage errors."""
+    from remat.workloads import load
 
     check_model_args(model, batch_size, optimizer, device)
     try:
-        spec = build_model(model, batch_size, seed=seed, device=device)
-        opt = make_optimizer(optimizer, spec.model.parameters())
-    except ValueError as e:  # unknown names, bad sizes: remat.models says which and what exists
+        return load(model, batch_size, optimizer, seed=seed, device=device, zero_grad_first=zero_grad_first)
+    except ValueError as e:  # unknown names, bad sizes, a broken factory: the message says which
         raise UsageError(str(e)) from None
-    t0 = time.perf_counter()
-    tg = capture(make_train_step(spec.loss_fn), spec.model, opt, spec.batch)
-    return spec, opt, tg, time.perf_counter() - t0
 
 
 def profile_summary(prof: Any, out_dir: Path, files: dict[str, Path]) -> dict[str, Any]:

@@ -57,6 +57,7 @@ def run_one(
     import os
 
     import torch
+    import torch.utils._pytree as pytree
 
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts; required by the flag
@@ -64,11 +65,9 @@ def run_one(
 
     import remat
     from remat.check import check_against_eager, time_alternating, twin
-    from remat.cli import UsageError, _positive, check_model_args
+    from remat.cli import UsageError, _positive, load_workload
     from remat.memory import measure_step_peak
-    from remat.models import build_model, make_optimizer, make_train_step
 
-    check_model_args(model, batch_size, optimizer, device)
     _positive(pairs, "--pairs")
     if steps < 0:
         raise UsageError(f"--steps must be 0 or more, got {steps}")
@@ -77,10 +76,9 @@ def run_one(
         if progress:
             print(msg, file=sys.stderr, flush=True)
 
-    spec = build_model(model, batch_size, seed=seed, device=device)
-    opt = make_optimizer(optimizer, spec.model.parameters())
     # Gradients stay set after each step so that --check compares them too.
-    train_step = make_train_step(spec.loss_fn, zero_grad_first=True)
+    spec = load_workload(model, batch_size, optimizer, device, seed, zero_grad_first=True)
+    opt, train_step = spec.optimizer, spec.train_step
     eager_model, eager_opt = twin(spec.model, opt)
 
     t0 = time.perf_counter()
@@ -121,7 +119,7 @@ def run_one(
     )
     losses = []
     for i in range(steps):
-        losses.append(float(step(spec.batch)))
+        losses.append(float(pytree.tree_leaves(step(spec.batch))[0]))  # the loss: first of what train_step returns
         say(f"step {i + 1}/{steps}: loss {losses[-1]:.6f}")
 
     plan = report.plan

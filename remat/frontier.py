@@ -261,7 +261,7 @@ def run_frontier(
     from remat.analysis import analyze
     from remat.capture import capture
     from remat.cli import UsageError, check_model_args
-    from remat.models import build_model, make_optimizer, make_train_step
+    from remat.workloads import load
     from remat.plan import evaluate
     from remat.planners import PLANNERS
     from remat.profiler import profile
@@ -280,10 +280,9 @@ def run_frontier(
     if previous is not None and profile_path is None and (out / "profile.json").is_file():
         profile_path = out / "profile.json"
 
-    spec = build_model(model, batch_size, seed=seed, device=device)
-    opt = make_optimizer(optimizer, spec.model.parameters())
     # Gradients stay set after a step, so that the eager check compares them too.
-    train_step = make_train_step(spec.loss_fn, zero_grad_first=True)
+    spec = load(model, batch_size, optimizer, seed=seed, device=device, zero_grad_first=True)
+    opt, train_step = spec.optimizer, spec.train_step
     tg = capture(train_step, spec.model, opt, spec.batch)
     analysis = analyze(tg)
     t0 = time.perf_counter()

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -84,6 +86,8 @@ def load(
 
 def _from_factory(name: str, batch_size: int, seed: int, device: str | torch.device) -> Workload:
     module_name, func_name = name.rsplit(":", 1)
+    if os.getcwd() not in sys.path:  # as `python -m` would: a factory next to the user is found
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - any import failure is the user's to fix
