@@ -76,6 +76,8 @@ class TrainGraph:
     device: str
     output_spec: Any = None  # pytree spec of train_step's return value (None: one tensor)
     trainable: tuple[str, ...] = ()  # parameters that required a gradient at capture
+    training: tuple[bool, ...] = ()  # module.training of every module at capture (train/eval behaviour is traced in)
+    leaves_zero_grads: bool = False  # the step ends with zero_grad(set_to_none=False): see _ends_with_zero_grads
     groups: list[hyperparams.GroupSpec] = field(default_factory=list)  # what the update assumes of param_groups
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -243,6 +245,14 @@ def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: torch.optim.O
     (a frozen parameter thawed, an optimizer flag or group changed) is refused here,
     and the hyperparameters are read from the param groups as they are now.
     """
+    training = tuple(m.training for m in model.modules())
+    if training != tg.training:
+        mode = "training" if tg.training and tg.training[0] else "eval"
+        raise CaptureError(
+            f"the model's train/eval mode differs from when the step was compiled (in {mode} mode): dropout and "
+            f"BatchNorm behave as they did then. Call model.{'train' if mode == 'training' else 'eval'}() before "
+            "the step (e.g. after evaluating), or compile a step for the other mode."
+        )
     params = _unique_named(model.named_parameters())
     buffers = _unique_named(model.named_buffers())
     trainable = tuple(n for n, p in params.items() if p.requires_grad)
@@ -338,6 +348,7 @@ def capture(
             flat.append(value)
     hyper_values: dict[str, float] = {}
     if optimizer is not None:
+        hyperparams.check_readable(optimizer)
         for gi, group in enumerate(optimizer.param_groups):
             for key, value in hyperparams.float_entries(group).items():
                 name = hyperparams.input_name(gi, key)
@@ -429,6 +440,7 @@ def capture(
                 model.train(was_training)
 
     was_training = model.training
+    leaves_zero_grads = False
     gm = trace()
     if final_grads:
         # Gradients stay set after the step, so the next step starts with them: it must
@@ -439,17 +451,21 @@ def capture(
             probe_gm = trace()
         finally:
             del grad_order[n_order:], final_grads[n_final:]
-        _check_no_accumulation(probe_gm)
+        leaves_zero_grads = _ends_with_zero_grads(gm)
+        if not leaves_zero_grads:
+            _check_no_accumulation(probe_gm)
     _check_static_shapes(gm)
     groups: list[hyperparams.GroupSpec] = []
     if optimizer is not None:
         inputs = _drop_unread_new_state(gm, inputs, optimizer, params, had_state)
         inputs = _drop_unread_hyperparameters(gm, inputs)
-        _check_first_step_state(optimizer, had_state, {id(params[n]) for n in final_grads})
+        _check_first_step_state(optimizer, had_state, {id(params[n]) for n in grad_order})
         groups = hyperparams.group_specs(optimizer, real_to_name, zero_facts)
     tg = _finish(gm, inputs, grad_order, final_grads, str(spec), optimizer is not None, device)
     tg.output_spec = output_spec[0]
     tg.trainable = trainable
+    tg.training = tuple(m.training for m in model.modules())
+    tg.leaves_zero_grads = leaves_zero_grads
     tg.groups = groups
     return tg
 
@@ -545,6 +561,15 @@ def _drop_unread_new_state(
             continue
         keep.append(inp)
     return keep
+
+
+def _ends_with_zero_grads(gm: torch.fx.GraphModule) -> bool:
+    """Whether the step leaves every gradient it sets zeroed in place (zero_grad(set_to_none=False)
+    at its end). The next step's backward then adds to zeros, which is the fresh gradient
+    the graph computes: such a step is no accumulation across calls."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    grads = output.args[0][1]
+    return bool(grads) and all(g.target is torch.ops.aten.zero_.default for g in grads)
 
 
 def _check_no_accumulation(probe_gm: torch.fx.GraphModule) -> None:
@@ -676,6 +701,14 @@ def _vals(node: torch.fx.Node) -> list[torch.Tensor]:
 def _explain_trace_failure(e: Exception) -> CaptureError:
     name = type(e).__name__
     first = str(e).strip().splitlines()[0] if str(e).strip() else name
+    import traceback
+
+    if any("grad_scaler" in frame.filename for frame in traceback.extract_tb(e.__traceback__)):
+        return CaptureError(
+            "train_step uses torch.amp.GradScaler, which skips the optimizer step when a gradient overflows: a "
+            "Python branch on tensor values that one captured graph cannot hold. Train in bfloat16 under "
+            "torch.autocast (it needs no scaler), or without remat."
+        )
     if "DataDependent" in name or "GuardOnDataDependent" in name or "data-dependent" in str(e).lower():
         return CaptureError(
             f"train_step has data-dependent Python control flow or an op whose output shape depends "
@@ -747,6 +780,19 @@ def _finish(
     )
 
 
+def _check_grads_are_zero(params: dict[str, torch.Tensor]) -> None:
+    """A step that adds its gradients to the zeros the previous one left must not find other
+    gradients there (an eager backward since): eager would add to them."""
+    for name, p in params.items():
+        g = p.grad
+        if g is not None and not getattr(g, "_remat_zeroed", False) and bool(g.any()):
+            raise CaptureError(
+                f"{name} holds a nonzero gradient from outside the step; the step adds its gradients to what it finds "
+                "(it ends with zero_grad(set_to_none=False)), which the captured graph does not. Call "
+                "optimizer.zero_grad() before the step."
+            )
+
+
 def run_captured(
     tg: TrainGraph,
     gm: torch.fx.GraphModule,
@@ -760,8 +806,10 @@ def run_captured(
     where train_step left one set, None where it cleared them.
     """
     params = _unique_named(model.named_parameters())
-    # The step clears the previous gradients before its backward (checked at capture);
-    # drop them now, as eager's zero_grad() would, rather than hold them through the step.
+    if tg.leaves_zero_grads:
+        _check_grads_are_zero(params)
+    # The step clears the previous gradients before its backward (checked at capture), or
+    # adds to the zeros the last step left; drop them now rather than hold them through the step.
     for p in params.values():
         p.grad = None
     with torch.no_grad():
@@ -769,4 +817,6 @@ def run_captured(
     final = dict(zip(tg.grad_names, grads))
     for name, p in params.items():
         p.grad = final.get(name)
+        if tg.leaves_zero_grads and p.grad is not None:
+            p.grad._remat_zeroed = True  # type: ignore[attr-defined]  # known zero: no check at the next call
     return outputs[0] if tg.output_spec is None else pytree.tree_unflatten(list(outputs), tg.output_spec)

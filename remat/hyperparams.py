@@ -72,6 +72,12 @@ def _flags(group: dict[str, Any], gi: int) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(out))
 
 
+def check_readable(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse, before tracing, a param group entry remat cannot read at every call."""
+    for gi, group in enumerate(optimizer.param_groups):
+        _flags(group, gi)
+
+
 def input_name(gi: int, key: str) -> str:
     return f"param_groups[{gi}].{key}"
 

@@ -155,13 +155,13 @@ def test_interrupted_bench_keeps_finished_runs_and_resumes(tmp_path, monkeypatch
     # Resumed, un-patched: the finished batch size is not run again (its model is never
     # built), the stopped one is run from the start.
     monkeypatch.setattr(bench_mod, "time_round_robin", real_rounds)
-    real_build, built = remat.models.build_model, []
+    real_build, built = remat.workloads.build_model, []
 
     def build_model(name, batch_size, **kwargs):
         built.append(batch_size)
         return real_build(name, batch_size, **kwargs)
 
-    monkeypatch.setattr(remat.models, "build_model", build_model)
+    monkeypatch.setattr(remat.workloads, "build_model", build_model)
     bench("mlp-deep", [512, 1024], [0.9], [], out, pairs=1, resume=True, progress=False)
     assert built == [1024]
     doc = load_results(out)
@@ -174,10 +174,10 @@ def test_interrupted_bench_keeps_finished_runs_and_resumes(tmp_path, monkeypatch
 def test_bench_out_of_memory_in_one_configuration(tmp_path, monkeypatch):
     import remat
     import remat.baselines
-    import remat.models
+    import remat.workloads
 
     oom = "CUDA out of memory. Tried to allocate 4.00 GiB (GPU 0; 79.10 GiB total capacity)"
-    real_compile, real_baseline, real_build = remat.compile, remat.baselines.make_baseline, remat.models.build_model
+    real_compile, real_baseline, real_build = remat.compile, remat.baselines.make_baseline, remat.workloads.build_model
 
     def compile_oom(*args, memory_budget=None, **kwargs):  # out of memory while it is set up
         if memory_budget == 0.5:
@@ -203,7 +203,7 @@ def test_bench_out_of_memory_in_one_configuration(tmp_path, monkeypatch):
 
     monkeypatch.setattr(remat, "compile", compile_oom)
     monkeypatch.setattr(remat.baselines, "make_baseline", baseline_oom_later)
-    monkeypatch.setattr(remat.models, "build_model", build_oom)
+    monkeypatch.setattr(remat.workloads, "build_model", build_oom)
     out = tmp_path / "bench"
     bench("mlp-deep", [4096, 512], [0.5, 0.9], ["sequential"], out, pairs=1, progress=False)
     runs = {(r["batch_size"], r["method"]): r for r in load_results(out)["runs"]}

@@ -78,7 +78,7 @@ def _error(capsys, argv):
 def test_unknown_model(capsys):
     rc, err = _error(capsys, ["profile", "--model", "gpt5", "--batch-size", "2"])
     assert rc == 2
-    assert "remat: error: unknown model 'gpt5'; available models: mlp," in err
+    assert "remat: error: unknown model 'gpt5'; use one of mlp, mlp-deep," in err and "hf:<model_type>" in err
 
 
 def test_unknown_optimizer(capsys):

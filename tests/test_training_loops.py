@@ -1,0 +1,242 @@
+"""What the user's loop does around the step takes effect exactly as in eager: schedulers
+and hand-set hyperparameters, frozen parameters, extra outputs; what cannot be
+followed is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.check import check_against_eager, twin
+from remat.errors import CaptureError
+from remat.models import build_model, make_train_step
+
+STEPS = 6
+
+
+def _optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-4)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-3)
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+
+def _schedule(kind: str, opt: torch.optim.Optimizer):
+    """A loop's per-step hook for this optimizer: what it does between steps."""
+    if kind == "lambda-warmup":  # lr is 0 at the first step, as a linear warm-up from zero gives
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 3))
+        return lambda i, loss: sched.step()
+    if kind == "onecycle":  # changes momentum (SGD) or betas (Adam) too
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=STEPS + 1)
+        return lambda i, loss: sched.step()
+    if kind == "warmup-cosine":
+        warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=2)
+        cos = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
+        sched = torch.optim.lr_scheduler.SequentialLR(opt, [warm, cos], milestones=[2])
+        return lambda i, loss: sched.step()
+    if kind == "plateau":
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=10.0)
+        return lambda i, loss: sched.step(loss)
+    if kind == "hand":
+
+        def edit(i, loss):
+            for g in opt.param_groups:
+                g["lr"] = g["lr"] * 0.7 + 1e-4 * i
+                g["weight_decay"] = g["weight_decay"] * 1.1
+                if "betas" in g:
+                    g["betas"] = (0.9 - 0.02 * i, 0.999 - 1e-4 * i)
+                if "momentum" in g:
+                    g["momentum"] = 0.9 - 0.05 * i
+                g["eps"] = 1e-8 * (i + 1) if "eps" in g else None
+                if g["eps"] is None:
+                    del g["eps"]
+
+        return edit
+    raise ValueError(kind)
+
+
+def _check_loop(spec, opt, kind: str, budget: float = 0.85) -> None:
+    step_fn = make_train_step(spec.loss_fn, zero_grad_first=True)
+    eager_model, eager_opt = twin(spec.model, opt)
+    model, o = twin(spec.model, opt)
+    hooks = {id(eager_opt): _schedule(kind, eager_opt), id(o): _schedule(kind, o)}
+
+    def between(i, m, optimizer):
+        hooks[id(optimizer)](i, 1.0)  # a metric that never improves: the plateau scheduler cuts lr at every step
+
+    step = remat.compile(step_fn, model, o, spec.batch, memory_budget=budget, profile_runs=1, measure=False)
+    result = check_against_eager(step_fn, eager_model, eager_opt, model, o, step, spec.batch, steps=STEPS, between_steps=between)
+    assert result.match, f"{kind}: {result.summary()}"
+    lrs = [g["lr"] for g in o.param_groups]
+    assert lrs == [g["lr"] for g in eager_opt.param_groups]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw"])
+@pytest.mark.parametrize("kind", ["lambda-warmup", "onecycle", "warmup-cosine", "plateau", "hand"])
+def test_hyperparameters_changed_between_steps_take_effect_bitwise(optimizer, kind):
+    spec = build_model("mlp-deep", 512)
+    opt = _optimizer(optimizer, spec.model.parameters())
+    _check_loop(spec, opt, kind)
+
+
+def test_learning_rate_change_on_a_transformer_with_recomputation():
+    spec = build_model("bert-tiny", 4)
+    _check_loop(spec, _optimizer("adamw", spec.model.parameters()), "hand", budget=0.9)
+
+
+def test_learning_rate_is_not_a_constant_of_the_graph():
+    """Without reading it at every call, the second step would use the first lr: the
+    parameters after a step at lr 0 must equal those before it."""
+    spec = build_model("mlp-deep", 16)
+    opt = torch.optim.SGD(spec.model.parameters(), lr=0.1)
+    step = remat.compile(make_train_step(spec.loss_fn), spec.model, opt, spec.batch, profile_runs=1, measure=False)
+    opt.param_groups[0]["lr"] = 0.0
+    before = [p.detach().clone() for p in spec.model.parameters()]
+    step(spec.batch)
+    assert all(torch.equal(a, p) for a, p in zip(before, spec.model.parameters()))
+    opt.param_groups[0]["lr"] = 0.1
+    step(spec.batch)
+    assert not all(torch.equal(a, p) for a, p in zip(before, spec.model.parameters()))
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda o, m: o.param_groups[0].update(nesterov=True), r"param_groups\[0\]\['nesterov'\] changed from False to True"),
+        (lambda o, m: o.param_groups[0].update(weight_decay=0.0), r"'weight_decay'\] changed from nonzero to 0.0"),
+        (lambda o, m: o.param_groups[0].update(maximize=True), r"'maximize'\] changed from False to True"),
+        (lambda o, m: o.add_param_group({"params": [nn.Parameter(torch.zeros(2))]}), r"has 2 param groups, but the step was compiled with 1"),
+        (lambda o, m: next(m.parameters()).requires_grad_(False), r"requires_grad of 1 parameters changed"),
+    ],
+)
+def test_a_change_the_graph_cannot_follow_is_refused_by_name(change, message):
+    spec = build_model("mlp-deep", 8)
+    opt = torch.optim.SGD(spec.model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    step = remat.compile(make_train_step(spec.loss_fn), spec.model, opt, spec.batch, profile_runs=1, measure=False)
+    step(spec.batch)
+    change(opt, spec.model)
+    before = [p.detach().clone() for p in spec.model.parameters()]
+    with pytest.raises(CaptureError, match=message):
+        step(spec.batch)
+    assert all(torch.equal(a, p) for a, p in zip(before, spec.model.parameters())), "a refused step changed the model"
+
+
+def test_amsgrad_switched_on_is_refused():
+    spec = build_model("mlp-deep", 8)
+    opt = torch.optim.Adam(spec.model.parameters(), lr=1e-3)
+    step = remat.compile(make_train_step(spec.loss_fn), spec.model, opt, spec.batch, profile_runs=1, measure=False)
+    opt.param_groups[0]["amsgrad"] = True
+    with pytest.raises(CaptureError, match=r"'amsgrad'\] changed from False to True .* Compile a new step"):
+        step(spec.batch)
+
+
+def test_scheduler_stepped_inside_train_step_is_refused():
+    spec = build_model("mlp-deep", 8)
+    opt = torch.optim.SGD(spec.model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    inner = make_train_step(spec.loss_fn)
+
+    def step_fn(model, optimizer, batch):
+        loss = inner(model, optimizer, batch)
+        sched.step()
+        return loss
+
+    with pytest.raises(CaptureError, match=r"train_step changed optimizer.param_groups\[0\]\['lr'\] while it ran"):
+        remat.compile(step_fn, spec.model, opt, spec.batch, profile_runs=1, measure=False)
+
+
+def test_tensor_learning_rate_is_refused():
+    spec = build_model("mlp-deep", 8)
+    opt = torch.optim.SGD(spec.model.parameters(), lr=torch.tensor(0.1))
+    with pytest.raises(CaptureError, match=r"param_groups\[0\]\['lr'\] is a tensor"):
+        remat.compile(make_train_step(spec.loss_fn), spec.model, opt, spec.batch, profile_runs=1, measure=False)
+
+
+def test_sgd_dampening_without_state_is_refused():
+    spec = build_model("mlp-deep", 8)
+    opt = torch.optim.SGD(spec.model.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
+    with pytest.raises(CaptureError, match="dampening"):
+        remat.compile(make_train_step(spec.loss_fn), spec.model, opt, spec.batch, profile_runs=1, measure=False)
+
+
+# ---------------------------------------------------------------------- frozen parameters
+
+
+def _frozen_bert():
+    spec = build_model("bert-tiny", 4)
+    for name, p in spec.model.named_parameters():
+        if "embeddings" in name or ".layer.0." in name:
+            p.requires_grad_(False)
+    return spec
+
+
+def test_frozen_parameters_get_no_gradient_and_train_bitwise():
+    spec = _frozen_bert()
+    frozen = {n for n, p in spec.model.named_parameters() if not p.requires_grad}
+    opt = torch.optim.AdamW([p for p in spec.model.parameters() if p.requires_grad], lr=1e-3)
+    step_fn = make_train_step(spec.loss_fn, zero_grad_first=True)
+    eager_model, eager_opt = twin(spec.model, opt)
+    model, o = twin(spec.model, opt)
+    step = remat.compile(step_fn, model, o, spec.batch, memory_budget=0.9, profile_runs=1)
+    result = check_against_eager(step_fn, eager_model, eager_opt, model, o, step, spec.batch, steps=5)
+    assert result.match, result.summary()
+    assert all(p.grad is None for n, p in model.named_parameters() if n in frozen)
+    grad_names = set(step.compiled_for(spec.batch).tg.grad_names)
+    assert grad_names and not grad_names & frozen
+    assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes
+
+    # The planner's numbers come from the smaller graph: less than with every parameter trained.
+    full = build_model("bert-tiny", 4)
+    full_step = remat.compile(step_fn, full.model, torch.optim.AdamW(full.model.parameters(), lr=1e-3), full.batch, profile_runs=1, measure=False)
+    assert step.report.baseline_peak_bytes < full_step.report.baseline_peak_bytes
+
+
+def test_frozen_parameters_in_the_optimizer_get_no_state():
+    spec = _frozen_bert()
+    opt = torch.optim.SGD(spec.model.parameters(), lr=0.1, momentum=0.9)  # all parameters, some frozen
+    step_fn = make_train_step(spec.loss_fn, zero_grad_first=True)
+    eager_model, eager_opt = twin(spec.model, opt)
+    model, o = twin(spec.model, opt)
+    step = remat.compile(step_fn, model, o, spec.batch, profile_runs=1, measure=False)
+    result = check_against_eager(step_fn, eager_model, eager_opt, model, o, step, spec.batch, steps=3)
+    assert result.match, result.summary()
+    assert len(o.state) == len(eager_opt.state) == sum(p.requires_grad for p in model.parameters())
+
+
+# ---------------------------------------------------------------------- outputs
+
+
+@pytest.mark.parametrize("form", ["tuple", "dict"])
+def test_extra_outputs_come_back_as_eager_returns_them(form):
+    spec = build_model("bert-tiny", 4)
+
+    def step_fn(model, optimizer, batch):
+        optimizer.zero_grad()
+        out = model(**batch)
+        out.loss.backward()
+        optimizer.step()
+        if form == "tuple":
+            return out.loss, out.logits.detach()
+        return {"loss": out.loss, "logits": out.logits.detach(), "hidden": out.logits.detach().argmax(-1)}
+
+    opt = torch.optim.AdamW(spec.model.parameters(), lr=1e-3)
+    eager_model, eager_opt = twin(spec.model, opt)
+    model, o = twin(spec.model, opt)
+    step = remat.compile(step_fn, model, o, spec.batch, memory_budget=0.9, profile_runs=1)
+    result = check_against_eager(step_fn, eager_model, eager_opt, model, o, step, spec.batch, steps=5)
+    assert result.match, result.summary()
+    out = step(spec.batch)
+    assert isinstance(out, tuple if form == "tuple" else dict)
+    # The returned logits live to the end of the step: the prediction counts them.
+    assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes
+
+
+def test_a_step_returning_a_python_number_is_refused():
+    spec = build_model("mlp-deep", 8)
+    inner = make_train_step(spec.loss_fn)
+    opt = torch.optim.SGD(spec.model.parameters(), lr=0.1)
+    with pytest.raises(CaptureError, match=r"returned tuple holding float. Return tensors only"):
+        remat.compile(lambda m, o, b: (inner(m, o, b), 0.5), spec.model, opt, spec.batch, profile_runs=1, measure=False)
