@@ -78,6 +78,7 @@ class TrainGraph:
     trainable: tuple[str, ...] = ()  # parameters that required a gradient at capture
     training: tuple[bool, ...] = ()  # module.training of every module at capture (train/eval behaviour is traced in)
     leaves_zero_grads: bool = False  # the step ends with zero_grad(set_to_none=False): see _ends_with_zero_grads
+    backward_passes: int = 1  # backward() calls per step: micro-batches accumulating gradients
     groups: list[hyperparams.GroupSpec] = field(default_factory=list)  # what the update assumes of param_groups
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -387,14 +388,13 @@ def capture(
         real_backward = torch.autograd.backward
 
         def backward(tensors, *a, **k):  # type: ignore[no-untyped-def]
+            # Several calls: micro-batches accumulating into the same gradients, then one update.
             calls["backward"] += 1
-            if calls["backward"] > 1:
-                raise CaptureError("train_step called backward() more than once; remat captures one backward per step")
             roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
             _marker(roots, "backward_begin")
             real_backward(tensors, *a, **k)
             named = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]
-            grad_order.extend(n for n, _ in named)
+            grad_order[:] = [n for n, _ in named]  # the last backward's: the gradients the update reads
             _marker([g for _, g in named], "grads")
 
         def step_pre_hook(opt, args, kwargs):  # type: ignore[no-untyped-def]
@@ -417,18 +417,16 @@ def capture(
         if calls["backward"] == 0:
             raise CaptureError("train_step never called loss.backward(): remat captures a whole training step")
         grads = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]
-        final_grads.extend(n for n, _ in grads)
-        output_spec[:] = [out_spec]
+        final_grads[:] = [n for n, _ in grads]
+        output_spec[:] = [out_spec, calls["backward"]]
         return outputs, [g for _, g in grads]
 
     def trace() -> torch.fx.GraphModule:
         # A branch on a hyperparameter other than the known ones: fix its zero-ness too, and trace again.
         while True:
-            n_order, n_final = len(grad_order), len(final_grads)
             try:
                 return make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=False)(*flat)
             except Exception as e:  # noqa: BLE001 - translated into a message a user can act on
-                del grad_order[n_order:], final_grads[n_final:]
                 branched = _branched_hyperparameters(e, symbols)
                 new = [name for name in branched if name not in zero_facts]
                 if not new:
@@ -446,11 +444,11 @@ def capture(
         # Gradients stay set after the step, so the next step starts with them: it must
         # clear them before its backward (the graph computes fresh ones).
         probe["preset_grads"] = True
-        n_order, n_final = len(grad_order), len(final_grads)
+        kept = list(grad_order), list(final_grads)
         try:
             probe_gm = trace()
         finally:
-            del grad_order[n_order:], final_grads[n_final:]
+            grad_order[:], final_grads[:] = kept
         leaves_zero_grads = _ends_with_zero_grads(gm)
         if not leaves_zero_grads:
             _check_no_accumulation(probe_gm)
@@ -462,7 +460,7 @@ def capture(
         _check_first_step_state(optimizer, had_state, {id(params[n]) for n in grad_order})
         groups = hyperparams.group_specs(optimizer, real_to_name, zero_facts)
     tg = _finish(gm, inputs, grad_order, final_grads, str(spec), optimizer is not None, device)
-    tg.output_spec = output_spec[0]
+    tg.output_spec, tg.backward_passes = output_spec
     tg.trainable = trainable
     tg.training = tuple(m.training for m in model.modules())
     tg.leaves_zero_grads = leaves_zero_grads
@@ -741,6 +739,7 @@ def _finish(
     loss_node: str | None = None
     grad_nodes: dict[str, str] = {}
     to_erase: list[torch.fx.Node] = []
+    after_grads: list[str] = []  # nodes since a backward ended: the next micro-batch's forward, if another backward follows
     for node in graph.nodes:
         if node.op != "call_function":
             continue
@@ -750,12 +749,17 @@ def _finish(
             if tag == "backward_begin":
                 loss_node = tensors[0].name
                 current = Phase.BACKWARD
+                phase.update(dict.fromkeys(after_grads, Phase.FORWARD))
             elif tag == "grads":
                 grad_nodes = {n: t.name for n, t in zip(grad_order, tensors)}
+                after_grads = []
             elif tag == "optimizer_begin":
                 current = Phase.OPTIMIZER
+                after_grads = []
             to_erase.append(node)
             continue
+        if current is Phase.BACKWARD and grad_nodes:
+            after_grads.append(node.name)
         if node.target in _RECORD_FUNCTION_OPS:
             to_erase.append(node)
             continue

@@ -326,13 +326,19 @@ def build_schedule(index: GraphIndex, dropped: set[int] | frozenset[int], share_
         keys = ", ".join(index.analysis.tensors[s].key for s in bad[:5])
         raise PlanError(f"only activations can be recomputed; not activations: {keys}")
     forward = [n for n in index.order if n in index.forward]
-    rest = [n for n in index.order if n not in index.forward]
 
-    tail_steps: list[Step] = []
-    tail_reads: list[list[tuple[str, int]]] = []
+    # One pass in the captured order: forward nodes as they are, each later node preceded
+    # by the block that rebuilds what it reads and is not available. Forward and backward
+    # passes may alternate (micro-batches accumulating gradients in one step).
+    all_steps: list[Step] = []
+    all_reads: list[list[tuple[str, int]]] = []
     target: dict[str, int] = {}  # value -> instance of its rebuilt copy that later readers share
     next_instance = 0
-    for u in rest:
+    for u in index.order:
+        if u in index.forward:
+            all_steps.append(Step(u))
+            all_reads.append([(a, ORIGINAL) for a in index.inputs[u]])
+            continue
         r_u = index.rank[u]
         block: dict[str, int] = {}
 
@@ -361,8 +367,8 @@ def build_schedule(index: GraphIndex, dropped: set[int] | frozenset[int], share_
                     raise PlanError(f"cannot recompute what {u} needs: {why}")
                 reads = [(a, resolve(a)) for a in index.reads_of_copy(c)]
                 block[c] = next_instance
-                tail_steps.append(Step(c, next_instance))
-                tail_reads.append(reads)  # type: ignore[arg-type]
+                all_steps.append(Step(c, next_instance))
+                all_reads.append(reads)  # type: ignore[arg-type]
                 next_instance += 1
             for a in needed:
                 target[a] = block[a]
@@ -370,27 +376,23 @@ def build_schedule(index: GraphIndex, dropped: set[int] | frozenset[int], share_
                 for c, instance in block.items():
                     if c in index.last_late_reader:
                         target[c] = instance
-        tail_steps.append(Step(u))
-        tail_reads.append([(a, resolve(a)) for a in index.inputs[u]])  # type: ignore[misc]
+        all_steps.append(Step(u))
+        all_reads.append([(a, resolve(a)) for a in index.inputs[u]])  # type: ignore[misc]
     output_reads = [(a, ORIGINAL) for a in index.output_inputs]
     if any(not index.available(a, dropped) for a in index.output_inputs):
         raise PlanError("a graph output cannot be recomputed")
 
     # Forward nodes that nothing reads any more (their readers now read copies) and that
     # have no side effect are removed: the value is then computed in the backward only.
-    copied = {s.node for s in tail_steps if s.copy}
+    copied = {s.node for s in all_steps if s.copy}
     readers: dict[str, int] = {n: 0 for n in forward}
-    for reads in tail_reads:
+    for step, reads in zip(all_steps, all_reads):
         for a, instance in reads:
             if instance == ORIGINAL and a in readers:
                 readers[a] += 1
     for a, _ in output_reads:
         if a in readers:
             readers[a] += 1
-    for n in forward:
-        for a in index.inputs[n]:
-            if a in readers:
-                readers[a] += 1
     removed: set[str] = set()
     for n in reversed(forward):
         if readers[n] == 0 and n not in index.random and not index.writes[n] and n in copied:
@@ -398,9 +400,14 @@ def build_schedule(index: GraphIndex, dropped: set[int] | frozenset[int], share_
             for a in index.inputs[n]:
                 if a in readers:
                     readers[a] -= 1
-    steps = [Step(n) for n in forward if n not in removed] + tail_steps
-    reads = [[(a, ORIGINAL) for a in index.inputs[n]] for n in forward if n not in removed] + tail_reads
-    return Schedule(steps=steps, reads=reads, removed=sorted(removed, key=index.rank.__getitem__), output_reads=output_reads, dropped=dropped)
+    kept = [i for i, step in enumerate(all_steps) if step.copy or step.node not in removed]
+    return Schedule(
+        steps=[all_steps[i] for i in kept],
+        reads=[all_reads[i] for i in kept],
+        removed=sorted(removed, key=index.rank.__getitem__),
+        output_reads=output_reads,
+        dropped=dropped,
+    )
 
 
 def simulate_schedule(index: GraphIndex, schedule: Schedule, granularity: int = 1) -> Timeline:

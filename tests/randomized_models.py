@@ -82,6 +82,9 @@ class RandomSpec:
     retry: float = 0.0  # where to retry a refused budget: 0 the reachable peak .. 1 the baseline
     hostile: str | None = None  # a construct capture must refuse (see HOSTILE)
     seed: int = 0
+    micro_batches: int = 1  # forward+backward passes per step, accumulating gradients (the batch scaled per pass)
+    schedule: bool = False  # the loop changes lr, momentum/betas and weight decay between steps
+    frozen: int = 0  # every frozen-th parameter (by order) has requires_grad=False; 0: none
 
     def input_names(self) -> list[str]:
         return [n for n, on in (("x", self.features), ("img", self.image[0]), ("ids", self.vocab)) if on]
@@ -92,6 +95,9 @@ class RandomSpec:
         lines = [f"inputs {[f'{n}{ins[n]}' for n in self.input_names()]}, loss {self.loss}"
                  f"{' + extra' if self.extra_loss else ''}, {self.optimizer}, budget {self.budget:g} (retry {self.retry:g})"
                  f"{'' if self.zero_grad_first else ', zero_grad after step'}"
+                 f"{f', {self.micro_batches} micro-batches' if self.micro_batches > 1 else ''}"
+                 f"{', hyperparameters changed between steps' if self.schedule else ''}"
+                 f"{f', every {self.frozen}th parameter frozen' if self.frozen else ''}"
                  f"{', hostile ' + self.hostile if self.hostile else ''}, seed {self.seed}"]
         lines += [f"  v{len(self.input_names()) + i}: {op!r}" for i, op in enumerate(self.ops)]
         return "\n".join(lines)
@@ -318,11 +324,34 @@ def build(spec: RandomSpec) -> tuple[RandomNet, torch.optim.Optimizer, dict[str,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         model = RandomNet(spec).train()
+    batch = make_batch(spec)
+    if spec.frozen:
+        params = list(model.parameters())
+        for p in params[:: spec.frozen]:
+            p.requires_grad_(False)
+        with torch.random.fork_rng(devices=[]):
+            trains = model(batch).requires_grad
+        if not trains:  # the loss depends on no trainable parameter: nothing to train
+            for p in params:
+                p.requires_grad_(True)
     if spec.optimizer == "adamw":
         opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    return model, opt, make_batch(spec)
+    return model, opt, batch
+
+
+def change_hyperparameters(step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """What a loop's scheduler does between steps (a zero weight decay stays zero: the
+    update branches on it)."""
+    for g in optimizer.param_groups:
+        g["lr"] = g["lr"] * (0.5 + 0.3 * step)
+        if g.get("weight_decay"):
+            g["weight_decay"] = g["weight_decay"] * 1.5
+        if "betas" in g:
+            g["betas"] = (g["betas"][0] - 0.05, g["betas"][1])
+        if g.get("momentum"):
+            g["momentum"] = g["momentum"] * 0.9
 
 
 def make_train_step(spec: RandomSpec):
@@ -331,6 +360,11 @@ def make_train_step(spec: RandomSpec):
             optimizer.zero_grad()
         loss = model(batch)
         loss.backward()
+        for i in range(1, spec.micro_batches):  # another pass, on a scaled batch, adding to the gradients
+            part = {k: v * (1.0 + 0.5 * i) if v.is_floating_point() else v for k, v in batch.items()}
+            more = model(part)
+            more.backward()
+            loss = loss + more.detach()
         optimizer.step()
         if not spec.zero_grad_first:
             optimizer.zero_grad()
@@ -455,6 +489,9 @@ if st is not None:
             retry=draw(st.sampled_from([0.0, 0.5, 0.2, 0.8])),
             hostile=hostile,
             seed=draw(st.integers(0, 2**16)),
+            micro_batches=draw(st.sampled_from([1, 1, 2, 3])),
+            schedule=draw(st.booleans()),
+            frozen=draw(st.sampled_from([0, 0, 2, 3])),
         )
 
     def _fits(shape: tuple[int, ...]) -> bool:
@@ -734,7 +771,8 @@ def check_example(spec: RandomSpec, steps: int = 3) -> Outcome:
     report = step.report
     compiled = step._last
     assert compiled is not None
-    result = check_against_eager(make_train_step(spec), eager_model, eager_opt, model, opt, step, batch, steps=steps)
+    between = change_hyperparameters if spec.schedule else None
+    result = check_against_eager(make_train_step(spec), eager_model, eager_opt, model, opt, step, batch, steps=steps, between_steps=between)
     if not result.match and all("nan" in m for m in result.mismatches):
         # Both sides overflowed (a chain of products trains to inf/nan): torch.equal calls
         # NaN unequal to itself, so compare the bits instead.

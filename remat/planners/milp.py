@@ -692,6 +692,11 @@ def plan(
     per-block program alone, with the whole time limit.
     """
     t0 = time.perf_counter()
+    if index.tg.backward_passes > 1:
+        raise PlanError(
+            f"the exact planner models one forward and one backward pass; this step runs {index.tg.backward_passes} "
+            "(micro-batches accumulating gradients). Use --planner mutwo or chen."
+        )
     extra = dict(meta.pop("meta", None) or {})
     baseline = evaluate(index, set(), node_seconds)
     families = [False, True] if compete_shared else [False]
