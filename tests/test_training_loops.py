@@ -286,3 +286,19 @@ def test_exact_planner_refuses_accumulation_by_name():
     opt = torch.optim.SGD(spec.model.parameters(), lr=0.1)
     with pytest.raises(remat.errors.PlanError, match="exact planner models one forward and one backward pass; this step runs 2"):
         remat.compile(accumulation_step(2), spec.model, opt, spec.batch, memory_budget=0.8, planner="milp", profile_runs=1, measure=False)
+
+
+# ---------------------------------------------------------------------- the idioms table
+
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import training_loops  # noqa: E402
+
+
+@pytest.mark.parametrize("idiom", training_loops.IDIOMS, ids=lambda i: i.name)
+def test_each_loop_idiom_works_bitwise_or_is_refused_by_name(idiom):
+    """The table in docs/RESULTS.md ("Training loops") and the README's Limits say this."""
+    outcome = training_loops.run_idiom(idiom)
+    assert outcome["outcome"] == idiom.expect, outcome

@@ -1,0 +1,290 @@
+"""What remat does with the idioms of real training loops: each runs in eager PyTorch and
+under remat (bert-tiny, AdamW, budget 0.9, 6 steps), compared bitwise after every step.
+
+    .venv/bin/python benchmarks/training_loops.py --out docs/training_loops
+
+An idiom either works (bitwise equal to eager over every step) or is refused with a
+CaptureError naming it; anything else ("WRONG": a mismatch, or another error) is a bug.
+Writes idioms.md and idioms.json to --out; exit status 1 if an idiom did not do what
+it is expected to (tests/test_training_loops.py runs this too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import remat  # noqa: E402
+from remat.check import check_against_eager, twin  # noqa: E402
+from remat.errors import BudgetError, RematError  # noqa: E402
+from remat.models import build_model  # noqa: E402
+
+STEPS = 6
+Step = Callable[[torch.nn.Module, Any, Any], Any]
+
+
+def plain_step(model, optimizer, batch):
+    optimizer.zero_grad()
+    loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _with(before_step: Callable[[torch.nn.Module], None] = lambda m: None, *, scale=None, ctx=None, zero_at_end=False) -> Step:
+    """plain_step with something done between backward and the update, or around the forward."""
+
+    def step(model, optimizer, batch):
+        if not zero_at_end:
+            optimizer.zero_grad()
+        if ctx is not None:
+            with ctx():
+                loss = model(**batch).loss
+        else:
+            loss = model(**batch).loss
+        loss.backward()
+        before_step(model)
+        optimizer.step()
+        if zero_at_end:
+            optimizer.zero_grad(set_to_none=False)
+        return loss
+
+    return step
+
+
+def _accumulate(k: int) -> Step:
+    def step(model, optimizer, batch):
+        optimizer.zero_grad()
+        n = batch["input_ids"].shape[0]
+        total = 0.0
+        for i in range(k):
+            loss = model(**{key: v[i * n // k : (i + 1) * n // k] for key, v in batch.items()}).loss / k
+            loss.backward()
+            total = total + loss.detach()
+        optimizer.step()
+        return total
+
+    return step
+
+
+def _no_zero_grad(model, optimizer, batch):
+    loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+_scalers: dict[int, Any] = {}
+
+
+def _grad_scaler(model, optimizer, batch):
+    scaler = _scalers.setdefault(id(optimizer), torch.amp.GradScaler("cpu"))
+    optimizer.zero_grad()
+    loss = model(**batch).loss
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    return loss
+
+
+def _outputs(model, optimizer, batch):
+    optimizer.zero_grad()
+    out = model(**batch)
+    out.loss.backward()
+    optimizer.step()
+    return out.loss, out.logits.detach()
+
+
+@dataclass
+class Idiom:
+    name: str
+    expect: str  # "works" or "refused"
+    step: Step = plain_step
+    # (step index, model, optimizer) after each step, on each side; made per side by `between`.
+    between: Callable[[torch.nn.Module, Any], Callable[[int, torch.nn.Module, Any], None]] | None = None
+    setup: Callable[[torch.nn.Module], Any] | None = None  # on the model before the optimizer is built
+    other_sizes: bool = False
+
+
+def _sched(make: Callable[[Any], Any], *, metric: bool = False, every: int = 1):
+    def per_side(model, opt):
+        sched = make(opt)
+
+        def hook(i, m, o):
+            if (i + 1) % every == 0:
+                sched.step(1.0) if metric else sched.step()
+
+        return hook
+
+    return per_side
+
+
+def _hook(fn: Callable[[int, torch.nn.Module, Any], None]):
+    return lambda model, opt: fn
+
+
+@functools.cache
+def _resume_state():
+    """A checkpoint a loop resumes from: model and optimizer after one eager step elsewhere."""
+    spec = build_model("bert-tiny", 4, seed=1)
+    opt = torch.optim.AdamW(spec.model.parameters(), lr=1e-3, weight_decay=0.01)
+    plain_step(spec.model, opt, spec.batch)
+    return copy.deepcopy(spec.model.state_dict()), copy.deepcopy(opt.state_dict())
+
+
+def _resume(i, m, o):
+    if i == 1:
+        model_sd, opt_sd = copy.deepcopy(_resume_state())
+        m.load_state_dict(model_sd)
+        o.load_state_dict(opt_sd)
+
+
+def _evaluate(train_after: bool):
+    def fn(i, m, o):
+        m.eval()
+        with torch.no_grad():
+            m(input_ids=torch.zeros(2, 8, dtype=torch.long))
+        if train_after:
+            m.train()
+
+    return fn
+
+
+def _ema_in_place(i, m, o):
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(0.999)
+
+
+def _freeze(model):
+    for name, p in model.named_parameters():
+        if "embeddings" in name:
+            p.requires_grad_(False)
+
+
+def _set_lr(i, m, o):
+    for g in o.param_groups:
+        g["lr"] = 1e-3 * (i + 2) / 3
+
+
+def _add_group(i, m, o):
+    if i == 1:
+        o.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+
+
+def _inner_scheduler() -> Step:
+    scheds: dict[int, Any] = {}
+
+    def step(model, optimizer, batch):
+        loss = plain_step(model, optimizer, batch)
+        scheds.setdefault(id(optimizer), torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)).step()
+        return loss
+
+    return step
+
+
+IDIOMS = [
+    Idiom("learning-rate scheduler stepped every step (LambdaLR warm-up from 0)", "works",
+          between=_sched(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, s / 3)))),
+    Idiom("scheduler stepped every epoch (StepLR, an epoch = 2 steps)", "works",
+          between=_sched(lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5), every=2)),
+    Idiom("OneCycleLR (changes lr and betas)", "works",
+          between=_sched(lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=STEPS + 1))),
+    Idiom("ReduceLROnPlateau on a metric", "works",
+          between=_sched(lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=0, threshold=10.0), metric=True)),
+    Idiom("learning rate set by hand in param_groups", "works", between=_hook(_set_lr)),
+    Idiom("gradient clipping: clip_grad_norm_", "works", step=_with(lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5))),
+    Idiom("gradient clipping: clip_grad_value_", "works", step=_with(lambda m: torch.nn.utils.clip_grad_value_(m.parameters(), 1e-3))),
+    Idiom("torch.autocast, bfloat16 on CPU", "works", step=_with(ctx=lambda: torch.autocast("cpu", dtype=torch.bfloat16))),
+    Idiom("zero_grad(set_to_none=False) at the end of the step", "works", step=_with(zero_at_end=True)),
+    Idiom("evaluation between steps (eval(), no_grad, train())", "works", between=_hook(_evaluate(True))),
+    Idiom("evaluation between steps, train() forgotten", "refused", between=_hook(_evaluate(False))),
+    Idiom("resuming: load_state_dict into model and optimizer after compiling", "works", between=_hook(_resume)),
+    Idiom("weights changed in place between steps (decay, EMA-style)", "works", between=_hook(_ema_in_place)),
+    Idiom("a last batch of another size", "works", other_sizes=True),
+    Idiom("frozen parameters (fine-tuning a part)", "works", setup=_freeze),
+    Idiom("train_step returns (loss, logits)", "works", step=_outputs),
+    Idiom("gradient accumulation in one step (4 micro-batches)", "works", step=_accumulate(4)),
+    Idiom("gradient accumulation across calls (no zero_grad)", "refused", step=_no_zero_grad),
+    Idiom("torch.amp.GradScaler", "refused", step=_grad_scaler),
+    Idiom("optimizer.add_param_group after compiling", "refused", between=_hook(_add_group)),
+    Idiom("scheduler stepped inside train_step", "refused", step=_inner_scheduler()),
+]
+
+
+def run_idiom(idiom: Idiom) -> dict[str, Any]:
+    spec = build_model("bert-tiny", 4)
+    if idiom.setup is not None:
+        idiom.setup(spec.model)
+    opt = torch.optim.AdamW([p for p in spec.model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01)
+    eager_model, eager_opt = twin(spec.model, opt)
+    model, o = twin(spec.model, opt)
+    hooks = {}
+    if idiom.between is not None:
+        hooks = {id(eager_opt): idiom.between(eager_model, eager_opt), id(o): idiom.between(model, o)}
+    between = (lambda i, m, optimizer: hooks[id(optimizer)](i, m, optimizer)) if hooks else None
+    batches = None
+    if idiom.other_sizes:
+        small = {k: v[:2] for k, v in spec.batch.items()}
+        batches = [spec.batch, spec.batch, small, spec.batch, small, spec.batch]
+    outcome: dict[str, Any] = {"idiom": idiom.name, "expected": idiom.expect}
+    try:
+        try:
+            step = remat.compile(idiom.step, model, o, spec.batch, memory_budget=0.9, profile_runs=1, measure=False)
+        except BudgetError as e:  # a memory budget out of reach is no verdict on the idiom: plan at the reachable peak
+            if getattr(e, "reach", None) is None:
+                raise
+            step = remat.compile(idiom.step, model, o, spec.batch, memory_budget=e.reach.best, profile_runs=1, measure=False)
+        result = check_against_eager(idiom.step, eager_model, eager_opt, model, o, step, spec.batch, steps=STEPS,
+                                     between_steps=between, batches=batches)
+    except RematError as e:
+        outcome.update(outcome="refused", detail=str(e))
+    except Exception as e:  # noqa: BLE001 - any other failure is a bug, and reported as one
+        outcome.update(outcome="WRONG", detail=f"{type(e).__name__}: {e}")
+    else:
+        if result.match:
+            outcome.update(outcome="works", detail=f"bitwise equal to eager over {STEPS} steps ({step.report.num_recomputed} activations recomputed)")
+        else:
+            outcome.update(outcome="WRONG", detail=result.summary())
+    outcome["as_expected"] = outcome["outcome"] == idiom.expect
+    return outcome
+
+
+def write(results: list[dict[str, Any]], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "idioms.json").write_text(json.dumps(results, indent=1) + "\n")
+    lines = [
+        "| idiom | outcome | detail |",
+        "|---|---|---|",
+        *[f"| {r['idiom']} | {r['outcome']}{'' if r['as_expected'] else ' (UNEXPECTED)'} | {r['detail'].splitlines()[0].replace('|', '/')[:300]} |" for r in results],
+    ]
+    (out / "idioms.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="runs/training_loops")
+    args = p.parse_args()
+    results = []
+    for idiom in IDIOMS:
+        results.append(run_idiom(idiom))
+        print(f"{results[-1]['outcome']:8} {idiom.name}", flush=True)
+    write(results, Path(args.out))
+    bad = [r for r in results if not r["as_expected"]]
+    print(f"{len(results) - len(bad)} as expected, {len(bad)} not; wrote {args.out}/idioms.md")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
