@@ -135,6 +135,19 @@ def _masked_outputs(node: torch.fx.Node) -> list[int]:
     return []
 
 
+def _unmasked_by_the_kernel(node: torch.fx.Node, vals: list) -> list:
+    """Outputs a real kernel makes though its output_mask turns them off, where the fake
+    kernel makes none: on CPU, convolution_backward computes the weight's gradient along
+    with the bias's (a frozen weight with a trained bias). A meta tensor of that size
+    stands for it: made by the node, read by nothing but the node's getitems."""
+    if node.target is not torch.ops.aten.convolution_backward.default or len(vals) != 3 or vals[1] is not None:
+        return vals
+    mask, weight = node.args[10], node.args[2].meta.get("val")
+    if not (mask[2] and isinstance(weight, torch.Tensor) and weight.device.type == "cpu"):
+        return vals
+    return [vals[0], torch.empty(weight.shape, dtype=weight.dtype, device="meta"), vals[2]]
+
+
 def _key(node: torch.fx.Node, index: int, vals: list) -> str:
     return node.name if not isinstance(node.meta.get("val"), (list, tuple)) else f"{node.name}#{index}"
 
@@ -157,6 +170,7 @@ def analyze(tg: TrainGraph, gm: torch.fx.GraphModule | None = None, phase: dict[
     node_storages: dict[str, list[int]] = {}
     new_storages: list[list[int]] = [[] for _ in op_nodes]
     undefined: set[StorageWeakRef] = set()  # fake outputs the real kernel does not make
+    held: list[list] = []
     placeholder_index = 0
 
     def storage_id(t: torch.Tensor, node: torch.fx.Node, created: int, role: Role, persistent: bool, key: str) -> int:
@@ -201,6 +215,8 @@ def analyze(tg: TrainGraph, gm: torch.fx.GraphModule | None = None, phase: dict[
                     undefined.add(StorageWeakRef(vals[i].untyped_storage()))
             if undefined:  # the masked outputs and the getitems that read them hold nothing
                 vals = [None if v is not None and StorageWeakRef(v.untyped_storage()) in undefined else v for v in vals]
+            vals = _unmasked_by_the_kernel(node, vals)
+            held.append(vals)  # storages are told apart by identity: keep stand-ins alive meanwhile
             node_storages[node.name] = [
                 storage_id(v, node, rank[node.name], Role.OTHER, False, _key(node, i, vals))
                 for i, v in enumerate(vals)

@@ -92,6 +92,21 @@ REACH_OF_THE_SHARED_RUN = RandomSpec(
          Op("matmul", (4, 5)), Op("bmm", (3, 0), (True,)), Op("linear", (8,), (32, False)), Op("reshape", (9,))),
     loss="mse", extra_loss=True, optimizer="sgd", zero_grad_first=True, budget=0.5, retry=0.8, hostile=None, seed=5579,
 )
+# A frozen convolution weight with a trained bias: the CPU kernel computes the weight's
+# gradient anyway (the fake kernel makes none), held until the node's last getitem.
+FROZEN_CONV_WEIGHT = RandomSpec(
+    batch=8, seq=8, features=0, image=(3, 8),
+    ops=(Op("to_seq", (0,)), Op("to_seq", (0,)), Op("layer_norm", (2,)), Op("sigmoid", (3,)), Op("conv", (0,), (16, 3, True))),
+    budget=0.5, schedule=True, frozen=2,
+)
+# The same inside 3 micro-batches accumulating gradients, with recomputation.
+FROZEN_CONV_WEIGHT_ACCUMULATING = RandomSpec(
+    batch=4, seq=8, features=16, image=(3, 8),
+    ops=(Op("conv", (1,), (8, 3, True)), Op("slice_relu_", (2,), (1,)), Op("conv", (1,), (8, 3, True)), Op("slice_relu_", (4,), (6,)),
+         Op("transpose", (0,)), Op("batch_norm", (5,), (False,)), Op("tanh", (1,)), Op("softmax", (0,), (-1,)), Op("tanh", (5,)),
+         Op("flatten", (8,)), Op("stride", (1,)), Op("linear", (12,), (16, True))),
+    loss="ce", extra_loss=True, optimizer="adamw", zero_grad_first=False, budget=0.0500238, retry=0.2, micro_batches=3, frozen=3, seed=619,
+)
 # Boolean-mask indexing: traced with a symbolic size, and the simulator then failed with
 # GuardOnDataDependentSymNode instead of a CaptureError.
 MASK_INDEXING = RandomSpec(4, 4, 16, ops=(Op("linear", (0,), (16, True)), Op("relu", (1,))), hostile="mask")
@@ -114,6 +129,8 @@ MASK_INDEXING = RandomSpec(4, 4, 16, ops=(Op("linear", (0,), (16, True)), Op("re
 @example(SLICE_KEEPS_BASE_ALIVE)
 @example(INPLACE_THROUGH_VIEWS)
 @example(REACH_OF_THE_SHARED_RUN)
+@example(FROZEN_CONV_WEIGHT)
+@example(FROZEN_CONV_WEIGHT_ACCUMULATING)
 def test_random_models_train_bitwise_like_eager_within_budget(spec: RandomSpec) -> None:
     check_example(spec, steps=3)
 
