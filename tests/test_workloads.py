@@ -1,0 +1,82 @@
+"""--model's three forms: built-in names, hf:<model_type>, and the user's own factory."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from remat.cli import main
+from remat.workloads import WorkloadError, build_hf, load
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL_GPT2 = "hf:gpt2:n_layer=1,n_embd=32,n_head=2,vocab_size=128,n_positions=32"
+
+
+def _run(capsys, argv):
+    rc = main(argv)
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err, out.err
+    return rc, out
+
+
+def test_hf_model_profiles_from_the_command_line(capsys, tmp_path):
+    rc, out = _run(capsys, ["profile", "--model", SMALL_GPT2, "--batch-size", "2", "--out", str(tmp_path), "--json"])
+    assert rc == 0, out.err
+    summary = json.loads(out.out)
+    assert summary["model"] == SMALL_GPT2 and summary["num_activations"] > 0
+    assert summary["peak_bytes_measured"] > summary["persistent_bytes"]
+
+
+def test_factory_runs_bitwise_from_the_command_line(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the factory is found next to the user, as `python -m` would
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(ROOT))])
+    rc, out = _run(capsys, ["run", "--model", "examples.tiny_factory:build", "--batch-size", "512", "--budget", "0.75",
+                            "--check", "--json", "--pairs", "1", "--steps", "1"])
+    assert rc == 0, out.err
+    result = json.loads(out.out)
+    assert result["grads_match"] is True and result["num_recomputed"] > 0
+    assert result["peak_bytes_measured"] == result["predicted_peak_bytes"]
+
+
+@pytest.mark.parametrize(
+    "model,message",
+    [
+        ("gpt5", "unknown model 'gpt5'; use one of mlp"),
+        ("hf:no_such_type", "has no model type 'no_such_type'"),
+        ("hf:gpt2:n_layer", "config fields are key=value"),
+        ("no_such_module_xyz:build", "cannot import 'no_such_module_xyz' for --model no_such_module_xyz:build: ModuleNotFoundError"),
+        ("examples.tiny_factory:nothing", "examples.tiny_factory has no function 'nothing'"),
+    ],
+)
+def test_bad_models_are_named(capsys, monkeypatch, model, message):
+    monkeypatch.chdir(ROOT)
+    rc, out = _run(capsys, ["profile", "--model", model, "--batch-size", "2"])
+    assert rc == 2 and message in out.err, out.err
+
+
+def test_factory_results_are_checked(tmp_path, monkeypatch):
+    (tmp_path / "bad_factory.py").write_text(
+        "import torch\n"
+        "def three(batch_size):\n    return torch.nn.Linear(2, 2), None, torch.zeros(batch_size, 2)\n"
+        "def not_a_module(batch_size):\n    return 1, None, torch.zeros(batch_size, 2), print\n"
+        "def raises(batch_size):\n    raise RuntimeError('no data here')\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(WorkloadError, match=r"must return \(model, optimizer, batch, train_step\)"):
+        load("bad_factory:three", 2)
+    with pytest.raises(WorkloadError, match="returned a int as the model, not a torch.nn.Module"):
+        load("bad_factory:not_a_module", 2)
+    with pytest.raises(WorkloadError, match="the factory bad_factory:raises failed: RuntimeError: no data here"):
+        load("bad_factory:raises", 2)
+
+
+@pytest.mark.parametrize("spec,head", [("bert:num_hidden_layers=1,hidden_size=32,num_attention_heads=2,intermediate_size=64", "MaskedLM"),
+                                       ("vit:num_hidden_layers=1,hidden_size=32,num_attention_heads=2,intermediate_size=64,image_size=32,patch_size=8", "ImageClassification")])
+def test_hf_heads_and_batches(spec, head):
+    model, batch = build_hf(spec, 2)
+    assert head in type(model).__name__ and model.training
+    assert torch.isfinite(model(**batch).loss)
