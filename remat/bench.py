@@ -86,7 +86,7 @@ class Results:
             doc = json.loads(self.path.read_text())
             for key in ("model", "device", "optimizer"):
                 if doc["meta"].get(key) != meta.get(key):
-                    from remat.cli import UsageError
+                    from remat.errors import UsageError
 
                     raise UsageError(f"--resume: {self.path} is for {key} {doc['meta'].get(key)!r}, not {meta.get(key)!r}")
             self.runs = doc["runs"]
@@ -323,8 +323,6 @@ def _profile_stats(prof: Any, top_k: int = 10) -> dict[str, Any]:
 
 def smallest_reachable_peak(prof: Any, spec: Any, opt: Any, train_step: Any, planner: str) -> int:
     """The smallest whole peak (bytes) `planner` reaches on this graph: asked for 1 byte, it says."""
-    import re
-
     from remat.analysis import analyze
     from remat.capture import capture
     from remat.errors import BudgetError
@@ -337,10 +335,9 @@ def smallest_reachable_peak(prof: Any, spec: Any, opt: Any, train_step: Any, pla
     try:
         plan = make_plan(planner, index, prof.seconds_by_node(), 1)
     except BudgetError as e:
-        m = re.search(r"smallest peak it could\s+reach is .*?\((\d+) bytes\)", str(e), re.S)
-        if not m:
+        if e.reach is None:
             raise
-        return int(m.group(1))
+        return int(e.reach.best)
     return int(plan.predicted_peak_bytes)
 
 
@@ -600,12 +597,12 @@ def bench(
 def load_results(out_dir: str | Path) -> dict[str, Any]:
     path = Path(out_dir) / "results.json"
     if not path.exists():
-        from remat.cli import UsageError
+        from remat.errors import UsageError
 
         raise UsageError(f"no results.json in {out_dir}")
     doc = json.loads(path.read_text())
     if doc.get("format") != RESULTS_FORMAT:
-        from remat.cli import UsageError
+        from remat.errors import UsageError
 
         raise UsageError(f"{path} is not a remat bench results file")
     return doc
@@ -1043,7 +1040,7 @@ def maxbatch(
 
     cap_budget = parse_budget(cap)
     if cap_budget.nbytes is None:
-        from remat.cli import UsageError
+        from remat.errors import UsageError
 
         raise UsageError(f"--cap must be an absolute size such as 8GiB, got {cap!r}")
     cap_bytes = cap_budget.nbytes

@@ -17,11 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from remat.errors import RematError
-
-
-class UsageError(Exception):
-    """Bad command-line input: printed as `remat: error: <message>`, exit status 2."""
+from remat.errors import RematError, UsageError
 
 
 @dataclass(frozen=True)
@@ -45,22 +41,24 @@ def _say(msg: str) -> None:
 # ---------------------------------------------------------------------- shared steps
 
 
+# Argument checks live with the workloads (the library uses them too); imported on use,
+# so that `remat --help` does not load torch.
+def check_model_args(model: str, batch_size: int, optimizer: str, device: str) -> None:
+    from remat.workloads import check_arguments
+
+    check_arguments(model, batch_size, optimizer, device)
+
+
 def _check_device(device: str) -> str:
-    import re
+    from remat.workloads import check_device
 
-    import torch
-
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        raise UsageError(f"unknown device {device!r}; use cpu or cuda")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError("CUDA was requested but no CUDA device is present; use --device cpu")
-    return device
+    return check_device(device)
 
 
 def _positive(value: int, what: str) -> int:
-    if value < 1:
-        raise UsageError(f"{what} must be at least 1, got {value}")
-    return value
+    from remat.workloads import check_positive
+
+    return check_positive(value, what)
 
 
 MODEL_HELP = (
@@ -81,21 +79,6 @@ def add_model_arguments(p: argparse.ArgumentParser, budget_help: str) -> None:
     p.add_argument("--budget", required=True, metavar="X", help=budget_help)
     p.add_argument("--planner", default="mutwo", metavar="NAME", help=f"one of: {', '.join(PLANNERS)} (default: mutwo)")
     p.add_argument("--optimizer", default="sgd", metavar="NAME", help=f"one of: {', '.join(OPTIMIZER_NAMES)} (default: sgd)")
-
-
-def check_model_args(model: str, batch_size: int, optimizer: str, device: str) -> None:
-    """Refuse bad names and sizes in a blink, before a large model is built."""
-    from remat.models import OPTIMIZER_NAMES
-    from remat.workloads import WorkloadError, check_name
-
-    try:
-        check_name(model)
-    except WorkloadError as e:
-        raise UsageError(str(e)) from None
-    if optimizer not in OPTIMIZER_NAMES:
-        raise UsageError(f"unknown optimizer {optimizer!r}; available optimizers: {', '.join(OPTIMIZER_NAMES)}")
-    _positive(batch_size, "batch size")
-    _check_device(device)
 
 
 def build_and_capture(model: str, batch_size: int, optimizer: str, device: str, seed: int) -> tuple[Any, Any, Any, Any]:

@@ -260,7 +260,8 @@ def run_frontier(
     """
     from remat.analysis import analyze
     from remat.capture import capture
-    from remat.cli import UsageError, check_model_args
+    from remat.errors import UsageError
+    from remat.workloads import check_arguments as check_model_args
     from remat.workloads import load
     from remat.plan import evaluate
     from remat.planners import PLANNERS
@@ -393,7 +394,7 @@ def load_frontier(path: str | Path) -> Frontier:
 
 def _resumable(out: Path, model: str, batch_size: int, optimizer: str, device: str) -> Frontier | None:
     """The frontier a resumed sweep goes on from (None: none yet), refused if it is of another configuration."""
-    from remat.cli import UsageError
+    from remat.errors import UsageError
 
     path = out / "frontier.json"
     if not path.exists():

@@ -685,5 +685,6 @@ def no_plan_error(planner: str, budget_bytes: int, reach: Reach | int, baseline_
         f"no {planner} plan fits the budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes): {smallest}, "
         f"from {format_bytes(baseline_peak)} without recomputation, with {num_candidates} activations that may be "
         f"recomputed. Raise the budget to at least {format_bytes(reach.best)} (--budget {reach.best}), or lower "
-        "the batch size."
+        "the batch size.",
+        reach=reach,
     )

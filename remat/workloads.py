@@ -24,7 +24,34 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from remat.models import MODEL_NAMES, Batch, LossFn, build_model, hf_loss, make_optimizer, make_train_step
+from remat.errors import UsageError
+from remat.models import MODEL_NAMES, OPTIMIZER_NAMES, Batch, LossFn, build_model, hf_loss, make_optimizer, make_train_step
+
+
+def check_device(device: str) -> str:
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise UsageError(f"unknown device {device!r}; use cpu or cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("CUDA was requested but no CUDA device is present; use --device cpu")
+    return device
+
+
+def check_positive(value: int, what: str) -> int:
+    if value < 1:
+        raise UsageError(f"{what} must be at least 1, got {value}")
+    return value
+
+
+def check_arguments(model: str, batch_size: int, optimizer: str, device: str) -> None:
+    """Refuse bad names and sizes in a blink, before a large model is built."""
+    try:
+        check_name(model)
+    except WorkloadError as e:
+        raise UsageError(str(e)) from None
+    if optimizer not in OPTIMIZER_NAMES:
+        raise UsageError(f"unknown optimizer {optimizer!r}; available optimizers: {', '.join(OPTIMIZER_NAMES)}")
+    check_positive(batch_size, "batch size")
+    check_device(device)
 
 
 class WorkloadError(ValueError):

@@ -234,7 +234,6 @@ def plan_mutwo(
     if not result.fitted:
         reach = ev.smallest_peak(time_limit=0.0 if gave_up else REFINE_SECONDS)
         error = no_plan_error("mutwo", budget_bytes, reach, baseline.peak_bytes, len(records))
-        error.reach = reach  # type: ignore[attr-defined]
         raise error
     extra.update(ev.stats())
     extra["candidates"] = len(records)
