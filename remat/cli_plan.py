@@ -44,28 +44,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------- the steps
 
 
-def load_profile_for(path: str | Path, tg: Any, model: str, batch_size: int, optimizer: str) -> Any:
-    """A saved profile, refused with a clear message if it is of another model, batch or graph."""
-    from remat.errors import PlanError
-    from remat.profiler import Profile
-
-    prof = Profile.from_json(path)
-    wanted = (model, batch_size, optimizer)
-    found = (prof.model, prof.batch_size, prof.optimizer)
-    for what, w, f in zip(("model", "batch size", "optimizer"), wanted, found):
-        if f is not None and f != w:
-            raise PlanError(
-                f"{path} is a profile of {prof.model} with batch size {prof.batch_size} ({prof.optimizer}), "
-                f"not of {model} with batch size {batch_size} ({optimizer}): its {what} differs. "
-                "Profile this configuration (drop --profile) or pass its own profile.json."
-            )
-    try:
-        prof.check_graph(tg)
-    except PlanError as e:
-        raise PlanError(f"{path}: {e}") from None
-    return prof
-
-
 def plan_command(
     model: str,
     batch_size: int,
@@ -88,6 +66,7 @@ def plan_command(
     from remat.plan import evaluate
     from remat.planners import PLANNERS, make_plan
     from remat.schedule import GraphIndex
+    from remat.profiler import load_profile_for
 
     # Cheap checks first: a typo must not cost a profiling run.
     parsed = parse_budget(budget)

@@ -288,7 +288,7 @@ def run_frontier(
     analysis = analyze(tg)
     t0 = time.perf_counter()
     if profile_path is not None:
-        from remat.cli_plan import load_profile_for
+        from remat.profiler import load_profile_for
 
         prof = load_profile_for(profile_path, tg, model, batch_size, optimizer)
     else:

@@ -698,3 +698,22 @@ def _assemble(
             "has_optimizer": tg.has_optimizer,
         },
     )
+
+
+def load_profile_for(path: str | Path, tg: Any, model: str, batch_size: int, optimizer: str) -> Any:
+    """A saved profile, refused with a clear message if it is of another model, batch or graph."""
+    prof = Profile.from_json(path)
+    wanted = (model, batch_size, optimizer)
+    found = (prof.model, prof.batch_size, prof.optimizer)
+    for what, w, f in zip(("model", "batch size", "optimizer"), wanted, found):
+        if f is not None and f != w:
+            raise PlanError(
+                f"{path} is a profile of {prof.model} with batch size {prof.batch_size} ({prof.optimizer}), "
+                f"not of {model} with batch size {batch_size} ({optimizer}): its {what} differs. "
+                "Profile this configuration (drop --profile) or pass its own profile.json."
+            )
+    try:
+        prof.check_graph(tg)
+    except PlanError as e:
+        raise PlanError(f"{path}: {e}") from None
+    return prof

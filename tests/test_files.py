@@ -67,7 +67,7 @@ def _use(kind: str, path: Path, saved, tg=None, index=None, model=MODEL, batch_s
     if kind == "plan":
         plan = Plan.from_json(path)
         return plan.dropped(index if index is not None else saved["index"])
-    from remat.cli_plan import load_profile_for
+    from remat.profiler import load_profile_for
 
     return load_profile_for(path, tg if tg is not None else saved["tg"], model, batch_size, "sgd")
 
