@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from torch._prims_common import make_channels_last_strides_for, make_contiguous_strides_for
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
+from torch.optim.optimizer import _default_to_fused_or_foreach
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat import hyperparams
@@ -221,11 +222,13 @@ def _optimizer_on(
     traced_state: defaultdict = defaultdict(dict)
     traced_name = {id(t): n for n, t in params.items()}
     for group in optimizer.param_groups:
-        group["params"] = [params[real_to_name[id(p)]] for p in group["params"]]
-        # foreach=None picks the multi-tensor kernels only for CUDA tensors; fake tensors
-        # may pick differently. Pin the per-parameter loop so each update is its own op.
+        # foreach=None lets the optimizer pick: the multi-tensor kernels for CUDA tensors,
+        # the per-parameter loop on CPU. Fake tensors may pick differently, and the two
+        # round differently (Adam on CUDA, in the last bits): pin what eager picks for the
+        # real parameters.
         if group.get("foreach") is None:
-            group["foreach"] = False
+            group["foreach"] = _default_to_fused_or_foreach(list(group["params"]), differentiable=False, use_fused=False)[1]
+        group["params"] = [params[real_to_name[id(p)]] for p in group["params"]]
         for p in group["params"]:
             if traced_name[id(p)] in states:
                 traced_state[p] = states[traced_name[id(p)]]
