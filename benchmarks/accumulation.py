@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import remat  # noqa: E402
 from remat.check import twin  # noqa: E402
+from remat.errors import BudgetError  # noqa: E402
 from remat.bench import persistent_bytes  # noqa: E402
 from remat.memory import measure_step_peak  # noqa: E402
 from remat.models import build_model  # noqa: E402
@@ -76,7 +77,13 @@ def main() -> int:
         if budget is None:
             fn = (lambda f, m, oo: lambda: f(m, oo, spec.batch))(step_fn, model, o)
         else:
-            step = remat.compile(step_fn, model, o, spec.batch, memory_budget=budget, progress=True)
+            try:
+                step = remat.compile(step_fn, model, o, spec.batch, memory_budget=budget, progress=True)
+            except BudgetError as e:  # the micro-batched graph's floor (all gradients alive) is above the fraction
+                if e.reach is None:
+                    raise
+                rec["note"] = f"budget {budget:g} out of reach; planned at the smallest reachable peak"
+                step = remat.compile(step_fn, model, o, spec.batch, memory_budget=e.reach.best, progress=True)
             rec.update(predicted_peak_bytes=step.report.predicted_peak_bytes, num_recomputed=step.report.num_recomputed,
                        compile_seconds=time.perf_counter() - t0, baseline_peak_bytes=step.report.baseline_peak_bytes)
             fn = (lambda s: lambda: s(spec.batch))(step)
@@ -108,7 +115,7 @@ def main() -> int:
     lines = ["| method | peak MiB (measured) | predicted | peak / eager 1×B | time / eager 1×B (median, min–max) |", "|---|---:|---:|---:|---:|"]
     for rec in runs:
         pred = f"{rec['predicted_peak_bytes'] / MiB:,.1f}" if "predicted_peak_bytes" in rec else "–"
-        lines.append(f"| {rec['method']} | {rec['peak_bytes'] / MiB:,.1f} | {pred} | {rec['peak_bytes'] / eager_peak:.2f} | "
+        lines.append(f"| {rec['method']}{' (' + rec['note'] + ')' if rec.get('note') else ''} | {rec['peak_bytes'] / MiB:,.1f} | {pred} | {rec['peak_bytes'] / eager_peak:.2f} | "
                      f"{rec['ratio_to_eager']:.2f} ({rec['ratio_spread'][0]:.2f}–{rec['ratio_spread'][1]:.2f}) |")
     (out / "accumulation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

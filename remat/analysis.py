@@ -137,15 +137,45 @@ def _masked_outputs(node: torch.fx.Node) -> list[int]:
 
 def _unmasked_by_the_kernel(node: torch.fx.Node, vals: list) -> list:
     """Outputs a real kernel makes though its output_mask turns them off, where the fake
-    kernel makes none: on CPU, convolution_backward computes the weight's gradient along
-    with the bias's (a frozen weight with a trained bias). A meta tensor of that size
-    stands for it: made by the node, read by nothing but the node's getitems."""
+    kernel makes none: on CPU, some convolution_backward paths (oneDNN) compute the
+    weight's gradient along with the bias's (a frozen weight with a trained bias); others
+    (1×1 kernels on small inputs) do not. The real kernel is asked, once per call shape
+    (`_cpu_conv_backward_makes_weight_grad`). A meta tensor of that size stands for the
+    gradient: made by the node, read by nothing but the node's getitems."""
     if node.target is not torch.ops.aten.convolution_backward.default or len(vals) != 3 or vals[1] is not None:
         return vals
     mask, weight = node.args[10], node.args[2].meta.get("val")
     if not (mask[2] and isinstance(weight, torch.Tensor) and weight.device.type == "cpu"):
         return vals
+    if not _cpu_conv_backward_makes_weight_grad(node):
+        return vals
     return [vals[0], torch.empty(weight.shape, dtype=weight.dtype, device="meta"), vals[2]]
+
+
+_CONV_PROBES: dict[tuple, bool] = {}
+
+
+def _cpu_conv_backward_makes_weight_grad(node: torch.fx.Node) -> bool:
+    def spec(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            t = a.meta["val"]
+            return ("tensor", tuple(t.shape), tuple(t.stride()), t.dtype)
+        return ("value", repr(a))
+
+    key = (tuple(spec(a) for a in node.args), torch.get_num_threads())
+    if key not in _CONV_PROBES:
+        from torch.utils._mode_utils import no_dispatch
+
+        def real(a: Any) -> Any:
+            if isinstance(a, torch.fx.Node):
+                t = a.meta["val"]
+                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).zero_()
+            return a
+
+        with no_dispatch(), torch.no_grad():
+            out = torch.ops.aten.convolution_backward.default(*[real(a) for a in node.args])
+        _CONV_PROBES[key] = out[1] is not None
+    return _CONV_PROBES[key]
 
 
 def _key(node: torch.fx.Node, index: int, vals: list) -> str:
