@@ -1,4 +1,4 @@
-"""Model coverage (issue 7): real `transformers` architectures under remat, checked against eager.
+"""Model coverage: real `transformers` architectures under remat, checked against eager.
 
     .venv/bin/python benchmarks/architectures.py --out runs/architectures
 

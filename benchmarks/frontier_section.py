@@ -2,7 +2,7 @@ import json, pathlib, re
 root = pathlib.Path("docs/frontier")
 runs = [("mlp-deep-b512","mlp-deep","512","0.1:1.0:0.05"),("bert-tiny-b16","bert-tiny","16","0.1:1.0:0.05"),
         ("resnet-tiny-b16","resnet-tiny","16","0.1:1.0:0.05"),("bert-b8","bert","8","0.5:1.0:0.1")]
-out = ["## Optimality: exact planner and frontier (issue 6)", "",
+out = ["## Optimality: exact planner and frontier", "",
 "Regenerate this section's tables with `.venv/bin/python benchmarks/frontier_section.py` (writes /tmp/section.md).", "",
 "`remat/planners/milp.py` (planner `milp`) solves a mixed-integer program with one binary per candidate "
 "activation (dropped or kept); continuous variables model the schedule that `build_schedule` makes of that choice: "

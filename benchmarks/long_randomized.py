@@ -1,4 +1,4 @@
-"""The long randomized run (issue 7): thousands of random models, each checked against eager.
+"""The long randomized run: thousands of random models, each checked against eager.
 
     .venv/bin/python benchmarks/long_randomized.py --examples 3000 --seed 1 --out runs/randomized
 

@@ -1,4 +1,4 @@
-"""Rebuild the tables of docs/RESULTS.md "Experiments (issue 5)" from docs/bench/ (prose stays hand-written).
+"""Rebuild the tables of docs/RESULTS.md "Experiments" from docs/bench/ (prose stays hand-written).
 
     .venv/bin/python benchmarks/results_section.py > /tmp/tables.md
 """

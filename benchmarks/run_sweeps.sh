@@ -1,5 +1,5 @@
 #!/bin/bash
-# The sweeps behind docs/RESULTS.md "Experiments (issue 5)", in the order they were run
+# The sweeps behind docs/RESULTS.md "Experiments", in the order they were run
 # (most important figures first): bench1 and maxbatch side by side, then bench2.
 # Every bench step adds to the same results.json (--resume skips runs already there),
 # so an interrupted sweep loses little.

@@ -1,4 +1,4 @@
-"""Print the compact Markdown tables of docs/RESULTS.md "Experiments (issue 5)" from the results files.
+"""Print the compact Markdown tables of docs/RESULTS.md "Experiments" from the results files.
 
     .venv/bin/python benchmarks/summary.py docs/bench/bert docs/bench/resnet152
 """

@@ -1,4 +1,4 @@
-"""The memory–time frontier: every planner at every budget, on one profile (issue 6).
+"""The memory–time frontier: every planner at every budget, on one profile.
 
 `run_frontier` profiles a model once, then plans each budget with each planner on the
 same node times (`remat.planners.make_plan`); with `measure`, each plan is also rewritten

@@ -1,4 +1,4 @@
-"""Random small models for the randomized tests (issue 7), and the check each one must pass.
+"""Random small models for the randomized tests, and the check each one must pass.
 
 A model is a `RandomSpec`: its inputs and a list of ops over a pool of values, each op
 reading earlier values and adding one (or two) to the pool. `RandomNet(spec)` builds the

@@ -1,4 +1,4 @@
-"""Model coverage (issue 7), the fast version: real `transformers` architectures, tiny configs.
+"""Model coverage, the fast version: real `transformers` architectures, tiny configs.
 
 The full table (small configs, timing) is `python benchmarks/architectures.py`; see
 docs/RESULTS.md. Here each model is compiled at budget 0.5 (or, if the planner refuses

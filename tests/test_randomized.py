@@ -1,4 +1,4 @@
-"""Randomized models (issue 7): never a wrong gradient, never over budget.
+"""Randomized models: never a wrong gradient, never over budget.
 
 Hypothesis draws small models from tests/randomized_models.py (random DAGs of linear,
 conv, matmul/bmm, activations, norms, dropout, residuals, concatenation, and views,

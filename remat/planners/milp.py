@@ -1,4 +1,4 @@
-"""Exact planner: a mixed-integer program over which activations to drop (issue 6).
+"""Exact planner: a mixed-integer program over which activations to drop.
 
 The decision is one binary per candidate activation, d_s = 1 if it is dropped; the
 schedule (schedule.py) fixes everything else, and the program models that schedule:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The measurements recorded in docs/RESULTS.md, "Rewriter and runtime (issue 4)".
+# The measurements recorded in docs/RESULTS.md, "Rewriter and runtime".
 # Each line of docs/run/runs.jsonl is one `remat run --json` object (or a failure record).
 set -u
 cd "$(dirname "$0")/.."

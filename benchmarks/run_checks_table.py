@@ -1,7 +1,7 @@
-"""Turn the `remat run --json` lines of benchmarks/issue4_runs.sh into the Markdown table
+"""Turn the `remat run --json` lines of benchmarks/run_checks.sh into the Markdown table
 of docs/RESULTS.md ("Rewriter and runtime").
 
-    .venv/bin/python benchmarks/issue4_table.py docs/run/runs.jsonl
+    .venv/bin/python benchmarks/run_checks_table.py docs/run/runs.jsonl
 """
 
 from __future__ import annotations
