@@ -30,29 +30,26 @@ COLUMNS = [
 
 
 def _graph(model: str, batch: int, optimizer: str, profiles: Path, runs: int):
-    from remat.analysis import analyze
+    from remat import pipeline
     from remat.capture import capture
-    from remat.models import build_model, make_optimizer, make_train_step
-    from remat.profiler import Profile, profile
-    from remat.schedule import GraphIndex
+    from remat.profiler import Profile
+    from remat.workloads import load
 
-    spec = build_model(model, batch)
-    opt = make_optimizer(optimizer, spec.model.parameters())
-    tg = capture(make_train_step(spec.loss_fn), spec.model, opt, spec.batch)
-    analysis = analyze(tg)
+    spec = load(model, batch, optimizer)
+    tg = capture(spec.train_step, spec.model, spec.optimizer, spec.batch)
     path = profiles / f"{model}-b{batch}" / "profile.json"
+    saved = None
     if path.is_file():
-        prof = Profile.from_json(path)
-        prof.check_graph(tg)
+        saved = Profile.from_json(path)
+        saved.check_graph(tg)
         print(f"{model} b{batch}: profile read from {path}", file=sys.stderr)
     else:
         print(f"{model} b{batch}: profiling ({len(tg.op_nodes())} nodes)…", file=sys.stderr)
-        prof = profile(tg, spec.model, opt, spec.batch, runs=runs, analysis=analysis, progress=False)
-        prof.model, prof.batch_size, prof.optimizer = model, batch, optimizer
-        prof.to_json(path)
-    index = GraphIndex.build(tg, analysis)
-    index.scratch = prof.scratch_by_node()
-    return index, prof
+    built = pipeline.build_on(tg, spec.model, spec.optimizer, spec.batch, runs=runs, saved_profile=saved)
+    if saved is None:
+        built.profile.model, built.profile.batch_size, built.profile.optimizer = model, batch, optimizer
+        built.profile.to_json(path)
+    return built.index, built.profile
 
 
 def main(argv: list[str] | None = None) -> int:

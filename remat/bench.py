@@ -14,7 +14,6 @@ Plots and tables are redrawn from results.json alone (`replot`).
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import gc
 import json
@@ -179,33 +178,6 @@ def persistent_bytes(model: Any, optimizer: Any) -> int:
     return sum(seen.values())
 
 
-@contextlib.contextmanager
-def shared_profiles() -> Iterator[dict[str, Any]]:
-    """Within the block, remat.compile reuses the profile of a graph already profiled.
-
-    Every remat budget at one batch size captures the same graph; profiling it again
-    (several full iterations, node by node) would only spend minutes on large batches.
-    Keyed by the graph's fingerprint, so a different graph is always profiled.
-    """
-    import remat.runtime as runtime
-    from remat.profiler import graph_fingerprint
-
-    cache: dict[str, Any] = {}
-    real = runtime.profile
-
-    def cached(tg: Any, *args: Any, **kwargs: Any) -> Any:
-        key = graph_fingerprint(tg)
-        if key not in cache:
-            cache[key] = real(tg, *args, **kwargs)
-        return cache[key]
-
-    runtime.profile = cached
-    try:
-        yield cache
-    finally:
-        runtime.profile = real
-
-
 def _reason(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}".strip()
     first = text.splitlines()[0] if text else type(e).__name__
@@ -323,17 +295,13 @@ def _profile_stats(prof: Any, top_k: int = 10) -> dict[str, Any]:
 
 def smallest_reachable_peak(prof: Any, spec: Any, opt: Any, train_step: Any, planner: str) -> int:
     """The smallest whole peak (bytes) `planner` reaches on this graph: asked for 1 byte, it says."""
-    from remat.analysis import analyze
-    from remat.capture import capture
+    from remat import pipeline
     from remat.errors import BudgetError
     from remat.planners import make_plan
-    from remat.schedule import GraphIndex
 
-    tg = capture(train_step, spec.model, opt, spec.batch)
-    index = GraphIndex.build(tg, analyze(tg))
-    index.scratch = prof.scratch_by_node()
+    built = pipeline.build(train_step, spec.model, opt, spec.batch, saved_profile=prof)
     try:
-        plan = make_plan(planner, index, prof.seconds_by_node(), 1)
+        plan = make_plan(planner, built.index, prof.seconds_by_node(), 1)
     except BudgetError as e:
         if e.reach is None:
             raise
@@ -359,12 +327,10 @@ def run_batch(
     import torch
 
     import remat
-    from remat.analysis import analyze
+    from remat import pipeline
     from remat.baselines import make_baseline
-    from remat.capture import capture
     from remat.check import twin
     from remat.memory import measure_peak
-    from remat.profiler import profile
     from remat.simulator import simulate
     from remat.workloads import load
 
@@ -379,137 +345,134 @@ def run_batch(
     def plain_step(m: Any, o: Any) -> Callable[[], Any]:
         return lambda: train_step(m, o, spec.batch)
 
-    with shared_profiles():
-        # The eager graph's profile: statistics (a), the eager prediction, and what every
-        # remat budget plans from (shared_profiles hands it to remat.compile).
-        advance(f"b={batch_size}: capture + profile")
+    profile_cache: dict[str, Any] = {}  # every remat budget at this batch size plans from the eager graph's profile
+    # The eager graph's profile: statistics (a), the eager prediction, and what every
+    # remat budget plans from (profile_cache hands it to remat.compile).
+    advance(f"b={batch_size}: capture + profile")
+    t0 = time.perf_counter()
+    prof = None
+    try:
+        built = pipeline.build(train_step, spec.model, opt, spec.batch, runs=3, profile_cache=profile_cache)
+        prof, analysis = built.profile, built.analysis
+        eager_predicted = simulate(analysis, scratch=prof.scratch_by_node()).peak_bytes
+        stats = _profile_stats(prof)
+        stats["capture_profile_seconds"] = time.perf_counter() - t0
+        results.stats[str(batch_size)] = stats
+        del built, analysis
+    except Exception as e:  # noqa: BLE001
+        eager_predicted = None
+        say(f"b={batch_size}: capture/profile failed: {_reason(e)}")
+        results.stats[str(batch_size)] = {"error": _reason(e)}
+    results.write()
+
+    eager_model, eager_opt = twin(spec.model, opt)
+    eager = _Live(Method("eager"), plain_step(eager_model, eager_opt), dict(base, method="eager", kind="eager", budget=None, status="running"), [])
+    eager.record["predicted_peak_bytes"] = eager_predicted
+    live: list[_Live] = []
+    for m in todo:
+        advance(f"b={batch_size}: set up {m.name}")
+        rec = dict(base, method=m.name, kind=m.kind, budget=m.budget, status="running")
         t0 = time.perf_counter()
-        prof = None
         try:
-            tg = capture(train_step, spec.model, opt, spec.batch)
-            analysis = analyze(tg)
-            import remat.runtime as runtime
+            mm, mo = twin(spec.model, opt)
+            if m.kind == "remat":
+                budget = m.budget
+                if budget == "min":
+                    budget = smallest_reachable_peak(prof, spec, opt, train_step, planner)
+                    rec["notes"] = f"planned at the smallest peak the planner reaches: {budget / MiB:,.1f} MiB"
+                elif isinstance(budget, str) and budget.startswith("="):
+                    # Planned at a baseline's measured peak at this batch size: the
+                    # comparison at equal memory (the baseline must already be in the results).
+                    other = results.get(batch_size, budget[1:])
+                    if other is None or other.get("status") != "ok" or not other.get("peak_bytes"):
+                        raise ValueError(f"budget {budget}: no measured peak of {budget[1:]!r} at batch {batch_size} in the results yet")
+                    budget = int(other["peak_bytes"])
+                    rec["notes"] = f"planned at {m.budget[1:]}'s measured peak: {budget / MiB:,.1f} MiB"
+                step = remat.compile(train_step, mm, mo, spec.batch, memory_budget=budget, planner=planner, profile_cache=profile_cache)
+                rep = step.report
+                rec.update(
+                    predicted_peak_bytes=rep.predicted_peak_bytes,
+                    budget_bytes=rep.budget_bytes,
+                    num_recomputed=rep.num_recomputed,
+                    recompute_ops=rep.copies,
+                    predicted_overhead_seconds=rep.plan.predicted_overhead_seconds if rep.plan else 0.0,
+                    predicted_overhead_ratio=(
+                        1 + rep.plan.predicted_overhead_seconds / rep.profile.iteration_seconds if rep.plan and rep.profile.iteration_seconds else 1.0
+                    ),
+                )
+                fn = (lambda s: lambda: s(spec.batch))(step)
+            else:
+                if spec.loss_fn is None:
+                    from remat.baselines import NotSupported
 
-            prof = runtime.profile(tg, spec.model, opt, spec.batch, runs=3, progress=False)
-            eager_predicted = simulate(analysis, scratch=prof.scratch_by_node()).peak_bytes
-            stats = _profile_stats(prof)
-            stats["capture_profile_seconds"] = time.perf_counter() - t0
-            results.stats[str(batch_size)] = stats
-            del tg, analysis
-        except Exception as e:  # noqa: BLE001
-            eager_predicted = None
-            say(f"b={batch_size}: capture/profile failed: {_reason(e)}")
-            results.stats[str(batch_size)] = {"error": _reason(e)}
-        results.write()
-
-        eager_model, eager_opt = twin(spec.model, opt)
-        eager = _Live(Method("eager"), plain_step(eager_model, eager_opt), dict(base, method="eager", kind="eager", budget=None, status="running"), [])
-        eager.record["predicted_peak_bytes"] = eager_predicted
-        live: list[_Live] = []
-        for m in todo:
-            advance(f"b={batch_size}: set up {m.name}")
-            rec = dict(base, method=m.name, kind=m.kind, budget=m.budget, status="running")
-            t0 = time.perf_counter()
-            try:
-                mm, mo = twin(spec.model, opt)
-                if m.kind == "remat":
-                    budget = m.budget
-                    if budget == "min":
-                        budget = smallest_reachable_peak(prof, spec, opt, train_step, planner)
-                        rec["notes"] = f"planned at the smallest peak the planner reaches: {budget / MiB:,.1f} MiB"
-                    elif isinstance(budget, str) and budget.startswith("="):
-                        # Planned at a baseline's measured peak at this batch size: the
-                        # comparison at equal memory (the baseline must already be in the results).
-                        other = results.get(batch_size, budget[1:])
-                        if other is None or other.get("status") != "ok" or not other.get("peak_bytes"):
-                            raise ValueError(f"budget {budget}: no measured peak of {budget[1:]!r} at batch {batch_size} in the results yet")
-                        budget = int(other["peak_bytes"])
-                        rec["notes"] = f"planned at {m.budget[1:]}'s measured peak: {budget / MiB:,.1f} MiB"
-                    step = remat.compile(train_step, mm, mo, spec.batch, memory_budget=budget, planner=planner)
-                    rep = step.report
-                    rec.update(
-                        predicted_peak_bytes=rep.predicted_peak_bytes,
-                        budget_bytes=rep.budget_bytes,
-                        num_recomputed=rep.num_recomputed,
-                        recompute_ops=rep.copies,
-                        predicted_overhead_seconds=rep.plan.predicted_overhead_seconds if rep.plan else 0.0,
-                        predicted_overhead_ratio=(
-                            1 + rep.plan.predicted_overhead_seconds / rep.profile.iteration_seconds if rep.plan and rep.profile.iteration_seconds else 1.0
-                        ),
-                    )
-                    fn = (lambda s: lambda: s(spec.batch))(step)
-                else:
-                    if spec.loss_fn is None:
-                        from remat.baselines import NotSupported
-
-                        raise NotSupported(f"{model_name} is a factory with its own train_step; {m.kind} rebuilds the step around a loss")
-                    bstep = make_baseline(m.kind, mm, spec.loss_fn, budget=m.budget)
-                    if m.kind == "sequential":
-                        rec["notes"] = f"{bstep.segments} segments over {bstep.blocks} blocks"  # type: ignore[attr-defined]
-                    fn = (lambda s, a, o: lambda: s(a, o, spec.batch))(bstep, mm, mo)
-                fn()  # first step: compiles (torch.compile) / measures (remat); state (momentum) now exists
-                rec["setup_seconds"] = time.perf_counter() - t0
-                live.append(_Live(m, fn, rec, []))
-            except Exception as e:  # noqa: BLE001 - a failed run is a result
-                rec.update(status=_status_of(e), reason=_reason(e), setup_seconds=time.perf_counter() - t0)
-                say(f"b={batch_size} {m.name}: {rec['status']}: {rec['reason']}")
-                if not isinstance(e, (remat.errors.RematError,)) and "NotSupported" not in type(e).__name__:
-                    rec["traceback"] = traceback.format_exc()[-3000:]
-                results.put(rec)
-                results.write()
-            gc.collect()
-
-        # Peaks: one step each under the same tracker, state already created.
-        advance(f"b={batch_size}: measure peaks")
-        try:
-            eager.step()
-        except Exception as e:  # noqa: BLE001
-            eager.record.update(status="failed", reason=_reason(e))
-        persistent = persistent_bytes(eager_model, eager_opt)
-        for x in [eager] + live:
-            if x.record["status"] == "failed":
-                continue
-            try:
-                measured = measure_peak(x.step, device)
-            except Exception as e:  # noqa: BLE001
-                x.record.update(status="failed", reason=_reason(e))
-                continue
-            peak = measured.peak_bytes
-            x.record.update(persistent_bytes=persistent, peak_bytes=persistent + peak, activation_peak_bytes=peak)
-            if measured.reserved_peak_bytes is not None:
-                x.record["reserved_peak_bytes"] = persistent + measured.reserved_peak_bytes
-        eager_act = eager.record.get("activation_peak_bytes")
-        for x in live:
-            if eager_act and x.record.get("activation_peak_bytes") is not None:
-                x.record["eager_activation_peak_bytes"] = eager_act
-                x.record["activation_ratio_to_eager"] = x.record["activation_peak_bytes"] / eager_act
-        if not eager_done or live:
-            results.put(eager.record)
-        for x in live:
-            results.put(x.record)
-        results.write()
-
-        # Times: round-robin with eager; results rewritten after every round.
-        def on_round() -> None:
-            advance(f"b={batch_size}: timing round")
-            for x in live:
-                x.record.update(_ratios(x, eager))
-            if eager.times:
-                eager.record.update(seconds=statistics.median(eager.times), ratio_to_eager=1.0, ratio_min=1.0, ratio_max=1.0, rounds=len(eager.times), seconds_all=list(eager.times))
+                    raise NotSupported(f"{model_name} is a factory with its own train_step; {m.kind} rebuilds the step around a loss")
+                bstep = make_baseline(m.kind, mm, spec.loss_fn, budget=m.budget)
+                if m.kind == "sequential":
+                    rec["notes"] = f"{bstep.segments} segments over {bstep.blocks} blocks"  # type: ignore[attr-defined]
+                fn = (lambda s, a, o: lambda: s(a, o, spec.batch))(bstep, mm, mo)
+            fn()  # first step: compiles (torch.compile) / measures (remat); state (momentum) now exists
+            rec["setup_seconds"] = time.perf_counter() - t0
+            live.append(_Live(m, fn, rec, []))
+        except Exception as e:  # noqa: BLE001 - a failed run is a result
+            rec.update(status=_status_of(e), reason=_reason(e), setup_seconds=time.perf_counter() - t0)
+            say(f"b={batch_size} {m.name}: {rec['status']}: {rec['reason']}")
+            if not isinstance(e, (remat.errors.RematError,)) and "NotSupported" not in type(e).__name__:
+                rec["traceback"] = traceback.format_exc()[-3000:]
+            results.put(rec)
             results.write()
+        gc.collect()
 
-        if eager.record["status"] != "failed":
-            # No separate warm-up round: every method has already run twice (its first
-            # step, then the peak measurement).
-            time_round_robin([x for x in live if x.record["status"] != "failed"], eager, pairs, device, on_round)
-        for x in [eager] + live:
-            if x.record["status"] == "running":
-                x.record["status"] = "ok"
-            if x.record["status"] == "ok" and x.record.get("peak_bytes") is None:
-                x.record.update(status="failed", reason="no peak measured")
-        if not eager_done or live:
-            results.put(eager.record)
+    # Peaks: one step each under the same tracker, state already created.
+    advance(f"b={batch_size}: measure peaks")
+    try:
+        eager.step()
+    except Exception as e:  # noqa: BLE001
+        eager.record.update(status="failed", reason=_reason(e))
+    persistent = persistent_bytes(eager_model, eager_opt)
+    for x in [eager] + live:
+        if x.record["status"] == "failed":
+            continue
+        try:
+            measured = measure_peak(x.step, device)
+        except Exception as e:  # noqa: BLE001
+            x.record.update(status="failed", reason=_reason(e))
+            continue
+        peak = measured.peak_bytes
+        x.record.update(persistent_bytes=persistent, peak_bytes=persistent + peak, activation_peak_bytes=peak)
+        if measured.reserved_peak_bytes is not None:
+            x.record["reserved_peak_bytes"] = persistent + measured.reserved_peak_bytes
+    eager_act = eager.record.get("activation_peak_bytes")
+    for x in live:
+        if eager_act and x.record.get("activation_peak_bytes") is not None:
+            x.record["eager_activation_peak_bytes"] = eager_act
+            x.record["activation_ratio_to_eager"] = x.record["activation_peak_bytes"] / eager_act
+    if not eager_done or live:
+        results.put(eager.record)
+    for x in live:
+        results.put(x.record)
+    results.write()
+
+    # Times: round-robin with eager; results rewritten after every round.
+    def on_round() -> None:
+        advance(f"b={batch_size}: timing round")
+        for x in live:
+            x.record.update(_ratios(x, eager))
+        if eager.times:
+            eager.record.update(seconds=statistics.median(eager.times), ratio_to_eager=1.0, ratio_min=1.0, ratio_max=1.0, rounds=len(eager.times), seconds_all=list(eager.times))
         results.write()
+
+    if eager.record["status"] != "failed":
+        # No separate warm-up round: every method has already run twice (its first
+        # step, then the peak measurement).
+        time_round_robin([x for x in live if x.record["status"] != "failed"], eager, pairs, device, on_round)
+    for x in [eager] + live:
+        if x.record["status"] == "running":
+            x.record["status"] = "ok"
+        if x.record["status"] == "ok" and x.record.get("peak_bytes") is None:
+            x.record.update(status="failed", reason="no peak measured")
+    if not eager_done or live:
+        results.put(eager.record)
+    results.write()
     del live, eager, spec, opt, prof
     gc.collect()
     if device.startswith("cuda"):
@@ -1031,11 +994,10 @@ def maxbatch(
 ) -> dict[str, Any]:
     """Largest batch that fits `cap` without and with remat: simulator search, then measured runs."""
     import remat
+    from remat import pipeline
     from remat.budget import parse_budget
-    from remat.capture import capture
     from remat.check import twin
     from remat.memory import measure_peak
-    from remat.profiler import profile
     from remat.workloads import load
 
     cap_budget = parse_budget(cap)
@@ -1049,13 +1011,11 @@ def maxbatch(
     # Costs for the planner during the search: one profile at the start batch size.
     b0 = max(1, start)
     spec = load(model, b0, optimizer, seed=seed, device=device)
-    opt = spec.optimizer
-    tg = capture(spec.train_step, spec.model, opt, spec.batch)
     say(f"profiling {model} at batch {b0} for node costs ...")
-    prof = profile(tg, spec.model, opt, spec.batch, runs=1, progress=False)
+    prof = pipeline.build(spec.train_step, spec.model, spec.optimizer, spec.batch, runs=1).profile
     secs = prof.seconds_by_node()
     times = {"batch_size": b0, "seconds": secs, "median": statistics.median(secs.values()) if secs else 0.0, "scratch": prof.scratch_by_node()}
-    del spec, opt, tg
+    del spec
 
     sims: dict[int, dict[str, Any]] = {}
 

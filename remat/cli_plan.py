@@ -59,13 +59,12 @@ def plan_command(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Everything `remat plan` does but printing: returns the plan, timelines and files."""
-    from remat.analysis import analyze
+    from remat import pipeline
     from remat.budget import parse_budget
     from remat.cli import build_and_capture
     from remat.errors import PlanError
     from remat.plan import evaluate
     from remat.planners import PLANNERS, make_plan
-    from remat.schedule import GraphIndex
     from remat.profiler import load_profile_for
 
     # Cheap checks first: a typo must not cost a profiling run.
@@ -78,22 +77,17 @@ def plan_command(
     spec, opt, tg, capture_s = build_and_capture(model, batch_size, optimizer, device, seed)
     if progress:
         print(f"captured {model} (batch {batch_size}, {optimizer}): {len(tg.op_nodes())} nodes in {capture_s:.1f} s", file=sys.stderr)
-    analysis = analyze(tg)
     out = Path(out_dir) if out_dir is not None else Path("runs") / f"plan-{model}-b{batch_size}-{planner}"
     files: dict[str, Path] = {}
-    if profile_path is not None:
-        prof = load_profile_for(profile_path, tg, model, batch_size, optimizer)
-    else:
-        from remat.profiler import profile
-
-        prof = profile(tg, spec.model, opt, spec.batch, runs=runs, device=device, progress=progress, analysis=analysis)
+    saved = load_profile_for(profile_path, tg, model, batch_size, optimizer) if profile_path is not None else None
+    built = pipeline.build_on(tg, spec.model, opt, spec.batch, runs=runs, device=device, progress=progress, saved_profile=saved)
+    prof, index = built.profile, built.index  # predictions include the kernels' measured scratch
+    if saved is None:
         prof.model, prof.batch_size, prof.optimizer = model, batch_size, optimizer
         prof.meta["seed"] = seed
         files["profile"] = prof.to_json(out / "profile.json")
     node_seconds = {n.name: n.seconds for n in prof.nodes}
 
-    index = GraphIndex.build(tg, analysis)
-    index.scratch = prof.scratch_by_node()  # predictions include the kernels' measured scratch
     baseline = evaluate(index, set(), node_seconds)
     budget_bytes = parsed.to_bytes(baseline.timeline.persistent_bytes, baseline.timeline.step_peak_bytes)
     plan = make_plan(

@@ -258,15 +258,14 @@ def run_frontier(
     are kept and not planned again, and its profile.json gives the node times, so that
     the new points are planned on the same ones.
     """
-    from remat.analysis import analyze
+    from remat import pipeline
     from remat.capture import capture
     from remat.errors import UsageError
-    from remat.workloads import check_arguments as check_model_args
-    from remat.workloads import load
     from remat.plan import evaluate
     from remat.planners import PLANNERS
-    from remat.profiler import profile
-    from remat.schedule import GraphIndex
+    from remat.profiler import load_profile_for
+    from remat.workloads import check_arguments as check_model_args
+    from remat.workloads import load
 
     budgets = list(budgets) if budgets is not None else parse_budgets("0.1:1.0:0.1")
     parsed = [parse_budget(b) for b in budgets]
@@ -285,15 +284,13 @@ def run_frontier(
     spec = load(model, batch_size, optimizer, seed=seed, device=device, zero_grad_first=True)
     opt, train_step = spec.optimizer, spec.train_step
     tg = capture(train_step, spec.model, opt, spec.batch)
-    analysis = analyze(tg)
     t0 = time.perf_counter()
-    if profile_path is not None:
-        from remat.profiler import load_profile_for
-
-        prof = load_profile_for(profile_path, tg, model, batch_size, optimizer)
-    else:
+    saved = load_profile_for(profile_path, tg, model, batch_size, optimizer) if profile_path is not None else None
+    if saved is None:
         _say(progress, f"profiling {model} (batch {batch_size}, {optimizer}) ...")
-        prof = profile(tg, spec.model, opt, spec.batch, runs=runs, device=device, progress=False, analysis=analysis)
+    built = pipeline.build_on(tg, spec.model, opt, spec.batch, runs=runs, device=device, saved_profile=saved)
+    prof, index = built.profile, built.index  # predictions include measured kernel scratch
+    if saved is None:
         prof.model, prof.batch_size, prof.optimizer = model, batch_size, optimizer
         prof.to_json(out / "profile.json")
     profile_seconds = time.perf_counter() - t0
@@ -304,8 +301,6 @@ def run_frontier(
             "or drop --resume to start over."
         )
     node_seconds = prof.seconds_by_node()
-    index = GraphIndex.build(tg, analysis)
-    index.scratch = prof.scratch_by_node()  # predictions include measured kernel scratch
     baseline = evaluate(index, set(), node_seconds)
     base_tl = baseline.timeline
     frontier = Frontier(

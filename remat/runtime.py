@@ -15,14 +15,13 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from remat.analysis import analyze
+from remat import pipeline
 from remat.budget import parse_budget
 from remat.capture import (
     InputKind,
     TrainGraph,
     TrainStep,
     batch_leaf_names,
-    capture,
     flat_inputs,
     run_captured,
 )
@@ -30,9 +29,9 @@ from remat.errors import CaptureError, RematError
 from remat.memory import measure_step_peak
 from remat.plan import Plan
 from remat.planners import make_plan
-from remat.profiler import Profile, profile
+from remat.profiler import Profile
 from remat.rewriter import rewrite
-from remat.schedule import GraphIndex, simulate_schedule
+from remat.schedule import simulate_schedule
 from remat.simulator import simulate
 
 
@@ -98,6 +97,7 @@ class RematStep:
     profile_runs: int = 3
     measure: bool = True  # measure the allocator's peak on the first step of each shape
     progress: bool = False
+    profile_cache: dict[str, Profile] | None = None  # graph fingerprint -> profile, shared with other steps (see remat.pipeline)
     _graphs: dict[Any, CompiledGraph] = field(default_factory=dict)
     _structure: str | None = None
     _last: CompiledGraph | None = None
@@ -150,11 +150,10 @@ class RematStep:
 
     def _compile(self, batch: Any) -> CompiledGraph:
         start = time.perf_counter()
-        tg = capture(self.train_step, self.model, self.optimizer, batch)
-        analysis = analyze(tg)
-        prof = profile(tg, self.model, self.optimizer, batch, runs=self.profile_runs, progress=self.progress)
-        index = GraphIndex.build(tg, analysis)
-        index.scratch = prof.scratch_by_node()
+        built = pipeline.build(
+            self.train_step, self.model, self.optimizer, batch, runs=self.profile_runs, progress=self.progress, profile_cache=self.profile_cache
+        )
+        tg, analysis, prof, index = built.tg, built.analysis, built.profile, built.index
         baseline = simulate(analysis, scratch=index.scratch)
         plan: Plan | None = None
         budget_bytes: int | None = None
@@ -252,6 +251,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     profile_runs: int = 3,
     measure: bool = True,
     progress: bool = False,
+    profile_cache: dict[str, Profile] | None = None,
 ) -> RematStep:
     """Compile `train_step(model, optimizer, batch) -> loss` into a step that fits `memory_budget`.
 
@@ -268,6 +268,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         profile_runs=profile_runs,
         measure=measure,
         progress=progress,
+        profile_cache=profile_cache,
     )
     step._last = step.compiled_for(example_batch)
     return step

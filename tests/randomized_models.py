@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
+import remat.pipeline
 import remat.runtime
 from remat.analysis import analyze
 from remat.capture import Phase
@@ -648,7 +649,7 @@ def reuse_profiles() -> Iterator[dict[str, Any]]:
     """
     from remat.profiler import graph_fingerprint
 
-    real_profile, real_capture = remat.runtime.profile, remat.runtime.capture
+    real_profile, real_capture = remat.pipeline.profile, remat.pipeline.capture
     profiles: dict[str, Any] = {}
     captures: dict[tuple[int, int], Any] = {}
 
@@ -664,11 +665,11 @@ def reuse_profiles() -> Iterator[dict[str, Any]]:
             captures[key] = real_capture(train_step, model, optimizer, batch)
         return captures[key]
 
-    remat.runtime.profile, remat.runtime.capture = profile, capture
+    remat.pipeline.profile, remat.pipeline.capture = profile, capture
     try:
         yield {"profiles": profiles, "captures": captures}
     finally:
-        remat.runtime.profile, remat.runtime.capture = real_profile, real_capture
+        remat.pipeline.profile, remat.pipeline.capture = real_profile, real_capture
 
 
 def rewritten_phases(tg: remat.TrainGraph, gm: torch.fx.GraphModule) -> dict[str, Phase]:
