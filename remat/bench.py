@@ -24,7 +24,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 MiB = 2**20
 GiB = 2**30
@@ -919,7 +919,7 @@ def _simulated_fit(model_name: str, batch_size: int, cap: int, budget: float | N
     from remat.capture import capture
     from remat.errors import BudgetError
     from remat.planners import make_plan
-    from remat.schedule import GraphIndex, build_schedule, simulate_schedule
+    from remat.schedule import GraphIndex, simulate_schedule
     from remat.simulator import simulate
     from remat.workloads import load
 

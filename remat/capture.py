@@ -12,7 +12,6 @@ removed before the graph is handed on.
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Iterator
@@ -20,14 +19,13 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from torch._prims_common import make_channels_last_strides_for, make_contiguous_strides_for
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
-from torch.optim.optimizer import _default_to_fused_or_foreach
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat import hyperparams
+from remat.cpu_strides import CpuOutputStrides
 from remat.errors import CaptureError
+from remat.optimizer_state import check_first_step_state, optimizer_on, optimizer_states
 
 TrainStep = Callable[[torch.nn.Module, "torch.optim.Optimizer | None", Any], torch.Tensor]
 
@@ -144,104 +142,6 @@ def batch_leaf_names(batch: Any) -> list[str]:
     return [f"batch{pytree.keystr(p)}" for p, _ in pytree.tree_flatten_with_path(batch)[0]]
 
 
-def _init_optimizer_state(optimizer: torch.optim.Optimizer, only: set[int] | None = None) -> None:
-    """Create the state the first `step()` would create, so that every step runs one graph.
-
-    The values are exactly what the optimizer's first step makes (zeros; Adam's step 0),
-    so the captured step updates bitwise as the eager first step does. SGD's first step
-    copies the gradient into a fresh momentum buffer; `0 * momentum + grad` gives the same.
-    `only`: ids of the parameters to create state for (default: all).
-    """
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if optimizer.state.get(p) or (only is not None and id(p) not in only):
-                continue
-            if isinstance(optimizer, torch.optim.SGD):
-                if group["momentum"] != 0:
-                    optimizer.state[p] = {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}
-            elif isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-                if group.get("fused") or group.get("capturable"):
-                    step = torch.zeros((), dtype=torch.float32, device=p.device)
-                else:
-                    step = torch.tensor(0.0, dtype=torch.float32)
-                state = {
-                    "step": step,
-                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-                }
-                if group.get("amsgrad"):
-                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                optimizer.state[p] = state
-            else:
-                raise CaptureError(
-                    f"{type(optimizer).__name__} has no state yet and remat only knows how to "
-                    "create the first-step state of SGD, Adam and AdamW. Run one eager "
-                    "training step before capturing, or use one of those optimizers."
-                )
-
-
-def _optimizer_states(
-    optimizer: torch.optim.Optimizer | None, params: dict[str, torch.Tensor], only: set[int] | None = None
-) -> dict[str, dict[str, torch.Tensor]]:
-    if optimizer is None:
-        return {}
-    known = {id(p) for p in params.values()}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in known:
-                raise CaptureError(
-                    "the optimizer holds a tensor that is not a parameter of the model; "
-                    "build the optimizer from model.parameters()"
-                )
-    _init_optimizer_state(optimizer, only)
-    states: dict[str, dict[str, torch.Tensor]] = {}
-    for name, p in params.items():
-        st = optimizer.state.get(p)
-        if not st:
-            continue
-        for key, value in st.items():
-            if not isinstance(value, torch.Tensor):
-                raise CaptureError(
-                    f"optimizer state {name}.{key} is a {type(value).__name__}, not a tensor; "
-                    "remat can only capture optimizers whose state is all tensors"
-                )
-        states[name] = dict(sorted(st.items()))
-    return states
-
-
-@contextlib.contextmanager
-def _optimizer_on(
-    optimizer: torch.optim.Optimizer,
-    real_to_name: dict[int, str],
-    params: dict[str, torch.Tensor],
-    states: dict[str, dict[str, torch.Tensor]],
-) -> Iterator[None]:
-    """Point the optimizer at the traced parameters and state for the duration of the trace."""
-    saved_state = optimizer.state
-    saved = [(g["params"], g.get("foreach")) for g in optimizer.param_groups]
-    traced_state: defaultdict = defaultdict(dict)
-    traced_name = {id(t): n for n, t in params.items()}
-    for group in optimizer.param_groups:
-        # foreach=None lets the optimizer pick: the multi-tensor kernels for CUDA tensors,
-        # the per-parameter loop on CPU. Fake tensors may pick differently, and the two
-        # round differently (Adam on CUDA, in the last bits): pin what eager picks for the
-        # real parameters.
-        if group.get("foreach") is None:
-            group["foreach"] = _default_to_fused_or_foreach(list(group["params"]), differentiable=False, use_fused=False)[1]
-        group["params"] = [params[real_to_name[id(p)]] for p in group["params"]]
-        for p in group["params"]:
-            if traced_name[id(p)] in states:
-                traced_state[p] = states[traced_name[id(p)]]
-    optimizer.state = traced_state
-    try:
-        yield
-    finally:
-        optimizer.state = saved_state
-        for group, (ps, foreach) in zip(optimizer.param_groups, saved):
-            group["params"] = ps
-            group["foreach"] = foreach
-
-
 def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, batch: Any) -> list[torch.Tensor]:
     """The real tensors for the graph's placeholders, in order.
 
@@ -272,7 +172,7 @@ def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: torch.optim.O
         hyperparams.check_unchanged(optimizer, tg.groups, names)
     # Only the state the graph reads: eager creates none for a parameter without a gradient.
     wanted = {id(params[i.name.rsplit(".", 1)[0]]) for i in tg.inputs if i.kind is InputKind.OPTIMIZER_STATE}
-    states = _optimizer_states(optimizer, params, wanted) if tg.has_optimizer else {}
+    states = optimizer_states(optimizer, params, wanted) if tg.has_optimizer else {}
     hyper_names = [i.name for i in tg.inputs if i.kind is InputKind.HYPERPARAMETER]
     hyper = dict(zip(hyper_names, hyperparams.values(optimizer, hyper_names))) if hyper_names else {}
     leaves, spec = _check_batch(batch)
@@ -311,7 +211,7 @@ def capture(
 ) -> TrainGraph:
     """Trace one call of `train_step(model, optimizer, batch)` into a TrainGraph.
 
-    The optimizer's state is created here if it is empty (see `_init_optimizer_state`);
+    The optimizer's state is created here if it is empty (see `init_optimizer_state`);
     nothing else about the model or optimizer changes.
     """
     if not isinstance(model, torch.nn.Module):
@@ -331,7 +231,7 @@ def capture(
         raise CaptureError(f"model and batch must be on one device, found {sorted(devices)}; move them with .to(device)")
     device = devices.pop()
     had_state = {id(p) for p, st in optimizer.state.items() if st} if optimizer is not None else set()
-    states = _optimizer_states(optimizer, params)
+    states = optimizer_states(optimizer, params)
 
     real_to_name = {id(p): n for n, p in params.items()}
     param_alias = {a: real_to_name[id(p)] for a, p in model.named_parameters(remove_duplicate=False)}
@@ -408,13 +308,13 @@ def capture(
         with contextlib.ExitStack() as stack:
             stack.enter_context(stateless._reparametrize_module(model, mapping))
             if optimizer is not None:
-                stack.enter_context(_optimizer_on(optimizer, real_to_name, t_params, t_states))
+                stack.enter_context(optimizer_on(optimizer, real_to_name, t_params, t_states))
                 stack.enter_context(hyperparams.symbolic(optimizer, t_hyper, zero_facts, symbols))
                 handle = optimizer.register_step_pre_hook(step_pre_hook)
                 stack.callback(handle.remove)
             torch.autograd.backward = backward
             stack.callback(setattr, torch.autograd, "backward", real_backward)
-            stack.enter_context(_CpuOutputStrides())
+            stack.enter_context(CpuOutputStrides())
             result = train_step(model, optimizer, t_batch)
         outputs, out_spec = _step_outputs(result)
         if calls["backward"] == 0:
@@ -458,9 +358,9 @@ def capture(
     _check_static_shapes(gm)
     groups: list[hyperparams.GroupSpec] = []
     if optimizer is not None:
-        inputs = _drop_unread_new_state(gm, inputs, optimizer, params, had_state)
+        inputs = drop_unread_new_state(gm, inputs, optimizer, params, had_state)
         inputs = _drop_unread_hyperparameters(gm, inputs)
-        _check_first_step_state(optimizer, had_state, {id(params[n]) for n in grad_order})
+        check_first_step_state(optimizer, had_state, {id(params[n]) for n in grad_order})
         groups = hyperparams.group_specs(optimizer, real_to_name, zero_facts)
     tg = _finish(gm, inputs, grad_order, final_grads, str(spec), optimizer is not None, device)
     tg.output_spec, tg.backward_passes = output_spec
@@ -518,22 +418,7 @@ def _drop_unread_hyperparameters(gm: torch.fx.GraphModule, inputs: list[GraphInp
     return keep
 
 
-def _check_first_step_state(optimizer: torch.optim.Optimizer, had_state: set[int], updated: set[int]) -> None:
-    """SGD's first step copies the gradient into the momentum buffer; the zero buffer remat
-    creates gives the same only without dampening (`0 * m + (1 - dampening) * g`)."""
-    if not isinstance(optimizer, torch.optim.SGD):
-        return
-    for group in optimizer.param_groups:
-        if group["momentum"] != 0 and group["dampening"] != 0:
-            if any(id(p) in updated and id(p) not in had_state for p in group["params"]):
-                raise CaptureError(
-                    "SGD with momentum and dampening copies the first gradient into its momentum buffer undamped; "
-                    "remat cannot create that state ahead of the step. Run one eager training step before "
-                    "remat.compile, or set dampening=0."
-                )
-
-
-def _drop_unread_new_state(
+def drop_unread_new_state(
     gm: torch.fx.GraphModule,
     inputs: list[GraphInput],
     optimizer: torch.optim.Optimizer,
@@ -543,7 +428,7 @@ def _drop_unread_new_state(
     """Undo the first-step state of parameters the step gave no gradient.
 
     The optimizer skips a parameter whose `.grad` is None and eager never creates its
-    state; the state made before tracing (`_init_optimizer_state`) is then read by no
+    state; the state made before tracing (`init_optimizer_state`) is then read by no
     node. It is removed from the optimizer and from the graph's inputs, so that the
     optimizer's state is what eager's would be (and costs no memory).
     """
@@ -607,91 +492,6 @@ def _check_static_shapes(gm: torch.fx.GraphModule) -> None:
                     f"makes a tensor of shape {tuple(v.shape)}); remat needs static shapes: replace it "
                     "(e.g. masked ops such as torch.where instead of nonzero/boolean indexing)."
                 )
-
-
-_BATCH_NORMS = (
-    torch.ops.aten.native_batch_norm.default,
-    torch.ops.aten._native_batch_norm_legit.default,
-    torch.ops.aten._native_batch_norm_legit.no_stats,
-    torch.ops.aten._native_batch_norm_legit_no_training.default,
-)
-_BATCH_NORM_BACKWARD = torch.ops.aten.native_batch_norm_backward.default
-
-
-# CPU kernels whose first output's strides the fake kernels predict wrongly for
-# non-contiguous operands (found by tests/test_randomized.py; the profiler refuses any
-# other op whose real strides differ from the trace's):
-# - always contiguous: the losses' backward (mse_loss.cpp: zeros_like(input,
-#   LEGACY_CONTIGUOUS_MEMORY_FORMAT)), LayerNorm's backward, log_softmax's backward;
-# - like the incoming gradient: dropout's backward (the fake kernel follows the mask).
-_CPU_CONTIGUOUS_OUTPUT = (
-    torch.ops.aten.mse_loss_backward.default,
-    torch.ops.aten.smooth_l1_loss_backward.default,
-    torch.ops.aten.huber_loss_backward.default,
-    torch.ops.aten._log_softmax_backward_data.default,
-)
-_LAYER_NORM_BACKWARD = torch.ops.aten.native_layer_norm_backward.default
-_DROPOUT_BACKWARD = torch.ops.aten.native_dropout_backward.default
-
-
-def _like(t: torch.Tensor) -> tuple[int, ...]:
-    """The strides of empty_like(t) (memory format preserved), without tracing anything."""
-    from torch.utils._mode_utils import no_dispatch
-
-    with no_dispatch():
-        return tuple(torch.empty_like(torch.empty_strided(t.shape, t.stride(), device="meta")).stride())
-
-
-def _cpu_output_strides(func: Any, args: tuple) -> tuple[int, tuple[int, ...]] | None:
-    """(output index, strides) the CPU kernel gives an output of `func`, where its fake
-    kernel is known to predict others for non-contiguous inputs; None elsewhere."""
-    x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    if x is None or x.device.type != "cpu":
-        return None
-    if func in _CPU_CONTIGUOUS_OUTPUT or (func is _LAYER_NORM_BACKWARD and args[7][0]):
-        return 0, tuple(make_contiguous_strides_for(args[1].shape))
-    if func is _DROPOUT_BACKWARD:
-        return 0, _like(x)
-    if func in _BATCH_NORMS or (func is _BATCH_NORM_BACKWARD and args[9][0]):
-        x = args[1] if func is _BATCH_NORM_BACKWARD else args[0]
-        if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
-            return 0, tuple(make_channels_last_strides_for(x.shape))
-        return 0, tuple(make_contiguous_strides_for(x.shape))
-    return None
-
-
-# Ops whose fake outputs _CpuOutputStrides follows with a view of the real strides.
-CORRECTED_STRIDES = frozenset({*_BATCH_NORMS, _BATCH_NORM_BACKWARD, *_CPU_CONTIGUOUS_OUTPUT, _LAYER_NORM_BACKWARD, _DROPOUT_BACKWARD})
-
-
-class _CpuOutputStrides(TorchDispatchMode):
-    """Give fake outputs of some CPU ops the strides the CPU kernels give real ones.
-
-    BatchNorm's CPU kernels (forward and backward) allocate their first output in the
-    input's suggested memory format (contiguous, or channels-last), and the CPU backward
-    of mse/smooth_l1/huber losses always contiguous. Their fake kernels keep the strides
-    of the input (or of the incoming gradient), which differ when those are not
-    contiguous: BatchNorm1d on x.transpose(1, 2), a gradient that flows back through a
-    transpose, a loss on a transposed output (pytorch/pytorch#192668). The trace would
-    then record views that fail on real tensors ("view size is not compatible"), or
-    layouts that change the order of summation: a step that crashes or does not match
-    eager. Where they differ, the output is replaced by an `as_strided` view with the
-    real strides: a no-op on the real output, and the rest of the trace follows real
-    layouts. (The profiler checks every op's real strides against the trace on its first
-    run, and refuses a graph where another op differs.)
-    """
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        real = _cpu_output_strides(func, args)
-        if real is not None:
-            i, want = real
-            outs = list(out) if isinstance(out, (tuple, list)) else [out]
-            y = outs[i]
-            if isinstance(y, torch.Tensor) and tuple(y.stride()) != want:
-                outs[i] = torch.ops.aten.as_strided.default(y, y.shape, want)
-                out = tuple(outs) if isinstance(out, (tuple, list)) else outs[0]
-        return out
 
 
 def _vals(node: torch.fx.Node) -> list[torch.Tensor]:

@@ -31,7 +31,8 @@ import torch.fx
 from torch.fx.node import map_arg
 
 from remat.analysis import ROLES, GraphAnalysis, Role, analyze
-from remat.capture import CORRECTED_STRIDES, InputKind, Phase, TrainGraph, flat_inputs
+from remat.capture import InputKind, Phase, TrainGraph, flat_inputs
+from remat.cpu_strides import CORRECTED_STRIDES
 from remat.errors import CaptureError, PlanError, RematError
 from remat.memory import _quiet_stdio, cpu_memory_events, measure_peak, no_gc
 from remat.serialize import check_fields, dump_document, load_document
@@ -372,7 +373,7 @@ def _check_layout(node: torch.fx.Node, value: Any) -> None:
     """Refuse a CPU op whose real output has other strides than its fake one in the trace.
 
     The trace decides views, copies and reshapes from the fake strides; where a fake
-    kernel predicts other strides than the real one (capture._CpuOutputStrides corrects
+    kernel predicts other strides than the real one (cpu_strides.CpuOutputStrides corrects
     the ones known), the step would fail on real tensors or not match eager bitwise.
     Dimensions of size 1 have no meaningful stride and are ignored.
     """

@@ -1,0 +1,94 @@
+"""CPU kernels whose output strides their fake kernels predict wrongly, and the dispatch
+mode that gives the traced outputs the real strides (used while capturing)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._prims_common import make_channels_last_strides_for, make_contiguous_strides_for
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_BATCH_NORMS = (
+    torch.ops.aten.native_batch_norm.default,
+    torch.ops.aten._native_batch_norm_legit.default,
+    torch.ops.aten._native_batch_norm_legit.no_stats,
+    torch.ops.aten._native_batch_norm_legit_no_training.default,
+)
+_BATCH_NORM_BACKWARD = torch.ops.aten.native_batch_norm_backward.default
+
+
+# CPU kernels whose first output's strides the fake kernels predict wrongly for
+# non-contiguous operands (found by tests/test_randomized.py; the profiler refuses any
+# other op whose real strides differ from the trace's):
+# - always contiguous: the losses' backward (mse_loss.cpp: zeros_like(input,
+#   LEGACY_CONTIGUOUS_MEMORY_FORMAT)), LayerNorm's backward, log_softmax's backward;
+# - like the incoming gradient: dropout's backward (the fake kernel follows the mask).
+_CPU_CONTIGUOUS_OUTPUT = (
+    torch.ops.aten.mse_loss_backward.default,
+    torch.ops.aten.smooth_l1_loss_backward.default,
+    torch.ops.aten.huber_loss_backward.default,
+    torch.ops.aten._log_softmax_backward_data.default,
+)
+_LAYER_NORM_BACKWARD = torch.ops.aten.native_layer_norm_backward.default
+_DROPOUT_BACKWARD = torch.ops.aten.native_dropout_backward.default
+
+
+def _like(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides of empty_like(t) (memory format preserved), without tracing anything."""
+    from torch.utils._mode_utils import no_dispatch
+
+    with no_dispatch():
+        return tuple(torch.empty_like(torch.empty_strided(t.shape, t.stride(), device="meta")).stride())
+
+
+def _cpu_output_strides(func: Any, args: tuple) -> tuple[int, tuple[int, ...]] | None:
+    """(output index, strides) the CPU kernel gives an output of `func`, where its fake
+    kernel is known to predict others for non-contiguous inputs; None elsewhere."""
+    x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if x is None or x.device.type != "cpu":
+        return None
+    if func in _CPU_CONTIGUOUS_OUTPUT or (func is _LAYER_NORM_BACKWARD and args[7][0]):
+        return 0, tuple(make_contiguous_strides_for(args[1].shape))
+    if func is _DROPOUT_BACKWARD:
+        return 0, _like(x)
+    if func in _BATCH_NORMS or (func is _BATCH_NORM_BACKWARD and args[9][0]):
+        x = args[1] if func is _BATCH_NORM_BACKWARD else args[0]
+        if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+            return 0, tuple(make_channels_last_strides_for(x.shape))
+        return 0, tuple(make_contiguous_strides_for(x.shape))
+    return None
+
+
+# Ops whose fake outputs _CpuOutputStrides follows with a view of the real strides.
+CORRECTED_STRIDES = frozenset({*_BATCH_NORMS, _BATCH_NORM_BACKWARD, *_CPU_CONTIGUOUS_OUTPUT, _LAYER_NORM_BACKWARD, _DROPOUT_BACKWARD})
+
+
+class CpuOutputStrides(TorchDispatchMode):
+    """Give fake outputs of some CPU ops the strides the CPU kernels give real ones.
+
+    BatchNorm's CPU kernels (forward and backward) allocate their first output in the
+    input's suggested memory format (contiguous, or channels-last), and the CPU backward
+    of mse/smooth_l1/huber losses always contiguous. Their fake kernels keep the strides
+    of the input (or of the incoming gradient), which differ when those are not
+    contiguous: BatchNorm1d on x.transpose(1, 2), a gradient that flows back through a
+    transpose, a loss on a transposed output (pytorch/pytorch#192668). The trace would
+    then record views that fail on real tensors ("view size is not compatible"), or
+    layouts that change the order of summation: a step that crashes or does not match
+    eager. Where they differ, the output is replaced by an `as_strided` view with the
+    real strides: a no-op on the real output, and the rest of the trace follows real
+    layouts. (The profiler checks every op's real strides against the trace on its first
+    run, and refuses a graph where another op differs.)
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        real = _cpu_output_strides(func, args)
+        if real is not None:
+            i, want = real
+            outs = list(out) if isinstance(out, (tuple, list)) else [out]
+            y = outs[i]
+            if isinstance(y, torch.Tensor) and tuple(y.stride()) != want:
+                outs[i] = torch.ops.aten.as_strided.default(y, y.shape, want)
+                out = tuple(outs) if isinstance(out, (tuple, list)) else outs[0]
+        return out
