@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from remat.errors import BudgetError, PlanError
-from remat.schedule import GraphIndex, Schedule, build_schedule, recompute_seconds, simulate_schedule
+from remat.schedule import GraphIndex, Schedule, build_schedule, merge_spans, recompute_seconds, simulate_schedule
 from remat.serialize import check_fields, describe_value, dump_document, load_document
 from remat.simulator import Timeline
 
@@ -313,7 +313,7 @@ class PeakLowerBound:
                 last = min(t.last_use, n - 1)
                 _add(at, t.created, last, t.nbytes)
                 _add(across, t.created + 1, last, t.nbytes)
-        self._safe = self._safe_activations(index)
+        self._safe = index.activations_read_alone()
         for sid in self._safe:
             t = tensors[sid]
             _add(at, t.created, min(t.last_use, n - 1), t.nbytes)
@@ -329,13 +329,8 @@ class PeakLowerBound:
         self._first_late = {
             a: min(index.rank[u] for u in index.users.get(a, []) if u not in index.forward) for a in index.last_late_reader
         }
-        self._value_spans = self._copy_spans(index)
-        by_storage: dict[int, list[tuple[int, int]]] = {}
-        for value_spans in self._value_spans.values():
-            for s, span in value_spans.items():
-                if s in index.activation:
-                    by_storage.setdefault(s, []).append(span)
-        self._spans = merge_spans(by_storage)  # per activation: where a copy of it is live once it is dropped
+        self._value_spans = index.copy_spans()
+        self._spans = index.activation_copy_spans()  # per activation: where a copy of it is live once it is dropped
         # Where blocks can be: before the nodes after the forward pass that read a forward
         # value on a given activation (a block runs only before a node that reads a value
         # that is not available), or one on a storage that is never available.
@@ -363,37 +358,6 @@ class PeakLowerBound:
         self._out_bytes = {a: sum(tensors[s].nbytes for s in self._outs[a]) for a in index.forward}
         self._in_bytes = {a: sum(tensors[s].nbytes for s in self._ins[a]) + self._scratch.get(a, 0) for a in index.forward}
         self._shared_until = {a: index.storage_last_read(a) for a in index.forward}
-
-    @staticmethod
-    def _safe_activations(index: GraphIndex) -> set[int]:
-        unsafe: set[int] = set()
-        for name in index.order:
-            if name in index.forward:
-                continue
-            for a in index.inputs[name]:
-                sids = index.storages.get(a, [])
-                if a in index.forward and len(sids) > 1:
-                    unsafe.update(sids)
-        return {s for s in index.activation if s not in unsafe}
-
-    @staticmethod
-    def _copy_spans(index: GraphIndex) -> dict[str, dict[int, tuple[int, int]]]:
-        """Per forward value read after the forward pass, per storage of it (not persistent):
-        the rank span [first, last] over which the copy of it that those readers share is
-        live: from its first to its last reader after the forward pass, and on to the last
-        reader of every backward view of it (autograd's `detach` of a saved `detach`),
-        which aliases the copy, or to the end for a graph output."""
-        out: dict[str, dict[int, tuple[int, int]]] = {}
-        for a in index.forward:
-            late = [u for u in index.users.get(a, []) if u not in index.forward]
-            if not late:
-                continue
-            lo = min(index.rank[u] for u in late)
-            spans = out.setdefault(a, {})
-            for s in index.storages.get(a, []):
-                if s not in index.persistent:
-                    spans[s] = (lo, index.copy_last_read(a, s))
-        return out
 
     def __call__(self, dropped: set[int] | frozenset[int], above: int | None = None) -> int:
         """The bound for `dropped`. With `above`, stop early once what is summed so far exceeds
@@ -563,21 +527,6 @@ class PeakLowerBound:
         if st in self.index.activation:
             return False
         return t.created >= 0 and self.index.order[t.created] not in self.index.forward and t.created < r <= t.last_use
-
-
-def merge_spans(spans: dict[int, list[tuple[int, int]]]) -> dict[int, list[tuple[int, int]]]:
-    """Each storage's rank spans, sorted, overlapping ones merged (storages without any left out)."""
-    merged: dict[int, list[tuple[int, int]]] = {}
-    for s, xs in spans.items():
-        out: list[tuple[int, int]] = []
-        for lo, hi in sorted(xs):
-            if out and lo <= out[-1][1]:
-                out[-1] = (out[-1][0], max(out[-1][1], hi))
-            else:
-                out.append((lo, hi))
-        if out:
-            merged[s] = out
-    return merged
 
 
 def _add(diff: np.ndarray, lo: int, hi: int, nbytes: int) -> None:

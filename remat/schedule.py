@@ -187,6 +187,51 @@ class GraphIndex:
             last_late_reader=last_late,
         )
 
+    def activations_read_alone(self) -> set[int]:
+        """Activations that no node after the forward pass reads through a value holding
+        other storages too (whether such a value is rebuilt depends on the others)."""
+        unsafe: set[int] = set()
+        for name in self.order:
+            if name in self.forward:
+                continue
+            for a in self.inputs[name]:
+                sids = self.storages.get(a, [])
+                if a in self.forward and len(sids) > 1:
+                    unsafe.update(sids)
+        return {s for s in self.activation if s not in unsafe}
+
+    def copy_spans(self) -> dict[str, dict[int, tuple[int, int]]]:
+        """How long a rebuilt copy lives, the one rule every planner and the bound read:
+        per forward value read after the forward pass, per storage of it (not persistent),
+        the rank span [first, last] over which the copy those readers share is live: from
+        its first to its last reader after the forward pass, and on to the last reader of
+        every backward view of it (autograd's `detach` of a saved `detach`), which aliases
+        the copy, or to the end for a graph output."""
+        cache = self.__dict__.get("_copy_spans")
+        if cache is None:
+            cache = {}
+            for a in self.forward:
+                late = [u for u in self.users.get(a, []) if u not in self.forward]
+                if not late:
+                    continue
+                lo = min(self.rank[u] for u in late)
+                spans = cache.setdefault(a, {})
+                for s in self.storages.get(a, []):
+                    if s not in self.persistent:
+                        spans[s] = (lo, self.copy_last_read(a, s))
+            self.__dict__["_copy_spans"] = cache
+        return cache
+
+    def activation_copy_spans(self) -> dict[int, list[tuple[int, int]]]:
+        """Per activation: the spans over which a copy of it is live once it is dropped
+        (`copy_spans`, over all values on it, overlapping spans merged)."""
+        by_storage: dict[int, list[tuple[int, int]]] = {}
+        for value_spans in self.copy_spans().values():
+            for s, span in value_spans.items():
+                if s in self.activation:
+                    by_storage.setdefault(s, []).append(span)
+        return merge_spans(by_storage)
+
     def storage_last_read(self, name: str) -> int:
         """The last rank after the forward pass that reads any value on `name`'s storages."""
         cache = self.__dict__.setdefault("_storage_last_read", {})
@@ -481,3 +526,18 @@ def copy_call(node: torch.fx.Node) -> tuple[Any, tuple, dict]:
 
 def is_getitem(node: torch.fx.Node) -> bool:
     return node.target is operator.getitem
+
+
+def merge_spans(spans: dict[int, list[tuple[int, int]]]) -> dict[int, list[tuple[int, int]]]:
+    """Each storage's rank spans, sorted, overlapping ones merged (storages without any left out)."""
+    merged: dict[int, list[tuple[int, int]]] = {}
+    for s, xs in spans.items():
+        out: list[tuple[int, int]] = []
+        for lo, hi in sorted(xs):
+            if out and lo <= out[-1][1]:
+                out[-1] = (out[-1][0], max(out[-1][1], hi))
+            else:
+                out.append((lo, hi))
+        if out:
+            merged[s] = out
+    return merged

@@ -23,7 +23,7 @@ schedule (schedule.py) fixes everything else, and the program models that schedu
   small candidate sets, binaries fixed).
 - memory: at each backward node, PeakLowerBound's linear form (kept activations live over
   their interval, dropped ones over the span of their late readers, extended to the last
-  reader of the backward views of the rebuilt copy (_copy_spans), storages made after
+  reader of the backward views of the rebuilt copy (GraphIndex.copy_spans), storages made after
   the forward pass as they are) plus the node's kernel scratch; and at each copy c of a
   block, what is live over the whole block plus c's new bytes, its scratch and its inputs
   rebuilt in the block. Every term is a lower bound on what the simulator counts (a
@@ -80,7 +80,7 @@ import scipy.sparse as sp
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from remat.errors import BudgetError, PlanError
-from remat.plan import Evaluation, Plan, PeakLowerBound, assemble_plan, evaluate, merge_spans
+from remat.plan import Evaluation, Plan, assemble_plan, evaluate
 from remat.planners.mutwo import SCHEDULE_NAMES
 from remat.schedule import GraphIndex
 
@@ -88,30 +88,6 @@ DEFAULT_TIME_LIMIT = 60.0
 SHARED_TRIES = 8  # fitting per-block plans re-run under the shared schedule, cheapest first (a plan in hand for its program)
 MAX_BINARIES = 400  # above this many candidates, group them (coarsening)
 REL_TOL = 1e-6
-
-
-def _copy_spans(index: GraphIndex) -> dict[int, list[tuple[int, int]]]:
-    """Per activation: rank spans [first, last] over which a dropped storage's rebuilt copy
-    is surely alive (overlapping spans merged).
-
-    Each forward value a on it with readers after the forward pass is rebuilt at its first
-    such reader, and that copy lives at least to a's last late reader, and further to the
-    last reader of every backward view of it: a backward op whose output is on the same
-    storage (autograd's `detach` of a saved `detach`, read by `_log_softmax_backward_data`)
-    aliases the copy, and the simulator keeps the copy alive for the view's readers
-    (or to the end, for a graph output). Counting the views is still a lower bound, and a
-    much tighter one where autograd saves a view (without it the cut loop runs through
-    dozens of plans whose peak sits in such a gap); PeakLowerBound does the same.
-    """
-    spans: dict[int, list[tuple[int, int]]] = {}
-    for a in index.forward:
-        late = [index.rank[u] for u in index.users.get(a, []) if u not in index.forward]
-        if not late:
-            continue
-        for s in index.storages.get(a, []):
-            if s in index.activation:
-                spans.setdefault(s, []).append((min(late), index.copy_last_read(a, s)))
-    return merge_spans(spans)
 
 
 class _Rows:
@@ -369,9 +345,9 @@ class MilpModel:
         # Memory: the linear form of PeakLowerBound at each backward step, and over each block.
         baseline = evaluate(index, set(), node_seconds)
         # The accounting of plan.PeakLowerBound, with the spans of dropped storages carried
-        # through backward views (_copy_spans).
-        safe = PeakLowerBound._safe_activations(index)
-        spans = _copy_spans(index)
+        # through backward views (GraphIndex.copy_spans).
+        safe = index.activations_read_alone()
+        spans = index.activation_copy_spans()
         n = len(index.order)
         tr = np.array([index.rank[u] for u in tail], dtype=np.int64)
         rp = np.concatenate([[tr[0] - 1], tr[:-1]]) if len(tr) else tr
