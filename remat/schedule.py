@@ -37,7 +37,7 @@ import torch.fx
 from remat.analysis import GraphAnalysis
 from remat.capture import Phase, TrainGraph
 from remat.errors import PlanError
-from remat.simulator import Timeline, round_up, simulate_intervals
+from remat.simulator import Timeline, persistent_by_role, round_up, simulate_intervals
 
 aten = torch.ops.aten
 
@@ -329,6 +329,14 @@ class GraphIndex:
                     todo.append(w)
         return hi
 
+    def candidates(self) -> list[int]:
+        """The activations that may be recomputed, in creation order: what every planner picks from."""
+        cache = self.__dict__.get("_candidates")
+        if cache is None:
+            acts = [t for t in self.analysis.activations() if self.candidate_problem(t.id) is None]
+            cache = self.__dict__["_candidates"] = [t.id for t in sorted(acts, key=lambda t: (t.created, t.id))]
+        return list(cache)
+
     def candidate_problem(self, sid: int) -> str | None:
         """Why activation `sid` may not be recomputed on its own (None if it may)."""
         if sid not in self.activation:
@@ -501,17 +509,13 @@ def simulate_schedule(index: GraphIndex, schedule: Schedule, granularity: int = 
             if k in start:
                 end[k] = n_steps
     ks = sorted(start)
-    persistent: dict[str, int] = {}
-    for t in tensors:
-        if t.persistent:
-            persistent[t.role.value] = persistent.get(t.role.value, 0) + round_up(t.nbytes, granularity)
     return simulate_intervals(
         n_steps,
         np.array([size[k] for k in ks], dtype=np.int64),
         np.array([start[k] for k in ks], dtype=np.int64),
         np.array([end[k] for k in ks], dtype=np.int64),
         [role[k] for k in ks],
-        persistent,
+        persistent_by_role(tensors, granularity),
         np.array([index.scratch.get(s.node, 0) for s in schedule.steps], dtype=np.int64) if index.scratch else None,
     )
 

@@ -52,6 +52,16 @@ def round_up(nbytes: int, granularity: int) -> int:
     return -(-nbytes // granularity) * granularity if granularity > 1 else nbytes
 
 
+def persistent_by_role(tensors: list, granularity: int = 1) -> dict[str, int]:
+    """Bytes held before and after the step (parameters, buffers, optimizer state, inputs),
+    by role: the one definition the simulator, the schedule's simulation and the bound use."""
+    out: dict[str, int] = {}
+    for t in tensors:
+        if t.persistent:
+            out[t.role.value] = out.get(t.role.value, 0) + round_up(t.nbytes, granularity)
+    return out
+
+
 def simulate_intervals(
     n_steps: int,
     nbytes: np.ndarray,
@@ -96,17 +106,13 @@ def simulate(analysis: GraphAnalysis, granularity: int = 1, scratch: dict[str, i
     `scratch` adds each node's measured kernel scratch (Profile.scratch_by_node()).
     """
     transient = [t for t in analysis.tensors if not t.persistent]
-    persistent: dict[str, int] = {}
-    for t in analysis.tensors:
-        if t.persistent:
-            persistent[t.role.value] = persistent.get(t.role.value, 0) + round_up(t.nbytes, granularity)
     return simulate_intervals(
         analysis.num_nodes,
         np.array([round_up(t.nbytes, granularity) for t in transient], dtype=np.int64),
         np.array([t.created for t in transient], dtype=np.int64),
         np.array([t.last_use for t in transient], dtype=np.int64),
         [t.role.value for t in transient],
-        persistent,
+        persistent_by_role(analysis.tensors, granularity),
         np.array([scratch.get(n, 0) for n in analysis.node_names], dtype=np.int64) if scratch else None,
     )
 

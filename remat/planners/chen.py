@@ -29,8 +29,7 @@ FITS_TO_COMPARE = 2
 
 def legal_candidates(index: GraphIndex) -> list[int]:
     """Activations that may be recomputed, in forward (creation) order."""
-    acts = [t for t in index.analysis.activations() if index.candidate_problem(t.id) is None]
-    return [t.id for t in sorted(acts, key=lambda t: (t.created, t.id))]
+    return index.candidates()
 
 
 def segment_drops(candidates: list[int], sizes: list[int], k: int) -> set[int]:

@@ -158,7 +158,7 @@ class MilpModel:
         t0 = time.perf_counter()
         tensors = index.analysis.tensors
         if candidates is None:
-            candidates = [t.id for t in index.analysis.activations() if index.candidate_problem(t.id) is None]
+            candidates = index.candidates()
         candidates = sorted(set(candidates), key=lambda s: (tensors[s].created, s))
         cand_set = set(candidates)
         groups = [candidates[i : i + group_size] for i in range(0, len(candidates), max(1, group_size))]
@@ -682,7 +682,7 @@ def plan(
         extra.update(schedule=SCHEDULE_NAMES[False], milp_schedules=schedules)
         return assemble_plan("milp", index, node_seconds, budget_bytes, [], baseline, baseline.timeline, time.perf_counter() - t0, meta=extra, **meta)
     if candidates is None:
-        candidates = [t.id for t in index.analysis.activations() if index.candidate_problem(t.id) is None]
+        candidates = index.candidates()
     if group_size is None:
         group_size = max(1, math.ceil(len(candidates) / max_binaries))
     deadline = t0 + time_limit

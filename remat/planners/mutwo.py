@@ -150,9 +150,8 @@ def greedy(candidates: list[Candidate], fits: Callable[[list], tuple[bool, int |
 def candidate_records(index: GraphIndex, node_seconds: dict[str, float]) -> list[Candidate]:
     """Every activation that may be recomputed, with its sources and time when only it is dropped."""
     out: list[Candidate] = []
-    for t in index.analysis.activations():
-        if index.candidate_problem(t.id) is not None:
-            continue
+    tensors = index.analysis.tensors
+    for t in (tensors[s] for s in index.candidates()):
         dropped = frozenset([t.id])
         ops = index.closure(index.backward_readers(t.id), dropped, set())
         op_set = set(ops)
