@@ -162,9 +162,9 @@ def run_profile(
 
 
 def configure_profile(p: argparse.ArgumentParser) -> None:
-    from remat.models import MODEL_NAMES, OPTIMIZER_NAMES
+    from remat.models import OPTIMIZER_NAMES
 
-    p.add_argument("--model", required=True, metavar="NAME", help=f"one of: {', '.join(MODEL_NAMES)}")
+    p.add_argument("--model", required=True, metavar="NAME", help=MODEL_HELP)
     p.add_argument("--batch-size", type=int, required=True, metavar="B")
     p.add_argument("--optimizer", default="sgd", metavar="NAME", help=f"one of: {', '.join(OPTIMIZER_NAMES)} (default: sgd)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")

@@ -36,9 +36,10 @@ def _fractions(text: str) -> list[float | str]:
 
 def configure_bench(p: argparse.ArgumentParser) -> None:
     from remat.baselines import BASELINES
-    from remat.models import MODEL_NAMES, OPTIMIZER_NAMES
+    from remat.cli import MODEL_HELP
+    from remat.models import OPTIMIZER_NAMES
 
-    p.add_argument("--model", metavar="NAME", help=f"one of: {', '.join(MODEL_NAMES)}")
+    p.add_argument("--model", metavar="NAME", help=MODEL_HELP)
     p.add_argument("--batch-sizes", default="2,4,8", metavar="B,B,...", help="batch sizes to sweep (default: 2,4,8)")
     p.add_argument("--budgets", default="0.5", metavar="X,X,...", help="remat budgets: fractions of the activation peak, min (the smallest peak the planner reaches), or =BASELINE (that baseline's measured peak at the same batch size, already in the results: --resume) (default: 0.5)")
     p.add_argument(
@@ -63,18 +64,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from remat.baselines import BASELINES
     from remat.bench import bench, replot
     from remat.cli import UsageError, _check_device, _positive
-    from remat.models import MODEL_NAMES, OPTIMIZER_NAMES
     from remat.report import console_for
+    from remat.workloads import check_names
 
     if args.replot:
         files = replot(args.replot)
     else:
         if not args.model:
             raise UsageError("--model is required (or --replot DIR)")
-        if args.model not in MODEL_NAMES:
-            raise UsageError(f"unknown model {args.model!r}; available models: {', '.join(MODEL_NAMES)}")
-        if args.optimizer not in OPTIMIZER_NAMES:
-            raise UsageError(f"unknown optimizer {args.optimizer!r}; available optimizers: {', '.join(OPTIMIZER_NAMES)}")
+        check_names(args.model, args.optimizer)
         _positive(args.pairs, "--pairs")
         _check_device(args.device)
         baselines = [] if args.baselines.strip().lower() in ("", "none") else [b.strip() for b in args.baselines.split(",") if b.strip()]
@@ -108,9 +106,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def configure_maxbatch(p: argparse.ArgumentParser) -> None:
-    from remat.models import MODEL_NAMES, OPTIMIZER_NAMES
+    from remat.cli import MODEL_HELP
+    from remat.models import OPTIMIZER_NAMES
 
-    p.add_argument("--model", required=True, metavar="NAME", help=f"one of: {', '.join(MODEL_NAMES)}")
+    p.add_argument("--model", required=True, metavar="NAME", help=MODEL_HELP)
     p.add_argument("--cap", required=True, metavar="SIZE", help='memory cap on the whole peak, e.g. "8GiB"')
     p.add_argument("--budget", type=float, default=None, metavar="X", help="plan remat at this fraction instead of at the cap itself")
     p.add_argument("--max-batch", type=int, default=256, metavar="N", help="largest batch size to try (default: 256)")
@@ -126,12 +125,9 @@ def configure_maxbatch(p: argparse.ArgumentParser) -> None:
 def cmd_maxbatch(args: argparse.Namespace) -> int:
     from remat.bench import maxbatch
     from remat.cli import UsageError, _check_device, _positive
-    from remat.models import MODEL_NAMES, OPTIMIZER_NAMES
+    from remat.workloads import check_names
 
-    if args.model not in MODEL_NAMES:
-        raise UsageError(f"unknown model {args.model!r}; available models: {', '.join(MODEL_NAMES)}")
-    if args.optimizer not in OPTIMIZER_NAMES:
-        raise UsageError(f"unknown optimizer {args.optimizer!r}; available optimizers: {', '.join(OPTIMIZER_NAMES)}")
+    check_names(args.model, args.optimizer)
     _positive(args.max_batch, "--max-batch")
     _positive(args.start, "--start")
     _check_device(args.device)

@@ -18,10 +18,11 @@ HELP = "plan every budget with every planner and plot overhead against peak memo
 
 
 def configure_frontier(p: argparse.ArgumentParser) -> None:
-    from remat.models import MODEL_NAMES, OPTIMIZER_NAMES
+    from remat.cli import MODEL_HELP
+    from remat.models import OPTIMIZER_NAMES
     from remat.planners import PLANNERS
 
-    p.add_argument("--model", required=True, metavar="NAME", help=f"one of: {', '.join(MODEL_NAMES)}")
+    p.add_argument("--model", required=True, metavar="NAME", help=MODEL_HELP)
     p.add_argument("--batch-size", type=int, required=True, metavar="B")
     p.add_argument("--planners", default="mutwo,chen,milp", metavar="LIST", help=f"comma list of: {', '.join(PLANNERS)} (default: mutwo,chen,milp)")
     p.add_argument(

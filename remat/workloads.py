@@ -42,14 +42,19 @@ def check_positive(value: int, what: str) -> int:
     return value
 
 
-def check_arguments(model: str, batch_size: int, optimizer: str, device: str) -> None:
-    """Refuse bad names and sizes in a blink, before a large model is built."""
+def check_names(model: str, optimizer: str) -> None:
+    """Refuse an unknown --model or --optimizer, naming what there is."""
     try:
         check_name(model)
     except WorkloadError as e:
         raise UsageError(str(e)) from None
     if optimizer not in OPTIMIZER_NAMES:
         raise UsageError(f"unknown optimizer {optimizer!r}; available optimizers: {', '.join(OPTIMIZER_NAMES)}")
+
+
+def check_arguments(model: str, batch_size: int, optimizer: str, device: str) -> None:
+    """Refuse bad names and sizes in a blink, before a large model is built."""
+    check_names(model, optimizer)
     check_positive(batch_size, "batch size")
     check_device(device)
 
