@@ -198,6 +198,7 @@ class _Live:
     step: Callable[[], Any]
     record: dict[str, Any]
     times: list[float]
+    model: Any = None  # its own copy of the model: its gradients are dropped before the peak is measured
 
 
 def _sync(device: str) -> None:
@@ -330,7 +331,7 @@ def run_batch(
     from remat import pipeline
     from remat.baselines import make_baseline
     from remat.check import twin
-    from remat.memory import measure_peak
+    from remat.memory import measure_peak, measure_step_peak
     from remat.simulator import simulate
     from remat.workloads import load
 
@@ -366,7 +367,7 @@ def run_batch(
     results.write()
 
     eager_model, eager_opt = twin(spec.model, opt)
-    eager = _Live(Method("eager"), plain_step(eager_model, eager_opt), dict(base, method="eager", kind="eager", budget=None, status="running"), [])
+    eager = _Live(Method("eager"), plain_step(eager_model, eager_opt), dict(base, method="eager", kind="eager", budget=None, status="running"), [], eager_model)
     eager.record["predicted_peak_bytes"] = eager_predicted
     live: list[_Live] = []
     for m in todo:
@@ -412,7 +413,7 @@ def run_batch(
                 fn = (lambda s, a, o: lambda: s(a, o, spec.batch))(bstep, mm, mo)
             fn()  # first step: compiles (torch.compile) / measures (remat); state (momentum) now exists
             rec["setup_seconds"] = time.perf_counter() - t0
-            live.append(_Live(m, fn, rec, []))
+            live.append(_Live(m, fn, rec, [], mm))
         except Exception as e:  # noqa: BLE001 - a failed run is a result
             rec.update(status=_status_of(e), reason=_reason(e), setup_seconds=time.perf_counter() - t0)
             say(f"b={batch_size} {m.name}: {rec['status']}: {rec['reason']}")
@@ -433,7 +434,8 @@ def run_batch(
         if x.record["status"] == "failed":
             continue
         try:
-            measured = measure_peak(x.step, device)
+            # A step that clears the last gradients first frees them inside the run (see measure_step_peak).
+            measured = measure_step_peak(x.step, device, x.model) if x.model is not None else measure_peak(x.step, device)
         except Exception as e:  # noqa: BLE001
             x.record.update(status="failed", reason=_reason(e))
             continue

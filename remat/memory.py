@@ -79,9 +79,10 @@ def cpu_memory_events(prof: profile) -> list[tuple[int, int]]:
 
 def measure_step_peak(fn: Callable[[], Any], device: str | torch.device, model: torch.nn.Module) -> Measured:
     """`measure_peak` of a training step of `model` that starts by dropping the previous
-    gradients: they are dropped first. Freed inside the run, they would be subtracted on
-    CUDA but not on the CPU (the profiler never saw them allocated and cannot size their
-    free), and either way the peak would not be what the step itself allocates."""
+    gradients: they are dropped first. Freed inside the run, they would be subtracted from
+    what the run allocates (both allocators report the free), and the peak would read low
+    by up to their size: not what the step itself allocates (seen in `remat bench` with a
+    step that calls zero_grad() first)."""
     for p in model.parameters():
         p.grad = None
     return measure_peak(fn, device)
