@@ -6,7 +6,7 @@ The same samples train the same update either way: one batch of B, or k micro-ba
 B/k, each with its own backward(), then one optimizer step. Each is run in eager PyTorch
 and under remat at the budget. Peaks are the allocator's (persistent state included),
 beside the simulator's prediction; times are medians of round-robin rounds in this one
-process, as ratios to eager with one batch of B. Writes accumulation.json and
+process, as ratios to the first configuration (eager with one batch of B). Writes accumulation.json and
 accumulation.md to --out.
 """
 
@@ -56,18 +56,20 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--micro", type=int, default=4, help="micro-batches per step")
     p.add_argument("--budget", type=float, default=0.5)
+    p.add_argument("--configs", default=None, metavar="K:BUDGET,...",
+                   help="micro-batches:budget pairs to run, budget 'none' for eager (default: 1:none,K:none,1:B,K:B); the first is the reference")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default="runs/accumulation")
     args = p.parse_args()
     spec = build_model(args.model, args.batch_size)
     opt = torch.optim.SGD(spec.model.parameters(), lr=0.01, momentum=0.9)
     k, b = args.micro, args.batch_size
-    configs = [
-        (f"eager, 1 × {b}", 1, None),
-        (f"eager, {k} × {b // k}", k, None),
-        (f"remat@{args.budget:g}, 1 × {b}", 1, args.budget),
-        (f"remat@{args.budget:g}, {k} × {b // k}", k, args.budget),
-    ]
+    pairs = args.configs or f"1:none,{k}:none,1:{args.budget:g},{k}:{args.budget:g}"
+    configs = []
+    for item in pairs.split(","):
+        micro, budget_text = item.split(":")
+        budget = None if budget_text == "none" else float(budget_text)
+        configs.append((f"{'eager' if budget is None else f'remat@{budget:g}'}, {micro} × {b // int(micro)}", int(micro), budget))
     runs: list[dict[str, Any]] = []
     for name, micro, budget in configs:
         model, o = twin(spec.model, opt)
@@ -112,7 +114,8 @@ def main() -> int:
     meta = {"model": args.model, "batch_size": b, "micro": k, "budget": args.budget, "rounds": args.rounds,
             "torch": torch.__version__, "threads": torch.get_num_threads(), "command": " ".join(sys.argv)}
     (out / "accumulation.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1) + "\n")
-    lines = ["| method | peak MiB (measured) | predicted | peak / eager 1×B | time / eager 1×B (median, min–max) |", "|---|---:|---:|---:|---:|"]
+    ref = runs[0]["method"]
+    lines = [f"| method | peak MiB (measured) | predicted | peak / {ref} | time / {ref} (median, min–max) |", "|---|---:|---:|---:|---:|"]
     for rec in runs:
         pred = f"{rec['predicted_peak_bytes'] / MiB:,.1f}" if "predicted_peak_bytes" in rec else "–"
         lines.append(f"| {rec['method']}{' (' + rec['note'] + ')' if rec.get('note') else ''} | {rec['peak_bytes'] / MiB:,.1f} | {pred} | {rec['peak_bytes'] / eager_peak:.2f} | "
