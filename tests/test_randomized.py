@@ -288,7 +288,7 @@ def test_an_op_whose_real_strides_differ_from_the_trace_is_refused(monkeypatch: 
     names it, not "view size is not compatible" from deep in the step."""
     import sys
 
-    monkeypatch.setattr(sys.modules["remat.capture"], "_cpu_output_strides", lambda func, args: None)
+    monkeypatch.setattr(sys.modules["remat.cpu_strides"], "_cpu_output_strides", lambda func, args: None)
     monkeypatch.setattr(sys.modules["remat.profiler"], "CORRECTED_STRIDES", frozenset())
     model, opt, batch = build(MSE_ON_TRANSPOSE)
     with pytest.raises(CaptureError, match="does not match the real kernels: aten.mse_loss_backward"):
