@@ -1139,8 +1139,10 @@ def demo(
     table = Table(title=f"{model}: eager vs remat vs HF checkpointing", title_justify="left")
     for h in ["batch", "method", "peak MiB", "predicted MiB", "time / eager"]:
         table.add_column(h, justify="right" if h != "method" else "left")
+    col = {h: i for i, h in enumerate(RESULTS_HEADER)}  # by name: the table gains columns (reserved peak on CUDA)
     for row in results_rows(doc):
-        table.add_row(str(row[0]), row[1], row[3], row[4], row[8] if row[2] == "ok" else f"{row[2]}: {row[10][:60]}")
+        time_or_reason = row[col["time / eager (median, min–max)"]] if row[col["status"]] == "ok" else f"{row[col['status']]}: {row[col['note']][:60]}"
+        table.add_row(str(row[col["batch"]]), row[col["method"]], row[col["peak MiB (measured)"]], row[col["peak MiB (predicted)"]], time_or_reason)
     console.print(table)
     console.print("[bold]bench outputs[/bold]")
     for k, p in files.items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -241,3 +242,14 @@ def test_cli_usage_errors(capsys):
     assert cli_main(["bench", "--model", "mlp", "--budgets", "2"]) == 2
     assert cli_main(["maxbatch", "--model", "mlp", "--cap", "0.5"]) == 2
     assert "absolute size" in capsys.readouterr().err
+
+
+def test_demo_table_shows_time_ratios(tmp_path, capsys):
+    from remat.bench import demo
+
+    demo(tmp_path, progress=False, model="bert-tiny", batch_sizes=(16,), budgets=(0.9,))
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if "remat@0.9" in line or "│ hf" in line]
+    assert len(rows) == 2, out
+    for line in rows:  # the ratio with its range, e.g. "1.032 (0.98–1.10)", not milliseconds
+        assert re.search(r"\d\.\d{3} \(\d\.\d\d–\d\.\d\d\)", line), line
