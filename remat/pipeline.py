@@ -35,17 +35,10 @@ def build(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     batch: Any,
-    *,
-    runs: int = 3,
-    device: str | torch.device | None = None,
-    progress: bool = False,
-    profile_cache: dict[str, Profile] | None = None,
-    saved_profile: Profile | None = None,
+    **options: Any,
 ) -> Pipeline:
-    """Capture `train_step` and build the rest on the graph (see `build_on`)."""
-    tg = capture(train_step, model, optimizer, batch)
-    return build_on(tg, model, optimizer, batch, runs=runs, device=device, progress=progress,
-                    profile_cache=profile_cache, saved_profile=saved_profile)
+    """Capture `train_step` and build the rest on the graph (`build_on`, which takes the options)."""
+    return build_on(capture(train_step, model, optimizer, batch), model, optimizer, batch, **options)
 
 
 def build_on(
