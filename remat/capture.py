@@ -267,7 +267,7 @@ def capture(
     state_keys = [(n, list(st)) for n, st in states.items()]
     grad_order: list[str] = []  # filled while tracing: names of the grads the "grads" marker holds
     final_grads: list[str] = []
-    output_spec: list[Any] = []
+    seen: dict[str, Any] = {}  # what the last trace saw: the return value's structure, backward() calls
     probe = {"preset_grads": False}  # see _check_no_accumulation
     # Floats the update branches on (`if weight_decay != 0`) keep their zero-ness from the
     # capture; the others are free symbols. `symbols` names a float a trace tripped on.
@@ -321,7 +321,7 @@ def capture(
             raise CaptureError("train_step never called loss.backward(): remat captures a whole training step")
         grads = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]
         final_grads[:] = [n for n, _ in grads]
-        output_spec[:] = [out_spec, calls["backward"]]
+        seen.update(output_spec=out_spec, backward_passes=calls["backward"])
         return outputs, [g for _, g in grads]
 
     def trace() -> torch.fx.GraphModule:
@@ -363,7 +363,7 @@ def capture(
         check_first_step_state(optimizer, had_state, {id(params[n]) for n in grad_order})
         groups = hyperparams.group_specs(optimizer, real_to_name, zero_facts)
     tg = _finish(gm, inputs, grad_order, final_grads, str(spec), optimizer is not None, device)
-    tg.output_spec, tg.backward_passes = output_spec
+    tg.output_spec, tg.backward_passes = seen["output_spec"], seen["backward_passes"]
     tg.trainable = trainable
     tg.training = tuple(m.training for m in model.modules())
     tg.leaves_zero_grads = leaves_zero_grads
