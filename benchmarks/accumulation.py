@@ -26,10 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import remat  # noqa: E402
-from remat.check import twin  # noqa: E402
+from remat.measurement.check import twin  # noqa: E402
 from remat.errors import BudgetError  # noqa: E402
-from remat.bench import persistent_bytes  # noqa: E402
-from remat.memory import measure_step_peak  # noqa: E402
+from remat.measurement.bench import persistent_bytes  # noqa: E402
+from remat.measurement.memory import measure_step_peak  # noqa: E402
 from remat.models import build_model  # noqa: E402
 
 MiB = 2**20

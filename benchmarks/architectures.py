@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 import remat  # noqa: E402
 from remat.budget import format_bytes  # noqa: E402
-from remat.check import check_against_eager, time_alternating, twin  # noqa: E402
+from remat.measurement.check import check_against_eager, time_alternating, twin  # noqa: E402
 from remat.errors import BudgetError, RematError  # noqa: E402
 from remat.models import hf_loss, make_train_step  # noqa: E402
 

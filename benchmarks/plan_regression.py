@@ -22,12 +22,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from remat import pipeline  # noqa: E402
-from remat.capture import capture  # noqa: E402
+from remat.pipeline import build as pipeline  # noqa: E402
+from remat.pipeline.capture import capture  # noqa: E402
 from remat.errors import RematError  # noqa: E402
 from remat.planners import make_plan  # noqa: E402
-from remat.profiler import Profile  # noqa: E402
-from remat.simulator import simulate  # noqa: E402
+from remat.pipeline.profiler import Profile  # noqa: E402
+from remat.pipeline.simulator import simulate  # noqa: E402
 from remat.workloads import load  # noqa: E402
 
 MODELS = [("mlp-deep", 512), ("bert-tiny", 16), ("resnet-tiny", 16)]

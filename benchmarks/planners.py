@@ -30,9 +30,9 @@ COLUMNS = [
 
 
 def _graph(model: str, batch: int, optimizer: str, profiles: Path, runs: int):
-    from remat import pipeline
-    from remat.capture import capture
-    from remat.profiler import Profile
+    from remat.pipeline import build as pipeline
+    from remat.pipeline.capture import capture
+    from remat.pipeline.profiler import Profile
     from remat.workloads import load
 
     spec = load(model, batch, optimizer)
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from remat.budget import format_bytes, parse_budget
     from remat.errors import BudgetError
-    from remat.plan import evaluate
+    from remat.planners.evaluate import evaluate
     from remat.planners import make_plan
 
     out = Path(args.out)

@@ -9,7 +9,7 @@ set -u
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
 PY=.venv/bin/python
-R="$PY -m remat.cli_bench"   # `remat bench` / `remat maxbatch` once wired into remat/cli.py
+R="$PY -m remat.cli"
 BERT="--model bert --budgets 0.5,0.3,min --baselines hf,sequential --pairs 3 --out docs/bench/bert --resume"
 RESNET="--model resnet152 --budgets 0.5,0.3,min --baselines hf,sequential --pairs 3 --out docs/bench/resnet152 --resume"
 # After batch 2: no "min" for ResNet-152 (its plan there ran 40x slower than eager; see RESULTS.md)

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import remat  # noqa: E402
-from remat.check import check_against_eager, twin  # noqa: E402
+from remat.measurement.check import check_against_eager, twin  # noqa: E402
 from remat.errors import BudgetError, RematError  # noqa: E402
 from remat.models import build_model  # noqa: E402
 

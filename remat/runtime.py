@@ -15,9 +15,9 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from remat import pipeline
+from remat.pipeline import build as pipeline
 from remat.budget import parse_budget
-from remat.capture import (
+from remat.pipeline.capture import (
     InputKind,
     TrainGraph,
     TrainStep,
@@ -26,13 +26,12 @@ from remat.capture import (
     run_captured,
 )
 from remat.errors import CaptureError, RematError
-from remat.memory import measure_step_peak
-from remat.plan import Plan
+from remat.measurement.memory import measure_step_peak
+from remat.planners.plan import Plan
 from remat.planners import make_plan
-from remat.profiler import Profile
-from remat.rewriter import rewrite
-from remat.schedule import simulate_schedule
-from remat.simulator import simulate
+from remat.pipeline.profiler import Profile
+from remat.pipeline.rewriter import rewrite
+from remat.pipeline.simulator import simulate, simulate_schedule
 
 
 @dataclass
@@ -97,7 +96,7 @@ class RematStep:
     profile_runs: int = 3
     measure: bool = True  # measure the allocator's peak on the first step of each shape
     progress: bool = False
-    profile_cache: dict[str, Profile] | None = None  # graph fingerprint -> profile, shared with other steps (see remat.pipeline)
+    profile_cache: dict[str, Profile] | None = None  # graph fingerprint -> profile, shared with other steps (see remat.pipeline.build)
     _graphs: dict[Any, CompiledGraph] = field(default_factory=dict)
     _structure: str | None = None
     _last: CompiledGraph | None = None

@@ -27,13 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
-import remat.pipeline
+import remat.pipeline.build as pipeline_build
 import remat.runtime
-from remat.analysis import analyze
-from remat.capture import Phase
-from remat.check import check_against_eager, twin
+from remat.pipeline.analysis import analyze
+from remat.pipeline.capture import Phase
+from remat.measurement.check import check_against_eager, twin
 from remat.errors import BudgetError, CaptureError
-from remat.simulator import simulate
+from remat.pipeline.simulator import simulate
 
 try:  # the strategy needs hypothesis (the `test` extra); the rest of the module does not
     from hypothesis import strategies as st
@@ -647,9 +647,9 @@ def reuse_profiles() -> Iterator[dict[str, Any]]:
     not be reproducible. (Reusing the capture only saves time: nothing between the two
     compiles changes the model.) Yields {"profiles": by graph fingerprint, "captures": ...}.
     """
-    from remat.profiler import graph_fingerprint
+    from remat.pipeline.profiler import graph_fingerprint
 
-    real_profile, real_capture = remat.pipeline.profile, remat.pipeline.capture
+    real_profile, real_capture = pipeline_build.profile, pipeline_build.capture
     profiles: dict[str, Any] = {}
     captures: dict[tuple[int, int], Any] = {}
 
@@ -665,11 +665,11 @@ def reuse_profiles() -> Iterator[dict[str, Any]]:
             captures[key] = real_capture(train_step, model, optimizer, batch)
         return captures[key]
 
-    remat.pipeline.profile, remat.pipeline.capture = profile, capture
+    pipeline_build.profile, pipeline_build.capture = profile, capture
     try:
         yield {"profiles": profiles, "captures": captures}
     finally:
-        remat.pipeline.profile, remat.pipeline.capture = real_profile, real_capture
+        pipeline_build.profile, pipeline_build.capture = real_profile, real_capture
 
 
 def rewritten_phases(tg: remat.TrainGraph, gm: torch.fx.GraphModule) -> dict[str, Phase]:
@@ -685,7 +685,7 @@ def rewritten_phases(tg: remat.TrainGraph, gm: torch.fx.GraphModule) -> dict[str
 def _refused_by_the_bound(tg: remat.TrainGraph, prof: Any, budget: int) -> bool:
     """Whether μ-TWO's greedy fits `budget` when it simulates every pick (no lower bound)."""
     from remat.planners.mutwo import plan_mutwo
-    from remat.schedule import GraphIndex
+    from remat.pipeline.schedule import GraphIndex
 
     index = GraphIndex.build(tg, analyze(tg))
     index.scratch = prof.scratch_by_node()

@@ -8,10 +8,10 @@ import re
 import pytest
 import torch
 
-from remat.baselines import NotSupported, block_sequence, make_baseline, sqrt_segments
-from remat.bench import _search, bench, load_results, maxbatch, replot
-from remat.check import compare_state, twin
-from remat.cli_bench import main as cli_main
+from remat.measurement.baselines import NotSupported, block_sequence, make_baseline, sqrt_segments
+from remat.measurement.bench import _search, bench, load_results, maxbatch, replot
+from remat.measurement.check import compare_state, twin
+from remat.cli import main as cli_main
 from remat.models import build_model, make_optimizer, make_train_step
 
 
@@ -61,7 +61,7 @@ def test_block_sequences():
 
 
 def test_sequential_checkpointing_saves_memory_on_mlp_deep():
-    from remat.memory import measure_peak
+    from remat.measurement.memory import measure_peak
 
     spec = build_model("mlp-deep", 512)
     opt = make_optimizer("sgd", spec.model.parameters())
@@ -129,7 +129,7 @@ def test_bench_records_every_run_resumes_and_replots(tmp_path, monkeypatch):
 
 
 def test_interrupted_bench_keeps_finished_runs_and_resumes(tmp_path, monkeypatch):
-    import remat.bench as bench_mod
+    import remat.measurement.bench as bench_mod
     import remat.models
 
     real_rounds = bench_mod.time_round_robin
@@ -174,11 +174,11 @@ def test_interrupted_bench_keeps_finished_runs_and_resumes(tmp_path, monkeypatch
 
 def test_bench_out_of_memory_in_one_configuration(tmp_path, monkeypatch):
     import remat
-    import remat.baselines
+    import remat.measurement.baselines
     import remat.workloads
 
     oom = "CUDA out of memory. Tried to allocate 4.00 GiB (GPU 0; 79.10 GiB total capacity)"
-    real_compile, real_baseline, real_build = remat.compile, remat.baselines.make_baseline, remat.workloads.build_model
+    real_compile, real_baseline, real_build = remat.compile, remat.measurement.baselines.make_baseline, remat.workloads.build_model
 
     def compile_oom(*args, memory_budget=None, **kwargs):  # out of memory while it is set up
         if memory_budget == 0.5:
@@ -203,7 +203,7 @@ def test_bench_out_of_memory_in_one_configuration(tmp_path, monkeypatch):
         return real_build(name, batch_size, **kwargs)
 
     monkeypatch.setattr(remat, "compile", compile_oom)
-    monkeypatch.setattr(remat.baselines, "make_baseline", baseline_oom_later)
+    monkeypatch.setattr(remat.measurement.baselines, "make_baseline", baseline_oom_later)
     monkeypatch.setattr(remat.workloads, "build_model", build_oom)
     out = tmp_path / "bench"
     bench("mlp-deep", [4096, 512], [0.5, 0.9], ["sequential"], out, pairs=1, progress=False)
@@ -218,9 +218,9 @@ def test_bench_out_of_memory_in_one_configuration(tmp_path, monkeypatch):
 
 
 def test_maxbatch_remat_fits_a_larger_batch(tmp_path):
-    from remat.analysis import analyze
-    from remat.capture import capture
-    from remat.simulator import simulate
+    from remat.pipeline.analysis import analyze
+    from remat.pipeline.capture import capture
+    from remat.pipeline.simulator import simulate
 
     spec = build_model("mlp-deep", 256)
     tg = capture(make_train_step(spec.loss_fn), spec.model, make_optimizer("sgd", spec.model.parameters()), spec.batch)
@@ -245,7 +245,7 @@ def test_cli_usage_errors(capsys):
 
 
 def test_demo_table_shows_time_ratios(tmp_path, capsys):
-    from remat.bench import demo
+    from remat.measurement.bench import demo
 
     demo(tmp_path, progress=False, model="bert-tiny", batch_sizes=(16,), budgets=(0.9,))
     out = capsys.readouterr().out

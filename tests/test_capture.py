@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remat.analysis import Role, analyze
-from remat.capture import Phase, capture, flat_inputs, run_captured
-from remat.check import check_against_eager, twin
+from remat.pipeline.analysis import Role, analyze
+from remat.pipeline.capture import Phase, capture, flat_inputs, run_captured
+from remat.measurement.check import check_against_eager, twin
 from remat.errors import CaptureError
 from remat.models import build_model, make_optimizer, make_train_step
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from remat.errors import PlanError
-from remat.plan import Plan
-from remat.profiler import Profile
+from remat.planners.plan import Plan
+from remat.pipeline.profiler import Profile
 
 KINDS = ("plan", "profile")
 MODEL, BATCH = "mlp-deep", 512
@@ -38,9 +38,9 @@ class _Hostile:
 
 
 def _graph(model: str, batch_size: int):
-    from remat.analysis import analyze
-    from remat.cli import build_and_capture
-    from remat.schedule import GraphIndex
+    from remat.pipeline.analysis import analyze
+    from remat.cli.common import build_and_capture
+    from remat.pipeline.schedule import GraphIndex
 
     _, _, tg, _ = build_and_capture(model, batch_size, "sgd", "cpu", 0)
     return tg, GraphIndex.build(tg, analyze(tg))
@@ -49,7 +49,7 @@ def _graph(model: str, batch_size: int):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """plan.json and profile.json as `remat plan` writes them, and the graph they belong to."""
-    from remat.cli_plan import plan_command
+    from remat.cli.plan import plan_command
 
     out = tmp_path_factory.mktemp("saved")
     result = plan_command(MODEL, BATCH, "0.85", out_dir=out, runs=1, progress=False)
@@ -67,7 +67,7 @@ def _use(kind: str, path: Path, saved, tg=None, index=None, model=MODEL, batch_s
     if kind == "plan":
         plan = Plan.from_json(path)
         return plan.dropped(index if index is not None else saved["index"])
-    from remat.profiler import load_profile_for
+    from remat.pipeline.profiler import load_profile_for
 
     return load_profile_for(path, tg if tg is not None else saved["tg"], model, batch_size, "sgd")
 
@@ -330,7 +330,7 @@ def test_plan_for_another_graph_is_refused(saved, tmp_path, other_graphs):
     fp = _doc(saved, "plan")["fingerprint"]
     # The same model at another batch size: the same tensor names, another fingerprint.
     tg, index = other_graphs["batch"]
-    from remat.profiler import graph_fingerprint
+    from remat.pipeline.profiler import graph_fingerprint
 
     other_fp = graph_fingerprint(tg)
     with pytest.raises(
@@ -366,7 +366,7 @@ def test_profile_for_another_graph_is_refused(saved, tmp_path, other_graphs):
         _use("profile", path, saved, tg=tg, model="mlp")
     # The file relabelled (or written without labels): the graph fingerprint refuses it,
     # naming both fingerprints.
-    from remat.profiler import graph_fingerprint
+    from remat.pipeline.profiler import graph_fingerprint
 
     tg, _ = other_graphs["batch"]
     doc = _doc(saved, "profile")
@@ -382,7 +382,7 @@ def test_profile_for_another_graph_is_refused(saved, tmp_path, other_graphs):
 
 def test_plan_command_refuses_a_broken_profile(saved, tmp_path):
     # End to end: `remat plan --profile` with a damaged profile stops before planning.
-    from remat.cli_plan import plan_command
+    from remat.cli.plan import plan_command
 
     text = saved["profile"].read_text()
     bad = tmp_path / "profile.json"

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from remat.errors import BudgetError, RematError
-from remat.frontier import markdown_table, parse_budgets, run_frontier
+from remat.measurement.frontier import markdown_table, parse_budgets, run_frontier
 
 
 def test_parse_budgets():
@@ -56,7 +56,7 @@ def test_frontier_plans_measures_and_records_failures(tmp_path):
 
 
 def test_cli_frontier_arguments(tmp_path, capsys):
-    from remat.cli_frontier import cmd_frontier, configure_frontier
+    from remat.cli.frontier import cmd_frontier, configure_frontier
 
     p = argparse.ArgumentParser()
     configure_frontier(p)
@@ -66,7 +66,7 @@ def test_cli_frontier_arguments(tmp_path, capsys):
     assert "chen overhead" in capsys.readouterr().out
     assert (tmp_path / "frontier.png").is_file()
     bad = p.parse_args(["--model", "mlp-deep", "--batch-size", "8", "--planners", "greedy"])
-    from remat.cli import UsageError
+    from remat.cli.common import UsageError
 
     with pytest.raises(UsageError, match="unknown planner 'greedy'"):
         cmd_frontier(bad)
@@ -78,7 +78,7 @@ def test_cli_frontier_arguments(tmp_path, capsys):
 def _counting(monkeypatch, fail=None):
     """Patch frontier.run_point to record the (budget, planner) it runs; `fail(n, budget,
     planner)` may raise instead of running the n-th one (1-based)."""
-    import remat.frontier as frontier_mod
+    import remat.measurement.frontier as frontier_mod
 
     real = frontier_mod.run_point
     ran: list[tuple[str, str]] = []
@@ -132,9 +132,9 @@ def test_interrupted_frontier_keeps_its_points_and_resumes(tmp_path, monkeypatch
 
 
 def test_frontier_resume_refuses_another_configuration(tmp_path):
-    from remat.cli import UsageError
+    from remat.cli.common import UsageError
     from remat.errors import PlanError
-    from remat.frontier import Frontier, Point, load_frontier, write_results
+    from remat.measurement.frontier import Frontier, Point, load_frontier, write_results
 
     out = tmp_path / "fr"
     fr = Frontier("mlp-deep", 512, "sgd", "cpu", ["mutwo"], ["0.5"], 1, 2, 1, 0.1,
@@ -161,7 +161,7 @@ def test_frontier_resume_refuses_another_configuration(tmp_path):
 
 
 def test_frontier_out_of_memory_in_one_configuration(tmp_path, monkeypatch):
-    import remat.frontier as frontier_mod
+    import remat.measurement.frontier as frontier_mod
     import remat.planners
 
     real_measure, real_plan = frontier_mod._measure, remat.planners.make_plan

@@ -11,16 +11,20 @@ import random
 import pytest
 from scipy.optimize import Bounds, milp
 
-from remat.analysis import analyze
-from remat.capture import capture, flat_inputs, run_captured
-from remat.check import check_against_eager, twin
+from remat.pipeline.graph_index import RebuildPolicy
+from remat.pipeline.analysis import analyze
+from remat.pipeline.capture import capture, flat_inputs, run_captured
+from remat.measurement.check import check_against_eager, twin
 from remat.errors import BudgetError, PlanError
 from remat.models import build_model, make_optimizer, make_train_step
-from remat.plan import Plan, evaluate
+from remat.planners.evaluate import evaluate
+from remat.planners.plan import Plan
 from remat.planners import PLANNERS, make_plan
 from remat.planners import milp as milp_planner
-from remat.rewriter import rewrite
-from remat.schedule import GraphIndex, simulate_schedule
+from remat.planners.milp import cut_loop as milp_solve
+from remat.pipeline.rewriter import rewrite
+from remat.pipeline.schedule import GraphIndex
+from remat.pipeline.simulator import simulate_schedule
 
 
 def _graph(model_name: str, batch_size: int):
@@ -39,13 +43,13 @@ def _times(index: GraphIndex, seed: int) -> dict[str, float]:
     return {n: 1e-4 * (1 + 9 * rng.random()) for n in index.order}
 
 
-def _brute_force(index, candidates, node_seconds, share_rebuilt=False):
+def _brute_force(index, candidates, node_seconds, policy=RebuildPolicy.PER_BLOCK):
     """(dropped, peak, overhead) of every legal dropped set of `candidates`."""
     out = []
     for k in range(len(candidates) + 1):
         for sub in itertools.combinations(candidates, k):
             try:
-                ev = evaluate(index, set(sub), node_seconds, share_rebuilt=share_rebuilt)
+                ev = evaluate(index, set(sub), node_seconds, policy)
             except PlanError:
                 continue
             out.append((frozenset(sub), ev.peak_bytes, ev.overhead_seconds))
@@ -77,13 +81,13 @@ CASES = [
 ]
 
 
-SCHEDULES = [False, True]  # share_rebuilt: per block, shared
+SCHEDULES = list(RebuildPolicy)
 
 
 @functools.lru_cache(maxsize=None)
 def _case(model_name, batch_size, k, seed):
     """The graph, the enumerated candidates, node times and every dropped set's truth under
-    each schedule ({share_rebuilt: [(dropped, peak, cost)]})."""
+    each schedule ({policy: [(dropped, peak, cost)]})."""
     spec, opt, step, tg, index, candidates = _graph(model_name, batch_size)
     rng = random.Random(seed)
     if k is not None and len(candidates) > k:
@@ -92,9 +96,9 @@ def _case(model_name, batch_size, k, seed):
     return index, candidates, ns, {share: _brute_force(index, candidates, ns, share) for share in SCHEDULES}
 
 
-@pytest.mark.parametrize("share_rebuilt", SCHEDULES)
+@pytest.mark.parametrize("policy", SCHEDULES)
 @pytest.mark.parametrize("model_name,batch_size,k,seed", CASES)
-def test_program_prices_every_dropped_set_as_the_schedule_does(model_name, batch_size, k, seed, share_rebuilt):
+def test_program_prices_every_dropped_set_as_the_schedule_does(model_name, batch_size, k, seed, policy):
     """Each schedule's program is a relaxation of that schedule: for every dropped set its
     cost (binaries fixed) is the true recompute_seconds (never above it), and its memory
     rows admit the set at its simulated peak. On mlp-deep and resnet-tiny some sets rebuild
@@ -103,16 +107,16 @@ def test_program_prices_every_dropped_set_as_the_schedule_does(model_name, batch
     its own last reader prices them above the schedule (a finding of the exact planner's first version), and this
     test fails."""
     index, candidates, ns, results = _case(model_name, batch_size, k, seed)
-    model = milp_planner.MilpModel.build(index, ns, candidates, share_rebuilt=share_rebuilt)
+    model = milp_planner.MilpModel.build(index, ns, candidates, policy=policy)
     above = []
-    for dropped, peak, cost in results[share_rebuilt]:
+    for dropped, peak, cost in results[policy]:
         got = _program_cost(model, dropped, peak)
         assert got is not None, f"the memory rows exclude a set at its own simulated peak {peak}: {sorted(dropped)}"
         if got > cost + 1e-12:
             above.append((sorted(dropped), got, cost))
         # Not only a bound: with d fixed, the rows leave only the schedule's copies.
         assert got == pytest.approx(cost, rel=1e-9, abs=1e-12), (sorted(dropped), got, cost)
-    assert not above, f"{len(above)} of {len(results[share_rebuilt])} sets priced above their true cost, e.g. {above[:3]}"
+    assert not above, f"{len(above)} of {len(results[policy])} sets priced above their true cost, e.g. {above[:3]}"
 
 
 def test_program_prices_storage_level_reuse():
@@ -136,7 +140,7 @@ def test_program_prices_storage_level_reuse():
 @pytest.mark.parametrize("model_name,batch_size,k,seed", CASES)
 def test_exact_planner_finds_the_brute_force_optimum(model_name, batch_size, k, seed):
     index, candidates, ns, results = _case(model_name, batch_size, k, seed)
-    per_block = results[False]
+    per_block = results[RebuildPolicy.PER_BLOCK]
     every = [(share, d, p, c) for share in SCHEDULES for d, p, c in results[share]]
     baseline_peak = per_block[0][1]
     lowest = min(p for _, _, p, _ in every)
@@ -166,7 +170,7 @@ def test_exact_planner_finds_the_brute_force_optimum(model_name, batch_size, k, 
         assert both.meta["milp_lower_bound"] <= both.predicted_overhead_seconds + 1e-12
         assert both.meta["milp_gap_seconds"] == pytest.approx(0.0, abs=1e-9)
         assert both.share_rebuilt == (both.meta["schedule"] == "shared")
-        ev = evaluate(index, both.dropped(index), ns, share_rebuilt=both.share_rebuilt)
+        ev = evaluate(index, both.dropped(index), ns, both.policy)
         assert ev.peak_bytes == both.predicted_peak_bytes
         assert ev.overhead_seconds == pytest.approx(both.predicted_overhead_seconds)
         if both.share_rebuilt:
@@ -225,18 +229,18 @@ def test_lazy_loop_cuts_solutions_the_schedule_rejects(monkeypatch):
     budget = sorted({p for p, _ in results.values() if p < base_peak})[0]
     optimum = min(c for p, c in results.values() if p <= budget)
     best_set = min((s for s, (p, c) in results.items() if p <= budget), key=lambda s: results[s][1])
-    real_evaluate = milp_planner.evaluate
+    real_evaluate = milp_solve.evaluate
     calls = []
 
-    def picky_evaluate(index_, dropped, node_seconds, share_rebuilt=False):
-        assert not share_rebuilt  # the per-block program checks its plans per block
+    def picky_evaluate(index_, dropped, node_seconds, policy=RebuildPolicy.PER_BLOCK):
+        assert policy is RebuildPolicy.PER_BLOCK  # the per-block program checks its plans per block
         ev = real_evaluate(index_, dropped, node_seconds)
         calls.append(frozenset(dropped))
         if frozenset(dropped) == best_set:  # pretend the optimum does not fit
             ev.timeline.during = ev.timeline.during + (budget + 1)
         return ev
 
-    monkeypatch.setattr(milp_planner, "evaluate", picky_evaluate)
+    monkeypatch.setattr(milp_solve, "evaluate", picky_evaluate)
     result = milp_planner.solve(milp_planner.MilpModel.build(index, ns, candidates), int(budget), time_limit=60)
     assert best_set in calls and result.over_budget >= 1 and result.iterations >= 2
     second = min(c for s, (p, c) in results.items() if p <= budget and s != best_set)
@@ -288,7 +292,7 @@ def test_shared_schedule_competes_on_a_chain(tmp_path):
     again = Plan.from_json(plan.to_json(tmp_path / "plan.json"))
     assert again.share_rebuilt and again.meta == plan.meta
     # The brute-force optimum over both schedules at this budget.
-    best = min(c for share in (False, True) for _, p, c in _brute_force(index, milp_planner_candidates(index), ns, share)
+    best = min(c for policy in RebuildPolicy for _, p, c in _brute_force(index, milp_planner_candidates(index), ns, policy)
                if p <= CHAIN_PERSISTENT + 13000)
     assert plan.predicted_overhead_seconds == pytest.approx(best)
     # Without the competition: the per-block optimum.

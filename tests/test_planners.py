@@ -1,6 +1,6 @@
 """Planners on graphs whose right answer is worked out by hand.
 
-Three tiny modules (a chain, a diamond, a residual block) are captured with remat.capture,
+Three tiny modules (a chain, a diamond, a residual block) are captured with remat.pipeline.capture,
 given synthetic node times (1 s per op unless said otherwise), and planned. Every expected
 number below is computed in the comments from the tensor sizes: with a batch of 64 rows,
 a float32 tensor of width w takes 256·w bytes (width 4: 1024, 8: 2048, 16: 4096).
@@ -17,15 +17,18 @@ import pytest
 import torch
 from torch import nn
 
-from remat.analysis import analyze
-from remat.capture import capture
+from remat.pipeline.graph_index import RebuildPolicy
+from remat.pipeline.analysis import analyze
+from remat.pipeline.capture import capture
 from remat.errors import BudgetError, PlanError
 from remat.models import make_train_step
-from remat.plan import Evaluator, PeakLowerBound, Plan, evaluate
+from remat.planners.bound import PeakLowerBound
+from remat.planners.evaluate import Evaluator, evaluate
+from remat.planners.plan import Plan
 from remat.planners import PLANNERS, make_plan
-from remat.planners.chen import legal_candidates, segment_drops
+from remat.planners.chen import segment_drops
 from remat.planners.mutwo import Candidate, candidate_records, greedy, plan_mutwo
-from remat.schedule import GraphIndex
+from remat.pipeline.schedule import GraphIndex
 
 # ---------------------------------------------------------------------- hand-built graphs
 
@@ -239,7 +242,7 @@ def test_mutwo_keeps_the_cheaper_rebuild_schedule(chain, residual):
     assert plan.meta["other_schedule"]["schedule"] == "per-block"
     assert plan.meta["other_schedule"]["predicted_overhead_seconds"] == pytest.approx(6.0)
     # The plan runs as it was simulated: its own schedule says the same.
-    assert evaluate(chain, plan.dropped(chain), ns, share_rebuilt=True).overhead_seconds == pytest.approx(4.0)
+    assert evaluate(chain, plan.dropped(chain), ns, RebuildPolicy.SHARED).overhead_seconds == pytest.approx(4.0)
     # Equal costs: per block (sin_1 and sin are each read by one block only).
     plan = make_plan("mutwo", chain, ns, CHAIN_PERSISTENT + 15000)
     assert not plan.share_rebuilt and plan.keys == ["sin_1", "sin"]
@@ -265,7 +268,7 @@ def test_chain_budget_below_reach_says_the_minimum(chain):
 
 def test_chain_chen(chain):
     ns = seconds(chain, mm=2.0, mm_1=4.0)
-    cands = legal_candidates(chain)
+    cands = chain.candidates()
     assert [chain.analysis.tensors[s].key for s in cands] == ["mm", "sin", "mm_1", "sin_1"]
     sizes = [2048, 2048, 4096, 4096]
     # Two segments of 6144 bytes each: [mm, sin, mm_1 | sin_1]; cumulative 2048, 4096, 8192,
@@ -350,18 +353,18 @@ def test_residual_by_hand(residual):
 
 @pytest.mark.parametrize("cls", [Chain, Diamond, Residual])
 @pytest.mark.parametrize("with_scratch", [False, True])
-@pytest.mark.parametrize("share_rebuilt", [False, True])
-def test_bound_below_every_simulated_peak(cls, with_scratch, share_rebuilt):
+@pytest.mark.parametrize("policy", list(RebuildPolicy))
+def test_bound_below_every_simulated_peak(cls, with_scratch, policy):
     index = build(cls)
     ns = seconds(index)
     if with_scratch:  # kernel scratch, as a profile measures it: some nodes hold extra bytes while they run
         rng = random.Random(1)
         index.scratch = {n: rng.choice([0, 0, 512, 5000]) for n in index.order}
-    bound = PeakLowerBound(index, evaluate(index, set(), ns).timeline, share_rebuilt=share_rebuilt)
-    cands = legal_candidates(index)
+    bound = PeakLowerBound(index, evaluate(index, set(), ns).timeline, policy)
+    cands = index.candidates()
     for r in range(len(cands) + 1):
         for dropped in itertools.combinations(cands, r):
-            assert bound(set(dropped)) <= evaluate(index, set(dropped), ns, share_rebuilt).peak_bytes
+            assert bound(set(dropped)) <= evaluate(index, set(dropped), ns, policy).peak_bytes
 
 
 @pytest.mark.parametrize("name", ["resnet-tiny", "bert-tiny"])
@@ -375,7 +378,7 @@ def test_bound_below_simulated_peak_on_models(name):
     rng = random.Random(0)
     index.scratch = {n: rng.choice([0, 0, 0, 1000, 100_000]) for n in index.order}
     bound = PeakLowerBound(index, evaluate(index, set(), ns).timeline)
-    cands = legal_candidates(index)
+    cands = index.candidates()
     sets = [set(rng.sample(cands, rng.randint(1, len(cands)))) for _ in range(12)]
     order = [r.id for r in candidate_records(index, ns)]
     sets += [set(order[:k]) for k in range(0, len(order), max(1, len(order) // 8))]
@@ -400,7 +403,7 @@ def _random_drop_sets(index: GraphIndex, rng: random.Random, count: int) -> list
     """Every non-empty subset of the candidates when there are few, else `count` drawn sets
     of several shapes: any subset, a run of neighbours, nearly all, a few, and prefixes of
     μ-TWO's ranking (what its greedy checks)."""
-    cands = legal_candidates(index)
+    cands = index.candidates()
     if len(cands) <= 8:
         return [frozenset(c) for k in range(1, len(cands) + 1) for c in itertools.combinations(cands, k)]
     ranking = [r.id for r in candidate_records(index, seconds(index))]
@@ -422,9 +425,9 @@ def _random_drop_sets(index: GraphIndex, rng: random.Random, count: int) -> list
     return sets
 
 
-@pytest.mark.parametrize("share_rebuilt", [False, True], ids=["per-block", "shared"])
+@pytest.mark.parametrize("policy", list(RebuildPolicy), ids=["per-block", "shared"])
 @pytest.mark.parametrize("name,batch", [("mlp-deep", 512), ("resnet-tiny", 4), ("bert-tiny", 2)])
-def test_bound_below_simulated_peak_under_both_schedules(name, batch, share_rebuilt):
+def test_bound_below_simulated_peak_under_both_schedules(name, batch, policy):
     """The bound an Evaluator uses is below the simulated peak of the schedule it simulates,
     with and without measured kernel scratch. Found on random drop sets: under the
     per-block schedule on resnet-tiny (batch 4) the bound counted a rebuild of a storage's
@@ -434,19 +437,20 @@ def test_bound_below_simulated_peak_under_both_schedules(name, batch, share_rebu
     10,765,312)."""
     import dataclasses
 
-    from remat.schedule import build_schedule, simulate_schedule
+    from remat.pipeline.schedule import build_schedule
+    from remat.pipeline.simulator import simulate_schedule
 
     base = _model_index(name, batch)
-    rng = random.Random(f"{name} {batch} {share_rebuilt}")
+    rng = random.Random(f"{name} {batch} {policy.shares}")
     for with_scratch in (False, True):
         scratch = {}
         if with_scratch:  # a few nodes hold scratch while they run, as a profile measures it
             scratch = {n: rng.choice([512, 65_536, 1 << 20, 8 << 20]) for n in rng.sample(base.order, len(base.order) // 8)}
         index = dataclasses.replace(base, scratch=scratch)
-        ev = Evaluator(index, seconds(index), 1 << 62, use_bound=False, share_rebuilt=share_rebuilt)
+        ev = Evaluator(index, seconds(index), 1 << 62, use_bound=False, policy=policy)
         for dropped in _random_drop_sets(index, rng, 60):
             bound = ev.bound(dropped)
-            peak = simulate_schedule(index, build_schedule(index, dropped, share_rebuilt)).peak_bytes
+            peak = simulate_schedule(index, build_schedule(index, dropped, policy)).peak_bytes
             assert bound <= peak, (
                 f"{name}: bound {bound} > simulated peak {peak} with {len(dropped)} dropped "
                 f"(scratch: {with_scratch}): {sorted(index.analysis.tensors[s].key for s in dropped)}"
@@ -456,9 +460,9 @@ def test_bound_below_simulated_peak_under_both_schedules(name, batch, share_rebu
 
 
 def test_evaluator_bounds_the_schedule_it_simulates(chain):
-    for share_rebuilt in (False, True):
-        ev = Evaluator(chain, seconds(chain), CHAIN_PERSISTENT + 1000, share_rebuilt=share_rebuilt)
-        assert ev.bound.share_rebuilt is share_rebuilt
+    for policy in RebuildPolicy:
+        ev = Evaluator(chain, seconds(chain), CHAIN_PERSISTENT + 1000, policy=policy)
+        assert ev.bound.policy is policy
 
 
 def test_evaluator_skips_only_what_cannot_fit(chain):
@@ -471,7 +475,7 @@ def test_evaluator_skips_only_what_cannot_fit(chain):
 
 
 def test_smallest_peak_gives_a_range_when_cut_short(chain):
-    from remat.plan import no_plan_error
+    from remat.planners.evaluate import no_plan_error
 
     ns = seconds(chain, mm=2.0, mm_1=4.0)
     ev = Evaluator(chain, ns, CHAIN_PERSISTENT + 1000)
@@ -570,7 +574,7 @@ def test_plan_from_another_graph_is_refused(chain, residual):
 
 
 def _plan_cli(argv):
-    from remat import cli_plan
+    from remat.cli import plan as cli_plan
 
     parser = argparse.ArgumentParser()
     cli_plan.add_parser(parser.add_subparsers(dest="command"))
@@ -581,7 +585,7 @@ def _plan_cli(argv):
 @pytest.fixture(scope="module")
 def mlp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("plan-bert-tiny")
-    from remat.cli_plan import plan_command
+    from remat.cli.plan import plan_command
 
     result = plan_command("bert-tiny", 4, "0.7", out_dir=out, runs=1, progress=False)
     return out, result
@@ -610,7 +614,7 @@ def test_cli_plan_refuses_profile_of_another_batch_size(mlp_run, tmp_path):
     with pytest.raises(PlanError, match="not of bert-tiny with batch size 2 \\(sgd\\): its batch size differs"):
         _plan_cli(["--model", "bert-tiny", "--batch-size", "2", "--budget", "0.7", "--profile", str(out / "profile.json"), "--out", str(tmp_path)])
     # A profile with no names: the graph fingerprint still tells.
-    from remat.profiler import Profile
+    from remat.pipeline.profiler import Profile
 
     prof = Profile.from_json(out / "profile.json")
     prof.model = prof.batch_size = prof.optimizer = None

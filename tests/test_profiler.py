@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from remat.analysis import ROLES, Role, analyze
-from remat.capture import capture
+from remat.pipeline.analysis import ROLES, Role, analyze
+from remat.pipeline.capture import capture
 from remat.errors import PlanError
 from remat.models import build_model, make_optimizer, make_train_step
-from remat.profiler import Profile, graph_fingerprint, profile
-from remat.report import (
+from remat.pipeline.profiler import Profile, graph_fingerprint, profile
+from remat.measurement.report import (
     breakdown_table,
     plot_memory_breakdown,
     summary_tables,
@@ -140,7 +140,7 @@ def test_profile_json_round_trip(profiled, tmp_path):
 
 
 def test_timeline_matches_simulator(profiled):
-    from remat.simulator import simulate
+    from remat.pipeline.simulator import simulate
 
     tl = simulate(analyze(profiled["tg"]))
     back = profiled["prof"].to_timeline()

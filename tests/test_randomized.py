@@ -22,9 +22,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import remat
-from remat.check import check_against_eager, twin
+from remat.pipeline.graph_index import RebuildPolicy
+from remat.measurement.check import check_against_eager, twin
 from remat.errors import BudgetError, CaptureError
-from remat.simulator import simulate
+from remat.pipeline.simulator import simulate
 from randomized_models import (
     HOSTILE,
     OP_KINDS,
@@ -219,7 +220,7 @@ def test_boolean_mask_indexing_is_refused_at_capture() -> None:
 
 
 def _profiled(model: nn.Module, loss_fn, batch):  # type: ignore[no-untyped-def]
-    from remat.profiler import profile
+    from remat.pipeline.profiler import profile
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
@@ -264,8 +265,10 @@ def test_peak_lower_bound_with_scratch_is_a_lower_bound() -> None:
     Dropping the softmax output, the schedule rebuilds it (with its scratch) once, for
     mse_loss_backward, and the later detach shares that copy; the bound used to count a
     second rebuild of the softmax, scratch included, where the detach's reader starts."""
-    from remat.plan import PeakLowerBound, evaluate
-    from remat.schedule import GraphIndex, build_schedule, simulate_schedule
+    from remat.pipeline.schedule import GraphIndex, build_schedule
+    from remat.pipeline.simulator import simulate_schedule
+    from remat.planners.bound import PeakLowerBound
+    from remat.planners.evaluate import evaluate
 
     torch.manual_seed(0)
     model = nn.Linear(16, 16)
@@ -278,8 +281,8 @@ def test_peak_lower_bound_with_scratch_is_a_lower_bound() -> None:
     bound = PeakLowerBound(index, evaluate(index, set(), {n: 0.0 for n in index.order}).timeline)
     simulated = simulate_schedule(index, build_schedule(index, {probs})).peak_bytes
     assert bound(frozenset({probs})) <= simulated
-    shared = PeakLowerBound(index, evaluate(index, set(), {n: 0.0 for n in index.order}).timeline, share_rebuilt=True)
-    assert shared(frozenset({probs})) <= simulate_schedule(index, build_schedule(index, {probs}, share_rebuilt=True)).peak_bytes
+    shared = PeakLowerBound(index, evaluate(index, set(), {n: 0.0 for n in index.order}).timeline, RebuildPolicy.SHARED)
+    assert shared(frozenset({probs})) <= simulate_schedule(index, build_schedule(index, {probs}, RebuildPolicy.SHARED)).peak_bytes
 
 
 def test_an_op_whose_real_strides_differ_from_the_trace_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -288,8 +291,8 @@ def test_an_op_whose_real_strides_differ_from_the_trace_is_refused(monkeypatch: 
     names it, not "view size is not compatible" from deep in the step."""
     import sys
 
-    monkeypatch.setattr(sys.modules["remat.cpu_strides"], "_cpu_output_strides", lambda func, args: None)
-    monkeypatch.setattr(sys.modules["remat.profiler"], "CORRECTED_STRIDES", frozenset())
+    monkeypatch.setattr(sys.modules["remat.pipeline.cpu_strides"], "_cpu_output_strides", lambda func, args: None)
+    monkeypatch.setattr(sys.modules["remat.pipeline.profiler"], "CORRECTED_STRIDES", frozenset())
     model, opt, batch = build(MSE_ON_TRANSPOSE)
     with pytest.raises(CaptureError, match="does not match the real kernels: aten.mse_loss_backward"):
         remat.compile(make_train_step(MSE_ON_TRANSPOSE), model, opt, batch, memory_budget=0.5, profile_runs=1)

@@ -8,15 +8,16 @@ import random
 import pytest
 import torch
 
-from remat.analysis import analyze
-from remat.capture import capture, flat_inputs, run_captured
-from remat.check import check_against_eager, twin
+from remat.pipeline.graph_index import RebuildPolicy
+from remat.pipeline.analysis import analyze
+from remat.pipeline.capture import capture, flat_inputs, run_captured
+from remat.measurement.check import check_against_eager, twin
 from remat.errors import PlanError
-from remat.memory import measure_peak
+from remat.measurement.memory import measure_peak
 from remat.models import build_model, make_optimizer, make_train_step
-from remat.rewriter import RECOMPUTED_SUFFIX, rewrite
-from remat.schedule import GraphIndex, build_schedule, simulate_schedule
-from remat.simulator import simulate
+from remat.pipeline.rewriter import RECOMPUTED_SUFFIX, rewrite
+from remat.pipeline.schedule import GraphIndex, build_schedule
+from remat.pipeline.simulator import simulate, simulate_schedule
 
 
 def _setup(model_name, batch_size, optimizer):
@@ -108,7 +109,7 @@ def test_shared_rebuilds_are_exact_and_bitwise_too(model_name):
     """Chen's policy: every rebuilt value later nodes read is held for them."""
     spec, opt, step, tg, analysis, index, candidates = _setup(model_name, 4, "sgd")
     dropped = set(candidates[::2] + candidates[1::3])
-    shared = build_schedule(index, dropped, share_rebuilt=True)
+    shared = build_schedule(index, dropped, RebuildPolicy.SHARED)
     alone = build_schedule(index, dropped)
     assert len(shared.copies) < len(alone.copies)  # chains are not rebuilt again
     rewritten = rewrite(index, shared)

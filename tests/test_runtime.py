@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import remat
-from remat.check import check_against_eager, twin
+from remat.measurement.check import check_against_eager, twin
 from remat.errors import BudgetError, CaptureError
 from remat.models import build_model, make_optimizer, make_train_step
 
@@ -110,7 +110,7 @@ def test_a_failing_step_leaves_parameters_buffers_and_optimizer_state_as_they_we
     finally:
         target.target = original
         gm.recompile()
-    from remat.check import compare_state
+    from remat.measurement.check import compare_state
 
     assert compare_state(before_model, before_opt, spec.model, opt) == []
     step(spec.batch)  # and the step still works afterwards

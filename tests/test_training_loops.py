@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import remat
-from remat.check import check_against_eager, twin
+from remat.measurement.check import check_against_eager, twin
 from remat.errors import CaptureError
 from remat.models import build_model, make_train_step
 

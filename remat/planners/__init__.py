@@ -11,8 +11,8 @@ import importlib
 from typing import Any
 
 from remat.errors import PlanError
-from remat.plan import Plan, check_node_seconds
-from remat.schedule import GraphIndex
+from remat.planners.plan import Plan, check_node_seconds
+from remat.pipeline.schedule import GraphIndex
 
 _MODULES: dict[str, str] = {
     "mutwo": "remat.planners.mutwo",

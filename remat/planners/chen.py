@@ -17,19 +17,15 @@ import time
 
 import numpy as np
 
-from remat.plan import Evaluation, Evaluator, Plan, assemble_plan, no_plan_error
-from remat.schedule import GraphIndex
+from remat.pipeline.schedule import GraphIndex, RebuildPolicy
+from remat.planners.evaluate import Evaluation, Evaluator, assemble_plan, no_plan_error
+from remat.planners.plan import Plan
 
 FULL_GRID_UP_TO = 48  # candidates; above that, a grid of segment counts
 # Fewer segments drop more and rebuild longer chains: memory falls and time grows as k
 # falls. Counts are tried from the most segments down; once this many fit, the cheapest
 # of them is kept (the next counts down only drop more and rebuild more).
 FITS_TO_COMPARE = 2
-
-
-def legal_candidates(index: GraphIndex) -> list[int]:
-    """Activations that may be recomputed, in forward (creation) order."""
-    return index.candidates()
 
 
 def segment_drops(candidates: list[int], sizes: list[int], k: int) -> set[int]:
@@ -65,12 +61,12 @@ def plan(index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, *
     """The planner interface (remat.planners.make_plan)."""
     t0 = time.perf_counter()
     # Chen's segments are recomputed once and held through their backward pass.
-    ev = Evaluator(index, node_seconds, budget_bytes, share_rebuilt=True)
+    ev = Evaluator(index, node_seconds, budget_bytes, policy=RebuildPolicy.SHARED)
     baseline = ev.baseline
     extra = dict(meta.pop("meta", None) or {})
     if baseline.peak_bytes <= budget_bytes:
         return assemble_plan("chen", index, node_seconds, budget_bytes, [], baseline, baseline.timeline, time.perf_counter() - t0, meta=extra, **meta)
-    candidates = legal_candidates(index)
+    candidates = index.candidates()  # in forward (creation) order
     tensors = index.analysis.tensors
     sizes = [tensors[s].nbytes for s in candidates]
     best: tuple[float, int, set[int], Evaluation] | None = None
@@ -95,4 +91,4 @@ def plan(index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, *
     picks = [s for s in candidates if s in dropped]  # forward order
     extra.update(ev.stats())
     extra.update({"segments": k, "candidates": len(candidates), "segment_counts_tried": len(seen)})
-    return assemble_plan("chen", index, node_seconds, budget_bytes, picks, evaluation, baseline.timeline, time.perf_counter() - t0, meta=extra, share_rebuilt=True, **meta)
+    return assemble_plan("chen", index, node_seconds, budget_bytes, picks, evaluation, baseline.timeline, time.perf_counter() - t0, meta=extra, policy=RebuildPolicy.SHARED, **meta)

@@ -20,9 +20,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
-from remat.errors import BudgetError, PlanError
-from remat.plan import REFINE_SECONDS, Evaluation, Evaluator, Plan, assemble_plan, no_plan_error
-from remat.schedule import GraphIndex
+from remat.errors import PlanError
+from remat.pipeline.schedule import GraphIndex, RebuildPolicy
+from remat.planners.compete import compete_schedules, other_schedule_meta
+from remat.planners.evaluate import REFINE_SECONDS, Evaluation, Evaluator, assemble_plan, no_plan_error
+from remat.planners.plan import Plan
 
 Id = Hashable
 
@@ -178,7 +180,7 @@ def plan_mutwo(
     budget_bytes: int,
     *,
     simulate_every_pick: bool = False,
-    share_rebuilt: bool = False,
+    policy: RebuildPolicy = RebuildPolicy.PER_BLOCK,
     give_up_above_seconds: float | None = None,
     patience: int | None = None,
     **meta,
@@ -189,7 +191,7 @@ def plan_mutwo(
     lower bound (plan.PeakLowerBound) already puts above the budget (their log entry has
     no peak): the stop is the first pick that fits, as if every prefix had been
     simulated. `simulate_every_pick` simulates them all anyway, for a complete log.
-    `share_rebuilt` is the schedule policy the picks are simulated (and later run) with
+    `policy` is the rebuild policy the picks are simulated (and later run) with
     (schedule.build_schedule). A BudgetError it raises carries the `Reach` as `.reach`.
 
     Two stops, for a run that only competes with a plan already found (see `plan`):
@@ -200,10 +202,10 @@ def plan_mutwo(
     Both are deterministic, so plans stay reproducible.
     """
     t0 = time.perf_counter()
-    ev = Evaluator(index, node_seconds, budget_bytes, use_bound=not simulate_every_pick, share_rebuilt=share_rebuilt)
+    ev = Evaluator(index, node_seconds, budget_bytes, use_bound=not simulate_every_pick, policy=policy)
     baseline = ev.baseline
     extra = dict(meta.pop("meta", None) or {})
-    extra["schedule"] = SCHEDULE_NAMES[share_rebuilt]
+    extra["schedule"] = policy.value
     if baseline.peak_bytes <= budget_bytes:
         plan = assemble_plan("mutwo", index, node_seconds, budget_bytes, [], baseline, baseline.timeline, time.perf_counter() - t0, meta=extra, **meta)
         return MutwoResult(plan, GreedyResult([], [], True), [])
@@ -246,13 +248,12 @@ def plan_mutwo(
         baseline.timeline,
         time.perf_counter() - t0,
         meta=extra,
-        share_rebuilt=share_rebuilt,
+        policy=policy,
         **meta,
     )
     return MutwoResult(plan, result, records)
 
 
-SCHEDULE_NAMES = {False: "per-block", True: "shared"}
 # Simulated prefixes in a row without a lower peak before the shared-schedule greedy
 # stops (on ResNet-152 its peak only rises after the first few hundred picks, and each
 # simulation of a large drop set takes a fraction of a second).
@@ -267,52 +268,27 @@ def plan(index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, *
     """The planner interface (remat.planners.make_plan).
 
     The greedy decides what to drop; how the dropped tensors are rebuilt is the
-    schedule's policy: once per backward block that reads them (the paper's cost model;
-    less memory held) or once for all their later readers (`share_rebuilt`, as in Chen's
-    segments; less time, more memory held). Neither is better everywhere: on long
-    chains at tight budgets sharing saves rebuilding a prefix many times, elsewhere its
-    held copies force more drops. The greedy runs per block first; when that plan
-    fits, it runs again under the shared schedule (which stops once it cannot win:
-    `plan_mutwo`'s stops), and the plan with the smaller predicted overhead is kept
-    (per-block on a tie); `meta["schedule"]` says which, and `meta["other_schedule"]`
-    what the other reached. What is reachable, and the error when nothing fits, are the
-    per-block run's.
+    schedule's policy (RebuildPolicy), and `compete_schedules` runs the greedy under
+    both: per block first, then, when that plan recomputes anything, shared, which stops
+    once it cannot win (`plan_mutwo`'s stops). `meta["schedule"]` says which policy the
+    plan is for, `meta["other_schedule"]` what the other reached. What is reachable, and
+    the error when nothing fits, are the per-block run's.
     """
     t0 = time.perf_counter()
-    results: dict[bool, MutwoResult] = {}
-    errors: dict[bool, BudgetError] = {}
     rest = {k: v for k, v in meta.items() if k != "meta"}
-    try:
-        results[False] = plan_mutwo(index, node_seconds, budget_bytes, meta=dict(meta.get("meta") or {}), **rest)
-    except BudgetError as e:
-        errors[False] = e
-    if errors:
-        # Only the per-block run decides what is reachable: an error's "smallest peak"
-        # must be a budget that then fits, and the shared run's early stops depend on
-        # the budget, so its reach would not be (found by tests/test_randomized.py).
-        raise errors[False]
-    if results[False].plan.recomputed:  # else the budget fits without recomputation
-        # The shared schedule only competes: it stops once it cannot beat the per-block plan.
-        try:
-            results[True] = plan_mutwo(
-                index, node_seconds, budget_bytes, share_rebuilt=True, give_up_above_seconds=results[False].plan.predicted_overhead_seconds,
-                patience=SHARED_PATIENCE, meta=dict(meta.get("meta") or {}), **rest,
-            )
-        except BudgetError as e:
-            errors[True] = e
-    # Shared only when it saves time beyond rounding (sums of the same node times in another order).
-    chosen = True if True in results and (False not in results or results[True].plan.predicted_overhead_seconds
-                                          < results[False].plan.predicted_overhead_seconds * (1 - 1e-9)) else False
-    plan = results[chosen].plan
-    other = not chosen
-    if other in results:
-        plan.meta["other_schedule"] = {
-            "schedule": SCHEDULE_NAMES[other],
-            "predicted_overhead_seconds": results[other].plan.predicted_overhead_seconds,
-            "predicted_peak_bytes": results[other].plan.predicted_peak_bytes,
-            "num_recomputed": results[other].plan.num_recomputed,
-        }
-    elif other in errors:
-        plan.meta["other_schedule"] = {"schedule": SCHEDULE_NAMES[other], "error": str(errors[other])}
+
+    def run(policy: RebuildPolicy, cutoff: float) -> MutwoResult:
+        stops = {} if policy is RebuildPolicy.PER_BLOCK else {"give_up_above_seconds": cutoff, "patience": SHARED_PATIENCE}
+        return plan_mutwo(index, node_seconds, budget_bytes, policy=policy, **stops, meta=dict(meta.get("meta") or {}), **rest)
+
+    competition = compete_schedules(run, lambda r: r.plan.predicted_overhead_seconds, compete=lambda r: bool(r.plan.recomputed))
+    plan = competition.winner.plan
+    other = other_schedule_meta(competition, lambda r: {
+        "predicted_overhead_seconds": r.plan.predicted_overhead_seconds,
+        "predicted_peak_bytes": r.plan.predicted_peak_bytes,
+        "num_recomputed": r.plan.num_recomputed,
+    })  # fmt: skip
+    if other is not None:
+        plan.meta["other_schedule"] = other
     plan.planning_seconds = time.perf_counter() - t0
     return plan

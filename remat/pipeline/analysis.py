@@ -18,7 +18,7 @@ import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from remat.capture import InputKind, Phase, TrainGraph
+from remat.pipeline.capture import InputKind, Phase, TrainGraph
 
 
 class Role(str, Enum):
@@ -324,6 +324,20 @@ def analyze(tg: TrainGraph, gm: torch.fx.GraphModule | None = None, phase: dict[
         node_storages=node_storages,
         new_storages=new_storages,
         uses=uses,
-        persistent_bytes=sum(t.nbytes for t in tensors if t.persistent),
+        persistent_bytes=sum(persistent_by_role(tensors).values()),
         phase_bounds=bounds,
     )
+
+
+def round_up(nbytes: int, granularity: int) -> int:
+    return -(-nbytes // granularity) * granularity if granularity > 1 else nbytes
+
+
+def persistent_by_role(tensors: list, granularity: int = 1) -> dict[str, int]:
+    """Bytes held before and after the step (parameters, buffers, optimizer state, inputs),
+    by role: the one definition of persistent bytes (the analysis, the simulations and the bound use it)."""
+    out: dict[str, int] = {}
+    for t in tensors:
+        if t.persistent:
+            out[t.role.value] = out.get(t.role.value, 0) + round_up(t.nbytes, granularity)
+    return out

@@ -30,13 +30,13 @@ import torch
 import torch.fx
 from torch.fx.node import map_arg
 
-from remat.analysis import ROLES, GraphAnalysis, Role, analyze
-from remat.capture import InputKind, Phase, TrainGraph, flat_inputs
-from remat.cpu_strides import CORRECTED_STRIDES
+from remat.pipeline.analysis import ROLES, GraphAnalysis, Role, analyze
+from remat.pipeline.capture import InputKind, Phase, TrainGraph, flat_inputs
+from remat.pipeline.cpu_strides import CORRECTED_STRIDES
 from remat.errors import CaptureError, PlanError, RematError
-from remat.memory import _quiet_stdio, cpu_memory_events, measure_peak, no_gc
+from remat.measurement.memory import _quiet_stdio, cpu_memory_events, measure_peak, no_gc
 from remat.serialize import check_fields, dump_document, load_document
-from remat.simulator import Timeline, simulate
+from remat.pipeline.simulator import Timeline, simulate
 
 PROFILE_FORMAT = "remat.profile"
 PROFILE_VERSION = 1

@@ -1,4 +1,4 @@
-"""`remat bench` and `remat maxbatch` (the sweep logic lives in remat/bench.py)."""
+"""`remat bench` and `remat maxbatch` (the sweep logic lives in remat/measurement/bench.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def _ints(text: str, what: str) -> list[int]:
-    from remat.cli import UsageError
+    from remat.cli.common import UsageError
 
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
@@ -21,7 +21,7 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def _fractions(text: str) -> list[float | str]:
-    from remat.cli import UsageError
+    from remat.cli.common import UsageError
 
     if text.strip().lower() in ("", "none"):
         return []
@@ -35,8 +35,8 @@ def _fractions(text: str) -> list[float | str]:
 
 
 def configure_bench(p: argparse.ArgumentParser) -> None:
-    from remat.baselines import BASELINES
-    from remat.cli import MODEL_HELP
+    from remat.measurement.baselines import BASELINES
+    from remat.cli.common import MODEL_HELP
     from remat.models import OPTIMIZER_NAMES
 
     p.add_argument("--model", metavar="NAME", help=MODEL_HELP)
@@ -61,10 +61,10 @@ def configure_bench(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from remat.baselines import BASELINES
-    from remat.bench import bench, replot
-    from remat.cli import UsageError, _check_device, _positive
-    from remat.report import console_for
+    from remat.measurement.baselines import BASELINES
+    from remat.measurement.bench import bench, replot
+    from remat.cli.common import UsageError, _check_device, _positive
+    from remat.measurement.report import console_for
     from remat.workloads import check_names
 
     if args.replot:
@@ -106,7 +106,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def configure_maxbatch(p: argparse.ArgumentParser) -> None:
-    from remat.cli import MODEL_HELP
+    from remat.cli.common import MODEL_HELP
     from remat.models import OPTIMIZER_NAMES
 
     p.add_argument("--model", required=True, metavar="NAME", help=MODEL_HELP)
@@ -123,8 +123,8 @@ def configure_maxbatch(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_maxbatch(args: argparse.Namespace) -> int:
-    from remat.bench import maxbatch
-    from remat.cli import UsageError, _check_device, _positive
+    from remat.measurement.bench import maxbatch
+    from remat.cli.common import UsageError, _check_device, _positive
     from remat.workloads import check_names
 
     check_names(args.model, args.optimizer)
@@ -152,34 +152,3 @@ def cmd_maxbatch(args: argparse.Namespace) -> int:
     else:
         print(result["summary"])
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Until cli.py lists them: `python -m remat.cli_bench bench|maxbatch ...`."""
-    from remat.cli import Command, _Parser, UsageError
-    from remat.errors import RematError
-
-    commands = [
-        Command("bench", "sweep batch sizes: eager, remat, baselines; plots and tables", configure_bench, cmd_bench),
-        Command("maxbatch", "largest batch under a memory cap, with and without remat", configure_maxbatch, cmd_maxbatch),
-    ]
-    parser = _Parser(prog="remat")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    sub.required = True
-    for c in commands:
-        p = sub.add_parser(c.name, help=c.help, description=c.help)
-        c.configure(p)
-        p.set_defaults(_run=c.run)
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:
-        return int(e.code) if isinstance(e.code, int) else 0
-    try:
-        return args._run(args)
-    except (UsageError, RematError) as e:
-        print(f"remat: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,8 @@
 """`remat bench` and `remat maxbatch`: remat side by side with what users would otherwise pick.
 
 For each batch size, every method trains its own identical copy of the model in one
-process: eager PyTorch, remat at each budget, and the baselines (`remat.baselines`).
-Their peaks come from the one allocator tracker (`remat.memory.measure_peak`), and their
+process: eager PyTorch, remat at each budget, and the baselines (`remat.measurement.baselines`).
+Their peaks come from the one allocator tracker (`remat.measurement.memory.measure_peak`), and their
 times from round-robin rounds (eager, then each method, the order rotated every round),
 so that each method's ratio to eager is the median of per-round ratios taken seconds
 apart (DESIGN.md, "Measuring time").
@@ -187,7 +187,7 @@ def _reason(e: BaseException) -> str:
 
 
 def _status_of(e: BaseException) -> str:
-    from remat.baselines import NotSupported
+    from remat.measurement.baselines import NotSupported
 
     return "not supported" if isinstance(e, NotSupported) else "failed"
 
@@ -296,7 +296,7 @@ def _profile_stats(prof: Any, top_k: int = 10) -> dict[str, Any]:
 
 def smallest_reachable_peak(prof: Any, spec: Any, opt: Any, train_step: Any, planner: str) -> int:
     """The smallest whole peak (bytes) `planner` reaches on this graph: asked for 1 byte, it says."""
-    from remat import pipeline
+    from remat.pipeline import build as pipeline
     from remat.errors import BudgetError
     from remat.planners import make_plan
 
@@ -328,11 +328,11 @@ def run_batch(
     import torch
 
     import remat
-    from remat import pipeline
-    from remat.baselines import make_baseline
-    from remat.check import twin
-    from remat.memory import measure_peak, measure_step_peak
-    from remat.simulator import simulate
+    from remat.pipeline import build as pipeline
+    from remat.measurement.baselines import make_baseline
+    from remat.measurement.check import twin
+    from remat.measurement.memory import measure_peak, measure_step_peak
+    from remat.pipeline.simulator import simulate
     from remat.workloads import load
 
     base = {"model": model_name, "device": device, "optimizer": optimizer, "batch_size": batch_size}
@@ -404,7 +404,7 @@ def run_batch(
                 fn = (lambda s: lambda: s(spec.batch))(step)
             else:
                 if spec.loss_fn is None:
-                    from remat.baselines import NotSupported
+                    from remat.measurement.baselines import NotSupported
 
                     raise NotSupported(f"{model_name} is a factory with its own train_step; {m.kind} rebuilds the step around a loss")
                 bstep = make_baseline(m.kind, mm, spec.loss_fn, budget=m.budget)
@@ -531,7 +531,7 @@ def bench(
         return 2 + len(todo) + pairs
 
     total = sum(steps_for(b) for b in batch_sizes)
-    from remat.report import console_for
+    from remat.measurement.report import console_for
 
     console = console_for(sys.stderr)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console, disable=not progress) as bar:
@@ -690,7 +690,7 @@ def write_markdown(doc: dict[str, Any], path: Path) -> Path:
         f"# remat bench: {meta['model']} on {meta['device']} ({meta['optimizer']})",
         "",
         f"torch {meta.get('torch')}, {meta.get('threads')} threads, {meta.get('pairs')} timing rounds (round-robin with eager). "
-        "Peaks: the allocator's events (`remat.memory.measure_peak`), persistent bytes (parameters, buffers, optimizer state) included. "
+        "Peaks: the allocator's events (`remat.measurement.memory.measure_peak`), persistent bytes (parameters, buffers, optimizer state) included. "
         "torch.compile times include kernel fusion (inductor): compare its memory, not its time.",
         "",
         "## Runs",
@@ -916,13 +916,13 @@ def plot_tradeoff(doc: dict[str, Any], path: Path) -> Path:
 
 def _simulated_fit(model_name: str, batch_size: int, cap: int, budget: float | None, optimizer: str, device: str, seed: int, times: dict[str, Any]) -> dict[str, Any]:
     """Capture + analyze (+ plan) one batch size: eager's simulated peak, and whether remat fits."""
-    from remat.analysis import analyze
+    from remat.pipeline.analysis import analyze
     from remat.budget import parse_budget
-    from remat.capture import capture
+    from remat.pipeline.capture import capture
     from remat.errors import BudgetError
     from remat.planners import make_plan
-    from remat.schedule import GraphIndex, simulate_schedule
-    from remat.simulator import simulate
+    from remat.pipeline.schedule import GraphIndex
+    from remat.pipeline.simulator import simulate, simulate_schedule
     from remat.workloads import load
 
     spec = load(model_name, batch_size, optimizer, seed=seed, device=device)
@@ -996,10 +996,10 @@ def maxbatch(
 ) -> dict[str, Any]:
     """Largest batch that fits `cap` without and with remat: simulator search, then measured runs."""
     import remat
-    from remat import pipeline
+    from remat.pipeline import build as pipeline
     from remat.budget import parse_budget
-    from remat.check import twin
-    from remat.memory import measure_peak
+    from remat.measurement.check import twin
+    from remat.measurement.memory import measure_peak
     from remat.workloads import load
 
     cap_budget = parse_budget(cap)
@@ -1128,7 +1128,7 @@ def demo(
     """A small bench on CPU: BERT-base at batch 8, remat at 0.6, HF's per-block
     checkpointing, 2 rounds (a few minutes). Smaller BERT batches are no demo: with SGD
     their peak is where all gradients are alive, which no recomputation lowers."""
-    from remat.report import console_for
+    from remat.measurement.report import console_for
 
     out = Path(out_dir) / f"bench-{model}"
     files = bench(model, list(batch_sizes), list(budgets), ["hf"], out, pairs=2, progress=progress)

@@ -12,9 +12,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from remat.analysis import ROLES, Role
-from remat.profiler import PHASES, Profile
-from remat.simulator import Timeline
+from remat.pipeline.analysis import ROLES, Role
+from remat.pipeline.profiler import PHASES, Profile
+from remat.pipeline.simulator import Timeline
 
 MiB = 2**20
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from remat.analysis import GraphAnalysis, analyze
-from remat.capture import TrainGraph, TrainStep, capture
-from remat.profiler import Profile, graph_fingerprint, profile
-from remat.schedule import GraphIndex
+from remat.pipeline.analysis import GraphAnalysis, analyze
+from remat.pipeline.capture import TrainGraph, TrainStep, capture
+from remat.pipeline.profiler import Profile, graph_fingerprint, profile
+from remat.pipeline.schedule import GraphIndex
 
 
 @dataclass

@@ -21,7 +21,7 @@ MiB = 2**20
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from remat.cli import add_model_arguments
+    from remat.cli.common import add_model_arguments
 
     add_model_arguments(p, 'a fraction of the activation peak in (0, 1] (e.g. 0.5), or a cap on the whole peak: bytes or "6GiB", "500MB"')
     p.add_argument("--profile", default=None, metavar="FILE", help="a profile.json of this model and batch size (skips profiling)")
@@ -34,7 +34,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `plan` to an argparse subparsers object (the registry in remat/cli.py does the same)."""
+    """Add `plan` to an argparse subparsers object (the registry in remat/cli/main.py does the same)."""
     p = subparsers.add_parser("plan", help=HELP, description=HELP)
     configure(p)
     p.set_defaults(_run=run)
@@ -59,13 +59,13 @@ def plan_command(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Everything `remat plan` does but printing: returns the plan, timelines and files."""
-    from remat import pipeline
+    from remat.pipeline import build as pipeline
     from remat.budget import parse_budget
-    from remat.cli import build_and_capture
+    from remat.cli.common import build_and_capture
     from remat.errors import PlanError
-    from remat.plan import evaluate
+    from remat.planners.evaluate import evaluate
     from remat.planners import PLANNERS, make_plan
-    from remat.profiler import load_profile_for
+    from remat.pipeline.profiler import load_profile_for
 
     # Cheap checks first: a typo must not cost a profiling run.
     parsed = parse_budget(budget)
@@ -150,7 +150,7 @@ def recomputed_table(plan: Any, top_k: int = 20) -> Any:
     """A rich Table of the recomputed activations in pick order: size, recompute time, ratio."""
     from rich.table import Table
 
-    from remat.report import fmt_mib
+    from remat.measurement.report import fmt_mib
 
     shown = plan.recomputed[: max(top_k, 0)]
     title = f"Recomputed activations ({plan.planner}): {plan.num_recomputed}"
@@ -179,7 +179,7 @@ def recomputed_table(plan: Any, top_k: int = 20) -> Any:
 def totals_table(plan: Any) -> Any:
     from rich.table import Table
 
-    from remat.report import fmt_mib
+    from remat.measurement.report import fmt_mib
 
     table = Table(title="Predicted effect of the plan", title_justify="left")
     table.add_column("")
@@ -236,7 +236,7 @@ def plot_plan_memory(baseline: Any, final: Any, node_seconds: dict[str, float], 
 
 
 def run(args: argparse.Namespace) -> int:
-    from remat.report import console_for
+    from remat.measurement.report import console_for
 
     if args.batch_size < 1:
         from remat.errors import RematError

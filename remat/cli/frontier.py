@@ -18,7 +18,7 @@ HELP = "plan every budget with every planner and plot overhead against peak memo
 
 
 def configure_frontier(p: argparse.ArgumentParser) -> None:
-    from remat.cli import MODEL_HELP
+    from remat.cli.common import MODEL_HELP
     from remat.models import OPTIMIZER_NAMES
     from remat.planners import PLANNERS
 
@@ -52,7 +52,7 @@ def configure_frontier(p: argparse.ArgumentParser) -> None:
 def cmd_frontier(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from remat.frontier import markdown_table, parse_budgets, run_frontier
+    from remat.measurement.frontier import markdown_table, parse_budgets, run_frontier
 
     t0 = time.perf_counter()
     planners = [p.strip() for p in args.planners.split(",") if p.strip()]

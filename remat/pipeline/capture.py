@@ -22,10 +22,10 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
-from remat import hyperparams
-from remat.cpu_strides import CpuOutputStrides
+from remat.pipeline import hyperparams
+from remat.pipeline.cpu_strides import CpuOutputStrides
 from remat.errors import CaptureError
-from remat.optimizer_state import check_first_step_state, optimizer_on, optimizer_states
+from remat.pipeline.optimizer_state import check_first_step_state, optimizer_on, optimizer_states
 
 TrainStep = Callable[[torch.nn.Module, "torch.optim.Optimizer | None", Any], torch.Tensor]
 

@@ -17,8 +17,9 @@ import torch.fx
 from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from remat.capture import Phase, TrainGraph
-from remat.schedule import ORIGINAL, GraphIndex, Schedule, copy_call
+from remat.pipeline.capture import Phase, TrainGraph
+from remat.pipeline.op_facts import copy_call
+from remat.pipeline.schedule import ORIGINAL, GraphIndex, Schedule
 
 RECOMPUTED_SUFFIX = "_recomputed"
 

@@ -17,7 +17,7 @@ GiB = 2**30
 
 
 def configure_run(p: argparse.ArgumentParser) -> None:
-    from remat.cli import add_model_arguments
+    from remat.cli.common import add_model_arguments
 
     add_model_arguments(p, 'fraction of the activation peak (e.g. 0.5), an absolute cap ("6GiB", bytes), or "none" for no recomputation')
     p.add_argument("--steps", type=int, default=3, metavar="N", help="training steps to run after the measurements (default: 3)")
@@ -64,9 +64,9 @@ def run_one(
         torch.use_deterministic_algorithms(True)
 
     import remat
-    from remat.check import check_against_eager, time_alternating, twin
-    from remat.cli import UsageError, _positive, load_workload
-    from remat.memory import measure_step_peak
+    from remat.measurement.check import check_against_eager, time_alternating, twin
+    from remat.cli.common import UsageError, _positive, load_workload
+    from remat.measurement.memory import measure_step_peak
 
     _positive(pairs, "--pairs")
     if steps < 0:
@@ -107,7 +107,7 @@ def run_one(
     eager_measured = measure_step_peak(lambda: train_step(eager_model, eager_opt, spec.batch), device, eager_model)
     eager_peak = persistent + eager_measured.peak_bytes
     # The captured graph without recomputation, run on the eager copy: the baseline remat starts from.
-    from remat.capture import flat_inputs, run_captured
+    from remat.pipeline.capture import flat_inputs, run_captured
 
     tg = step.compiled_for(spec.batch).tg
     base_inputs = flat_inputs(tg, eager_model, eager_opt, spec.batch)
@@ -162,7 +162,7 @@ def run_one(
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from remat.report import console_for
+    from remat.measurement.report import console_for
 
     result = run_one(
         args.model,

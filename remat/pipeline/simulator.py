@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from remat.analysis import ROLES, GraphAnalysis, Role
+from remat.pipeline.analysis import ROLES, GraphAnalysis, Role, persistent_by_role, round_up
+from remat.pipeline.graph_index import GraphIndex
+from remat.pipeline.schedule import Schedule
 
 
 @dataclass
@@ -46,20 +48,6 @@ class Timeline:
 
     def breakdown_at_peak(self) -> dict[str, int]:
         return self.breakdown_at(self.peak_rank)
-
-
-def round_up(nbytes: int, granularity: int) -> int:
-    return -(-nbytes // granularity) * granularity if granularity > 1 else nbytes
-
-
-def persistent_by_role(tensors: list, granularity: int = 1) -> dict[str, int]:
-    """Bytes held before and after the step (parameters, buffers, optimizer state, inputs),
-    by role: the one definition the simulator, the schedule's simulation and the bound use."""
-    out: dict[str, int] = {}
-    for t in tensors:
-        if t.persistent:
-            out[t.role.value] = out.get(t.role.value, 0) + round_up(t.nbytes, granularity)
-    return out
 
 
 def simulate_intervals(
@@ -119,3 +107,60 @@ def simulate(analysis: GraphAnalysis, granularity: int = 1, scratch: dict[str, i
 
 def activation_role_bytes(timeline: Timeline, rank: int) -> int:
     return int(timeline.by_role[Role.ACTIVATION.value][rank])
+
+
+def simulate_schedule(index: GraphIndex, schedule: Schedule, granularity: int = 1) -> Timeline:
+    """The memory timeline of running `schedule` (see simulator.py for the conventions)."""
+    tensors = index.analysis.tensors
+    n_steps = len(schedule.steps)
+    start: dict[int, int] = {}
+    end: dict[int, int] = {}
+    size: dict[int, int] = {}
+    role: dict[int, str] = {}
+    # An original storage is keyed by its id; each rebuilt instance's fresh storage gets a
+    # new key. A view or in-place result shares the key of the input it aliases *as read
+    # in this step*, so a backward view of a rebuilt value lives in the rebuilt storage.
+    value_keys: dict[tuple[str, int], list[int]] = {}
+    next_key = len(tensors)
+
+    def keys(node: str, instance: int) -> list[int]:
+        found = value_keys.get((node, instance))
+        return found if found is not None else list(index.storages.get(node, []))
+
+    for i, (step, reads) in enumerate(zip(schedule.steps, schedule.reads)):
+        inherited: dict[int, int] = {}
+        for a, instance in reads:
+            for s, k in zip(index.storages.get(a, []), keys(a, instance)):
+                inherited[s] = k
+                if k in start:
+                    end[k] = i
+        own: list[int] = []
+        for s in index.storages.get(step.node, []):
+            k = inherited.get(s)
+            if k is None:
+                if step.copy:
+                    k, next_key = next_key, next_key + 1
+                else:
+                    k = s
+            own.append(k)
+            if k not in start and (k >= len(tensors) or k not in index.persistent):
+                start[k] = i
+                size[k] = round_up(tensors[s].nbytes, granularity)
+                role[k] = tensors[s].role.value
+            if k in start:
+                end[k] = max(end.get(k, i), i)
+        value_keys[(step.node, step.instance)] = own
+    for a, instance in schedule.output_reads:
+        for k in keys(a, instance):
+            if k in start:
+                end[k] = n_steps
+    ks = sorted(start)
+    return simulate_intervals(
+        n_steps,
+        np.array([size[k] for k in ks], dtype=np.int64),
+        np.array([start[k] for k in ks], dtype=np.int64),
+        np.array([end[k] for k in ks], dtype=np.int64),
+        [role[k] for k in ks],
+        persistent_by_role(tensors, granularity),
+        np.array([index.scratch.get(s.node, 0) for s in schedule.steps], dtype=np.int64) if index.scratch else None,
+    )

@@ -2,8 +2,8 @@
 
 `run_frontier` profiles a model once, then plans each budget with each planner on the
 same node times (`remat.planners.make_plan`); with `measure`, each plan is also rewritten
-and run: three steps compared bitwise with eager PyTorch (`remat.check`), then the
-allocator's peak of one more step (`remat.memory.measure_peak`) next to the prediction.
+and run: three steps compared bitwise with eager PyTorch (`remat.measurement.check`), then the
+allocator's peak of one more step (`remat.measurement.memory.measure_peak`) next to the prediction.
 A budget a planner cannot meet is recorded (its error message) and the sweep goes on, as
 does a configuration that fails in any other way (out of memory while its plan runs,
 say): an "error" point with the reason.
@@ -178,7 +178,7 @@ def run_point(sw: Sweep, planner: str, budget: str, budget_bytes: int, fraction:
         try:
             _measure(sw, plan, point)
         except Exception as e:  # noqa: BLE001 - a plan that fails to run (out of memory) is a result
-            from remat.bench import _reason
+            from remat.measurement.bench import _reason
 
             point.status, point.error = "error", f"while running the plan: {_reason(e)}"
             _release(sw.device)
@@ -187,10 +187,10 @@ def run_point(sw: Sweep, planner: str, budget: str, budget_bytes: int, fraction:
 
 def _measure(sw: Sweep, plan: Any, point: Point) -> None:
     """Run the plan: three steps bitwise against eager, one step's peak, and timing pairs."""
-    from remat.capture import flat_inputs, run_captured
-    from remat.check import check_against_eager, time_alternating, twin
-    from remat.memory import measure_step_peak
-    from remat.rewriter import rewrite
+    from remat.pipeline.capture import flat_inputs, run_captured
+    from remat.measurement.check import check_against_eager, time_alternating, twin
+    from remat.measurement.memory import measure_step_peak
+    from remat.pipeline.rewriter import rewrite
 
     tg, spec = sw.tg, sw.spec
     schedule = plan.schedule(sw.index)
@@ -258,12 +258,12 @@ def run_frontier(
     are kept and not planned again, and its profile.json gives the node times, so that
     the new points are planned on the same ones.
     """
-    from remat import pipeline
-    from remat.capture import capture
+    from remat.pipeline import build as pipeline
+    from remat.pipeline.capture import capture
     from remat.errors import UsageError
-    from remat.plan import evaluate
+    from remat.planners.evaluate import evaluate
     from remat.planners import PLANNERS
-    from remat.profiler import load_profile_for
+    from remat.pipeline.profiler import load_profile_for
     from remat.workloads import check_arguments as check_model_args
     from remat.workloads import load
 
@@ -346,7 +346,7 @@ def run_frontier(
             try:
                 point = run_point(sweep, planner, budget, int(budget_bytes), fraction)
             except Exception as e:  # noqa: BLE001 - one configuration failing (out of memory, a crash) is a result
-                from remat.bench import _reason
+                from remat.measurement.bench import _reason
 
                 point = Point(planner=planner, budget=budget, budget_bytes=int(budget_bytes), fraction=fraction, status="error",
                               error=_reason(e), planning_seconds=time.perf_counter() - t1)  # fmt: skip

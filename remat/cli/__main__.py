@@ -1,0 +1,5 @@
+import sys
+
+from remat.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,351 @@
+"""What every schedule, the bound and the exact planner need to know about one graph,
+computed once, and the memory model's rules about rebuilt copies, each defined here once:
+
+- what may be recomputed (`candidates`);
+- which forward ops a rebuild block copies (`block_ops`), and which of them later blocks
+  may read instead of rebuilding (`block_targets`, up to `shared_until`);
+- how long a rebuilt copy lives (`copy_spans`);
+- which storages live the same under every plan that keeps them (`kept_intervals`).
+
+`schedule.build_schedule`, `planners.bound.PeakLowerBound` and the exact planner's
+program are built from these; change a rule here and all three follow.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.fx
+
+from remat.pipeline import op_facts
+from remat.pipeline.analysis import GraphAnalysis
+from remat.pipeline.capture import Phase, TrainGraph
+
+
+class RebuildPolicy(str, enum.Enum):
+    """Which rebuilt values a block leaves for later blocks to read.
+
+    PER_BLOCK: only the block's targets (the values its node reads); intermediates die in
+    the block and a later block that needs them rebuilds them (μ-TWO's cost model).
+    SHARED: every rebuilt value a later node reads is held for it (Chen's segments:
+    rebuilt once, held until its backward pass is done): less time, more memory held.
+    """
+
+    PER_BLOCK = "per-block"
+    SHARED = "shared"
+
+    @property
+    def shares(self) -> bool:
+        return self is RebuildPolicy.SHARED
+
+
+@dataclass
+class GraphIndex:
+    """What schedules need to know about a graph, computed once and shared by every plan."""
+
+    tg: TrainGraph
+    analysis: GraphAnalysis
+    order: list[str]  # op nodes in execution order
+    rank: dict[str, int]
+    forward: set[str]
+    inputs: dict[str, list[str]]  # op node -> distinct input nodes, in argument order
+    users: dict[str, list[str]]  # op node -> op nodes reading it
+    storages: dict[str, list[int]]
+    random: set[str]
+    writes: dict[str, list[int]]  # op node -> storages it writes in place
+    written_by: dict[int, list[int]]  # storage -> ranks of the ops writing it
+    output_inputs: list[str]
+    activation: set[int] = field(default_factory=set)
+    persistent: set[int] = field(default_factory=set)
+    node_map: dict[str, torch.fx.Node] = field(default_factory=dict)
+    last_late_reader: dict[str, int] = field(default_factory=dict)  # forward value -> last rank after the forward that reads it
+    first_late_reader: dict[str, int] = field(default_factory=dict)  # forward value -> first rank after the forward that reads it
+    # Measured kernel scratch per node (Profile.scratch_by_node()), set by whoever has a
+    # profile: the plan simulator then predicts what the allocator will see.
+    scratch: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, tg: TrainGraph, analysis: GraphAnalysis) -> "GraphIndex":
+        nodes = list(tg.gm.graph.nodes)
+        ops = [n for n in nodes if n.op == "call_function"]
+        order = [n.name for n in ops]
+        assert order == analysis.node_names, "analysis does not belong to this graph"
+        inputs = {n.name: list(dict.fromkeys(a.name for a in n.all_input_nodes)) for n in ops}
+        users: dict[str, list[str]] = {n: [] for n in order}
+        for n in order:
+            for a in inputs[n]:
+                if a in users:
+                    users[a].append(n)
+        writes = {n.name: sorted({s for a in op_facts.written_args(n) for s in analysis.node_storages.get(a.name, [])}) for n in ops}
+        written_by: dict[int, list[int]] = {}
+        for r, n in enumerate(order):
+            for s in writes[n]:
+                written_by.setdefault(s, []).append(r)
+        output = next(n for n in nodes if n.op == "output")
+        rank = {n: i for i, n in enumerate(order)}
+        forward = {n for n in order if tg.phase[n] is Phase.FORWARD}
+        first_late: dict[str, int] = {}
+        last_late: dict[str, int] = {}
+        for n in forward:
+            late = [rank[u] for u in users[n] if u not in forward]
+            if late:
+                first_late[n], last_late[n] = min(late), max(late)
+        return cls(
+            tg=tg,
+            analysis=analysis,
+            order=order,
+            rank=rank,
+            forward=forward,
+            inputs=inputs,
+            users=users,
+            storages=analysis.node_storages,
+            random={n.name for n in ops if op_facts.is_random(n)},
+            writes=writes,
+            written_by=written_by,
+            output_inputs=list(dict.fromkeys(a.name for a in output.all_input_nodes)),
+            activation={t.id for t in analysis.tensors if t.is_activation},
+            persistent={t.id for t in analysis.tensors if t.persistent},
+            node_map={n.name: n for n in nodes},
+            last_late_reader=last_late,
+            first_late_reader=first_late,
+        )
+
+    # ------------------------------------------------------------------ the rules of rebuilding
+
+    def block_ops(self, u: str, rebuilt_here: Callable[[str], bool]) -> list[str]:
+        """The forward ops the block before node `u` copies, in execution order: every
+        input of u that must be rebuilt there and, transitively, every value a copy reads
+        that must be. `rebuilt_here(a)` says whether value a must be: the schedule knows
+        (a is not available under the dropped set, and no earlier block left a copy of it
+        that is still shared, see `block_targets`); the bound asks with the same facts,
+        and the exact planner with every value that could be."""
+        seen: set[str] = set()
+        todo = [a for a in self.inputs[u] if rebuilt_here(a)]
+        while todo:
+            c = todo.pop()
+            if c in seen:
+                continue
+            seen.add(c)
+            todo.extend(a for a in self.reads_of_copy(c) if a not in seen and rebuilt_here(a))
+        return sorted(seen, key=self.rank.__getitem__)
+
+    def block_targets(self, u: str, block: list[str], policy: RebuildPolicy) -> list[str]:
+        """The values of the block before `u` that later blocks read instead of rebuilding
+        them (while their rank is at most `shared_until`): the inputs of u it rebuilt and,
+        under the shared policy, every value in it that a node after the forward pass reads."""
+        if policy.shares:
+            return [c for c in block if c in self.last_late_reader]
+        inputs = set(self.inputs[u])
+        return [c for c in block if c in inputs]
+
+    def shared_until(self, a: str) -> int:
+        """The last rank at which a block may read a copy of `a` that an earlier block left
+        (`block_targets`): the last read after the forward pass of any value on a's
+        storages, as long as the original would have lived, so that sharing the copy holds
+        no memory the original would not have held. Views count (autograd's `detach` of a
+        saved value), not only a's own readers."""
+        return self.storage_last_read(a)
+
+    def kept_intervals(self) -> dict[int, tuple[int, int]]:
+        """The rank span [lo, hi] of each storage that lives the same in every schedule that
+        keeps it: every storage made after the forward pass (its readers all come after the
+        forward pass and read it directly), and every activation read alone
+        (`activations_read_alone`; dropped, it lives over its `copy_spans` instead)."""
+        cache = self.__dict__.get("_kept_intervals")
+        if cache is None:
+            tensors, n = self.analysis.tensors, len(self.order)
+            cache = {}
+            for t in tensors:
+                if not t.persistent and t.created >= 0 and self.order[t.created] not in self.forward:
+                    cache[t.id] = (t.created, min(t.last_use, n - 1))
+            for s in sorted(self.activations_read_alone()):
+                cache[s] = (tensors[s].created, min(tensors[s].last_use, n - 1))
+            self.__dict__["_kept_intervals"] = cache
+        return cache
+
+    def activations_read_alone(self) -> set[int]:
+        """Activations that no node after the forward pass reads through a value holding
+        other storages too (whether such a value is rebuilt depends on the others)."""
+        unsafe: set[int] = set()
+        for name in self.order:
+            if name in self.forward:
+                continue
+            for a in self.inputs[name]:
+                sids = self.storages.get(a, [])
+                if a in self.forward and len(sids) > 1:
+                    unsafe.update(sids)
+        return {s for s in self.activation if s not in unsafe}
+
+    def copy_spans(self) -> dict[str, dict[int, tuple[int, int]]]:
+        """How long a rebuilt copy lives, the one rule every planner and the bound read:
+        per forward value read after the forward pass, per storage of it (not persistent),
+        the rank span [first, last] over which the copy those readers share is live: from
+        its first to its last reader after the forward pass, and on to the last reader of
+        every backward view of it (autograd's `detach` of a saved `detach`), which aliases
+        the copy, or to the end for a graph output."""
+        cache = self.__dict__.get("_copy_spans")
+        if cache is None:
+            cache = {}
+            for a in self.forward:
+                late = [u for u in self.users.get(a, []) if u not in self.forward]
+                if not late:
+                    continue
+                lo = min(self.rank[u] for u in late)
+                spans = cache.setdefault(a, {})
+                for s in self.storages.get(a, []):
+                    if s not in self.persistent:
+                        spans[s] = (lo, self.copy_last_read(a, s))
+            self.__dict__["_copy_spans"] = cache
+        return cache
+
+    def activation_copy_spans(self) -> dict[int, list[tuple[int, int]]]:
+        """Per activation: the spans over which a copy of it is live once it is dropped
+        (`copy_spans`, over all values on it, overlapping spans merged)."""
+        by_storage: dict[int, list[tuple[int, int]]] = {}
+        for value_spans in self.copy_spans().values():
+            for s, span in value_spans.items():
+                if s in self.activation:
+                    by_storage.setdefault(s, []).append(span)
+        return merge_spans(by_storage)
+
+    def storage_last_read(self, name: str) -> int:
+        """The last rank after the forward pass that reads any value on `name`'s storages."""
+        cache = self.__dict__.setdefault("_storage_last_read", {})
+        if not cache:
+            for n, r in self.last_late_reader.items():
+                for sid in self.storages.get(n, []):
+                    cache[sid] = max(cache.get(sid, -1), r)
+        return max((cache.get(sid, -1) for sid in self.storages.get(name, [])), default=-1)
+
+    def available(self, name: str, dropped: frozenset[int] | set[int]) -> bool:
+        """Whether a value can be read in the backward pass without being rebuilt."""
+        if name not in self.rank or name not in self.forward:
+            return True  # placeholders, constants, backward/optimizer values
+        sids = self.storages.get(name, [])
+        return all(s in self.persistent or (s in self.activation and s not in dropped) for s in sids)
+
+    def reads_of_copy(self, name: str) -> list[str]:
+        """Inputs a copy of `name` reads (BatchNorm's twin does not read running stats)."""
+        reads = op_facts.copy_reads(self.node_map[name])
+        return self.inputs[name] if reads is None else reads
+
+    def closure(self, needed: list[str], dropped: frozenset[int] | set[int], done: set[str]) -> list[str]:
+        """Forward nodes to copy (in execution order) so that every `needed` value exists."""
+        todo = [n for n in needed if n not in done]
+        seen: set[str] = set()
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            for a in self.reads_of_copy(n):
+                if a not in seen and a not in done and not self.available(a, dropped):
+                    todo.append(a)
+        return sorted(seen, key=self.rank.__getitem__)
+
+    def check_copy(self, name: str, copied: set[str], dropped: frozenset[int] | set[int], before_rank: int) -> str | None:
+        """Why `name` cannot be copied into the backward pass (None if it can)."""
+        if name in self.random:
+            return f"{name} is a random op: its output must be kept, never recomputed"
+        node = self.node_map[name]
+        if node.target not in op_facts.STATE_FREE_TWINS:
+            for s in self.writes[name]:
+                owners_copied = any(
+                    a in copied for a in self.inputs[name] if s in self.storages.get(a, []) and not self.available(a, dropped)
+                )
+                if not owners_copied:
+                    return f"{name} writes in place into a tensor that is not rebuilt with it"
+        r = self.rank[name]
+        for a in self.reads_of_copy(name):
+            for s in self.storages.get(a, []):
+                rebuilt = a in copied
+                for w in self.written_by.get(s, []):
+                    if w == r:
+                        continue
+                    if rebuilt and w < r and self.order[w] not in copied:
+                        return f"{name} reads {a}, written in place by {self.order[w]}, which is not rebuilt"
+                    if not rebuilt and r < w < before_rank:
+                        return f"{name} reads {a}, which {self.order[w]} changes in place before the rebuild"
+        return None
+
+
+    def backward_readers(self, sid: int) -> list[str]:
+        """Forward values on storage `sid` that nodes after the forward pass read."""
+        tensor = self.analysis.tensors[sid]
+        return [
+            a for a in tensor.aliases
+            if a in self.forward and any(u not in self.forward for u in self.users.get(a, []))
+        ]
+
+    def copy_last_read(self, a: str, sid: int) -> int:
+        """The last rank at which storage `sid` of a rebuilt copy of forward value `a` is
+        read: a's last reader after the forward pass, or later the last reader of a
+        backward view of the copy (autograd's `detach` of a saved `detach` aliases it),
+        transitively; the last rank for a graph output. The span a copy must live,
+        whichever block made it (PeakLowerBound and the exact planner count it)."""
+        late = [u for u in self.users.get(a, []) if u not in self.forward]
+        hi = max((self.rank[u] for u in late), default=-1)
+        outputs = set(self.output_inputs)
+        todo = [u for u in late if sid in self.storages.get(u, [])]
+        seen: set[str] = set()
+        while todo:
+            v = todo.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            if v in outputs:
+                hi = len(self.order) - 1
+            for w in self.users.get(v, []):
+                hi = max(hi, self.rank[w])
+                if sid in self.storages.get(w, []):
+                    todo.append(w)
+        return hi
+
+    def candidates(self) -> list[int]:
+        """The activations that may be recomputed, in creation order: what every planner picks from."""
+        cache = self.__dict__.get("_candidates")
+        if cache is None:
+            acts = [t for t in self.analysis.activations() if self.candidate_problem(t.id) is None]
+            cache = self.__dict__["_candidates"] = [t.id for t in sorted(acts, key=lambda t: (t.created, t.id))]
+        return list(cache)
+
+    def candidate_problem(self, sid: int) -> str | None:
+        """Why activation `sid` may not be recomputed on its own (None if it may)."""
+        if sid not in self.activation:
+            return "not an activation"
+        if any(sid in self.storages.get(a, []) for a in self.output_inputs):
+            return "a graph output"
+        writers = [self.order[w] for w in self.written_by.get(sid, [])]
+        random = [n for n in [self.analysis.tensors[sid].node, *writers] if n in self.random]
+        if random:
+            return f"made by a random op ({random[0]}): its value must be kept, never recomputed"
+        if writers:
+            return f"written in place after it is made (by {writers[0]})"
+        dropped = frozenset([sid])
+        readers = self.backward_readers(sid)
+        first = min((self.rank[u] for a in readers for u in self.users[a] if u not in self.forward), default=len(self.order))
+        copied: set[str] = set()
+        for c in self.closure(readers, dropped, copied):
+            why = self.check_copy(c, copied, dropped, first)
+            if why is not None:
+                return why
+            copied.add(c)
+        return None
+
+
+def merge_spans(spans: dict[int, list[tuple[int, int]]]) -> dict[int, list[tuple[int, int]]]:
+    """Each storage's rank spans, sorted, overlapping ones merged (storages without any left out)."""
+    merged: dict[int, list[tuple[int, int]]] = {}
+    for s, xs in spans.items():
+        out: list[tuple[int, int]] = []
+        for lo, hi in sorted(xs):
+            if out and lo <= out[-1][1]:
+                out[-1] = (out[-1][0], max(out[-1][1], hi))
+            else:
+                out.append((lo, hi))
+        if out:
+            merged[s] = out
+    return merged

@@ -1,0 +1,86 @@
+"""What the schedule must know about single ops beyond their schemas: which ops draw
+random numbers, which write an input in place without declaring it, and which have a
+twin that computes the same outputs without their side effect on module state."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+aten = torch.ops.aten
+
+
+def _bn_twin(args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+    # native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
+    return aten.native_batch_norm.default, (*args[:3], None, None, *args[5:]), kwargs
+
+
+def _bn_legit_twin(args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+    # _native_batch_norm_legit(input, weight, bias, running_mean, running_var, training, momentum, eps)
+    return aten._native_batch_norm_legit.no_stats, (*args[:3], *args[5:]), kwargs
+
+
+# Ops that mutate module state as a side effect, with a twin that computes the same
+# outputs (bitwise: same kernel) without the side effect. Copies use the twin.
+STATE_FREE_TWINS: dict[Any, Callable[[tuple, dict], tuple[Any, tuple, dict]]] = {
+    aten.native_batch_norm.default: _bn_twin,
+    aten._native_batch_norm_legit.default: _bn_legit_twin,
+}
+# The argument positions a twin still reads (BatchNorm's twin does not read running stats).
+TWIN_READS: dict[Any, tuple[int, ...]] = {aten.native_batch_norm.default: (0, 1, 2), aten._native_batch_norm_legit.default: (0, 1, 2)}
+
+# Ops that write some inputs in place without saying so in their schema: argument positions.
+# native_batch_norm updates running_mean / running_var in training mode.
+UNDECLARED_WRITES: dict[Any, tuple[int, ...]] = {
+    aten.native_batch_norm.default: (3, 4),
+    aten.cudnn_batch_norm.default: (3, 4),
+    aten.miopen_batch_norm.default: (3, 4),
+}
+
+
+def is_random(node: torch.fx.Node) -> bool:
+    """Whether the op draws from a random generator (its schema's `nondeterministic_seeded` tag)."""
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The input nodes whose storage this op writes in place (schema `Tensor(a!)`, and UNDECLARED_WRITES)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return []
+    out: list[torch.fx.Node] = [
+        node.args[i] for i in UNDECLARED_WRITES.get(target, ()) if i < len(node.args) and isinstance(node.args[i], torch.fx.Node)
+    ]
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.args[i] if i < len(node.args) and not arg.kwarg_only else node.kwargs.get(arg.name)
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, torch.fx.Node):
+                out.append(v)
+    return out
+
+
+def copy_reads(node: torch.fx.Node) -> list[str] | None:
+    """The input names a copy of `node` reads when it is a twin that reads fewer (None: all)."""
+    keep = TWIN_READS.get(node.target)
+    if keep is None:
+        return None
+    wanted = [node.args[i] for i in keep if isinstance(node.args[i], torch.fx.Node)]
+    return list(dict.fromkeys(a.name for a in wanted))
+
+
+def copy_call(node: torch.fx.Node) -> tuple[Any, tuple, dict]:
+    """(target, args, kwargs) for a rebuild of `node` (its state-free twin where it has one)."""
+    twin = STATE_FREE_TWINS.get(node.target)
+    if twin is not None:
+        return twin(tuple(node.args), dict(node.kwargs))
+    return node.target, tuple(node.args), dict(node.kwargs)
+
+
+def is_getitem(node: torch.fx.Node) -> bool:
+    return node.target is operator.getitem

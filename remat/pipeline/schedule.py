@@ -1,0 +1,151 @@
+"""The execution order of a graph in which some activations are dropped and recomputed.
+
+This is the one place that decides *where* recomputation happens; the plan simulator and
+the rewriter both read a `Schedule`, so what is simulated is what runs.
+
+Rules (DESIGN.md, "Correctness"):
+- A forward value is *available* in the backward pass if it is a graph input, a constant,
+  not a tensor, or lives only in kept activation storages. Anything else a later node
+  reads is rebuilt: its forward op is copied, with its inputs rebuilt the same way,
+  so the sources of a rebuild are always kept activations, parameters and inputs.
+- Copies go in a *block* just before the first node after the forward pass that needs
+  them. A rebuilt activation that a later node reads (a *target*) lives until its last
+  reader, which all read that one copy; the intermediates a block needs only to rebuild
+  its targets die within the block, and a later block that needs them again rebuilds
+  them again (μ-TWO's cost model: a source of several recomputed tensors is recomputed
+  once for each). Within a block every value is rebuilt once and shared.
+- Forward ops whose only readers now read the copy are removed from the forward pass
+  (if they are pure), so an activation used only in the backward pass is computed there.
+- Random ops are never copied. Mutating ops are copied only when everything they write
+  was itself rebuilt in the same closure (e.g. `x += residual` on a rebuilt `x`); BatchNorm
+  is copied as its stat-free twin, so running statistics are updated exactly once.
+- A source must hold the same value at rebuild time as when the original op read it: no
+  in-place write to it in between. A rebuilt storage must see every write the original
+  saw before the read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from remat.errors import PlanError
+from remat.pipeline.graph_index import GraphIndex, RebuildPolicy
+
+__all__ = ["ORIGINAL", "GraphIndex", "RebuildPolicy", "Schedule", "Step", "build_schedule", "recompute_seconds"]
+
+
+ORIGINAL = -1  # the instance number of a value computed by its original node
+
+
+@dataclass(frozen=True)
+class Step:
+    node: str  # the original node this step runs
+    instance: int = ORIGINAL  # >= 0: a rebuild placed in the backward pass, numbered
+
+    @property
+    def copy(self) -> bool:
+        return self.instance != ORIGINAL
+
+
+@dataclass
+class Schedule:
+    steps: list[Step]
+    reads: list[list[tuple[str, int]]]  # per step: (node, instance) of each value it reads
+    removed: list[str]  # forward nodes dropped because only rebuilt copies are read
+    output_reads: list[tuple[str, int]]
+    dropped: frozenset[int]  # the storages the schedule was built for
+
+    @property
+    def copies(self) -> list[str]:
+        return [s.node for s in self.steps if s.copy]
+
+
+def recompute_seconds(schedule: Schedule, node_seconds: dict[str, float]) -> float:
+    """Predicted extra time of a schedule: the copies, less the forward ops it removed."""
+    return sum(node_seconds[s.node] for s in schedule.steps if s.copy) - sum(node_seconds[n] for n in schedule.removed)
+
+
+def build_schedule(
+    index: GraphIndex, dropped: set[int] | frozenset[int], policy: RebuildPolicy = RebuildPolicy.PER_BLOCK
+) -> Schedule:
+    """The order the rewritten graph runs in when the storages in `dropped` are recomputed,
+    with the blocks of `index.block_ops` and the copies later blocks share
+    (`index.block_targets` under `policy`, while `index.shared_until`)."""
+    dropped = frozenset(dropped)
+    bad = [s for s in dropped if s not in index.activation]
+    if bad:
+        keys = ", ".join(index.analysis.tensors[s].key for s in bad[:5])
+        raise PlanError(f"only activations can be recomputed; not activations: {keys}")
+    forward = [n for n in index.order if n in index.forward]
+
+    # One pass in the captured order: forward nodes as they are, each later node preceded
+    # by the block that rebuilds what it reads and is not available. Forward and backward
+    # passes may alternate (micro-batches accumulating gradients in one step).
+    all_steps: list[Step] = []
+    all_reads: list[list[tuple[str, int]]] = []
+    target: dict[str, int] = {}  # value -> instance of its rebuilt copy that later readers share
+    next_instance = 0
+    for u in index.order:
+        if u in index.forward:
+            all_steps.append(Step(u))
+            all_reads.append([(a, ORIGINAL) for a in index.inputs[u]])
+            continue
+        r_u = index.rank[u]
+        block: dict[str, int] = {}
+
+        def resolve(a: str) -> int | None:
+            """Which instance of `a` node u's block can read; None: it must be rebuilt here."""
+            if index.available(a, dropped):
+                return ORIGINAL
+            if a in block:
+                return block[a]
+            if a in target and r_u <= index.shared_until(a):
+                return target[a]
+            return None
+
+        ops = index.block_ops(u, lambda a: resolve(a) is None)
+        for c in ops:
+            why = index.check_copy(c, block, dropped, r_u)
+            if why is not None:
+                raise PlanError(f"cannot recompute what {u} needs: {why}")
+            reads = [(a, resolve(a)) for a in index.reads_of_copy(c)]
+            block[c] = next_instance
+            all_steps.append(Step(c, next_instance))
+            all_reads.append(reads)  # type: ignore[arg-type]
+            next_instance += 1
+        for c in index.block_targets(u, ops, policy):
+            target[c] = block[c]
+        all_steps.append(Step(u))
+        all_reads.append([(a, resolve(a)) for a in index.inputs[u]])  # type: ignore[misc]
+    output_reads = [(a, ORIGINAL) for a in index.output_inputs]
+    if any(not index.available(a, dropped) for a in index.output_inputs):
+        raise PlanError("a graph output cannot be recomputed")
+
+    # Forward nodes that nothing reads any more (their readers now read copies) and that
+    # have no side effect are removed: the value is then computed in the backward only.
+    copied = {s.node for s in all_steps if s.copy}
+    readers: dict[str, int] = {n: 0 for n in forward}
+    for step, reads in zip(all_steps, all_reads):
+        for a, instance in reads:
+            if instance == ORIGINAL and a in readers:
+                readers[a] += 1
+    for a, _ in output_reads:
+        if a in readers:
+            readers[a] += 1
+    removed: set[str] = set()
+    for n in reversed(forward):
+        if readers[n] == 0 and n not in index.random and not index.writes[n] and n in copied:
+            removed.add(n)
+            for a in index.inputs[n]:
+                if a in readers:
+                    readers[a] -= 1
+    kept = [i for i, step in enumerate(all_steps) if step.copy or step.node not in removed]
+    return Schedule(
+        steps=[all_steps[i] for i in kept],
+        reads=[all_reads[i] for i in kept],
+        removed=sorted(removed, key=index.rank.__getitem__),
+        output_reads=output_reads,
+        dropped=dropped,
+    )
+
+

@@ -1,0 +1,253 @@
+"""A lower bound on the simulated peak of a dropped set, from what the schedule must hold."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from remat.pipeline.graph_index import merge_spans
+from remat.pipeline.schedule import GraphIndex, RebuildPolicy
+from remat.pipeline.simulator import Timeline
+
+
+class PeakLowerBound:
+    """A lower bound on the simulated peak of a plan, from what the schedule must hold.
+
+    In the schedule (schedule.py) the backward and optimizer nodes keep their relative
+    order, and each one's rebuilds run in a block just before it. At a node u (rank r):
+    - every storage made after the forward pass is live exactly as without a plan (its
+      readers all come after the forward pass and read it directly);
+    - a kept activation is live if r lies in [created, last use] (it is read directly);
+    - a dropped activation is live if r lies between the first and the last reader after
+      the forward pass of one value on it (or a reader of a backward view of that value):
+      they all read one copy, made in the first reader's block or, under the shared
+      policy (RebuildPolicy.SHARED), in the earlier block that rebuilt it on the way to
+      something else and held it, from where it is live.
+    The blocks are worked out as build_schedule places them: which ops each block
+    copies depends only on the dropped set and on which copies earlier blocks left for
+    later readers, so a walk over the nodes that read a dropped value finds them without
+    building the steps. At each copy its output, its inputs, what earlier copies of the
+    block made and the block, its node or (shared) a later reader still reads, and
+    everything live both before and after the block are live at once. Each node's
+    measured kernel scratch (index.scratch) is added where it runs, at the node and at
+    each copy of it, as the simulator does.
+    The bound is the largest of those sums, plus the persistent bytes: a few cumsums and
+    a walk over the blocks, where a simulation builds and runs a whole schedule. It lets
+    a planner skip simulating plans that cannot fit, so it must be built for the
+    schedule policy the planner simulates; tests check it against the simulator under
+    both. Activations that the backward reads through a value holding other storages
+    too are left out when kept (whether that value is rebuilt depends on the others),
+    which only lowers it.
+    """
+
+    def __init__(self, index: GraphIndex, baseline: Timeline, policy: RebuildPolicy = RebuildPolicy.PER_BLOCK):
+        self.index = index
+        self.policy = policy
+        tensors = index.analysis.tensors
+        n = len(index.order)
+        self._n = n
+        self._tail = np.array([r for r, name in enumerate(index.order) if name not in index.forward], dtype=np.int64)
+        self.persistent = int(baseline.persistent_bytes)
+        self._m = len(self._tail)
+        at = np.zeros(n + 2, dtype=np.int64)  # live at node r
+        across = np.zeros(n + 2, dtype=np.int64)  # live before node r's block and at r
+        self._kept = index.kept_intervals()
+        for sid, (lo, hi) in self._kept.items():
+            _add(at, lo, hi, tensors[sid].nbytes)
+            _add(across, lo + 1, hi, tensors[sid].nbytes)
+        self._safe = {s for s in self._kept if s in index.activation}
+        # A node's kernel scratch (index.scratch, measured) is live while it runs: at the
+        # node itself, and at a copy of it.
+        self._scratch = dict(index.scratch)
+        for r in self._tail.tolist():
+            _add(at, r, r, self._scratch.get(index.order[r], 0))
+        self._at, self._across = at, across
+        # Per forward value read after the forward pass, per storage: the span over which the
+        # copy those readers share is live.
+        self._value_spans = index.copy_spans()
+        self._spans = index.activation_copy_spans()  # per activation: where a copy of it is live once it is dropped
+        # Where blocks can be: before the nodes after the forward pass that read a forward
+        # value on a given activation (a block runs only before a node that reads a value
+        # that is not available), or one on a storage that is never available.
+        late_ranks: dict[int, set[int]] = {}
+        always: set[int] = set()
+        for r in self._tail.tolist():
+            for a in index.inputs[index.order[r]]:
+                if a not in index.forward:
+                    continue
+                for s in index.storages.get(a, []):
+                    if s in index.activation:
+                        late_ranks.setdefault(s, set()).add(r)
+                    elif s not in index.persistent:
+                        always.add(r)
+        self._late_ranks = {s: sorted(rs) for s, rs in late_ranks.items()}
+        self._always = always
+        self._reads = {a: index.reads_of_copy(a) for a in index.forward}
+        self._shared_until = {a: index.shared_until(a) for a in index.forward}
+        # Per forward op: the storages (not persistent) a copy of it makes and reads, and
+        # the bytes it makes, and reads plus its scratch.
+        self._outs = {a: [s for s in index.storages.get(a, []) if s not in index.persistent] for a in index.forward}
+        self._ins = {
+            a: list(dict.fromkeys(s for b in self._reads[a] for s in index.storages.get(b, []) if s not in index.persistent))
+            for a in index.forward
+        }
+        self._out_bytes = {a: sum(tensors[s].nbytes for s in self._outs[a]) for a in index.forward}
+        self._in_bytes = {a: sum(tensors[s].nbytes for s in self._ins[a]) + self._scratch.get(a, 0) for a in index.forward}
+
+    def __call__(self, dropped: set[int] | frozenset[int], above: int | None = None) -> int:
+        """The bound for `dropped`. With `above`, stop early once what is summed so far exceeds
+        it (the cheap part first): the answer is then still a lower bound, above `above`."""
+        if not self._m:
+            return self.persistent
+        tensors = self.index.analysis.tensors
+        n = self._n
+        at, across = self._at.copy(), self._across.copy()
+        for s in dropped:
+            t = tensors[s]
+            if s in self._safe:  # not kept: take back its kept interval
+                lo, hi = self._kept[s]
+                _add(at, lo, hi, -t.nbytes)
+                _add(across, lo + 1, hi, -t.nbytes)
+            for lo, hi in self._spans.get(s, ()):
+                _add(at, lo, hi, t.nbytes)
+                _add(across, lo + 1, hi, t.nbytes)
+        best = int(np.cumsum(at[:n])[self._tail].max())
+        if not dropped or (above is not None and self.persistent + best > above):
+            return self.persistent + best
+        blocks, held = self._blocks(dropped)
+        spans: dict[int, list[tuple[int, int]]] = {}  # storages whose copies live longer than self._spans says
+        if held:
+            # Under the shared schedule a copy made in an earlier block than its first
+            # reader's is live from there: its spans start at that block.
+            extra: dict[int, list[tuple[int, int]]] = {}
+            for c, r in held:
+                for s, (_, hi) in self._value_spans[c].items():
+                    if s in dropped or s not in self.index.activation:
+                        extra.setdefault(s, []).append((r, hi))
+            for s, xs in extra.items():
+                t = tensors[s]
+                for lo, hi in self._spans.get(s, ()) if s in dropped else ():
+                    _add(at, lo, hi, -t.nbytes)
+                    _add(across, lo + 1, hi, -t.nbytes)
+                    xs.append((lo, hi))
+            spans = merge_spans(extra)
+            for s, xs in spans.items():
+                for lo, hi in xs:
+                    _add(at, lo, hi, tensors[s].nbytes)
+                    _add(across, lo + 1, hi, tensors[s].nbytes)
+            best = int(np.cumsum(at[:n])[self._tail].max())
+        across_curve = np.cumsum(across[:n])
+        # Blocks by a cheap cap on what they can add (all they make, and the largest
+        # inputs and scratch of one copy), highest first: the rest are skipped once the
+        # bound is above their cap, or above `above`.
+        out_bytes, in_bytes = self._out_bytes, self._in_bytes
+        caps = sorted(
+            ((int(across_curve[r]) + sum(out_bytes[c] for c in ops) + max(in_bytes[c] for c in ops), r, ops) for r, ops in blocks),
+            key=lambda x: -x[0],
+        )
+        for cap, r, ops in caps:
+            if cap <= best or (above is not None and self.persistent + best > above):
+                break
+            best = max(best, int(across_curve[r]) + self._block_peak(r, ops, dropped, spans))
+        return self.persistent + best
+
+    def _blocks(self, dropped: set[int] | frozenset[int]) -> tuple[list[tuple[int, set[str]]], list[tuple[str, int]]]:
+        """The blocks of build_schedule(index, dropped, policy), as (rank of the node the
+        block runs before, the forward ops it copies), from the same rules
+        (`index.block_ops`, `index.block_targets`, `index.shared_until`) but only before the
+        nodes that read a value on a dropped storage; and the values (with the rank of the
+        block) that a block rebuilds and holds before their first reader after the forward
+        pass (only the shared policy holds such values)."""
+        index = self.index
+        ranks = set(self._always)
+        for s in dropped:
+            ranks.update(self._late_ranks.get(s, ()))
+        gone: dict[str, bool] = {}
+
+        def unavailable(a: str) -> bool:
+            g = gone.get(a)
+            if g is None:
+                g = gone[a] = not index.available(a, dropped)
+            return g
+
+        target: set[str] = set()  # values whose copy later blocks share (while r <= shared_until)
+        shared_until = self._shared_until
+        blocks: list[tuple[int, set[str]]] = []
+        held: list[tuple[str, int]] = []
+        for r in sorted(ranks):
+            u = index.order[r]
+            ops = index.block_ops(u, lambda a: unavailable(a) and not (a in target and r <= shared_until[a]))
+            if not ops:
+                continue
+            for c in index.block_targets(u, ops, self.policy):
+                target.add(c)
+                if r < index.first_late_reader[c]:
+                    held.append((c, r))
+            blocks.append((r, set(ops)))
+        return blocks, held
+
+    def _block_peak(self, r: int, ops: set[str], dropped: set[int] | frozenset[int], spans: dict[int, list[tuple[int, int]]]) -> int:
+        """The most bytes beyond the `across` curve live at one of these copies (of the block
+        before rank r): what they made and is still to be read in the block (or by the node
+        at r, or, held by the shared schedule, later), the inputs of the copy running, and
+        its scratch."""
+        index = self.index
+        tensors = index.analysis.tensors
+        outs, ins = self._outs, self._ins
+        seq = sorted(ops, key=index.rank.__getitem__)
+        k = len(seq)
+        pos = {c: i for i, c in enumerate(seq)}
+        start: dict[int, int] = {}
+        end: dict[int, int] = {}
+        for i, c in enumerate(seq):
+            for st in outs[c]:
+                start.setdefault(st, i)
+                end[st] = max(end.get(st, i), i)
+            for a in self._reads[c]:
+                if a in pos:
+                    for st in outs[a]:
+                        end[st] = max(end[st], i)
+        for c in index.block_targets(index.order[r], seq, self.policy):  # held past the block
+            if r <= index.last_late_reader[c]:
+                for st in outs[c]:
+                    end[st] = k
+        counted: dict[int, bool] = {}
+
+        def across(st: int) -> bool:
+            c = counted.get(st)
+            if c is None:
+                c = counted[st] = self._counted_across(st, r, dropped, spans)
+            return c
+
+        diff = [0] * (k + 2)
+        for st, lo in start.items():
+            if not across(st):
+                diff[lo] += tensors[st].nbytes
+                diff[min(end[st], k) + 1] -= tensors[st].nbytes
+        best = live = 0
+        for i, c in enumerate(seq):
+            live += diff[i]
+            extra = live + self._scratch.get(c, 0)
+            for st in ins[c]:
+                lo = start.get(st)
+                if (lo is None or not lo <= i <= end[st]) and not across(st):
+                    extra += tensors[st].nbytes
+            if extra > best:
+                best = extra
+        return best
+
+    def _counted_across(self, st: int, r: int, dropped: set[int] | frozenset[int], spans: dict[int, list[tuple[int, int]]]) -> bool:
+        """Whether storage `st` is already in the `across` curve at rank r (`spans`: the
+        spans of the storages whose copies live longer than self._spans says)."""
+        if st in spans:
+            return any(lo < r <= hi for lo, hi in spans[st])
+        if st in dropped:
+            return any(lo < r <= hi for lo, hi in self._spans.get(st, ()))
+        kept = self._kept.get(st)
+        return kept is not None and kept[0] < r <= kept[1]
+
+
+def _add(diff: np.ndarray, lo: int, hi: int, nbytes: int) -> None:
+    """Add `nbytes` over ranks [lo, hi] of a difference array."""
+    if hi >= lo:
+        diff[lo] += nbytes
+        diff[hi + 1] -= nbytes

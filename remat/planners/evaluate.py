@@ -1,0 +1,208 @@
+"""Running a dropped set through the schedule and the simulator, for every planner:
+one set (`evaluate`), many against a budget with the lower bound in front (`Evaluator`),
+the plan made of the chosen set (`assemble_plan`), and the error when none fits."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from remat.budget import format_bytes
+from remat.errors import BudgetError
+from remat.pipeline.schedule import GraphIndex, RebuildPolicy, Schedule, build_schedule, recompute_seconds
+from remat.pipeline.simulator import Timeline, simulate_schedule
+from remat.planners.bound import PeakLowerBound
+from remat.planners.plan import Plan, Recomputed, graph_fingerprint_of
+
+
+@dataclass
+class Evaluation:
+    """A dropped set run through the schedule and the plan simulator."""
+
+    schedule: Schedule
+    timeline: Timeline
+    overhead_seconds: float
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.timeline.peak_bytes
+
+
+def evaluate(
+    index: GraphIndex, dropped: set[int] | frozenset[int], node_seconds: dict[str, float], policy: RebuildPolicy = RebuildPolicy.PER_BLOCK
+) -> Evaluation:
+    schedule = build_schedule(index, dropped, policy)
+    return Evaluation(schedule, simulate_schedule(index, schedule), recompute_seconds(schedule, node_seconds))
+
+
+def assemble_plan(
+    planner: str,
+    index: GraphIndex,
+    node_seconds: dict[str, float],
+    budget_bytes: int,
+    picks: list[int],
+    final: Evaluation,
+    baseline: Timeline,
+    planning_seconds: float,
+    *,
+    fingerprint: str | None = None,
+    model: str | None = None,
+    batch_size: int | None = None,
+    optimizer: str | None = None,
+    baseline_iteration_seconds: float | None = None,
+    meta: dict[str, Any] | None = None,
+    policy: RebuildPolicy = RebuildPolicy.PER_BLOCK,
+) -> Plan:
+    entries = describe_recomputed(index, set(picks), picks, node_seconds)
+    return Plan(
+        share_rebuilt=policy.shares,
+        planner=planner,
+        fingerprint=fingerprint if fingerprint is not None else graph_fingerprint_of(index),
+        budget_bytes=int(budget_bytes),
+        recomputed=entries,
+        predicted_peak_bytes=int(final.timeline.peak_bytes),
+        predicted_step_peak_bytes=int(final.timeline.step_peak_bytes),
+        baseline_peak_bytes=int(baseline.peak_bytes),
+        predicted_overhead_seconds=float(final.overhead_seconds),
+        baseline_iteration_seconds=float(
+            baseline_iteration_seconds if baseline_iteration_seconds is not None else sum(node_seconds[n] for n in index.order)
+        ),
+        planning_seconds=float(planning_seconds),
+        num_recomputed=len(entries),
+        persistent_bytes=int(baseline.persistent_bytes),
+        baseline_step_peak_bytes=int(baseline.step_peak_bytes),
+        model=model,
+        batch_size=batch_size,
+        optimizer=optimizer,
+        meta=dict(meta or {}),
+    )
+
+
+def describe_recomputed(index: GraphIndex, dropped: set[int] | frozenset[int], order: list[int], node_seconds: dict[str, float]) -> list[Recomputed]:
+    """Entries for the storages in `order`, each with its closure under the whole dropped set."""
+    dropped = frozenset(dropped)
+    tensors = index.analysis.tensors
+    out: list[Recomputed] = []
+    for sid in order:
+        ops = index.closure(index.backward_readers(sid), dropped, set())
+        op_set = set(ops)
+        sources: list[str] = []
+        for n in ops:
+            for a in index.reads_of_copy(n):
+                if a not in op_set and a not in sources and index.storages.get(a):
+                    sources.append(a)
+        seconds = float(sum(node_seconds[n] for n in ops))
+        nbytes = tensors[sid].nbytes
+        out.append(
+            Recomputed(
+                key=tensors[sid].key,
+                nbytes=int(nbytes),
+                sources=sources,
+                ops=ops,
+                recompute_seconds=seconds,
+                ratio=(nbytes / seconds) if seconds > 0 else None,
+            )
+        )
+    return out
+
+
+REFINE_SECONDS = 5.0  # how long a failed planner may spend pinning down the smallest peak it can reach
+
+
+@dataclass(frozen=True)
+class Reach:
+    """The smallest peak a planner's plans reach: `best` was simulated; none is below `lower`."""
+
+    best: int
+    lower: int
+    exact: bool
+
+
+class Evaluator:
+    """Checks dropped sets against a budget, simulating only those that could fit.
+
+    Keeps what a planner needs to report: how many simulations it ran, and the smallest
+    peak over every set it was asked about (`smallest_peak`: sets skipped by the bound
+    are simulated at the end, only if their bound is below the best peak seen).
+    """
+
+    def __init__(
+        self, index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, use_bound: bool = True, policy: RebuildPolicy = RebuildPolicy.PER_BLOCK
+    ):
+        self.policy = policy
+        self.index = index
+        self.use_bound = use_bound
+        self.node_seconds = node_seconds
+        self.budget_bytes = int(budget_bytes)
+        self.baseline = evaluate(index, set(), node_seconds)
+        self.bound = PeakLowerBound(index, self.baseline.timeline, policy)  # for the schedule it simulates
+        self.simulations = 1
+        self.skipped_by_bound = 0
+        self.bound_violations = 0  # a simulated peak below its bound: the bound is wrong (tests assert none)
+        self._best_peak = self.baseline.peak_bytes
+        self._skipped: list[tuple[int, frozenset[int]]] = []
+
+    def check(self, dropped: set[int] | frozenset[int]) -> tuple[bool, int | None, Evaluation | None]:
+        """(fits?, simulated peak or None if skipped, evaluation or None)."""
+        dropped = frozenset(dropped)
+        lb = self.bound(dropped, above=self.budget_bytes)
+        if self.use_bound and lb > self.budget_bytes:
+            self.skipped_by_bound += 1
+            self._skipped.append((lb, dropped))
+            return False, None, None
+        ev = evaluate(self.index, dropped, self.node_seconds, self.policy)
+        self.simulations += 1
+        if ev.peak_bytes < lb:
+            self.bound_violations += 1
+        self._best_peak = min(self._best_peak, ev.peak_bytes)
+        return ev.peak_bytes <= self.budget_bytes, ev.peak_bytes, ev
+
+    def smallest_peak(self, time_limit: float | None = REFINE_SECONDS) -> "Reach":
+        """The smallest peak over every set checked so far.
+
+        Sets skipped by the bound are simulated now, lowest bound first (smaller sets
+        first among equal bounds: they are cheaper), while their bound is below the best
+        peak seen. Past `time_limit` seconds it stops and says how far it got: plans
+        that drop most activations can take seconds each to simulate.
+        """
+        best = self._best_peak
+        t0 = time.perf_counter()
+        pending = sorted(self._skipped, key=lambda x: (x[0], len(x[1])))
+        for lb, dropped in pending:
+            if lb >= best:
+                return Reach(best, best, True)
+            if time_limit is not None and time.perf_counter() - t0 > time_limit:
+                return Reach(best, lb, False)
+            if self.bound(dropped) >= best:  # the whole bound (above stopped at the cheap part)
+                continue
+            peak = evaluate(self.index, dropped, self.node_seconds, self.policy).peak_bytes
+            self.simulations += 1
+            if peak < lb:
+                self.bound_violations += 1
+            best = min(best, peak)
+        return Reach(best, best, True)
+
+    def stats(self) -> dict[str, int]:
+        return {"simulations": self.simulations, "skipped_by_bound": self.skipped_by_bound, "bound_violations": self.bound_violations}
+
+
+def no_plan_error(planner: str, budget_bytes: int, reach: Reach | int, baseline_peak: int, num_candidates: int) -> BudgetError:
+    """The BudgetError of a planner with no plan under the budget; `reach` may be a bare (exact) peak."""
+    if not isinstance(reach, Reach):
+        reach = Reach(int(reach), int(reach), True)
+
+    if reach.exact:
+        smallest = f"the smallest peak it could reach is {format_bytes(reach.best)} ({reach.best} bytes)"
+    else:
+        smallest = (
+            f"the smallest peak it could reach is {format_bytes(reach.best)} ({reach.best} bytes) among the plans "
+            f"it simulated, and none of its plans goes below {format_bytes(reach.lower)} ({reach.lower} bytes)"
+        )
+    return BudgetError(
+        f"no {planner} plan fits the budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes): {smallest}, "
+        f"from {format_bytes(baseline_peak)} without recomputation, with {num_candidates} activations that may be "
+        f"recomputed. Raise the budget to at least {format_bytes(reach.best)} (--budget {reach.best}), or lower "
+        "the batch size.",
+        reach=reach,
+    )

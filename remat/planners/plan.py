@@ -1,0 +1,176 @@
+"""A plan: which activations to recompute, why, and what that is predicted to cost.
+
+Every planner returns one; the rewriter and the reports read one. It names storages by
+their stable keys (analysis.TensorInfo.key), never by ids, so that a plan saved as JSON
+can be checked against, and applied to, a fresh capture of the same graph.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from remat.errors import PlanError
+from remat.pipeline.schedule import GraphIndex, RebuildPolicy, Schedule, build_schedule
+from remat.serialize import check_fields, describe_value, dump_document, load_document
+
+PLAN_FORMAT = "remat.plan"
+PLAN_VERSION = 1
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass
+class Recomputed:
+    """One dropped activation and how it is rebuilt from what the final plan keeps.
+
+    `ops` are the forward ops copied to rebuild it (in execution order, its closure under
+    the final plan) and `sources` the kept values they read (parameters, inputs, kept
+    activations). Entries may share ops, and the schedule may rebuild a value more than
+    once, so their seconds do not add up to the plan's overhead (schedule.py decides).
+    """
+
+    key: str
+    nbytes: int
+    sources: list[str]  # node names of the kept values the rebuild reads
+    ops: list[str]  # node names of the forward ops copied to rebuild it
+    recompute_seconds: float  # summed median seconds of `ops`
+    ratio: float | None  # nbytes / recompute_seconds (None when the ops take no time)
+
+
+@dataclass
+class Plan:
+    planner: str
+    fingerprint: str
+    budget_bytes: int
+    recomputed: list[Recomputed]  # in the order the planner picked them
+    predicted_peak_bytes: int
+    predicted_step_peak_bytes: int
+    baseline_peak_bytes: int
+    predicted_overhead_seconds: float  # recompute_seconds() of the final schedule
+    baseline_iteration_seconds: float
+    planning_seconds: float
+    num_recomputed: int
+    persistent_bytes: int = 0
+    baseline_step_peak_bytes: int = 0
+    model: str | None = None
+    batch_size: int | None = None
+    optimizer: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    share_rebuilt: bool = False  # the rebuild policy it was made for: shared (True) or per block; a bool in the file format
+
+    @property
+    def policy(self) -> RebuildPolicy:
+        return RebuildPolicy.SHARED if self.share_rebuilt else RebuildPolicy.PER_BLOCK
+
+    @property
+    def keys(self) -> list[str]:
+        return [r.key for r in self.recomputed]
+
+    @property
+    def predicted_overhead_fraction(self) -> float:
+        return self.predicted_overhead_seconds / self.baseline_iteration_seconds if self.baseline_iteration_seconds else 0.0
+
+    def dropped(self, index: GraphIndex, check_fingerprint: bool = True) -> set[int]:
+        """The storage ids of this graph that the plan recomputes.
+
+        Refuses a plan made for another graph: by the tensors it names, then by the graph
+        fingerprint (the same model at another batch size has the same tensor names).
+        """
+        by_key = index.analysis.storage_by_key()
+        missing = [k for k in self.keys if k not in by_key]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise PlanError(
+                f"the plan names {len(missing)} tensor(s) this graph does not have ({shown}): it was made for "
+                f"another graph{self._made_for()}. Plan this model and batch size again."
+            )
+        if check_fingerprint:
+            self.check_graph(graph_fingerprint_of(index))
+        return {by_key[k] for k in self.keys}
+
+    def check_graph(self, fingerprint: str) -> None:
+        if fingerprint != self.fingerprint:
+            raise PlanError(
+                f"this plan was made for another graph{self._made_for()} (fingerprint {self.fingerprint[:12]}…, "
+                f"this graph {fingerprint[:12]}…): the model, optimizer or batch shape differ. Plan this graph again."
+            )
+
+    def schedule(self, index: GraphIndex) -> Schedule:
+        return build_schedule(index, self.dropped(index), self.policy)
+
+    def _made_for(self) -> str:
+        if self.model is None:
+            return ""
+        return f" ({self.model}, batch {self.batch_size})" if self.batch_size is not None else f" ({self.model})"
+
+    # ------------------------------------------------------------------ JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "plan") -> "Plan":
+        """A plan from its JSON object, refused (PlanError, naming the field) unless every
+        field is there, of its type, and the entries agree with each other."""
+        check_fields(d, cls, where, _PLAN_SIGNS)
+        d = {k: v for k, v in d.items() if k not in ("format", "version")}
+        if not _SHA256.fullmatch(d["fingerprint"]):
+            raise PlanError(
+                f"{where}: fingerprint must be a sha256 digest (64 hexadecimal digits), not {describe_value(d['fingerprint'])}"
+            )
+        seen: dict[str, int] = {}
+        for i, r in enumerate(d["recomputed"]):
+            if r["key"] in seen:
+                raise PlanError(f"{where}: recomputed[{i}] repeats the tensor {r['key']} of recomputed[{seen[r['key']]}]")
+            seen[r["key"]] = i
+        entries = [Recomputed(**r) for r in d["recomputed"]]
+        d["recomputed"] = entries
+        plan = cls(**d)
+        if plan.num_recomputed != len(entries):
+            raise PlanError(f"{where}: num_recomputed is {plan.num_recomputed} but {len(entries)} entries are listed")
+        return plan
+
+    def to_json(self, path: str | Path) -> Path:
+        return dump_document(path, PLAN_FORMAT, PLAN_VERSION, self.to_dict())
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "Plan":
+        return cls.from_dict(load_document(path, PLAN_FORMAT, PLAN_VERSION), where=str(path))
+
+
+# Fields that are counts, bytes or seconds: a negative one is an edited or broken file.
+_PLAN_SIGNS: dict[type, dict[str, str]] = {
+    Plan: {
+        **{k: "non-negative" for k in (
+            "budget_bytes", "predicted_peak_bytes", "predicted_step_peak_bytes", "baseline_peak_bytes",
+            "predicted_overhead_seconds", "baseline_iteration_seconds", "planning_seconds", "num_recomputed",
+            "persistent_bytes", "baseline_step_peak_bytes",
+        )},
+        "batch_size": "positive",
+    },
+    Recomputed: {"nbytes": "non-negative", "recompute_seconds": "non-negative", "ratio": "non-negative"},
+}  # fmt: skip
+
+
+def graph_fingerprint_of(index: GraphIndex) -> str:
+    """The captured graph's fingerprint, as the profiler computes it (profiles and plans agree)."""
+    try:
+        from remat.pipeline.profiler import graph_fingerprint
+    except ImportError:  # pragma: no cover - profiler missing: hash the op sequence ourselves
+        h = hashlib.sha256()
+        for n in index.order:
+            h.update(f"{n} {index.node_map[n].target}\n".encode())
+        return h.hexdigest()
+    return graph_fingerprint(index.tg)
+
+
+def check_node_seconds(index: GraphIndex, node_seconds: dict[str, float]) -> None:
+    missing = [n for n in index.order if n not in node_seconds]
+    if missing:
+        raise PlanError(
+            f"the node times do not cover this graph: {len(missing)} of its {len(index.order)} nodes have no time "
+            f"(e.g. {', '.join(missing[:3])}); the profile was measured on another graph. Profile this graph again."
+        )
