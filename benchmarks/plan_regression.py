@@ -26,7 +26,7 @@ from remat.pipeline import build as pipeline  # noqa: E402
 from remat.pipeline.capture import capture  # noqa: E402
 from remat.errors import RematError  # noqa: E402
 from remat.planners import make_plan  # noqa: E402
-from remat.pipeline.profiler import Profile  # noqa: E402
+from remat.pipeline.profiles import Profile  # noqa: E402
 from remat.pipeline.simulator import simulate  # noqa: E402
 from remat.workloads import load  # noqa: E402
 

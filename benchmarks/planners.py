@@ -32,7 +32,7 @@ COLUMNS = [
 def _graph(model: str, batch: int, optimizer: str, profiles: Path, runs: int):
     from remat.pipeline import build as pipeline
     from remat.pipeline.capture import capture
-    from remat.pipeline.profiler import Profile
+    from remat.pipeline.profiles import Profile
     from remat.workloads import load
 
     spec = load(model, batch, optimizer)

@@ -8,7 +8,8 @@ least extra time, and runs the rewritten graph as the training step.
 __version__ = "0.1.0"
 
 from remat.pipeline.analysis import Role, analyze
-from remat.pipeline.capture import Phase, TrainGraph, capture
+from remat.pipeline.capture import capture
+from remat.pipeline.train_graph import Phase, TrainGraph
 from remat.errors import BudgetError, CaptureError, PlanError, RematError
 from remat.runtime import RematStep, StepReport, compile
 

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 from remat.errors import BudgetError
 
+MiB = 2**20
+GiB = 2**30
+
 ACCEPTED_FORMS = (
     'a fraction of the activation peak in (0, 1] such as 0.5 or "0.5", '
     'or an absolute cap on the whole peak: integer bytes such as 2048, '

@@ -29,7 +29,7 @@ from remat.errors import CaptureError, RematError
 from remat.measurement.memory import measure_step_peak
 from remat.planners.plan import Plan
 from remat.planners import make_plan
-from remat.pipeline.profiler import Profile
+from remat.pipeline.profiles import Profile
 from remat.pipeline.rewriter import rewrite
 from remat.pipeline.simulator import simulate, simulate_schedule
 

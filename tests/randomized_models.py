@@ -30,7 +30,7 @@ import remat
 import remat.pipeline.build as pipeline_build
 import remat.runtime
 from remat.pipeline.analysis import analyze
-from remat.pipeline.capture import Phase
+from remat.pipeline.train_graph import Phase
 from remat.measurement.check import check_against_eager, twin
 from remat.errors import BudgetError, CaptureError
 from remat.pipeline.simulator import simulate
@@ -647,7 +647,7 @@ def reuse_profiles() -> Iterator[dict[str, Any]]:
     not be reproducible. (Reusing the capture only saves time: nothing between the two
     compiles changes the model.) Yields {"profiles": by graph fingerprint, "captures": ...}.
     """
-    from remat.pipeline.profiler import graph_fingerprint
+    from remat.pipeline.profiles import graph_fingerprint
 
     real_profile, real_capture = pipeline_build.profile, pipeline_build.capture
     profiles: dict[str, Any] = {}

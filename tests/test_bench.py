@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from remat.measurement.baselines import NotSupported, block_sequence, make_baseline, sqrt_segments
-from remat.measurement.bench import _search, bench, load_results, maxbatch, replot
+from remat.measurement.maxbatch import _search, maxbatch
+from remat.measurement.results import load_results
+from remat.measurement.sweep import bench, replot
 from remat.measurement.check import compare_state, twin
 from remat.cli import main as cli_main
 from remat.models import build_model, make_optimizer, make_train_step
@@ -129,7 +131,7 @@ def test_bench_records_every_run_resumes_and_replots(tmp_path, monkeypatch):
 
 
 def test_interrupted_bench_keeps_finished_runs_and_resumes(tmp_path, monkeypatch):
-    import remat.measurement.bench as bench_mod
+    import remat.measurement.sweep as bench_mod
     import remat.models
 
     real_rounds = bench_mod.time_round_robin
@@ -245,7 +247,7 @@ def test_cli_usage_errors(capsys):
 
 
 def test_demo_table_shows_time_ratios(tmp_path, capsys):
-    from remat.measurement.bench import demo
+    from remat.measurement.sweep import demo
 
     demo(tmp_path, progress=False, model="bert-tiny", batch_sizes=(16,), budgets=(0.9,))
     out = capsys.readouterr().out

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from remat.pipeline.analysis import Role, analyze
-from remat.pipeline.capture import Phase, capture, flat_inputs, run_captured
+from remat.pipeline.capture import capture, flat_inputs, run_captured
+from remat.pipeline.train_graph import Phase
 from remat.measurement.check import check_against_eager, twin
 from remat.errors import CaptureError
 from remat.models import build_model, make_optimizer, make_train_step

@@ -10,7 +10,7 @@ import torch
 
 from remat.cli import COMMANDS, main
 from remat.errors import CaptureError
-from remat.pipeline.profiler import Profile
+from remat.pipeline.profiles import Profile
 
 REQUIRED_KEYS = {
     "model",

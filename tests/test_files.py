@@ -21,7 +21,7 @@ import torch
 
 from remat.errors import PlanError
 from remat.planners.plan import Plan
-from remat.pipeline.profiler import Profile
+from remat.pipeline.profiles import Profile
 
 KINDS = ("plan", "profile")
 MODEL, BATCH = "mlp-deep", 512
@@ -330,7 +330,7 @@ def test_plan_for_another_graph_is_refused(saved, tmp_path, other_graphs):
     fp = _doc(saved, "plan")["fingerprint"]
     # The same model at another batch size: the same tensor names, another fingerprint.
     tg, index = other_graphs["batch"]
-    from remat.pipeline.profiler import graph_fingerprint
+    from remat.pipeline.profiles import graph_fingerprint
 
     other_fp = graph_fingerprint(tg)
     with pytest.raises(
@@ -366,7 +366,7 @@ def test_profile_for_another_graph_is_refused(saved, tmp_path, other_graphs):
         _use("profile", path, saved, tg=tg, model="mlp")
     # The file relabelled (or written without labels): the graph fingerprint refuses it,
     # naming both fingerprints.
-    from remat.pipeline.profiler import graph_fingerprint
+    from remat.pipeline.profiles import graph_fingerprint
 
     tg, _ = other_graphs["batch"]
     doc = _doc(saved, "profile")

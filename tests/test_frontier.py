@@ -10,7 +10,8 @@ import json
 import pytest
 
 from remat.errors import BudgetError, RematError
-from remat.measurement.frontier import markdown_table, parse_budgets, run_frontier
+from remat.measurement.frontier import parse_budgets, run_frontier
+from remat.measurement.frontier_files import markdown_table
 
 
 def test_parse_budgets():
@@ -134,7 +135,7 @@ def test_interrupted_frontier_keeps_its_points_and_resumes(tmp_path, monkeypatch
 def test_frontier_resume_refuses_another_configuration(tmp_path):
     from remat.cli.common import UsageError
     from remat.errors import PlanError
-    from remat.measurement.frontier import Frontier, Point, load_frontier, write_results
+    from remat.measurement.frontier_files import Frontier, Point, load_frontier, write_results
 
     out = tmp_path / "fr"
     fr = Frontier("mlp-deep", 512, "sgd", "cpu", ["mutwo"], ["0.5"], 1, 2, 1, 0.1,

@@ -614,7 +614,7 @@ def test_cli_plan_refuses_profile_of_another_batch_size(mlp_run, tmp_path):
     with pytest.raises(PlanError, match="not of bert-tiny with batch size 2 \\(sgd\\): its batch size differs"):
         _plan_cli(["--model", "bert-tiny", "--batch-size", "2", "--budget", "0.7", "--profile", str(out / "profile.json"), "--out", str(tmp_path)])
     # A profile with no names: the graph fingerprint still tells.
-    from remat.pipeline.profiler import Profile
+    from remat.pipeline.profiles import Profile
 
     prof = Profile.from_json(out / "profile.json")
     prof.model = prof.batch_size = prof.optimizer = None

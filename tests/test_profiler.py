@@ -13,7 +13,8 @@ from remat.pipeline.analysis import ROLES, Role, analyze
 from remat.pipeline.capture import capture
 from remat.errors import PlanError
 from remat.models import build_model, make_optimizer, make_train_step
-from remat.pipeline.profiler import Profile, graph_fingerprint, profile
+from remat.pipeline.profiler import profile
+from remat.pipeline.profiles import Profile, graph_fingerprint
 from remat.measurement.report import (
     breakdown_table,
     plot_memory_breakdown,

@@ -1,4 +1,4 @@
-"""`remat bench` and `remat maxbatch` (the sweep logic lives in remat/measurement/bench.py)."""
+"""`remat bench` and `remat maxbatch` (the sweep logic lives in remat/measurement/sweep.py and maxbatch.py)."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def configure_bench(p: argparse.ArgumentParser) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from remat.measurement.baselines import BASELINES
-    from remat.measurement.bench import bench, replot
+    from remat.measurement.sweep import bench, replot
     from remat.cli.common import UsageError, _check_device, _positive
     from remat.measurement.report import console_for
     from remat.workloads import check_names
@@ -123,7 +123,7 @@ def configure_maxbatch(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_maxbatch(args: argparse.Namespace) -> int:
-    from remat.measurement.bench import maxbatch
+    from remat.measurement.maxbatch import maxbatch
     from remat.cli.common import UsageError, _check_device, _positive
     from remat.workloads import check_names
 

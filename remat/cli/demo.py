@@ -36,7 +36,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for model, out, files in written:
         console.print(f"  {model}: {out}/ ({', '.join(p.name for p in files.values())})")
     if not args.profile_only:
-        from remat.measurement.bench import demo
+        from remat.measurement.sweep import demo
 
         demo(Path(args.out))
     return 0

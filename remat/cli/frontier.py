@@ -52,7 +52,8 @@ def configure_frontier(p: argparse.ArgumentParser) -> None:
 def cmd_frontier(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from remat.measurement.frontier import markdown_table, parse_budgets, run_frontier
+    from remat.measurement.frontier import parse_budgets, run_frontier
+    from remat.measurement.frontier_files import markdown_table
 
     t0 = time.perf_counter()
     planners = [p.strip() for p in args.planners.split(",") if p.strip()]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 HELP = "choose what to recompute so that an iteration fits a memory budget, and predict the cost"
-MiB = 2**20
+from remat.budget import MiB
 
 
 def configure(p: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-GiB = 2**30
+from remat.budget import GiB
 
 
 def configure_run(p: argparse.ArgumentParser) -> None:

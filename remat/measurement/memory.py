@@ -121,3 +121,25 @@ def measure_peak(fn: Callable[[], Any], device: str | torch.device = "cpu") -> M
         running += nbytes
         peak = max(peak, running)
     return Measured(result, peak, running)
+
+
+def persistent_bytes(model: Any, optimizer: Any) -> int:
+    """Bytes of the storages that live across steps: parameters, buffers, optimizer state."""
+    import torch
+
+    seen: dict[Any, int] = {}
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+
+    for p in model.parameters():
+        add(p)
+    for b in model.buffers():
+        add(b)
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for v in state.values():
+                add(v)
+    return sum(seen.values())

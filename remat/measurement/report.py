@@ -13,10 +13,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from remat.pipeline.analysis import ROLES, Role
-from remat.pipeline.profiler import PHASES, Profile
+from remat.pipeline.profiles import PHASES, Profile
 from remat.pipeline.simulator import Timeline
 
-MiB = 2**20
+from remat.budget import MiB
 
 # Stacking order, bottom to top: what lives across steps first (a flat base), then
 # what the step itself makes.

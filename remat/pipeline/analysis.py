@@ -18,7 +18,7 @@ import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from remat.pipeline.capture import InputKind, Phase, TrainGraph
+from remat.pipeline.train_graph import InputKind, Phase, TrainGraph
 
 
 class Role(str, Enum):

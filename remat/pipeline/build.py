@@ -14,8 +14,10 @@ from typing import Any
 import torch
 
 from remat.pipeline.analysis import GraphAnalysis, analyze
-from remat.pipeline.capture import TrainGraph, TrainStep, capture
-from remat.pipeline.profiler import Profile, graph_fingerprint, profile
+from remat.pipeline.capture import capture
+from remat.pipeline.train_graph import TrainGraph, TrainStep
+from remat.pipeline.profiler import profile
+from remat.pipeline.profiles import Profile, graph_fingerprint
 from remat.pipeline.schedule import GraphIndex
 
 

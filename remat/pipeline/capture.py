@@ -6,15 +6,12 @@ runs, so the graph takes them as placeholders and mutates them in place, exactly
 eager step would. Markers (a no-op custom op) are dropped into the trace at the start of
 `backward()`, after it, and at the start of `optimizer.step()`; they tell each node's
 phase, which node is the loss and which nodes are the parameters' gradients, and are
-removed before the graph is handed on.
-"""
+removed before the graph is handed on."""
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.fx
@@ -27,91 +24,9 @@ from remat.pipeline.cpu_strides import CpuOutputStrides
 from remat.errors import CaptureError
 from remat.pipeline.optimizer_state import check_first_step_state, optimizer_on, optimizer_states
 
-TrainStep = Callable[[torch.nn.Module, "torch.optim.Optimizer | None", Any], torch.Tensor]
-
-
-class Phase(str, Enum):
-    FORWARD = "forward"
-    BACKWARD = "backward"
-    OPTIMIZER = "optimizer"
-
-
-class InputKind(str, Enum):
-    PARAMETER = "parameter"
-    BUFFER = "buffer"
-    OPTIMIZER_STATE = "optimizer_state"
-    HYPERPARAMETER = "hyperparameter"  # a float of optimizer.param_groups, read at every call
-    BATCH = "batch"
-
-
-@dataclass(frozen=True)
-class GraphInput:
-    """One placeholder of the captured graph and where its tensor comes from."""
-
-    name: str  # parameter/buffer name, "<param>.<state key>", or the batch leaf's path
-    kind: InputKind
-    shape: tuple[int, ...]
-    dtype: str
-    device: str
-
-
-@dataclass
-class TrainGraph:
-    """The captured iteration: an fx graph plus what each placeholder and output means.
-
-    `gm(*flat_inputs)` runs one step in place (under no_grad) and returns
-    `(outputs, grads)`: `outputs` the tensors train_step returned (flattened; the
-    structure is `output_spec`), `grads[i]` the final `.grad` of parameter `grad_names[i]`.
-    """
-
-    gm: torch.fx.GraphModule
-    inputs: list[GraphInput]
-    grad_names: list[str]  # parameters whose .grad is still set when train_step returns
-    phase: dict[str, Phase]  # node name -> phase, for every call_function node
-    loss_node: str
-    grad_nodes: dict[str, str]  # parameter name -> node holding its gradient after backward
-    batch_spec: str  # pytree structure of the batch, as text, to reject other structures
-    has_optimizer: bool
-    device: str
-    output_spec: Any = None  # pytree spec of train_step's return value (None: one tensor)
-    trainable: tuple[str, ...] = ()  # parameters that required a gradient at capture
-    training: tuple[bool, ...] = ()  # module.training of every module at capture (train/eval behaviour is traced in)
-    leaves_zero_grads: bool = False  # the step ends with zero_grad(set_to_none=False): see _ends_with_zero_grads
-    backward_passes: int = 1  # backward() calls per step: micro-batches accumulating gradients
-    groups: list[hyperparams.GroupSpec] = field(default_factory=list)  # what the update assumes of param_groups
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    def op_nodes(self) -> list[torch.fx.Node]:
-        """The call_function nodes in execution order (rank = index in this list)."""
-        return [n for n in self.gm.graph.nodes if n.op == "call_function"]
-
-    def batch_signature(self) -> list[tuple[tuple[int, ...], str, str]]:
-        return [(i.shape, i.dtype, i.device) for i in self.inputs if i.kind is InputKind.BATCH]
-
-
-# ---------------------------------------------------------------------------- markers
-
-
-@torch.library.custom_op("remat::marker", mutates_args=())
-def _marker(tensors: list[torch.Tensor], tag: str) -> None:
-    """Does nothing; its place in the trace records where something happened."""
-    return None
-
-
-@_marker.register_fake
-def _marker_fake(tensors: list[torch.Tensor], tag: str) -> None:
-    return None
-
-
-_MARKER = torch.ops.remat.marker.default
-_RECORD_FUNCTION_OPS = {
-    torch.ops.profiler._record_function_enter.default,
-    torch.ops.profiler._record_function_enter_new.default,
-    torch.ops.profiler._record_function_exit._RecordFunction,
-}
-
-
-# ---------------------------------------------------------------------------- inputs
+from remat.pipeline.markers import MARKER, RECORD_FUNCTION_OPS, marker
+from remat.pipeline.trace_checks import branched_hyperparameters, check_no_accumulation, check_static_shapes, drop_unread_hyperparameters, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state
+from remat.pipeline.train_graph import GraphInput, InputKind, Phase, TrainGraph, TrainStep
 
 
 def _unique_named(items: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -200,9 +115,6 @@ def _describe(t: torch.Tensor) -> tuple[tuple[int, ...], str, str]:
     return tuple(t.shape), str(t.dtype).replace("torch.", ""), str(t.device)
 
 
-# ---------------------------------------------------------------------------- capture
-
-
 def capture(
     train_step: TrainStep,
     model: torch.nn.Module,
@@ -268,7 +180,7 @@ def capture(
     grad_order: list[str] = []  # filled while tracing: names of the grads the "grads" marker holds
     final_grads: list[str] = []
     seen: dict[str, Any] = {}  # what the last trace saw: the return value's structure, backward() calls
-    probe = {"preset_grads": False}  # see _check_no_accumulation
+    probe = {"preset_grads": False}  # see check_no_accumulation
     # Floats the update branches on (`if weight_decay != 0`) keep their zero-ness from the
     # capture; the others are free symbols. `symbols` names a float a trace tripped on.
     zero_facts = {n: v == 0 for n, v in hyper_values.items() if hyperparams.parse_input_name(n)[1] in hyperparams.BRANCHED_KEYS}
@@ -286,7 +198,7 @@ def capture(
         if probe["preset_grads"]:
             for n in trainable:
                 t_params[n].grad = torch.zeros_like(t_params[n])
-            _marker([t_params[n].grad for n in trainable], "preset_grads")
+            marker([t_params[n].grad for n in trainable], "preset_grads")
         calls = {"backward": 0}
         real_backward = torch.autograd.backward
 
@@ -294,14 +206,14 @@ def capture(
             # Several calls: micro-batches accumulating into the same gradients, then one update.
             calls["backward"] += 1
             roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-            _marker(roots, "backward_begin")
+            marker(roots, "backward_begin")
             real_backward(tensors, *a, **k)
             named = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]
             grad_order[:] = [n for n, _ in named]  # the last backward's: the gradients the update reads
-            _marker([g for _, g in named], "grads")
+            marker([g for _, g in named], "grads")
 
         def step_pre_hook(opt, args, kwargs):  # type: ignore[no-untyped-def]
-            _marker([], "optimizer_begin")
+            marker([], "optimizer_begin")
 
         mapping = {a: t_params[c] for a, c in param_alias.items()}
         mapping.update({a: t_buffers[c] for a, c in buffer_alias.items()})
@@ -330,12 +242,12 @@ def capture(
             try:
                 return make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=False)(*flat)
             except Exception as e:  # noqa: BLE001 - translated into a message a user can act on
-                branched = _branched_hyperparameters(e, symbols)
+                branched = branched_hyperparameters(e, symbols)
                 new = [name for name in branched if name not in zero_facts]
                 if not new:
                     if isinstance(e, CaptureError):
                         raise
-                    raise _explain_trace_failure(e) from e
+                    raise explain_trace_failure(e) from e
                 zero_facts.update({name: hyper_values[name] == 0 for name in new})
             finally:
                 model.train(was_training)
@@ -352,14 +264,14 @@ def capture(
             probe_gm = trace()
         finally:
             grad_order[:], final_grads[:] = kept
-        leaves_zero_grads = _ends_with_zero_grads(gm)
+        leaves_zero_grads = ends_with_zero_grads(gm)
         if not leaves_zero_grads:
-            _check_no_accumulation(probe_gm)
-    _check_static_shapes(gm)
+            check_no_accumulation(probe_gm)
+    check_static_shapes(gm)
     groups: list[hyperparams.GroupSpec] = []
     if optimizer is not None:
         inputs = drop_unread_new_state(gm, inputs, optimizer, params, had_state)
-        inputs = _drop_unread_hyperparameters(gm, inputs)
+        inputs = drop_unread_hyperparameters(gm, inputs)
         check_first_step_state(optimizer, had_state, {id(params[n]) for n in grad_order})
         groups = hyperparams.group_specs(optimizer, real_to_name, zero_facts)
     tg = _finish(gm, inputs, grad_order, final_grads, str(spec), optimizer is not None, device)
@@ -391,141 +303,6 @@ def _step_outputs(result: Any) -> tuple[list[torch.Tensor], Any]:
     return [t.detach() for t in leaves], out_spec
 
 
-def _branched_hyperparameters(e: BaseException, symbols: dict[str, str]) -> list[str]:
-    """The hyperparameters a failed trace branched on, from a data-dependent guard's condition."""
-    while e is not None:
-        cond = getattr(e, "cond", None)
-        if cond is not None and hasattr(cond, "free_symbols"):
-            return [symbols[str(s)] for s in cond.free_symbols if str(s) in symbols]
-        e = e.__cause__ or e.__context__  # type: ignore[assignment]
-    return []
-
-
-def _drop_unread_hyperparameters(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> list[GraphInput]:
-    """Remove the hyperparameters the update never reads (a scheduler's initial_lr, a float
-    fixed at zero), so that only what changes the step is an input."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    keep: list[GraphInput] = []
-    for node, inp in zip(placeholders, inputs):
-        if inp.kind is InputKind.HYPERPARAMETER:
-            for user in list(node.users):
-                if user.target is torch.ops.aten._local_scalar_dense.default and not user.users:
-                    gm.graph.erase_node(user)
-            if not node.users:
-                gm.graph.erase_node(node)
-                continue
-        keep.append(inp)
-    return keep
-
-
-def drop_unread_new_state(
-    gm: torch.fx.GraphModule,
-    inputs: list[GraphInput],
-    optimizer: torch.optim.Optimizer,
-    params: dict[str, torch.Tensor],
-    had_state: set[int],
-) -> list[GraphInput]:
-    """Undo the first-step state of parameters the step gave no gradient.
-
-    The optimizer skips a parameter whose `.grad` is None and eager never creates its
-    state; the state made before tracing (`init_optimizer_state`) is then read by no
-    node. It is removed from the optimizer and from the graph's inputs, so that the
-    optimizer's state is what eager's would be (and costs no memory).
-    """
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    read: dict[str, bool] = {}  # parameter -> whether any of its new state is read
-    for node, inp in zip(placeholders, inputs):
-        if inp.kind is InputKind.OPTIMIZER_STATE:
-            pname = inp.name.rsplit(".", 1)[0]
-            read[pname] = read.get(pname, False) or bool(node.users) or id(params[pname]) in had_state
-    keep: list[GraphInput] = []
-    for node, inp in zip(placeholders, inputs):
-        pname = inp.name.rsplit(".", 1)[0]
-        if inp.kind is InputKind.OPTIMIZER_STATE and not read[pname]:
-            optimizer.state.pop(params[pname], None)
-            gm.graph.erase_node(node)
-            continue
-        keep.append(inp)
-    return keep
-
-
-def _ends_with_zero_grads(gm: torch.fx.GraphModule) -> bool:
-    """Whether the step leaves every gradient it sets zeroed in place (zero_grad(set_to_none=False)
-    at its end). The next step's backward then adds to zeros, which is the fresh gradient
-    the graph computes: such a step is no accumulation across calls."""
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    grads = output.args[0][1]
-    return bool(grads) and all(g.target is torch.ops.aten.zero_.default for g in grads)
-
-
-def _check_no_accumulation(probe_gm: torch.fx.GraphModule) -> None:
-    """Refuse a step that adds its gradients to those of the step before.
-
-    `probe_gm` was traced with every parameter's `.grad` already set: if train_step calls
-    zero_grad() before backward(), nothing reads those gradients (or they are zeroed in
-    place first); otherwise backward accumulates into them, which a graph computing
-    fresh gradients would silently not do.
-    """
-    marker = next(n for n in probe_gm.graph.nodes if n.target is _MARKER and n.args[1] == "preset_grads")
-    for preset in marker.args[0]:
-        users = [u for u in preset.users if u is not marker]
-        if users and users[0].target not in (torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar):
-            raise CaptureError(
-                "train_step leaves gradients set and does not clear them before backward(), so each step "
-                "would add its gradients to the previous step's (gradient accumulation across calls). "
-                "remat captures steps that start from zero gradients: call optimizer.zero_grad() (or "
-                "model.zero_grad()) in train_step before loss.backward()."
-            )
-
-
-def _check_static_shapes(gm: torch.fx.GraphModule) -> None:
-    """Refuse a trace in which an op's output shape depends on tensor values.
-
-    Fake tensors give such outputs (nonzero, boolean-mask indexing) symbolic sizes instead
-    of failing; the analysis, the simulator and the planners need every size.
-    """
-    for node in gm.graph.nodes:
-        for v in _vals(node):
-            if any(not isinstance(d, int) for d in v.shape):
-                raise CaptureError(
-                    f"an op in train_step returns a shape that depends on tensor values ({node.target} "
-                    f"makes a tensor of shape {tuple(v.shape)}); remat needs static shapes: replace it "
-                    "(e.g. masked ops such as torch.where instead of nonzero/boolean indexing)."
-                )
-
-
-def _vals(node: torch.fx.Node) -> list[torch.Tensor]:
-    v = node.meta.get("val")
-    return [t for t in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, torch.Tensor)]
-
-
-def _explain_trace_failure(e: Exception) -> CaptureError:
-    name = type(e).__name__
-    first = str(e).strip().splitlines()[0] if str(e).strip() else name
-    import traceback
-
-    if any("grad_scaler" in frame.filename for frame in traceback.extract_tb(e.__traceback__)):
-        return CaptureError(
-            "train_step uses torch.amp.GradScaler, which skips the optimizer step when a gradient overflows: a "
-            "Python branch on tensor values that one captured graph cannot hold. Train in bfloat16 under "
-            "torch.autocast (it needs no scaler), or without remat."
-        )
-    if "DataDependent" in name or "GuardOnDataDependent" in name or "data-dependent" in str(e).lower():
-        return CaptureError(
-            f"train_step has data-dependent Python control flow or an op whose output shape depends "
-            f"on tensor values ({name}: {first}). Make the branch independent of tensor values "
-            "(e.g. use torch.where), or move it out of train_step."
-        )
-    if "DynamicOutputShape" in name:
-        return CaptureError(
-            f"an op in train_step returns a shape that depends on tensor values ({first}); "
-            "remat needs static shapes: replace it (e.g. masked ops instead of nonzero/boolean indexing)."
-        )
-    if "Unsupported" in name or "NotImplemented" in name:
-        return CaptureError(f"train_step uses an op that cannot be traced on fake tensors ({name}: {first}); replace or remove it.")
-    return CaptureError(f"could not capture train_step: {name}: {first}")
-
-
 def _finish(
     gm: torch.fx.GraphModule,
     inputs: list[GraphInput],
@@ -546,7 +323,7 @@ def _finish(
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        if node.target is _MARKER:
+        if node.target is MARKER:
             tag = node.args[1]
             tensors = node.args[0]
             if tag == "backward_begin":
@@ -563,7 +340,7 @@ def _finish(
             continue
         if current is Phase.BACKWARD and grad_nodes:
             after_grads.append(node.name)
-        if node.target in _RECORD_FUNCTION_OPS:
+        if node.target in RECORD_FUNCTION_OPS:
             to_erase.append(node)
             continue
         phase[node.name] = current

@@ -22,7 +22,7 @@ import torch.fx
 
 from remat.pipeline import op_facts
 from remat.pipeline.analysis import GraphAnalysis
-from remat.pipeline.capture import Phase, TrainGraph
+from remat.pipeline.train_graph import Phase, TrainGraph
 
 
 class RebuildPolicy(str, enum.Enum):

@@ -17,7 +17,7 @@ import torch.fx
 from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from remat.pipeline.capture import Phase, TrainGraph
+from remat.pipeline.train_graph import Phase, TrainGraph
 from remat.pipeline.op_facts import copy_call
 from remat.pipeline.schedule import ORIGINAL, GraphIndex, Schedule
 

@@ -7,13 +7,13 @@ can be checked against, and applied to, a fresh capture of the same graph.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from remat.errors import PlanError
+from remat.pipeline.profiles import graph_fingerprint
 from remat.pipeline.schedule import GraphIndex, RebuildPolicy, Schedule, build_schedule
 from remat.serialize import check_fields, describe_value, dump_document, load_document
 
@@ -157,13 +157,6 @@ _PLAN_SIGNS: dict[type, dict[str, str]] = {
 
 def graph_fingerprint_of(index: GraphIndex) -> str:
     """The captured graph's fingerprint, as the profiler computes it (profiles and plans agree)."""
-    try:
-        from remat.pipeline.profiler import graph_fingerprint
-    except ImportError:  # pragma: no cover - profiler missing: hash the op sequence ourselves
-        h = hashlib.sha256()
-        for n in index.order:
-            h.update(f"{n} {index.node_map[n].target}\n".encode())
-        return h.hexdigest()
     return graph_fingerprint(index.tg)
 
 

@@ -1,0 +1,148 @@
+"""What is done to a traced graph before it becomes a TrainGraph: checks that refuse, by
+name, what remat cannot run as eager does, and passes that drop inputs nothing reads."""
+
+from __future__ import annotations
+
+
+import torch
+import torch.fx
+
+from remat.errors import CaptureError
+
+from remat.pipeline.markers import MARKER
+from remat.pipeline.train_graph import GraphInput, InputKind
+
+
+def branched_hyperparameters(e: BaseException, symbols: dict[str, str]) -> list[str]:
+    """The hyperparameters a failed trace branched on, from a data-dependent guard's condition."""
+    while e is not None:
+        cond = getattr(e, "cond", None)
+        if cond is not None and hasattr(cond, "free_symbols"):
+            return [symbols[str(s)] for s in cond.free_symbols if str(s) in symbols]
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return []
+
+
+def drop_unread_hyperparameters(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> list[GraphInput]:
+    """Remove the hyperparameters the update never reads (a scheduler's initial_lr, a float
+    fixed at zero), so that only what changes the step is an input."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    keep: list[GraphInput] = []
+    for node, inp in zip(placeholders, inputs):
+        if inp.kind is InputKind.HYPERPARAMETER:
+            for user in list(node.users):
+                if user.target is torch.ops.aten._local_scalar_dense.default and not user.users:
+                    gm.graph.erase_node(user)
+            if not node.users:
+                gm.graph.erase_node(node)
+                continue
+        keep.append(inp)
+    return keep
+
+
+def drop_unread_new_state(
+    gm: torch.fx.GraphModule,
+    inputs: list[GraphInput],
+    optimizer: torch.optim.Optimizer,
+    params: dict[str, torch.Tensor],
+    had_state: set[int],
+) -> list[GraphInput]:
+    """Undo the first-step state of parameters the step gave no gradient.
+
+    The optimizer skips a parameter whose `.grad` is None and eager never creates its
+    state; the state made before tracing (`init_optimizer_state`) is then read by no
+    node. It is removed from the optimizer and from the graph's inputs, so that the
+    optimizer's state is what eager's would be (and costs no memory).
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    read: dict[str, bool] = {}  # parameter -> whether any of its new state is read
+    for node, inp in zip(placeholders, inputs):
+        if inp.kind is InputKind.OPTIMIZER_STATE:
+            pname = inp.name.rsplit(".", 1)[0]
+            read[pname] = read.get(pname, False) or bool(node.users) or id(params[pname]) in had_state
+    keep: list[GraphInput] = []
+    for node, inp in zip(placeholders, inputs):
+        pname = inp.name.rsplit(".", 1)[0]
+        if inp.kind is InputKind.OPTIMIZER_STATE and not read[pname]:
+            optimizer.state.pop(params[pname], None)
+            gm.graph.erase_node(node)
+            continue
+        keep.append(inp)
+    return keep
+
+
+def ends_with_zero_grads(gm: torch.fx.GraphModule) -> bool:
+    """Whether the step leaves every gradient it sets zeroed in place (zero_grad(set_to_none=False)
+    at its end). The next step's backward then adds to zeros, which is the fresh gradient
+    the graph computes: such a step is no accumulation across calls."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    grads = output.args[0][1]
+    return bool(grads) and all(g.target is torch.ops.aten.zero_.default for g in grads)
+
+
+def check_no_accumulation(probe_gm: torch.fx.GraphModule) -> None:
+    """Refuse a step that adds its gradients to those of the step before.
+
+    `probe_gm` was traced with every parameter's `.grad` already set: if train_step calls
+    zero_grad() before backward(), nothing reads those gradients (or they are zeroed in
+    place first); otherwise backward accumulates into them, which a graph computing
+    fresh gradients would silently not do.
+    """
+    marker = next(n for n in probe_gm.graph.nodes if n.target is MARKER and n.args[1] == "preset_grads")
+    for preset in marker.args[0]:
+        users = [u for u in preset.users if u is not marker]
+        if users and users[0].target not in (torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar):
+            raise CaptureError(
+                "train_step leaves gradients set and does not clear them before backward(), so each step "
+                "would add its gradients to the previous step's (gradient accumulation across calls). "
+                "remat captures steps that start from zero gradients: call optimizer.zero_grad() (or "
+                "model.zero_grad()) in train_step before loss.backward()."
+            )
+
+
+def check_static_shapes(gm: torch.fx.GraphModule) -> None:
+    """Refuse a trace in which an op's output shape depends on tensor values.
+
+    Fake tensors give such outputs (nonzero, boolean-mask indexing) symbolic sizes instead
+    of failing; the analysis, the simulator and the planners need every size.
+    """
+    for node in gm.graph.nodes:
+        for v in _vals(node):
+            if any(not isinstance(d, int) for d in v.shape):
+                raise CaptureError(
+                    f"an op in train_step returns a shape that depends on tensor values ({node.target} "
+                    f"makes a tensor of shape {tuple(v.shape)}); remat needs static shapes: replace it "
+                    "(e.g. masked ops such as torch.where instead of nonzero/boolean indexing)."
+                )
+
+
+def _vals(node: torch.fx.Node) -> list[torch.Tensor]:
+    v = node.meta.get("val")
+    return [t for t in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, torch.Tensor)]
+
+
+def explain_trace_failure(e: Exception) -> CaptureError:
+    name = type(e).__name__
+    first = str(e).strip().splitlines()[0] if str(e).strip() else name
+    import traceback
+
+    if any("grad_scaler" in frame.filename for frame in traceback.extract_tb(e.__traceback__)):
+        return CaptureError(
+            "train_step uses torch.amp.GradScaler, which skips the optimizer step when a gradient overflows: a "
+            "Python branch on tensor values that one captured graph cannot hold. Train in bfloat16 under "
+            "torch.autocast (it needs no scaler), or without remat."
+        )
+    if "DataDependent" in name or "GuardOnDataDependent" in name or "data-dependent" in str(e).lower():
+        return CaptureError(
+            f"train_step has data-dependent Python control flow or an op whose output shape depends "
+            f"on tensor values ({name}: {first}). Make the branch independent of tensor values "
+            "(e.g. use torch.where), or move it out of train_step."
+        )
+    if "DynamicOutputShape" in name:
+        return CaptureError(
+            f"an op in train_step returns a shape that depends on tensor values ({first}); "
+            "remat needs static shapes: replace it (e.g. masked ops instead of nonzero/boolean indexing)."
+        )
+    if "Unsupported" in name or "NotImplemented" in name:
+        return CaptureError(f"train_step uses an op that cannot be traced on fake tensors ({name}: {first}); replace or remove it.")
+    return CaptureError(f"could not capture train_step: {name}: {first}")

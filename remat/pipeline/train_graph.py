@@ -1,0 +1,75 @@
+"""The captured training iteration (TrainGraph) and what each of its inputs is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+from remat.pipeline import hyperparams
+
+
+
+TrainStep = Callable[[torch.nn.Module, "torch.optim.Optimizer | None", Any], torch.Tensor]
+
+
+class Phase(str, Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+class InputKind(str, Enum):
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    OPTIMIZER_STATE = "optimizer_state"
+    HYPERPARAMETER = "hyperparameter"  # a float of optimizer.param_groups, read at every call
+    BATCH = "batch"
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    """One placeholder of the captured graph and where its tensor comes from."""
+
+    name: str  # parameter/buffer name, "<param>.<state key>", or the batch leaf's path
+    kind: InputKind
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+
+
+@dataclass
+class TrainGraph:
+    """The captured iteration: an fx graph plus what each placeholder and output means.
+
+    `gm(*flat_inputs)` runs one step in place (under no_grad) and returns
+    `(outputs, grads)`: `outputs` the tensors train_step returned (flattened; the
+    structure is `output_spec`), `grads[i]` the final `.grad` of parameter `grad_names[i]`.
+    """
+
+    gm: torch.fx.GraphModule
+    inputs: list[GraphInput]
+    grad_names: list[str]  # parameters whose .grad is still set when train_step returns
+    phase: dict[str, Phase]  # node name -> phase, for every call_function node
+    loss_node: str
+    grad_nodes: dict[str, str]  # parameter name -> node holding its gradient after backward
+    batch_spec: str  # pytree structure of the batch, as text, to reject other structures
+    has_optimizer: bool
+    device: str
+    output_spec: Any = None  # pytree spec of train_step's return value (None: one tensor)
+    trainable: tuple[str, ...] = ()  # parameters that required a gradient at capture
+    training: tuple[bool, ...] = ()  # module.training of every module at capture (train/eval behaviour is traced in)
+    leaves_zero_grads: bool = False  # the step ends with zero_grad(set_to_none=False): see ends_with_zero_grads
+    backward_passes: int = 1  # backward() calls per step: micro-batches accumulating gradients
+    groups: list[hyperparams.GroupSpec] = field(default_factory=list)  # what the update assumes of param_groups
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def op_nodes(self) -> list[torch.fx.Node]:
+        """The call_function nodes in execution order (rank = index in this list)."""
+        return [n for n in self.gm.graph.nodes if n.op == "call_function"]
+
+    def batch_signature(self) -> list[tuple[tuple[int, ...], str, str]]:
+        return [(i.shape, i.dtype, i.device) for i in self.inputs if i.kind is InputKind.BATCH]
