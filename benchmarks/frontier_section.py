@@ -4,7 +4,7 @@ runs = [("mlp-deep-b512","mlp-deep","512","0.1:1.0:0.05"),("bert-tiny-b16","bert
         ("resnet-tiny-b16","resnet-tiny","16","0.1:1.0:0.05"),("bert-b8","bert","8","0.5:1.0:0.1")]
 out = ["## Optimality: exact planner and frontier", "",
 "Regenerate this section's tables with `.venv/bin/python benchmarks/frontier_section.py` (writes /tmp/section.md).", "",
-"`remat/planners/milp.py` (planner `milp`) solves a mixed-integer program with one binary per candidate "
+"`remat/planners/milp/` (planner `milp`) solves a mixed-integer program with one binary per candidate "
 "activation (dropped or kept); continuous variables model the schedule that `build_schedule` makes of that choice: "
 "which forward ops are copied into each backward node's block and which forward ops are then removed. A rebuilt "
 "value is reused while any value on its storage is still to be read (the schedule's storage-level reuse), and the "

@@ -38,6 +38,15 @@ def _budget_arg(text: str) -> Any:
     return None if text.strip().lower() == "none" else text
 
 
+def _use_deterministic_algorithms() -> None:
+    import os
+
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts; required by the flag
+    torch.use_deterministic_algorithms(True)
+
+
 def run_one(
     model: str,
     batch_size: int,
@@ -54,14 +63,11 @@ def run_one(
     deterministic: bool = False,
 ) -> dict[str, Any]:
     """Compile, optionally check, measure and time one configuration; the `--json` object."""
-    import os
-
     import torch
     import torch.utils._pytree as pytree
 
     if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts; required by the flag
-        torch.use_deterministic_algorithms(True)
+        _use_deterministic_algorithms()
 
     import remat
     from remat.measurement.check import check_against_eager, time_alternating, twin

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from remat.budget import parse_budget
-from remat.errors import BudgetError, RematError
+from remat.errors import BudgetError, RematError, UsageError
 
 from remat.budget import MiB
 from remat.measurement.frontier_files import Frontier, Point, _position, _resumable, describe, write_results
@@ -206,7 +206,6 @@ def run_frontier(
     """
     from remat.pipeline import build as pipeline
     from remat.pipeline.capture import capture
-    from remat.errors import UsageError
     from remat.planners.evaluate import evaluate
     from remat.planners import PLANNERS
     from remat.pipeline.profiler import load_profile_for
@@ -240,12 +239,7 @@ def run_frontier(
         prof.model, prof.batch_size, prof.optimizer = model, batch_size, optimizer
         prof.to_json(out / "profile.json")
     profile_seconds = time.perf_counter() - t0
-    if previous is not None and previous.meta.get("fingerprint") not in (None, prof.fingerprint):
-        raise UsageError(
-            f"--resume: {out / 'frontier.json'} was made on another graph (fingerprint {str(previous.meta['fingerprint'])[:12]}…, "
-            f"this one {prof.fingerprint[:12]}…): another torch or remat version captures it differently. Use another --out, "
-            "or drop --resume to start over."
-        )
+    _check_same_graph(previous, prof.fingerprint, out)
     node_seconds = prof.seconds_by_node()
     baseline = evaluate(index, set(), node_seconds)
     base_tl = baseline.timeline
@@ -299,12 +293,25 @@ def run_frontier(
                 _release(device)
             frontier.points.append(point)
             frontier.points.sort(key=lambda p: (_position(frontier.budgets, p.budget), _position(frontier.planners, p.planner)))
-            if point.status == "ok":
-                _say(progress, f"  {budget:>6} {planner:>6}: {describe(point, frontier.baseline_iteration_seconds)}")
-            elif point.status == "no_plan":
-                _say(progress, f"  {budget:>6} {planner:>6}: no plan ({point.planning_seconds:.2f} s)")
-            else:
-                _say(progress, f"  {budget:>6} {planner:>6}: error: {point.error}")
+            _say(progress, f"  {budget:>6} {planner:>6}: {_outcome(point, frontier.baseline_iteration_seconds)}")
             write_results(frontier, out)
         write_results(frontier, out, plot=True)
     return frontier
+
+
+def _outcome(point: Point, iteration_seconds: float) -> str:
+    if point.status == "ok":
+        return describe(point, iteration_seconds)
+    if point.status == "no_plan":
+        return f"no plan ({point.planning_seconds:.2f} s)"
+    return f"error: {point.error}"
+
+
+def _check_same_graph(previous: Frontier | None, fingerprint: str, out: Path) -> None:
+    """A resumed frontier must be of this very graph."""
+    if previous is not None and previous.meta.get("fingerprint") not in (None, fingerprint):
+        raise UsageError(
+            f"--resume: {out / 'frontier.json'} was made on another graph (fingerprint {str(previous.meta['fingerprint'])[:12]}…, "
+            f"this one {fingerprint[:12]}…): another torch or remat version captures it differently. Use another --out, "
+            "or drop --resume to start over."
+        )

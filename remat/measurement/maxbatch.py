@@ -95,11 +95,8 @@ def maxbatch(
     say: Callable[[str], None] = lambda s: None,
 ) -> dict[str, Any]:
     """Largest batch that fits `cap` without and with remat: simulator search, then measured runs."""
-    import remat
     from remat.pipeline import build as pipeline
     from remat.budget import parse_budget
-    from remat.measurement.check import twin
-    from remat.measurement.memory import measure_peak
     from remat.workloads import load
 
     cap_budget = parse_budget(cap)
@@ -153,28 +150,7 @@ def maxbatch(
     }
 
     def measure(kind: str, b: int) -> dict[str, Any]:
-        rec: dict[str, Any] = {"method": kind, "batch_size": b}
-        t = time.perf_counter()
-        try:
-            spec = load(model, b, optimizer, seed=seed, device=device)
-            opt, train_step = spec.optimizer, spec.train_step
-            m, o = twin(spec.model, opt)
-            del spec.model
-            if kind == "eager":
-                fn = lambda: train_step(m, o, spec.batch)  # noqa: E731
-            else:
-                step = remat.compile(train_step, m, o, spec.batch, memory_budget=cap_bytes if budget is None else budget)
-                rec.update(predicted_peak_bytes=step.report.predicted_peak_bytes, num_recomputed=step.report.num_recomputed)
-                fn = lambda: step(spec.batch)  # noqa: E731
-            fn()
-            peak = persistent_bytes(m, o) + measure_peak(fn, device).peak_bytes
-            rec.update(status="ok", peak_bytes=peak, fits=peak <= cap_bytes)
-        except Exception as e:  # noqa: BLE001
-            rec.update(status="failed", reason=failure_reason(e), fits=False)
-        rec["seconds"] = time.perf_counter() - t
-        say(f"  measured {kind} at batch {b}: " + (f"{rec['peak_bytes'] / MiB:,.0f} MiB, {'fits' if rec['fits'] else 'OVER the cap'}" if rec["status"] == "ok" else rec["reason"]))
-        gc.collect()
-        return rec
+        return _measured_fit(model, kind, b, cap_bytes, budget, optimizer, device, seed, say)
 
     if confirm:
         say("confirming with measured runs ...")
@@ -205,6 +181,40 @@ def maxbatch(
     if out_dir:
         _write_maxbatch(result, out_dir)
     return result
+
+
+def _measured_fit(
+    model: str, kind: str, b: int, cap_bytes: int, budget: float | None, optimizer: str, device: str, seed: int,
+    say: Callable[[str], None],
+) -> dict[str, Any]:  # fmt: skip
+    """One measured run of `kind` (eager or remat) at batch b: its peak, and whether it fits the cap."""
+    import remat
+    from remat.measurement.check import twin
+    from remat.measurement.memory import measure_peak
+    from remat.workloads import load
+
+    rec: dict[str, Any] = {"method": kind, "batch_size": b}
+    t = time.perf_counter()
+    try:
+        spec = load(model, b, optimizer, seed=seed, device=device)
+        opt, train_step = spec.optimizer, spec.train_step
+        m, o = twin(spec.model, opt)
+        del spec.model
+        if kind == "eager":
+            fn = lambda: train_step(m, o, spec.batch)  # noqa: E731
+        else:
+            step = remat.compile(train_step, m, o, spec.batch, memory_budget=cap_bytes if budget is None else budget)
+            rec.update(predicted_peak_bytes=step.report.predicted_peak_bytes, num_recomputed=step.report.num_recomputed)
+            fn = lambda: step(spec.batch)  # noqa: E731
+        fn()
+        peak = persistent_bytes(m, o) + measure_peak(fn, device).peak_bytes
+        rec.update(status="ok", peak_bytes=peak, fits=peak <= cap_bytes)
+    except Exception as e:  # noqa: BLE001
+        rec.update(status="failed", reason=failure_reason(e), fits=False)
+    rec["seconds"] = time.perf_counter() - t
+    say(f"  measured {kind} at batch {b}: " + (f"{rec['peak_bytes'] / MiB:,.0f} MiB, {'fits' if rec['fits'] else 'OVER the cap'}" if rec["status"] == "ok" else rec["reason"]))
+    gc.collect()
+    return rec
 
 
 def _write_maxbatch(result: dict[str, Any], out_dir: str | Path) -> Path:

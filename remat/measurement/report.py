@@ -91,7 +91,6 @@ def plot_memory_breakdown(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
-    from matplotlib.transforms import blended_transform_factory
 
     profile = source if isinstance(source, Profile) else None
     timeline = profile.to_timeline() if profile else source
@@ -112,19 +111,7 @@ def plot_memory_breakdown(
     if n == 0:
         raise ValueError("the timeline is empty: the graph has no nodes")
 
-    if x == "rank":
-        xs = np.arange(n, dtype=np.float64)
-        edges = np.arange(n + 1, dtype=np.float64) - 0.5
-        xlabel = "node (execution order)"
-    elif x == "time":
-        if node_seconds is None or len(node_seconds) != n:
-            raise ValueError("x='time' needs one time per node (a Profile, or node_seconds)")
-        cum = np.concatenate([[0.0], np.cumsum(np.asarray(node_seconds, dtype=np.float64))]) * 1e3
-        xs = (cum[:-1] + cum[1:]) / 2
-        edges = cum
-        xlabel = "time into the iteration (ms, summed median node times)"
-    else:
-        raise ValueError(f"x must be 'rank' or 'time', got {x!r}")
+    xs, edges, xlabel = _x_axis(x, n, node_seconds)
 
     ys = [
         (timeline.by_role[role] + timeline.persistent_by_role.get(role, 0)) / MiB
@@ -161,32 +148,7 @@ def plot_memory_breakdown(
         handles.append(Line2D([], [], color="black", linestyle="--", linewidth=1.0))
         labels.append(f"measured peak {fmt_mib(measured_peak_bytes)} MiB")
 
-    # Phase boundaries: a line where each phase starts, its name centred above its span.
-    trans = blended_transform_factory(ax.transData, ax.transAxes)
-    if phase_bounds:
-        span = edges[-1] - edges[0]
-        for phase in PHASES:
-            if phase not in phase_bounds:
-                continue
-            lo, hi = phase_bounds[phase]
-            x0, x1 = edges[lo], edges[hi]
-            if lo > 0:
-                ax.axvline(x0, color="#333333", linewidth=1.0, linestyle=":")
-            # Above the axes, clear of the data and the peak's label; a narrow phase
-            # gets its name from its start line rightwards, small.
-            narrow = (x1 - x0) < 0.09 * span
-            ax.text(
-                x0 + (x1 - x0) / 2 if not narrow else x0,
-                1.01,
-                phase,
-                transform=trans,
-                ha="left" if narrow else "center",
-                va="bottom",
-                fontsize=8 if narrow else 10,
-                fontweight="bold",
-                color=PHASE_COLORS.get(phase, "black"),
-                clip_on=False,
-            )
+    _draw_phases(ax, edges, phase_bounds)
 
     # The simulated peak: a marker on the stack's top and its value.
     px, py = xs[peak_rank], mib(peak)
@@ -216,6 +178,55 @@ def plot_memory_breakdown(
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _x_axis(x: str, n: int, node_seconds: Any) -> tuple[np.ndarray, np.ndarray, str]:
+    """Positions of the n nodes, the edges between them, and the axis label: by rank or by time."""
+    if x == "rank":
+        xs = np.arange(n, dtype=np.float64)
+        edges = np.arange(n + 1, dtype=np.float64) - 0.5
+        xlabel = "node (execution order)"
+    elif x == "time":
+        if node_seconds is None or len(node_seconds) != n:
+            raise ValueError("x='time' needs one time per node (a Profile, or node_seconds)")
+        cum = np.concatenate([[0.0], np.cumsum(np.asarray(node_seconds, dtype=np.float64))]) * 1e3
+        xs = (cum[:-1] + cum[1:]) / 2
+        edges = cum
+        xlabel = "time into the iteration (ms, summed median node times)"
+    else:
+        raise ValueError(f"x must be 'rank' or 'time', got {x!r}")
+    return xs, edges, xlabel
+
+
+def _draw_phases(ax: Any, edges: np.ndarray, phase_bounds: dict[str, tuple[int, int]] | None) -> None:
+    """Phase boundaries: a line where each phase starts, its name centred above its span."""
+    from matplotlib.transforms import blended_transform_factory
+
+    trans = blended_transform_factory(ax.transData, ax.transAxes)
+    if phase_bounds:
+        span = edges[-1] - edges[0]
+        for phase in PHASES:
+            if phase not in phase_bounds:
+                continue
+            lo, hi = phase_bounds[phase]
+            x0, x1 = edges[lo], edges[hi]
+            if lo > 0:
+                ax.axvline(x0, color="#333333", linewidth=1.0, linestyle=":")
+            # Above the axes, clear of the data and the peak's label; a narrow phase
+            # gets its name from its start line rightwards, small.
+            narrow = (x1 - x0) < 0.09 * span
+            ax.text(
+                x0 + (x1 - x0) / 2 if not narrow else x0,
+                1.01,
+                phase,
+                transform=trans,
+                ha="left" if narrow else "center",
+                va="bottom",
+                fontsize=8 if narrow else 10,
+                fontweight="bold",
+                color=PHASE_COLORS.get(phase, "black"),
+                clip_on=False,
+            )
 
 
 # ---------------------------------------------------------------------- tables

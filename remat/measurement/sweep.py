@@ -151,6 +151,74 @@ def smallest_reachable_peak(prof: Any, spec: Any, opt: Any, train_step: Any, pla
     return int(plan.predicted_peak_bytes)
 
 
+def _method_step(
+    m: Method, mm: Any, mo: Any, spec: Any, rec: dict[str, Any], results: Results, batch_size: int, prof: Any, planner: str,
+    profile_cache: dict[str, Any],
+) -> Callable[[], Any]:  # fmt: skip
+    """One training step of method `m` on its own model copy (mm, mo); notes and predictions go into `rec`."""
+    import remat
+    from remat.measurement.baselines import make_baseline
+
+    if m.kind == "remat":
+        budget = m.budget
+        if budget == "min":
+            budget = smallest_reachable_peak(prof, spec, spec.optimizer, spec.train_step, planner)
+            rec["notes"] = f"planned at the smallest peak the planner reaches: {budget / MiB:,.1f} MiB"
+        elif isinstance(budget, str) and budget.startswith("="):
+            # Planned at a baseline's measured peak at this batch size: the
+            # comparison at equal memory (the baseline must already be in the results).
+            other = results.get(batch_size, budget[1:])
+            if other is None or other.get("status") != "ok" or not other.get("peak_bytes"):
+                raise ValueError(f"budget {budget}: no measured peak of {budget[1:]!r} at batch {batch_size} in the results yet")
+            budget = int(other["peak_bytes"])
+            rec["notes"] = f"planned at {m.budget[1:]}'s measured peak: {budget / MiB:,.1f} MiB"
+        step = remat.compile(spec.train_step, mm, mo, spec.batch, memory_budget=budget, planner=planner, profile_cache=profile_cache)
+        rep = step.report
+        rec.update(
+            predicted_peak_bytes=rep.predicted_peak_bytes,
+            budget_bytes=rep.budget_bytes,
+            num_recomputed=rep.num_recomputed,
+            recompute_ops=rep.copies,
+            predicted_overhead_seconds=rep.plan.predicted_overhead_seconds if rep.plan else 0.0,
+            predicted_overhead_ratio=(
+                1 + rep.plan.predicted_overhead_seconds / rep.profile.iteration_seconds if rep.plan and rep.profile.iteration_seconds else 1.0
+            ),
+        )
+        return lambda: step(spec.batch)
+    else:
+        if spec.loss_fn is None:
+            from remat.measurement.baselines import NotSupported
+
+            raise NotSupported(f"{spec.name} is a factory with its own train_step; {m.kind} rebuilds the step around a loss")
+        bstep = make_baseline(m.kind, mm, spec.loss_fn, budget=m.budget)
+        if m.kind == "sequential":
+            rec["notes"] = f"{bstep.segments} segments over {bstep.blocks} blocks"  # type: ignore[attr-defined]
+        return lambda: bstep(mm, mo, spec.batch)
+
+
+def _measure_peaks(eager: _Live, live: list[_Live], device: str, persistent: int) -> None:
+    """Each method's peak over one step, all under the one allocator tracker."""
+    from remat.measurement.memory import measure_peak, measure_step_peak
+
+    try:
+        eager.step()
+    except Exception as e:  # noqa: BLE001
+        eager.record.update(status="failed", reason=failure_reason(e))
+    for x in [eager] + live:
+        if x.record["status"] == "failed":
+            continue
+        try:
+            # A step that clears the last gradients first frees them inside the run (see measure_step_peak).
+            measured = measure_step_peak(x.step, device, x.model) if x.model is not None else measure_peak(x.step, device)
+        except Exception as e:  # noqa: BLE001
+            x.record.update(status="failed", reason=failure_reason(e))
+            continue
+        peak = measured.peak_bytes
+        x.record.update(persistent_bytes=persistent, peak_bytes=persistent + peak, activation_peak_bytes=peak)
+        if measured.reserved_peak_bytes is not None:
+            x.record["reserved_peak_bytes"] = persistent + measured.reserved_peak_bytes
+
+
 def run_batch(
     model_name: str,
     batch_size: int,
@@ -170,9 +238,7 @@ def run_batch(
 
     import remat
     from remat.pipeline import build as pipeline
-    from remat.measurement.baselines import make_baseline
     from remat.measurement.check import twin
-    from remat.measurement.memory import measure_peak, measure_step_peak
     from remat.pipeline.simulator import simulate
     from remat.workloads import load
 
@@ -217,41 +283,7 @@ def run_batch(
         t0 = time.perf_counter()
         try:
             mm, mo = twin(spec.model, opt)
-            if m.kind == "remat":
-                budget = m.budget
-                if budget == "min":
-                    budget = smallest_reachable_peak(prof, spec, opt, train_step, planner)
-                    rec["notes"] = f"planned at the smallest peak the planner reaches: {budget / MiB:,.1f} MiB"
-                elif isinstance(budget, str) and budget.startswith("="):
-                    # Planned at a baseline's measured peak at this batch size: the
-                    # comparison at equal memory (the baseline must already be in the results).
-                    other = results.get(batch_size, budget[1:])
-                    if other is None or other.get("status") != "ok" or not other.get("peak_bytes"):
-                        raise ValueError(f"budget {budget}: no measured peak of {budget[1:]!r} at batch {batch_size} in the results yet")
-                    budget = int(other["peak_bytes"])
-                    rec["notes"] = f"planned at {m.budget[1:]}'s measured peak: {budget / MiB:,.1f} MiB"
-                step = remat.compile(train_step, mm, mo, spec.batch, memory_budget=budget, planner=planner, profile_cache=profile_cache)
-                rep = step.report
-                rec.update(
-                    predicted_peak_bytes=rep.predicted_peak_bytes,
-                    budget_bytes=rep.budget_bytes,
-                    num_recomputed=rep.num_recomputed,
-                    recompute_ops=rep.copies,
-                    predicted_overhead_seconds=rep.plan.predicted_overhead_seconds if rep.plan else 0.0,
-                    predicted_overhead_ratio=(
-                        1 + rep.plan.predicted_overhead_seconds / rep.profile.iteration_seconds if rep.plan and rep.profile.iteration_seconds else 1.0
-                    ),
-                )
-                fn = (lambda s: lambda: s(spec.batch))(step)
-            else:
-                if spec.loss_fn is None:
-                    from remat.measurement.baselines import NotSupported
-
-                    raise NotSupported(f"{model_name} is a factory with its own train_step; {m.kind} rebuilds the step around a loss")
-                bstep = make_baseline(m.kind, mm, spec.loss_fn, budget=m.budget)
-                if m.kind == "sequential":
-                    rec["notes"] = f"{bstep.segments} segments over {bstep.blocks} blocks"  # type: ignore[attr-defined]
-                fn = (lambda s, a, o: lambda: s(a, o, spec.batch))(bstep, mm, mo)
+            fn = _method_step(m, mm, mo, spec, rec, results, batch_size, prof, planner, profile_cache)
             fn()  # first step: compiles (torch.compile) / measures (remat); state (momentum) now exists
             rec["setup_seconds"] = time.perf_counter() - t0
             live.append(_Live(m, fn, rec, [], mm))
@@ -266,24 +298,7 @@ def run_batch(
 
     # Peaks: one step each under the same tracker, state already created.
     advance(f"b={batch_size}: measure peaks")
-    try:
-        eager.step()
-    except Exception as e:  # noqa: BLE001
-        eager.record.update(status="failed", reason=failure_reason(e))
-    persistent = persistent_bytes(eager_model, eager_opt)
-    for x in [eager] + live:
-        if x.record["status"] == "failed":
-            continue
-        try:
-            # A step that clears the last gradients first frees them inside the run (see measure_step_peak).
-            measured = measure_step_peak(x.step, device, x.model) if x.model is not None else measure_peak(x.step, device)
-        except Exception as e:  # noqa: BLE001
-            x.record.update(status="failed", reason=failure_reason(e))
-            continue
-        peak = measured.peak_bytes
-        x.record.update(persistent_bytes=persistent, peak_bytes=persistent + peak, activation_peak_bytes=peak)
-        if measured.reserved_peak_bytes is not None:
-            x.record["reserved_peak_bytes"] = persistent + measured.reserved_peak_bytes
+    _measure_peaks(eager, live, device, persistent_bytes(eager_model, eager_opt))
     eager_act = eager.record.get("activation_peak_bytes")
     for x in live:
         if eager_act and x.record.get("activation_peak_bytes") is not None:

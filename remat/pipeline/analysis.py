@@ -283,6 +283,34 @@ def analyze(tg: TrainGraph, gm: torch.fx.GraphModule | None = None, phase: dict[
     output_storages = {sid for inp in output_node.all_input_nodes for sid in node_storages.get(inp.name, [])}
     for sid in output_storages:
         tensors[sid].last_use = end
+    _assign_roles(tg, tensors, op_nodes, node_storages, output_node, phase)
+
+    phases = [phase[n.name] for n in op_nodes]
+    return GraphAnalysis(
+        node_names=[n.name for n in op_nodes],
+        phases=phases,
+        tensors=tensors,
+        node_storages=node_storages,
+        new_storages=new_storages,
+        uses=uses,
+        persistent_bytes=sum(persistent_by_role(tensors).values()),
+        phase_bounds=_phase_bounds(phases),
+    )
+
+
+def round_up(nbytes: int, granularity: int) -> int:
+    return -(-nbytes // granularity) * granularity if granularity > 1 else nbytes
+
+
+def _assign_roles(
+    tg: TrainGraph,
+    tensors: list[TensorInfo],
+    op_nodes: list[torch.fx.Node],
+    node_storages: dict[str, list[int]],
+    output_node: torch.fx.Node,
+    phase: dict[str, Phase],
+) -> None:
+    """Gradient, activation or other, for every storage that is not persistent."""
     _, grad_outputs = output_node.args[0]  # see TrainGraph: (step outputs, grads)
     grad_output_storages = {sid for g in grad_outputs for sid in node_storages.get(g.name, [])}
 
@@ -312,25 +340,14 @@ def analyze(tg: TrainGraph, gm: torch.fx.GraphModule | None = None, phase: dict[
         else:
             t.role = Role.OTHER
 
-    phases = [phase[n.name] for n in op_nodes]
+
+def _phase_bounds(phases: list[Phase]) -> dict[str, tuple[int, int]]:
+    """Per phase: [first rank, last rank + 1) of its nodes."""
     bounds: dict[str, tuple[int, int]] = {}
     for i, ph in enumerate(phases):
         lo, hi = bounds.get(ph.value, (i, i + 1))
         bounds[ph.value] = (min(lo, i), max(hi, i + 1))
-    return GraphAnalysis(
-        node_names=[n.name for n in op_nodes],
-        phases=phases,
-        tensors=tensors,
-        node_storages=node_storages,
-        new_storages=new_storages,
-        uses=uses,
-        persistent_bytes=sum(persistent_by_role(tensors).values()),
-        phase_bounds=bounds,
-    )
-
-
-def round_up(nbytes: int, granularity: int) -> int:
-    return -(-nbytes // granularity) * granularity if granularity > 1 else nbytes
+    return bounds
 
 
 def persistent_by_role(tensors: list, granularity: int = 1) -> dict[str, int]:

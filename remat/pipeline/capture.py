@@ -11,7 +11,7 @@ removed before the graph is handed on."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx
@@ -115,41 +115,16 @@ def _describe(t: torch.Tensor) -> tuple[tuple[int, ...], str, str]:
     return tuple(t.shape), str(t.dtype).replace("torch.", ""), str(t.device)
 
 
-def capture(
-    train_step: TrainStep,
-    model: torch.nn.Module,
+def _graph_inputs(
+    params: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+    states: dict[str, dict[str, torch.Tensor]],
     optimizer: torch.optim.Optimizer | None,
     example_batch: Any,
-) -> TrainGraph:
-    """Trace one call of `train_step(model, optimizer, batch)` into a TrainGraph.
-
-    The optimizer's state is created here if it is empty (see `init_optimizer_state`);
-    nothing else about the model or optimizer changes.
-    """
-    if not isinstance(model, torch.nn.Module):
-        raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise CaptureError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
-    leaves, spec = _check_batch(example_batch)
-    params = _unique_named(model.named_parameters())
-    buffers = _unique_named(model.named_buffers())
-    if not params:
-        raise CaptureError("the model has no parameters: there is nothing to train")
-    trainable = tuple(n for n, p in params.items() if p.requires_grad)
-    if not trainable:
-        raise CaptureError("no parameter of the model requires a gradient: there is nothing to train")
-    devices = {str(t.device) for t in [*params.values(), *buffers.values(), *leaves]}
-    if len(devices) != 1:
-        raise CaptureError(f"model and batch must be on one device, found {sorted(devices)}; move them with .to(device)")
-    device = devices.pop()
-    had_state = {id(p) for p, st in optimizer.state.items() if st} if optimizer is not None else set()
-    states = optimizer_states(optimizer, params)
-
-    real_to_name = {id(p): n for n, p in params.items()}
-    param_alias = {a: real_to_name[id(p)] for a, p in model.named_parameters(remove_duplicate=False)}
-    buffer_to_name = {id(b): n for n, b in buffers.items()}
-    buffer_alias = {a: buffer_to_name[id(b)] for a, b in model.named_buffers(remove_duplicate=False)}
-
+    leaves: list[Any],
+) -> tuple[list[GraphInput], list[torch.Tensor], dict[str, float]]:
+    """The graph's placeholders in order (parameters, buffers, optimizer state, one 0-dim
+    float64 per number of param_groups, batch leaves), their tensors, and the numbers."""
     inputs: list[GraphInput] = []
     flat: list[torch.Tensor] = []
     for n, p in params.items():
@@ -171,10 +146,77 @@ def capture(
                 hyper_values[name] = value
                 inputs.append(GraphInput(name, InputKind.HYPERPARAMETER, (), "float64", "cpu"))
                 flat.append(torch.tensor(value, dtype=torch.float64))
-    hyper_names = list(hyper_values)
     for n, leaf in zip(batch_leaf_names(example_batch), leaves):
         inputs.append(GraphInput(n, InputKind.BATCH, *_describe(leaf)))
         flat.append(leaf)
+    return inputs, flat, hyper_values
+
+
+def _check_arguments(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, example_batch: Any
+) -> tuple[list[Any], Any, dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[str, ...], str]:
+    """(batch leaves, batch spec, parameters, buffers, trainable names, device), or a CaptureError naming what is wrong."""
+    if not isinstance(model, torch.nn.Module):
+        raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise CaptureError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    leaves, spec = _check_batch(example_batch)
+    params = _unique_named(model.named_parameters())
+    buffers = _unique_named(model.named_buffers())
+    if not params:
+        raise CaptureError("the model has no parameters: there is nothing to train")
+    trainable = tuple(n for n, p in params.items() if p.requires_grad)
+    if not trainable:
+        raise CaptureError("no parameter of the model requires a gradient: there is nothing to train")
+    devices = {str(t.device) for t in [*params.values(), *buffers.values(), *leaves]}
+    if len(devices) != 1:
+        raise CaptureError(f"model and batch must be on one device, found {sorted(devices)}; move them with .to(device)")
+    device = devices.pop()
+    return leaves, spec, params, buffers, trainable, device
+
+
+def _trace(
+    traced: Callable[..., Any], flat: list[torch.Tensor], symbols: dict[str, str], zero_facts: dict[str, bool],
+    hyper_values: dict[str, float], model: torch.nn.Module, was_training: bool,
+) -> torch.fx.GraphModule:  # fmt: skip
+    """make_fx of `traced`; a branch on a hyperparameter other than the known ones fixes its
+    zero-ness too (in `zero_facts`), and traces again."""
+    while True:
+        try:
+            return make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=False)(*flat)
+        except Exception as e:  # noqa: BLE001 - translated into a message a user can act on
+            new = [name for name in branched_hyperparameters(e, symbols) if name not in zero_facts]
+            if not new:
+                if isinstance(e, CaptureError):
+                    raise
+                raise explain_trace_failure(e) from e
+            zero_facts.update({name: hyper_values[name] == 0 for name in new})
+        finally:
+            model.train(was_training)
+
+
+def capture(
+    train_step: TrainStep,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    example_batch: Any,
+) -> TrainGraph:
+    """Trace one call of `train_step(model, optimizer, batch)` into a TrainGraph.
+
+    The optimizer's state is created here if it is empty (see `init_optimizer_state`);
+    nothing else about the model or optimizer changes.
+    """
+    leaves, spec, params, buffers, trainable, device = _check_arguments(model, optimizer, example_batch)
+    had_state = {id(p) for p, st in optimizer.state.items() if st} if optimizer is not None else set()
+    states = optimizer_states(optimizer, params)
+
+    real_to_name = {id(p): n for n, p in params.items()}
+    buffer_to_name = {id(b): n for n, b in buffers.items()}
+    param_alias = {a: real_to_name[id(p)] for a, p in model.named_parameters(remove_duplicate=False)}
+    buffer_alias = {a: buffer_to_name[id(b)] for a, b in model.named_buffers(remove_duplicate=False)}
+
+    inputs, flat, hyper_values = _graph_inputs(params, buffers, states, optimizer, example_batch, leaves)
+    hyper_names = list(hyper_values)
 
     state_keys = [(n, list(st)) for n, st in states.items()]
     grad_order: list[str] = []  # filled while tracing: names of the grads the "grads" marker holds
@@ -237,20 +279,7 @@ def capture(
         return outputs, [g for _, g in grads]
 
     def trace() -> torch.fx.GraphModule:
-        # A branch on a hyperparameter other than the known ones: fix its zero-ness too, and trace again.
-        while True:
-            try:
-                return make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=False)(*flat)
-            except Exception as e:  # noqa: BLE001 - translated into a message a user can act on
-                branched = branched_hyperparameters(e, symbols)
-                new = [name for name in branched if name not in zero_facts]
-                if not new:
-                    if isinstance(e, CaptureError):
-                        raise
-                    raise explain_trace_failure(e) from e
-                zero_facts.update({name: hyper_values[name] == 0 for name in new})
-            finally:
-                model.train(was_training)
+        return _trace(traced, flat, symbols, zero_facts, hyper_values, model, was_training)
 
     was_training = model.training
     leaves_zero_grads = False
