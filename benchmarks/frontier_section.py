@@ -47,7 +47,7 @@ pathlib.Path("/tmp/section.md").write_text("\n".join(out) + "\n")
 findings = """### Findings
 
 - **Every plan on the four frontiers ran bitwise equal to eager and measured exactly the predicted peak** (+0.00%
-  everywhere, kernel scratch included). The first runs of this session showed mlp-deep 3–11% *below* prediction: the
+  everywhere, kernel scratch included). The first runs showed mlp-deep 3–11% *below* prediction: the
   frontier measured a step while the check's gradients were still set, and the step frees them as it starts, which the
   allocator profiler (it never saw them allocated) cannot subtract. The frontier now clears them first, as `remat run`
   does; the figures above are from after that fix.
@@ -68,7 +68,7 @@ findings = """### Findings
 - **Chen's √n segments** (shared rebuilds, one extra forward per segment) cost 13–43% of the iteration at every budget
   below 1.0, whatever the budget asks: a segment count that fits is found, but segments know nothing of where the peak
   is. On BERT-base at 0.5 no segment count fits at all.
-- **BERT-base at batch 2** (SGD): no budget below 1.0 is reachable by any planner (first session): the peak sits where
+- **BERT-base at batch 2** (SGD): no budget below 1.0 is reachable by any planner: the peak sits where
   the gradients and the vocabulary-sized logits are live, which recomputation cannot reduce. Batch 8 shows the
   trade-off, down to the gradient floor at 0.48.
 - Profiles were taken with one other job on the second core (`OMP_NUM_THREADS=1`): overheads are shares of those

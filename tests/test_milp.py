@@ -104,7 +104,7 @@ def test_program_prices_every_dropped_set_as_the_schedule_does(model_name, batch
     rows admit the set at its simulated peak. On mlp-deep and resnet-tiny some sets rebuild
     a value whose copy the schedule reuses after that value's own last reader (a later
     reader of its storage, e.g. a `detach` view): a program that ends the copy's life at
-    its own last reader prices them above the schedule (a finding of the exact planner's first version), and this
+    its own last reader prices them above the schedule, and this
     test fails."""
     index, candidates, ns, results = _case(model_name, batch_size, k, seed)
     model = milp_planner.MilpModel.build(index, ns, candidates, policy=policy)

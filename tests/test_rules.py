@@ -4,9 +4,8 @@ the rule there changes all three, consistently.
 
 The rule changed here is how long a block may read a copy that an earlier block left
 (`GraphIndex.shared_until`): narrowed to the value's own last reader after the forward
-pass, instead of the last reader of any value on its storage. The exact planner's first
-version had that narrower rule written into its program by hand, and priced some dropped
-sets above what the schedule did."""
+pass, instead of the last reader of any value on its storage: a rule under which the
+schedule rebuilds some values again, so every dropped set's cost and blocks change."""
 
 from __future__ import annotations
 
