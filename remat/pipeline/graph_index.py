@@ -115,15 +115,12 @@ class GraphIndex:
 
     # ------------------------------------------------------------------ the rules of rebuilding
 
-    def block_ops(self, u: str, rebuilt_here: Callable[[str], bool]) -> list[str]:
-        """The forward ops the block before node `u` copies, in execution order: every
-        input of u that must be rebuilt there and, transitively, every value a copy reads
-        that must be. `rebuilt_here(a)` says whether value a must be: the schedule knows
-        (a is not available under the dropped set, and no earlier block left a copy of it
-        that is still shared, see `block_targets`); the bound asks with the same facts,
-        and the exact planner with every value that could be."""
+    def rebuild_closure(self, values: list[str], rebuilt_here: Callable[[str], bool]) -> list[str]:
+        """The forward ops that rebuild `values`, in execution order: each of them and,
+        transitively, every value a copy reads that must be rebuilt too (`rebuilt_here`).
+        The one traversal behind every block and every plan entry's ops."""
         seen: set[str] = set()
-        todo = [a for a in self.inputs[u] if rebuilt_here(a)]
+        todo = list(values)
         while todo:
             c = todo.pop()
             if c in seen:
@@ -131,6 +128,14 @@ class GraphIndex:
             seen.add(c)
             todo.extend(a for a in self.reads_of_copy(c) if a not in seen and rebuilt_here(a))
         return sorted(seen, key=self.rank.__getitem__)
+
+    def block_ops(self, u: str, rebuilt_here: Callable[[str], bool]) -> list[str]:
+        """The forward ops the block before node `u` copies: the closure of the inputs of u
+        that must be rebuilt there. `rebuilt_here(a)` says whether value a must be: the
+        schedule knows (a is not available under the dropped set, and no earlier block left
+        a copy of it that is still shared, see `block_targets`); the bound asks with the
+        same facts, and the exact planner with every value that could be."""
+        return self.rebuild_closure([a for a in self.inputs[u] if rebuilt_here(a)], rebuilt_here)
 
     def block_targets(self, u: str, block: list[str], policy: RebuildPolicy) -> list[str]:
         """The values of the block before `u` that later blocks read instead of rebuilding
@@ -232,19 +237,10 @@ class GraphIndex:
         reads = op_facts.copy_reads(self.node_map[name])
         return self.inputs[name] if reads is None else reads
 
-    def closure(self, needed: list[str], dropped: frozenset[int] | set[int], done: set[str]) -> list[str]:
-        """Forward nodes to copy (in execution order) so that every `needed` value exists."""
-        todo = [n for n in needed if n not in done]
-        seen: set[str] = set()
-        while todo:
-            n = todo.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            for a in self.reads_of_copy(n):
-                if a not in seen and a not in done and not self.available(a, dropped):
-                    todo.append(a)
-        return sorted(seen, key=self.rank.__getitem__)
+    def closure(self, needed: list[str], dropped: frozenset[int] | set[int]) -> list[str]:
+        """Forward nodes to copy (in execution order) so that every `needed` value exists
+        when the storages in `dropped` are recomputed."""
+        return self.rebuild_closure(needed, lambda a: not self.available(a, dropped))
 
     def check_copy(self, name: str, copied: set[str], dropped: frozenset[int] | set[int], before_rank: int) -> str | None:
         """Why `name` cannot be copied into the backward pass (None if it can)."""
@@ -328,7 +324,7 @@ class GraphIndex:
         readers = self.backward_readers(sid)
         first = min((self.rank[u] for a in readers for u in self.users[a] if u not in self.forward), default=len(self.order))
         copied: set[str] = set()
-        for c in self.closure(readers, dropped, copied):
+        for c in self.closure(readers, dropped):
             why = self.check_copy(c, copied, dropped, first)
             if why is not None:
                 return why

@@ -85,7 +85,7 @@ def describe_recomputed(index: GraphIndex, dropped: set[int] | frozenset[int], o
     tensors = index.analysis.tensors
     out: list[Recomputed] = []
     for sid in order:
-        ops = index.closure(index.backward_readers(sid), dropped, set())
+        ops = index.closure(index.backward_readers(sid), dropped)
         op_set = set(ops)
         sources: list[str] = []
         for n in ops:

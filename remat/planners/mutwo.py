@@ -155,7 +155,7 @@ def candidate_records(index: GraphIndex, node_seconds: dict[str, float]) -> list
     tensors = index.analysis.tensors
     for t in (tensors[s] for s in index.candidates()):
         dropped = frozenset([t.id])
-        ops = index.closure(index.backward_readers(t.id), dropped, set())
+        ops = index.closure(index.backward_readers(t.id), dropped)
         op_set = set(ops)
         srcs: set[int] = set()
         for n in ops:

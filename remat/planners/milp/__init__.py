@@ -42,7 +42,7 @@ has no solution left, or the time limit. The returned plan carries the proven ga
 The shared schedule (build_schedule(..., RebuildPolicy.SHARED): every rebuilt value that a
 later node reads is held for it up to its storage's last late read, not only the targets)
 has a program of its own, the same with three changes:
-- P_a = the copies of a made so far in the blocks up to storage_last_read(a), for each
+- P_a = the copies of a made so far in the blocks up to shared_until(a), for each
   value a with late readers; P_a <= 1 (held, a is not copied again in that window). A
   block's rows for a subtract the P_a of the blocks before it: x[u, a] >= U(a) - P_a,
   x[u, a] >= x[u, c] + U(a) - 1 - P_a.
