@@ -63,6 +63,8 @@ class StepReport:
             "compile_seconds": self.compile_seconds,
             "planner": self.plan.planner if self.plan else None,
             "predicted_overhead_seconds": self.plan.predicted_overhead_seconds if self.plan else 0.0,
+            "updates_in_backward": bool(self.plan and self.plan.updates_in_backward),
+            "updates_note": self.plan.updates_note if self.plan else "",
         }
 
 
@@ -97,6 +99,10 @@ class RematStep:
     measure: bool = True  # measure the allocator's peak on the first step of each shape
     progress: bool = False
     profile_cache: dict[str, Profile] | None = None  # graph fingerprint -> profile, shared with other steps (see remat.pipeline.build)
+    # Let the planner run each private optimizer update as soon as its gradient is final.
+    # The gradient then dies early; a step that fails in the backward pass may have
+    # updated some parameters already (the error says which).
+    updates_in_backward: bool = True
     _graphs: dict[Any, CompiledGraph] = field(default_factory=dict)
     _structure: str | None = None
     _last: CompiledGraph | None = None
@@ -162,10 +168,11 @@ class RematStep:
         else:
             budget_bytes = self._budget.to_bytes(baseline.persistent_bytes, baseline.step_peak_bytes)
             node_seconds = {n.name: n.seconds for n in prof.nodes}
-            plan = make_plan(self.planner, index, node_seconds, budget_bytes)
-            schedule = plan.schedule(index)
-            predicted = simulate_schedule(index, schedule).peak_bytes
-            gm = rewrite(index, schedule).gm if schedule.copies else tg.gm
+            plan = make_plan(self.planner, index, node_seconds, budget_bytes, updates_in_backward=self.updates_in_backward)
+            ordered = plan.index_for(index)
+            schedule = plan.schedule(ordered)
+            predicted = simulate_schedule(ordered, schedule).peak_bytes
+            gm = rewrite(ordered, schedule).gm if schedule.copies else ordered.tg.gm
         report = StepReport(
             profile=prof,
             plan=plan,
@@ -214,8 +221,9 @@ class _Undo:
 
     The forward pass writes buffers (BatchNorm running statistics) in place: those are
     small and copied before each step. Parameters and optimizer state change only in the
-    optimizer phase, the last part of the step; version counters tell whether a failure
-    came after some of them had changed, which cannot be undone without a second copy of
+    optimizer's updates, at the end of the step or, moved into the backward pass, as soon
+    as each gradient is final; version counters tell whether a failure came after some of
+    them had changed, which cannot be undone without a second copy of
     all of them, and the error then says so.
     """
 
@@ -234,7 +242,7 @@ class _Undo:
         changed = [name for name, t, version in self.watched if t._version != version]
         if changed:
             error.add_note(
-                f"remat: the step failed during the optimizer update; {len(changed)} parameters or optimizer "
+                f"remat: the step failed after optimizer updates had begun; {len(changed)} parameters or optimizer "
                 f"states (first: {changed[0]}) were already updated and are not restored"
             )
 
@@ -251,11 +259,15 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     measure: bool = True,
     progress: bool = False,
     profile_cache: dict[str, Profile] | None = None,
+    updates_in_backward: bool = True,
 ) -> RematStep:
     """Compile `train_step(model, optimizer, batch) -> loss` into a step that fits `memory_budget`.
 
     `memory_budget`: a fraction in (0, 1] of the activation peak without recomputation,
     an absolute cap on the whole peak (bytes, or "6GiB"), or None for no recomputation.
+    `updates_in_backward`: the planner may run each optimizer update that reads only its
+    own parameter, gradient and state as soon as that gradient is final (freeing it);
+    the step still leaves bitwise what eager leaves.
     The example batch is compiled right away, so errors surface here.
     """
     step = RematStep(
@@ -268,6 +280,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         measure=measure,
         progress=progress,
         profile_cache=profile_cache,
+        updates_in_backward=updates_in_backward,
     )
     step._last = step.compiled_for(example_batch)
     return step

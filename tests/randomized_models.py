@@ -29,6 +29,7 @@ from torch import nn
 import remat
 import remat.pipeline.build as pipeline_build
 import remat.runtime
+from remat.pipeline.rng_replay import Replay
 from remat.pipeline.analysis import analyze
 from remat.pipeline.train_graph import Phase
 from remat.measurement.check import check_against_eager, twin
@@ -86,6 +87,7 @@ class RandomSpec:
     micro_batches: int = 1  # forward+backward passes per step, accumulating gradients (the batch scaled per pass)
     schedule: bool = False  # the loop changes lr, momentum/betas and weight decay between steps
     frozen: int = 0  # every frozen-th parameter (by order) has requires_grad=False; 0: none
+    clip: bool = False  # clip_grad_norm_ before the update: it reads every gradient together
 
     def input_names(self) -> list[str]:
         return [n for n, on in (("x", self.features), ("img", self.image[0]), ("ids", self.vocab)) if on]
@@ -366,6 +368,8 @@ def make_train_step(spec: RandomSpec):
             more = model(part)
             more.backward()
             loss = loss + more.detach()
+        if spec.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         optimizer.step()
         if not spec.zero_grad_first:
             optimizer.zero_grad()
@@ -493,6 +497,7 @@ if st is not None:
             micro_batches=draw(st.sampled_from([1, 1, 2, 3])),
             schedule=draw(st.booleans()),
             frozen=draw(st.sampled_from([0, 0, 2, 3])),
+            clip=draw(st.sampled_from([False, False, False, True])),
         )
 
     def _fits(shape: tuple[int, ...]) -> bool:
@@ -624,6 +629,8 @@ class Outcome:
     num_recomputed: int = 0
     copies: int = 0
     nodes: int = 0
+    updates_in_backward: bool = False  # the plan ran optimizer updates in the backward pass
+    replayed: int = 0  # copies of random ops (replaying the generator state)
     message: str = ""
     notes: list[str] = field(default_factory=list)
 
@@ -827,5 +834,7 @@ def check_example(spec: RandomSpec, steps: int = 3) -> Outcome:
         num_recomputed=report.num_recomputed,
         copies=report.copies,
         nodes=len(compiled.tg.op_nodes()),
+        updates_in_backward=report.plan.updates_in_backward,
+        replayed=sum(1 for n in compiled.gm.graph.nodes if isinstance(n.target, Replay)),
         notes=notes,
     )

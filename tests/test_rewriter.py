@@ -18,6 +18,16 @@ from remat.models import build_model, make_optimizer, make_train_step
 from remat.pipeline.rewriter import RECOMPUTED_SUFFIX, rewrite
 from remat.pipeline.schedule import GraphIndex, build_schedule
 from remat.pipeline.simulator import simulate, simulate_schedule
+from remat.pipeline.rng_replay import RNG_SAVE, Replay
+
+
+def _without_rng_nodes(rewritten, timeline):
+    """The rewritten graph's per-node bytes, less the rows of the ops that save the generator
+    state before a replayed random op (the schedule counts the state from that op on; the
+    row before it never holds more)."""
+    ops = [n for n in rewritten.gm.graph.nodes if n.op == "call_function"]
+    keep = [i for i, n in enumerate(ops) if n.target is not RNG_SAVE]
+    return timeline.during[keep]
 
 
 def _setup(model_name, batch_size, optimizer):
@@ -48,7 +58,7 @@ def test_rewritten_step_is_bitwise_eager_and_simulated_exactly(model_name, batch
 
     # The simulator's order is the rewritten graph's order: same timeline, step by step.
     actual = simulate(analyze(tg, rewritten.gm, rewritten.phase))
-    assert (predicted.during == actual.during).all()
+    assert (predicted.during == _without_rng_nodes(rewritten, actual)).all()
 
     eager_model, eager_opt = twin(spec.model, opt)
 
@@ -82,12 +92,61 @@ def test_batchnorm_is_recomputed_with_its_stat_free_twin():
     assert bn_copies and all(n.args[3] is None and n.args[4] is None for n in bn_copies)
 
 
-def test_random_ops_are_never_candidates_and_cannot_be_forced():
-    spec, opt, step, tg, analysis, index, candidates = _setup("bert-tiny", 2, "sgd")
-    masks = [t for t in analysis.activations() if index.candidate_problem(t.id) and "random" in index.candidate_problem(t.id)]
-    assert masks, "bert-tiny's dropout masks should be refused as candidates"
-    with pytest.raises(PlanError, match="random op"):
-        build_schedule(index, {masks[0].id})
+def test_dropout_is_recomputed_by_replaying_the_generator_exactly():
+    """Dropout masks are candidates: their copies replay the generator state the forward
+    consumed (the same mask), and leave the random stream where eager leaves it."""
+    spec, opt, step, tg, analysis, index, candidates = _setup("bert-tiny", 4, "sgd")
+    masks = [s for s in candidates if any(index.order[w] in index.random for w in index.written_by.get(s, []))]
+    assert masks, "bert-tiny's dropout masks should be candidates"
+    schedule = build_schedule(index, set(masks))
+    random_copies = [c for c in schedule.copies if c in index.random]
+    assert random_copies
+    rewritten = rewrite(index, schedule)
+    saves = [n for n in rewritten.gm.graph.nodes if n.target is RNG_SAVE]
+    replays = [n for n in rewritten.gm.graph.nodes if isinstance(n.target, Replay)]
+    assert len(saves) == len(set(random_copies)) and len(replays) == len(random_copies)
+    predicted = simulate_schedule(index, schedule)
+    actual = simulate(analyze(tg, rewritten.gm, rewritten.phase))
+    assert (predicted.during == _without_rng_nodes(rewritten, actual)).all()
+    assert predicted.peak_bytes < simulate(analysis).peak_bytes
+
+    eager_model, eager_opt = twin(spec.model, opt)
+
+    def remat_step(batch):
+        return run_captured(tg, rewritten.gm, spec.model, flat_inputs(tg, spec.model, opt, batch))
+
+    torch.manual_seed(5)
+    result = check_against_eager(step, eager_model, eager_opt, spec.model, opt, remat_step, spec.batch, steps=3)
+    assert result.match, result.summary()
+    # The copies put the generator back: the next draws are eager's.
+    torch.manual_seed(7)
+    remat_step(spec.batch)
+    after_remat = torch.rand(4)
+    torch.manual_seed(7)
+    step(eager_model, eager_opt, spec.batch)
+    assert torch.equal(after_remat, torch.rand(4))
+
+
+def test_a_random_op_with_its_own_generator_is_never_recomputed():
+    g = torch.Generator().manual_seed(0)
+
+    class Noisy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.lin(x)
+            noise = torch.rand(h.shape, generator=g)
+            return (torch.tanh(h * noise) * h).sum()
+
+    model = Noisy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tg = capture(make_train_step(lambda m, b: m(b)), model, opt, torch.randn(4, 8))
+    index = GraphIndex.build(tg, analyze(tg))
+    own = [n for n in index.random if n not in index.replayable]
+    assert own, "torch.rand with a generator should not be replayable"
+    assert all(index.node_map[n].kwargs.get("generator") is not None for n in own)
 
 
 def test_only_activations_can_be_dropped():
@@ -113,7 +172,7 @@ def test_shared_rebuilds_are_exact_and_bitwise_too(model_name):
     alone = build_schedule(index, dropped)
     assert len(shared.copies) < len(alone.copies)  # chains are not rebuilt again
     rewritten = rewrite(index, shared)
-    assert (simulate_schedule(index, shared).during == simulate(analyze(tg, rewritten.gm, rewritten.phase)).during).all()
+    assert (simulate_schedule(index, shared).during == _without_rng_nodes(rewritten, simulate(analyze(tg, rewritten.gm, rewritten.phase)))).all()
     eager_model, eager_opt = twin(spec.model, opt)
 
     def remat_step(batch):

@@ -89,7 +89,9 @@ def test_bad_budget_is_refused_at_compile_time():
 def test_a_failing_step_leaves_parameters_buffers_and_optimizer_state_as_they_were():
     spec = build_model("resnet-tiny", 4)
     opt = make_optimizer("adamw", spec.model.parameters())
-    step = remat.compile(make_train_step(spec.loss_fn), spec.model, opt, spec.batch, memory_budget=0.8, profile_runs=1)
+    step = remat.compile(
+        make_train_step(spec.loss_fn), spec.model, opt, spec.batch, memory_budget=0.8, profile_runs=1, updates_in_backward=False
+    )
     step(spec.batch)  # state exists and differs from its initial value
     before_model, before_opt = twin(spec.model, opt)
 
@@ -114,3 +116,23 @@ def test_a_failing_step_leaves_parameters_buffers_and_optimizer_state_as_they_we
 
     assert compare_state(before_model, before_opt, spec.model, opt) == []
     step(spec.batch)  # and the step still works afterwards
+
+
+def test_a_step_failing_after_updates_moved_into_the_backward_pass_says_which_changed():
+    spec = build_model("resnet-tiny", 4)
+    opt = make_optimizer("adamw", spec.model.parameters())
+    step = remat.compile(make_train_step(spec.loss_fn), spec.model, opt, spec.batch, memory_budget=0.8, profile_runs=1)
+    assert step.report.plan.updates_in_backward, step.report.plan.updates_note
+    # Fail at the last backward convolution: updates of later layers have run by then.
+    gm = step.graph_module
+    target = [n for n in gm.graph.nodes if n.target is torch.ops.aten.convolution_backward.default][-1]
+    original = target.target
+    target.target = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected failure"))
+    gm.recompile()
+    try:
+        with pytest.raises(RuntimeError, match="injected failure") as info:
+            step(spec.batch)
+    finally:
+        target.target = original
+        gm.recompile()
+    assert any("optimizer updates had begun" in note and "not restored" in note for note in info.value.__notes__)

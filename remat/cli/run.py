@@ -31,6 +31,12 @@ def configure_run(p: argparse.ArgumentParser) -> None:
         "differ from run to run, so eager differs from itself and --check cannot compare bitwise without it",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--keep-grads",
+        action="store_true",
+        help="clear gradients before the forward pass instead of after the update, so that each step leaves its "
+        "gradients set and --check compares them too (they then live to the end of the step)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout; progress goes to stderr")
 
 
@@ -61,6 +67,7 @@ def run_one(
     seed: int = 0,
     progress: bool = True,
     deterministic: bool = False,
+    keep_grads: bool = False,
 ) -> dict[str, Any]:
     """Compile, optionally check, measure and time one configuration; the `--json` object."""
     import torch
@@ -82,8 +89,8 @@ def run_one(
         if progress:
             print(msg, file=sys.stderr, flush=True)
 
-    # Gradients stay set after each step so that --check compares them too.
-    spec = load_workload(model, batch_size, optimizer, device, seed, zero_grad_first=True)
+    # The usual loop clears gradients after the update; kept, --check compares them too.
+    spec = load_workload(model, batch_size, optimizer, device, seed, zero_grad_first=keep_grads)
     opt, train_step = spec.optimizer, spec.train_step
     eager_model, eager_opt = twin(spec.model, opt)
 
@@ -158,6 +165,7 @@ def run_one(
         "predicted_overhead_seconds": predicted_overhead,
         "num_recomputed": report.num_recomputed,
         "recompute_ops": report.copies,
+        "updates_in_backward": bool(plan and plan.updates_in_backward), "updates_note": plan.updates_note if plan else "",
         "grads_match": grads_match,
         "mismatches": mismatches[:20],
         "compile_seconds": report.compile_seconds,
@@ -182,6 +190,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         device=args.device,
         seed=args.seed,
         deterministic=args.deterministic,
+        keep_grads=args.keep_grads,
     )
     if args.json:
         print(json.dumps(result))
@@ -194,6 +203,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"time ratio remat/eager {result['overhead_ratio']:.3f} "
             f"(spread {result['overhead_ratio_spread'][0]:.3f}-{result['overhead_ratio_spread'][1]:.3f}); "
             f"{result['num_recomputed']} activations recomputed"
+            + ("; optimizer updates in the backward pass" if result["updates_in_backward"] else "")
             + ("" if result["grads_match"] is None else f"; bitwise equal to eager: {result['grads_match']}")
         )
     return 0 if result["grads_match"] is not False else 1

@@ -139,8 +139,9 @@ def _measure(sw: Sweep, plan: Any, point: Point) -> None:
     from remat.pipeline.rewriter import rewrite
 
     tg, spec = sw.tg, sw.spec
-    schedule = plan.schedule(sw.index)
-    gm = rewrite(sw.index, schedule).gm if schedule.copies else tg.gm
+    ordered = plan.index_for(sw.index)
+    schedule = plan.schedule(ordered)
+    gm = rewrite(ordered, schedule).gm if schedule.copies else ordered.tg.gm
     eager_model, eager_opt = twin(spec.model, sw.opt)
     remat_model, remat_opt = twin(spec.model, sw.opt)
 

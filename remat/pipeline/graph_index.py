@@ -20,9 +20,10 @@ from typing import Callable
 import torch
 import torch.fx
 
-from remat.pipeline import op_facts
-from remat.pipeline.analysis import GraphAnalysis
+from remat.pipeline import op_facts, rng_replay
+from remat.pipeline.analysis import GraphAnalysis, analyze
 from remat.pipeline.train_graph import Phase, TrainGraph
+from remat.pipeline.update_placement import UpdatePlacement, place_updates, reorder
 
 
 class RebuildPolicy(str, enum.Enum):
@@ -55,6 +56,7 @@ class GraphIndex:
     users: dict[str, list[str]]  # op node -> op nodes reading it
     storages: dict[str, list[int]]
     random: set[str]
+    replayable: set[str]  # random ops whose generator state a rebuild can replay (rng_replay)
     writes: dict[str, list[int]]  # op node -> storages it writes in place
     written_by: dict[int, list[int]]  # storage -> ranks of the ops writing it
     output_inputs: list[str]
@@ -66,6 +68,8 @@ class GraphIndex:
     # Measured kernel scratch per node (Profile.scratch_by_node()), set by whoever has a
     # profile: the plan simulator then predicts what the allocator will see.
     scratch: dict[str, int] = field(default_factory=dict)
+    # The index of the captured order this one was reordered from (`updates_in_backward`).
+    unmoved: "GraphIndex | None" = None
 
     @classmethod
     def build(cls, tg: TrainGraph, analysis: GraphAnalysis) -> "GraphIndex":
@@ -103,6 +107,7 @@ class GraphIndex:
             users=users,
             storages=analysis.node_storages,
             random={n.name for n in ops if op_facts.is_random(n)},
+            replayable={n.name for n in ops if op_facts.is_random(n) and rng_replay.replay_problem(n) is None},
             writes=writes,
             written_by=written_by,
             output_inputs=list(dict.fromkeys(a.name for a in output.all_input_nodes)),
@@ -112,6 +117,24 @@ class GraphIndex:
             last_late_reader=last_late,
             first_late_reader=first_late,
         )
+
+    def updates_in_backward(self) -> tuple["GraphIndex | None", UpdatePlacement]:
+        """This graph with each private optimizer update moved to just after its gradient is
+        final (update_placement), indexed; None where no update can move. Computed once."""
+        cached = self.__dict__.get("_updates_in_backward")
+        if cached is None:
+            if self.unmoved is not None:
+                return self, UpdatePlacement()
+            order, placement = place_updates(self.tg, self.analysis)
+            moved = None
+            if placement.applies:
+                tg = reorder(self.tg, order)
+                moved = GraphIndex.build(tg, analyze(tg))
+                moved.scratch, moved.unmoved = self.scratch, self
+            cached = self.__dict__["_updates_in_backward"] = (moved, placement)
+        if cached[0] is not None:
+            cached[0].scratch = self.scratch  # whoever has a profile may set it after the first call
+        return cached
 
     # ------------------------------------------------------------------ the rules of rebuilding
 
@@ -242,10 +265,29 @@ class GraphIndex:
         when the storages in `dropped` are recomputed."""
         return self.rebuild_closure(needed, lambda a: not self.available(a, dropped))
 
+    def replay_state_bytes(self, name: str) -> int:
+        """Bytes of the generator state kept for a rebuild of random op `name` to replay: saved
+        before the original runs, held until its last copy (0 where it lives off the device
+        measured: a CUDA generator's state is a host tensor)."""
+        if name not in self.replayable or torch.device(self.tg.device).type != "cpu":
+            return 0
+        return rng_replay.state_bytes("cpu")
+
+    def replay_state_reserve(self, candidates: list[int]) -> int:
+        """The most generator-state bytes a schedule dropping some of `candidates` holds for
+        replay: the saved state of every random op a rebuild of them may copy (the closure
+        with all of them dropped holds every other's), and the state set aside while one
+        copy runs."""
+        dropped = frozenset(candidates)
+        readers = [a for s in candidates for a in self.backward_readers(s)]
+        sizes = [self.replay_state_bytes(n) for n in self.closure(readers, dropped) if n in self.replayable]
+        return sum(sizes) + max(sizes, default=0)
+
     def check_copy(self, name: str, copied: set[str], dropped: frozenset[int] | set[int], before_rank: int) -> str | None:
         """Why `name` cannot be copied into the backward pass (None if it can)."""
-        if name in self.random:
-            return f"{name} is a random op: its output must be kept, never recomputed"
+        if name in self.random and name not in self.replayable:
+            why = rng_replay.replay_problem(self.node_map[name])
+            return f"{name} is a random op that cannot be replayed ({why}): its output must be kept"
         node = self.node_map[name]
         if node.target not in op_facts.STATE_FREE_TWINS:
             for s in self.writes[name]:
@@ -267,6 +309,21 @@ class GraphIndex:
                         return f"{name} reads {a}, which {self.order[w]} changes in place before the rebuild"
         return None
 
+
+    def stale_read(self, sid: int, writers: list[str]) -> str | None:
+        """A read of storage `sid` through a value made before an in-place write that precedes
+        the read (a view written in place, its base read later), or None. A rebuild replays
+        the writes on the way to the value it rebuilds (the closure goes through each in-place
+        result), so only values made after the writes they were read after can be rebuilt."""
+        for w in writers:
+            r_w = self.rank[w]
+            for a in self.analysis.tensors[sid].aliases:
+                if self.rank.get(a, len(self.order)) >= r_w:
+                    continue
+                late = [u for u in self.users.get(a, []) if self.rank[u] > r_w]
+                if late:
+                    return f"{late[0]} reads it through {a}, made before {w} wrote it in place"
+        return None
 
     def backward_readers(self, sid: int) -> list[str]:
         """Forward values on storage `sid` that nodes after the forward pass read."""
@@ -315,13 +372,17 @@ class GraphIndex:
         if any(sid in self.storages.get(a, []) for a in self.output_inputs):
             return "a graph output"
         writers = [self.order[w] for w in self.written_by.get(sid, [])]
-        random = [n for n in [self.analysis.tensors[sid].node, *writers] if n in self.random]
+        random = [n for n in [self.analysis.tensors[sid].node, *writers] if n in self.random and n not in self.replayable]
         if random:
-            return f"made by a random op ({random[0]}): its value must be kept, never recomputed"
-        if writers:
-            return f"written in place after it is made (by {writers[0]})"
-        dropped = frozenset([sid])
+            return f"made by a random op that cannot be replayed ({random[0]}): its value must be kept"
+        late = [w for w in writers if w not in self.forward]
+        if late:
+            return f"written in place after the forward pass (by {late[0]})"
+        stale = self.stale_read(sid, writers)
+        if stale is not None:
+            return stale
         readers = self.backward_readers(sid)
+        dropped = frozenset([sid])
         first = min((self.rank[u] for a in readers for u in self.users[a] if u not in self.forward), default=len(self.order))
         copied: set[str] = set()
         for c in self.closure(readers, dropped):

@@ -6,6 +6,10 @@ forward pass that read a dropped value reads the copy instead. Forward ops the s
 removed are not emitted, so the forward original of a dropped activation dies after its
 last forward use, and fx's generated code frees every value after its last use in the new
 order: the order the simulator assumed.
+
+A copied random op replays the draw of its original: the generator's state is saved just
+before the original runs, and the copy runs with the generator set to it and set back
+after (`rng_replay.Replay`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from remat.pipeline.train_graph import Phase, TrainGraph
 from remat.pipeline.op_facts import copy_call
+from remat.pipeline.rng_replay import RNG_SAVE, Replay, op_device
 from remat.pipeline.schedule import ORIGINAL, GraphIndex, Schedule
 
 RECOMPUTED_SUFFIX = "_recomputed"
@@ -42,8 +47,13 @@ def rewrite(index: GraphIndex, schedule: Schedule) -> Rewritten:
             env[node.name] = graph.node_copy(node, lambda n: env[n.name])
 
     copies: dict[str, str] = {}
+    replayed = {s.node for s in schedule.steps if s.copy and s.node in index.random}
+    saved_state: dict[str, torch.fx.Node] = {}
     for step, reads in zip(schedule.steps, schedule.reads):
         node = index.node_map[step.node]
+        device = op_device(node, tg.device)
+        if step.node in replayed and not step.copy:
+            saved_state[step.node] = graph.call_function(RNG_SAVE, (device,), name=node.name + "_rng_state")
         source = {a: (env[a] if instance == ORIGINAL else rebuilt[(a, instance)]) for a, instance in reads}
 
         def arg(n: torch.fx.Node) -> torch.fx.Node:
@@ -51,13 +61,10 @@ def rewrite(index: GraphIndex, schedule: Schedule) -> Rewritten:
 
         if step.copy:
             target, args, kwargs = copy_call(node)
-            new = graph.create_node(
-                "call_function",
-                target,
-                torch.fx.map_arg(args, arg),
-                torch.fx.map_arg(kwargs, arg),
-                name=node.name + RECOMPUTED_SUFFIX,
-            )
+            args = torch.fx.map_arg(args, arg)
+            if step.node in replayed:
+                target, args = Replay(target), (saved_state[step.node], device, *args)
+            new = graph.create_node("call_function", target, args, torch.fx.map_arg(kwargs, arg), name=node.name + RECOMPUTED_SUFFIX)
             new.meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
             rebuilt[(node.name, step.instance)] = new
             copies[new.name] = node.name
@@ -79,7 +86,7 @@ def rewrite(index: GraphIndex, schedule: Schedule) -> Rewritten:
     phase: dict[str, Phase] = {}
     following = Phase.OPTIMIZER
     for node in reversed([n for n in gm.graph.nodes if n.op == "call_function"]):
-        if node.name in copies:
+        if node.name in copies or node.name not in tg.phase:
             phase[node.name] = following
         else:
             phase[node.name] = tg.phase[node.name]

@@ -155,12 +155,27 @@ def simulate_schedule(index: GraphIndex, schedule: Schedule, granularity: int = 
             if k in start:
                 end[k] = n_steps
     ks = sorted(start)
+    extra = replay_state_intervals(index, schedule)
     return simulate_intervals(
         n_steps,
-        np.array([size[k] for k in ks], dtype=np.int64),
-        np.array([start[k] for k in ks], dtype=np.int64),
-        np.array([end[k] for k in ks], dtype=np.int64),
-        [role[k] for k in ks],
+        np.array([size[k] for k in ks] + [b for b, _, _ in extra], dtype=np.int64),
+        np.array([start[k] for k in ks] + [lo for _, lo, _ in extra], dtype=np.int64),
+        np.array([end[k] for k in ks] + [hi for _, _, hi in extra], dtype=np.int64),
+        [role[k] for k in ks] + [Role.OTHER.value] * len(extra),
         persistent_by_role(tensors, granularity),
         np.array([index.scratch.get(s.node, 0) for s in schedule.steps], dtype=np.int64) if index.scratch else None,
     )
+
+
+def replay_state_intervals(index: GraphIndex, schedule: Schedule) -> list[tuple[int, int, int]]:
+    """(bytes, first step, last step) of each generator state a schedule holds for replay:
+    saved just before a random op runs, held through its last copy."""
+    bytes_of = {n: index.replay_state_bytes(n) for n in {s.node for s in schedule.steps if s.copy}}
+    original: dict[str, int] = {}
+    last_copy: dict[str, int] = {}
+    for i, step in enumerate(schedule.steps):
+        if not step.copy:
+            original[step.node] = i
+        elif bytes_of.get(step.node):
+            last_copy[step.node] = i
+    return [(bytes_of[n], original[n], hi) for n, hi in last_copy.items()]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from remat.budget import format_bytes
-from remat.errors import BudgetError
+from remat.errors import BudgetError, PlanError
 from remat.pipeline.schedule import GraphIndex, RebuildPolicy, Schedule, build_schedule, recompute_seconds
 from remat.pipeline.simulator import Timeline, simulate_schedule
 from remat.planners.bound import PeakLowerBound
@@ -176,7 +176,10 @@ class Evaluator:
                 return Reach(best, lb, False)
             if self.bound(dropped) >= best:  # the whole bound (above stopped at the cheap part)
                 continue
-            peak = evaluate(self.index, dropped, self.node_seconds, self.policy).peak_bytes
+            try:
+                peak = evaluate(self.index, dropped, self.node_seconds, self.policy).peak_bytes
+            except PlanError:
+                continue  # a set the schedule cannot run (picks that do not combine): no peak
             self.simulations += 1
             if peak < lb:
                 self.bound_violations += 1

@@ -60,6 +60,8 @@ class Plan:
     optimizer: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     share_rebuilt: bool = False  # the rebuild policy it was made for: shared (True) or per block; a bool in the file format
+    updates_in_backward: bool = False  # each private optimizer update runs as soon as its gradient is final
+    updates_note: str = ""  # which updates moved, or why they stay at the end of the step
 
     @property
     def policy(self) -> RebuildPolicy:
@@ -98,7 +100,19 @@ class Plan:
                 f"this graph {fingerprint[:12]}…): the model, optimizer or batch shape differ. Plan this graph again."
             )
 
+    def index_for(self, index: GraphIndex) -> GraphIndex:
+        """The index of the order this plan runs in: `index`, or its updates moved into the backward pass."""
+        base = index.unmoved or index
+        if not self.updates_in_backward:
+            return base
+        moved, placement = base.updates_in_backward()
+        if moved is None:
+            raise PlanError(f"the plan runs optimizer updates in the backward pass, but none can move in this graph: {placement.summary()}")
+        return moved
+
     def schedule(self, index: GraphIndex) -> Schedule:
+        """The schedule of this plan, over `index_for(index)` (the index to rewrite and simulate with)."""
+        index = self.index_for(index)
         return build_schedule(index, self.dropped(index), self.policy)
 
     def _made_for(self) -> str:
@@ -157,7 +171,7 @@ _PLAN_SIGNS: dict[type, dict[str, str]] = {
 
 def graph_fingerprint_of(index: GraphIndex) -> str:
     """The captured graph's fingerprint, as the profiler computes it (profiles and plans agree)."""
-    return graph_fingerprint(index.tg)
+    return graph_fingerprint((index.unmoved or index).tg)
 
 
 def check_node_seconds(index: GraphIndex, node_seconds: dict[str, float]) -> None:

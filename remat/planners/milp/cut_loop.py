@@ -52,7 +52,9 @@ def solve(model: MilpModel, budget_bytes: int, time_limit: float = DEFAULT_TIME_
     """
     t0 = time.perf_counter()
     index, ns = model.index, model.node_seconds
-    mem, least = model.memory_rows(budget_bytes)
+    # The program does not price the generator states kept to replay random ops (a few
+    # KiB each on CPU); it plans under the budget less the most they can take.
+    mem, least = model.memory_rows(budget_bytes - index.replay_state_reserve(model.candidates))
     base = model.structure.extend(mem)
     nd = len(model.groups)
     cuts = Rows()
