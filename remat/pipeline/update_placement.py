@@ -77,118 +77,131 @@ def _owners_of_inputs(tg: TrainGraph, analysis: GraphAnalysis) -> dict[int, str]
 def place_updates(tg: TrainGraph, analysis: GraphAnalysis) -> tuple[list[str], UpdatePlacement]:
     """The op nodes in the order that runs each private update right after its gradient is
     final (the captured order where nothing moves), and what moved."""
-    ops = tg.op_nodes()
-    order = [n.name for n in ops]
-    rank = {n: i for i, n in enumerate(order)}
-    update = [n for n in ops if tg.phase[n.name] is Phase.OPTIMIZER]
-    placement = UpdatePlacement()
-    if not update:
-        return order, placement
-    storages = analysis.node_storages
-    owner = _owners_of_inputs(tg, analysis)
-    in_update = {n.name for n in update}
-
-    # Who each update op belongs to, by what it reads (through other update ops).
-    owners: dict[str, set[str]] = {}
-    outside_deps: dict[str, int] = {}  # update op -> latest op outside the update it reads
-    for n in update:
-        mine: set[str] = set()
-        dep = -1
-        for a in n.all_input_nodes:
-            if a.name in in_update:
-                mine |= owners[a.name]
-                dep = max(dep, outside_deps[a.name])
-                continue
-            mine |= {owner[s] for s in storages.get(a.name, []) if s in owner}
-            if a.op == "call_function":
-                dep = max(dep, rank[a.name])
-        owners[n.name], outside_deps[n.name] = mine, dep
-
-    groups: dict[str, list[str]] = {}
-    free: list[str] = []  # scalar ops of no parameter (hyperparameter arithmetic)
-    for n in update:
-        mine = owners[n.name]
-        if len(mine) > 1:
-            for p in mine:
-                placement.held.setdefault(p, f"{n.name} ({n.target}) reads the tensors of several parameters together")
-        elif mine:
-            groups.setdefault(next(iter(mine)), []).append(n.name)
+    facts = _UpdateFacts(tg, analysis)
+    placement = UpdatePlacement(held=dict(facts.shared))
+    slots: dict[str, int] = {}
+    for param in facts.groups:
+        if param in placement.held:
+            continue
+        slot, why = facts.slot(param)
+        if why is not None:
+            placement.held[param] = why
         else:
-            free.append(n.name)
-    node_map = {n.name: n for n in ops}
-    free_set = set(free)
-    writing_free = {f for f in free if op_facts.written_args(node_map[f])}
+            slots[param] = slot
+            placement.moved[param] = facts.order[slot]
+    return facts.order_with(slots), placement
 
-    def needed_free(names: list[str]) -> list[str]:
+
+class _UpdateFacts:
+    """The update ops of one graph, by parameter, with the storages they touch."""
+
+    def __init__(self, tg: TrainGraph, analysis: GraphAnalysis) -> None:
+        ops = tg.op_nodes()
+        self.order = [n.name for n in ops]
+        self.rank = {n: i for i, n in enumerate(self.order)}
+        self.node_map = {n.name: n for n in ops}
+        self.storages = analysis.node_storages
+        update = [n for n in ops if tg.phase[n.name] is Phase.OPTIMIZER]
+        self.in_update = {n.name for n in update}
+        self.last_outside = max((r for r, n in enumerate(self.order) if n not in self.in_update), default=-1)
+        self.readers: dict[int, list[int]] = {}
+        self.writers: dict[int, list[int]] = {}
+        for r, n in enumerate(ops):
+            for a in n.all_input_nodes:
+                for sid in self.storages.get(a.name, []):
+                    self.readers.setdefault(sid, []).append(r)
+            for a in op_facts.written_args(n):
+                for sid in self.storages.get(a.name, []):
+                    self.writers.setdefault(sid, []).append(r)
+        self._assign(update, _owners_of_inputs(tg, analysis))
+
+    def _assign(self, update: list[torch.fx.Node], owner: dict[int, str]) -> None:
+        """Each update op's parameter, by what it reads (through other update ops): one
+        parameter's group, several (`shared`: those stay at the end), or none (`free`:
+        scalar arithmetic on hyperparameters); and the latest op outside the update it reads."""
+        owners: dict[str, set[str]] = {}
+        self.outside_dep: dict[str, int] = {}
+        self.groups: dict[str, list[str]] = {}
+        self.shared: dict[str, str] = {}
+        free: list[str] = []
+        for n in update:
+            mine: set[str] = set()
+            dep = -1
+            for a in n.all_input_nodes:
+                if a.name in self.in_update:
+                    mine |= owners[a.name]
+                    dep = max(dep, self.outside_dep[a.name])
+                    continue
+                mine |= {owner[sid] for sid in self.storages.get(a.name, []) if sid in owner}
+                if a.op == "call_function":
+                    dep = max(dep, self.rank[a.name])
+            owners[n.name], self.outside_dep[n.name] = mine, dep
+            if len(mine) > 1:
+                for p in mine:
+                    self.shared.setdefault(p, f"{n.name} ({n.target}) reads the tensors of several parameters together")
+            elif mine:
+                self.groups.setdefault(next(iter(mine)), []).append(n.name)
+            else:
+                free.append(n.name)
+        self.free = set(free)
+        self.writing_free = {f for f in free if op_facts.written_args(self.node_map[f])}
+
+    def helpers(self, names: list[str]) -> list[str]:
+        """The free ops that the ops `names` read, transitively, in captured order."""
         seen: set[str] = set()
-        todo = [a.name for n in names for a in node_map[n].all_input_nodes if a.name in free_set]
+        todo = [a.name for n in names for a in self.node_map[n].all_input_nodes if a.name in self.free]
         while todo:
             f = todo.pop()
             if f not in seen:
                 seen.add(f)
-                todo.extend(a.name for a in node_map[f].all_input_nodes if a.name in free_set)
-        return sorted(seen, key=rank.__getitem__)
+                todo.extend(a.name for a in self.node_map[f].all_input_nodes if a.name in self.free)
+        return sorted(seen, key=self.rank.__getitem__)
 
-    readers: dict[int, list[int]] = {}
-    writers: dict[int, list[int]] = {}
-    for r, n in enumerate(ops):
-        for a in n.all_input_nodes:
-            for s in storages.get(a.name, []):
-                readers.setdefault(s, []).append(r)
-        for a in op_facts.written_args(n):
-            for s in storages.get(a.name, []):
-                writers.setdefault(s, []).append(r)
-    last_outside = max(r for r, n in enumerate(order) if n not in in_update)
-
-    slot_of: dict[str, int] = {}
-    for p, names in groups.items():
-        if p in placement.held:
-            continue
+    def slot(self, param: str) -> tuple[int, str | None]:
+        """The rank of the last op outside `param`'s update that it must follow (see the
+        module docstring), and why it cannot move (None if it can)."""
+        names = self.groups[param]
+        helpers = self.helpers(names)
+        writing = sorted(self.writing_free & set(helpers))
+        if writing:
+            return -1, f"it needs {writing[0]}, which writes in place"
+        read = {sid for n in names for a in self.node_map[n].all_input_nodes for sid in self.storages.get(a.name, [])}
+        written = {sid for n in names for a in op_facts.written_args(self.node_map[n]) for sid in self.storages.get(a.name, [])}
+        slot = max(self.outside_dep[n] for n in [*names, *helpers])
         members = set(names)
-        helpers = needed_free(names)
-        if writing_free & set(helpers):
-            placement.held[p] = f"it needs {sorted(writing_free & set(helpers))[0]}, which writes in place"
-            continue
-        read = {s for n in names for a in node_map[n].all_input_nodes for s in storages.get(a.name, [])}
-        written = {s for n in names for a in op_facts.written_args(node_map[n]) for s in storages.get(a.name, [])}
-        slot = max((outside_deps[n] for n in [*names, *helpers]), default=-1)
-        clash = None
-        for s in read | written:
-            for r in writers.get(s, []) + (readers.get(s, []) if s in written else []):
-                other = order[r]
+        for sid in read | written:
+            for r in self.writers.get(sid, []) + (self.readers.get(sid, []) if sid in written else []):
+                other = self.order[r]
                 if other in members:
                     continue
-                if other in in_update and other not in free_set:
-                    clash = other
-                elif r > slot and other not in in_update:
-                    slot = r
-        if clash is not None:
-            placement.held[p] = f"its tensors are also used by {clash}, an update of another parameter"
-        elif slot >= last_outside:
-            placement.held[p] = f"it must follow {order[slot]}, the last op of the backward pass"
-        else:
-            slot_of[p] = slot
-            placement.moved[p] = order[slot]
+                if other in self.in_update and other not in self.free:
+                    return -1, f"its tensors are also used by {other}, an update of another parameter"
+                if other not in self.in_update:
+                    slot = max(slot, r)
+        if slot >= self.last_outside:
+            return slot, f"it must follow {self.order[slot]}, the last op of the backward pass"
+        return slot, None
 
-    moved_ops = {n for p in slot_of for n in groups[p]}
-    after: dict[int, list[str]] = {}
-    for p in sorted(slot_of, key=lambda p: rank[groups[p][0]]):
-        after.setdefault(slot_of[p], []).append(p)
-    new_order: list[str] = []
-    emitted: set[str] = set()
-    for n in order:
-        if n in in_update:
-            continue
-        new_order.append(n)
-        for p in after.get(rank[n], []):
-            for f in needed_free(groups[p]):
-                if f not in emitted:
-                    emitted.add(f)
-                    new_order.append(f)
-            new_order.extend(groups[p])
-    new_order.extend(n for n in order if n in in_update and n not in moved_ops and n not in emitted)
-    assert sorted(new_order) == sorted(order)
-    return new_order, placement
+    def order_with(self, slots: dict[str, int]) -> list[str]:
+        """The captured order with each update of `slots` (and the free ops it needs) right
+        after the op of its slot; every other update op at the end, in captured order."""
+        after: dict[int, list[str]] = {}
+        for p in sorted(slots, key=lambda p: self.rank[self.groups[p][0]]):
+            after.setdefault(slots[p], []).append(p)
+        order: list[str] = []
+        emitted: set[str] = set()
+        for n in self.order:
+            if n in self.in_update:
+                continue
+            order.append(n)
+            for p in after.get(self.rank[n], []):
+                for op in [*self.helpers(self.groups[p]), *self.groups[p]]:
+                    if op not in emitted:
+                        emitted.add(op)
+                        order.append(op)
+        order.extend(n for n in self.order if n in self.in_update and n not in emitted)
+        assert sorted(order) == sorted(self.order)
+        return order
 
 
 def reorder(tg: TrainGraph, order: list[str]) -> TrainGraph:
