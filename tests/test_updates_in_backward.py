@@ -172,3 +172,21 @@ def test_a_step_that_keeps_its_gradients_returns_them_bitwise():
     result = check_against_eager(keep, eager_model, eager_opt, spec.model, opt, compiled, spec.batch, steps=3)
     assert result.match, result.summary()
     assert all(p.grad is not None for p in spec.model.parameters())
+
+
+def test_a_saved_plan_says_where_the_updates_run_and_applies_the_same_way(tmp_path):
+    from remat.planners import make_plan
+    from remat.planners.plan import Plan
+
+    spec, opt, step, built = _built("mlp-deep", 64, "adamw")
+    ns = built.profile.seconds_by_node()
+    plan = make_plan("mutwo", built.index, ns, _peak(built.index))
+    assert plan.updates_in_backward
+    again = Plan.from_json(plan.to_json(tmp_path / "plan.json"))
+    assert again.updates_in_backward and again.updates_note == plan.updates_note
+    ordered = again.index_for(built.index)
+    assert ordered is built.index.updates_in_backward()[0]
+    assert simulate_schedule(ordered, again.schedule(built.index)).peak_bytes == plan.predicted_peak_bytes
+    kept = make_plan("mutwo", built.index, ns, _peak(built.index), updates_in_backward=False)
+    assert not kept.updates_in_backward and "not allowed" in kept.updates_note
+    assert kept.index_for(built.index) is built.index

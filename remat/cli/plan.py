@@ -137,6 +137,8 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
         "num_recomputed": plan.num_recomputed,
         "recomputed_bytes": sum(r.nbytes for r in plan.recomputed),
         "planning_seconds": plan.planning_seconds,
+        "updates_in_backward": plan.updates_in_backward,
+        "updates_note": plan.updates_note,
         "fingerprint": plan.fingerprint,
         "out_dir": str(result["out"]),
         "files": {k: str(v) for k, v in result["files"].items()},
@@ -265,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
         f"{plan.predicted_peak_bytes / MiB:,.1f} MiB (budget {plan.budget_bytes / MiB:,.1f} MiB), planned in "
         f"{plan.planning_seconds:.2f} s"
     )
+    console.print(f"optimizer updates: {plan.updates_note}")
     console.print(f"wrote {', '.join(str(p) for p in result['files'].values())} ({time.perf_counter() - t0:.1f} s)")
     if args.json:
         print(json.dumps(summary(result)))
