@@ -190,3 +190,14 @@ def test_a_saved_plan_says_where_the_updates_run_and_applies_the_same_way(tmp_pa
     kept = make_plan("mutwo", built.index, ns, _peak(built.index), updates_in_backward=False)
     assert not kept.updates_in_backward and "not allowed" in kept.updates_note
     assert kept.index_for(built.index) is built.index
+
+
+def test_a_budget_out_of_reach_names_the_floor_with_the_updates_moved():
+    spec, opt, step, built = _built("mlp-deep", 64, "adamw")
+    moved, _ = built.index.updates_in_backward()
+    from remat.planners import make_plan
+
+    with pytest.raises(BudgetError) as info:
+        make_plan("mutwo", built.index, built.profile.seconds_by_node(), _peak(moved) // 4)
+    assert info.value.reach.best < _peak(built.index)  # the floor with the updates moved
+    assert any("as soon as its gradient is final" in note for note in info.value.__notes__)

@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         return args._run(args)
     except (UsageError, RematError) as e:
         print(f"remat: error: {e}", file=sys.stderr)
+        for note in getattr(e, "__notes__", []):
+            print(note, file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("remat: interrupted", file=sys.stderr)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from remat.budget import format_bytes
 from remat.errors import BudgetError
 from remat.pipeline.graph_index import GraphIndex
 from remat.pipeline.schedule import build_schedule
@@ -33,7 +34,14 @@ def plan_with_placement(index: GraphIndex, run: Callable[[GraphIndex], Plan], *,
         except BudgetError as e:
             errors[in_backward] = e
     if not results:
-        raise min(errors.values(), key=lambda e: e.reach.best if e.reach is not None else float("inf"))
+        smallest = min(errors, key=lambda k: errors[k].reach.best if errors[k].reach is not None else float("inf"))
+        if smallest:
+            captured = simulate_schedule(index, build_schedule(index, set())).peak_bytes
+            errors[True].add_note(
+                f"remat: that peak runs each optimizer update as soon as its gradient is final; the step as captured "
+                f"peaks at {format_bytes(captured)} without recomputation"
+            )
+        raise errors[smallest]
     chosen = min(results, key=lambda k: (results[k].predicted_overhead_seconds, results[k].predicted_peak_bytes, not k))
     plan = results[chosen]
     plan.updates_in_backward = chosen
