@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     ops: collections.Counter = collections.Counter()
     failures: list[tuple[RandomSpec, str]] = []
     stats = {"examples": 0, "recomputed": 0, "copies": 0, "max_abs_error_bytes": 0, "max_rel_error": 0.0,
-             "max_over_budget_bytes": 0, "max_nodes": 0, "updates_in_backward": 0, "replayed_random_ops": 0}
+             "max_over_budget_bytes": 0, "max_nodes": 0, "updates_in_backward": 0, "replayed_random_ops": 0,
+             "with_lean_ops": 0}
     start = time.perf_counter()
     deadline = start + 60 * args.minutes if args.minutes else None
 
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             stats["max_nodes"] = max(stats["max_nodes"], outcome.nodes)
             stats["updates_in_backward"] += int(outcome.updates_in_backward)
             stats["replayed_random_ops"] += outcome.replayed
+            stats["with_lean_ops"] += int(outcome.lean_ops > 0)
         if stats["examples"] % 100 == 0:
             print(f"{stats['examples']} models, {time.perf_counter() - start:.0f} s: {dict(kinds)}", flush=True)
 

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/plan_regression.py --save DIR    # profiles + plans of this code
     .venv/bin/python benchmarks/plan_regression.py --check DIR   # re-plan from DIR's profiles, compare
+    (--no-lean-ops: plan without lean operator variants, to compare with plans made before them)
 
 A restructuring of the memory model or the planners must not change a plan. `--save`
 captures and profiles each model once (the profiles are kept in DIR) and writes every
@@ -39,11 +40,13 @@ VOLATILE = ("planning_seconds", "meta")  # meta: the solvers' own statistics (ti
 def _stable(plan_json: dict[str, Any]) -> dict[str, Any]:
     """The plan itself: what is recomputed, under which schedule, and its predictions."""
     out = {k: v for k, v in plan_json.items() if k not in VOLATILE}
+    if not out.get("lean_ops"):
+        out.pop("lean_ops", None)  # a plan without lean operator variants reads as one made before they existed
     out["schedule"] = plan_json.get("meta", {}).get("schedule")
     return out
 
 
-def plans_for(model: str, batch: int, profiles: Path, save: bool) -> dict[str, Any]:
+def plans_for(model: str, batch: int, profiles: Path, save: bool, lean_ops: bool = True) -> dict[str, Any]:
     spec = load(model, batch, "sgd")
     tg = capture(spec.train_step, spec.model, spec.optimizer, spec.batch)
     path = profiles / f"{model}-b{batch}.json"
@@ -58,7 +61,7 @@ def plans_for(model: str, batch: int, profiles: Path, save: bool) -> dict[str, A
             budget = int(base.persistent_bytes + b * base.step_peak_bytes)
             key = f"{model}-b{batch}/{planner}@{b:g}"
             try:
-                plan = make_plan(planner, built.index, built.node_seconds(), budget, **kwargs)
+                plan = make_plan(planner, built.index, built.node_seconds(), budget, lean_ops=lean_ops, **kwargs)
             except RematError as e:
                 out[key] = {"error": f"{type(e).__name__}: {str(e).split(':')[0]}"}
                 continue
@@ -74,12 +77,13 @@ def main() -> int:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--save", metavar="DIR")
     mode.add_argument("--check", metavar="DIR")
+    p.add_argument("--no-lean-ops", action="store_true", help="plan without lean operator variants (compare with plans made before them)")
     args = p.parse_args()
     folder = Path(args.save or args.check)
     folder.mkdir(parents=True, exist_ok=True)
     plans: dict[str, Any] = {}
     for model, batch in MODELS:
-        plans.update(plans_for(model, batch, folder, save=bool(args.save)))
+        plans.update(plans_for(model, batch, folder, save=bool(args.save), lean_ops=not args.no_lean_ops))
         print(f"{model} b{batch}: planned", file=sys.stderr, flush=True)
     if args.save:
         (folder / "plans.json").write_text(json.dumps(plans, indent=1, sort_keys=True) + "\n")

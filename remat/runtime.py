@@ -65,6 +65,7 @@ class StepReport:
             "predicted_overhead_seconds": self.plan.predicted_overhead_seconds if self.plan else 0.0,
             "updates_in_backward": bool(self.plan and self.plan.updates_in_backward),
             "updates_note": self.plan.updates_note if self.plan else "",
+            "lean_ops": list(self.plan.lean_ops) if self.plan else [],
         }
 
 
@@ -103,6 +104,9 @@ class RematStep:
     # The gradient then dies early; a step that fails in the backward pass may have
     # updated some parameters already (the error says which).
     updates_in_backward: bool = True
+    # Let backward ops write their result into an input buffer that dies there (the same
+    # kernel through its out= overload: bitwise the same values, one buffer fewer).
+    lean_ops: bool = True
     _graphs: dict[Any, CompiledGraph] = field(default_factory=dict)
     _structure: str | None = None
     _last: CompiledGraph | None = None
@@ -168,7 +172,9 @@ class RematStep:
         else:
             budget_bytes = self._budget.to_bytes(baseline.persistent_bytes, baseline.step_peak_bytes)
             node_seconds = {n.name: n.seconds for n in prof.nodes}
-            plan = make_plan(self.planner, index, node_seconds, budget_bytes, updates_in_backward=self.updates_in_backward)
+            plan = make_plan(
+                self.planner, index, node_seconds, budget_bytes, updates_in_backward=self.updates_in_backward, lean_ops=self.lean_ops
+            )
             ordered = plan.index_for(index)
             schedule = plan.schedule(ordered)
             predicted = simulate_schedule(ordered, schedule).peak_bytes
@@ -260,6 +266,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     progress: bool = False,
     profile_cache: dict[str, Profile] | None = None,
     updates_in_backward: bool = True,
+    lean_ops: bool = True,
 ) -> RematStep:
     """Compile `train_step(model, optimizer, batch) -> loss` into a step that fits `memory_budget`.
 
@@ -268,6 +275,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     `updates_in_backward`: the planner may run each optimizer update that reads only its
     own parameter, gradient and state as soon as that gradient is final (freeing it);
     the step still leaves bitwise what eager leaves.
+    `lean_ops`: backward ops may write their result into an input buffer that dies there
+    (pipeline.lean_ops), where the kernel has an out= form: the same values, fewer bytes.
     The example batch is compiled right away, so errors surface here.
     """
     step = RematStep(
@@ -281,6 +290,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         progress=progress,
         profile_cache=profile_cache,
         updates_in_backward=updates_in_backward,
+        lean_ops=lean_ops,
     )
     step._last = step.compiled_for(example_batch)
     return step

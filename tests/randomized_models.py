@@ -631,6 +631,7 @@ class Outcome:
     nodes: int = 0
     updates_in_backward: bool = False  # the plan ran optimizer updates in the backward pass
     replayed: int = 0  # copies of random ops (replaying the generator state)
+    lean_ops: int = 0  # backward ops that wrote their result into a dying input
     message: str = ""
     notes: list[str] = field(default_factory=list)
 
@@ -836,5 +837,6 @@ def check_example(spec: RandomSpec, steps: int = 3) -> Outcome:
         nodes=len(compiled.tg.op_nodes()),
         updates_in_backward=report.plan.updates_in_backward,
         replayed=sum(1 for n in compiled.gm.graph.nodes if isinstance(n.target, Replay)),
+        lean_ops=len(report.plan.lean_ops),
         notes=notes,
     )

@@ -29,7 +29,7 @@ from remat.pipeline.simulator import simulate_schedule
 
 
 # The enumerations below are of the captured order: plan it alone.
-make_plan = functools.partial(_make_plan, updates_in_backward=False)
+make_plan = functools.partial(_make_plan, updates_in_backward=False, lean_ops=False)
 
 
 def _graph(model_name: str, batch_size: int):

@@ -308,7 +308,7 @@ def test_diamond_by_hand(diamond):
     # change neither (mm's copy is made at rank 19 and read at 29).
     assert evaluate(diamond, set(), ns).timeline.step_peak_bytes == 20616
     assert [e.peak for e in log] == [DIAMOND_PERSISTENT + 16644] * 3
-    plan = make_plan("mutwo", diamond, ns, DIAMOND_PERSISTENT + 18000)
+    plan = make_plan("mutwo", diamond, ns, DIAMOND_PERSISTENT + 18000, lean_ops=False)
     assert plan.keys == ["sin"] and plan.predicted_peak_bytes == DIAMOND_PERSISTENT + 16644
     with pytest.raises(BudgetError, match=f"{DIAMOND_PERSISTENT + 16644} bytes"):
         make_plan("mutwo", diamond, ns, DIAMOND_PERSISTENT + 16000)

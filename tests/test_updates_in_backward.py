@@ -180,14 +180,14 @@ def test_a_saved_plan_says_where_the_updates_run_and_applies_the_same_way(tmp_pa
 
     spec, opt, step, built = _built("mlp-deep", 64, "adamw")
     ns = built.profile.seconds_by_node()
-    plan = make_plan("mutwo", built.index, ns, _peak(built.index))
+    plan = make_plan("mutwo", built.index, ns, _peak(built.index), lean_ops=False)
     assert plan.updates_in_backward
     again = Plan.from_json(plan.to_json(tmp_path / "plan.json"))
     assert again.updates_in_backward and again.updates_note == plan.updates_note
     ordered = again.index_for(built.index)
     assert ordered is built.index.updates_in_backward()[0]
     assert simulate_schedule(ordered, again.schedule(built.index)).peak_bytes == plan.predicted_peak_bytes
-    kept = make_plan("mutwo", built.index, ns, _peak(built.index), updates_in_backward=False)
+    kept = make_plan("mutwo", built.index, ns, _peak(built.index), updates_in_backward=False, lean_ops=False)
     assert not kept.updates_in_backward and "not allowed" in kept.updates_note
     assert kept.index_for(built.index) is built.index
 

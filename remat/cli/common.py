@@ -64,7 +64,7 @@ MODEL_HELP = (
 
 
 def add_model_arguments(p: argparse.ArgumentParser, budget_help: str) -> None:
-    """--model, --batch-size, --budget, --planner and --optimizer, as `plan` and `run` take them."""
+    """--model, --batch-size, --budget, --planner, --optimizer and --no-lean-ops, as `plan` and `run` take them."""
     from remat.models import OPTIMIZER_NAMES
     from remat.planners import PLANNERS
 
@@ -73,6 +73,11 @@ def add_model_arguments(p: argparse.ArgumentParser, budget_help: str) -> None:
     p.add_argument("--budget", required=True, metavar="X", help=budget_help)
     p.add_argument("--planner", default="mutwo", metavar="NAME", help=f"one of: {', '.join(PLANNERS)} (default: mutwo)")
     p.add_argument("--optimizer", default="sgd", metavar="NAME", help=f"one of: {', '.join(OPTIMIZER_NAMES)} (default: sgd)")
+    p.add_argument(
+        "--no-lean-ops",
+        action="store_true",
+        help="plan without lean operator variants (backward ops writing their result into an input that dies there)",
+    )
 
 
 def build_and_capture(model: str, batch_size: int, optimizer: str, device: str, seed: int) -> tuple[Any, Any, Any, Any]:

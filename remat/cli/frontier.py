@@ -43,6 +43,12 @@ def configure_frontier(p: argparse.ArgumentParser) -> None:
         help="keep the points already in DIR/frontier.json (same model, batch size, optimizer and device) and do only the rest, "
         "on the node times of DIR/profile.json",
     )
+    p.add_argument(
+        "--no-lean-ops",
+        action="store_true",
+        help="plan without lean operator variants (backward ops writing their result into a dying input), "
+        "to compare the frontier with and without them",
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--runs", type=int, default=3, metavar="N", help="timed runs per node when profiling (default: 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model's weights and batch (default: 0)")
@@ -76,6 +82,7 @@ def cmd_frontier(args: argparse.Namespace) -> int:
             profile_path=args.profile,
             progress=True,
             resume=args.resume,
+            lean_ops=not args.no_lean_ops,
         )
     except KeyboardInterrupt:
         print(f"interrupted: every point finished so far is in {out}/frontier.json; rerun with --resume to do only the rest", file=sys.stderr)

@@ -57,6 +57,7 @@ def plan_command(
     runs: int = 3,
     seed: int = 0,
     progress: bool = True,
+    lean_ops: bool = True,
 ) -> dict[str, Any]:
     """Everything `remat plan` does but printing: returns the plan, timelines and files."""
     from remat.pipeline import build as pipeline
@@ -101,6 +102,7 @@ def plan_command(
         optimizer=optimizer,
         baseline_iteration_seconds=prof.iteration_seconds,
         meta={"budget": str(budget), "device": prof.device},
+        lean_ops=lean_ops,
     )
     final = evaluate(index, plan.dropped(index), node_seconds)
     files["plan"] = plan.to_json(out / "plan.json")
@@ -139,6 +141,8 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
         "planning_seconds": plan.planning_seconds,
         "updates_in_backward": plan.updates_in_backward,
         "updates_note": plan.updates_note,
+        "lean_ops": plan.lean_ops,
+        "lean_ops_note": plan.meta.get("lean_ops_note", ""),
         "fingerprint": plan.fingerprint,
         "out_dir": str(result["out"]),
         "files": {k: str(v) for k, v in result["files"].items()},
@@ -257,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
         runs=args.runs,
         seed=args.seed,
         progress=True,
+        lean_ops=not args.no_lean_ops,
     )
     plan = result["plan"]
     console = console_for(sys.stderr) if args.json else console_for(sys.stdout)
@@ -268,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
         f"{plan.planning_seconds:.2f} s"
     )
     console.print(f"optimizer updates: {plan.updates_note}")
+    console.print(f"lean operator variants: {plan.meta.get('lean_ops_note', '')}")
     console.print(f"wrote {', '.join(str(p) for p in result['files'].values())} ({time.perf_counter() - t0:.1f} s)")
     if args.json:
         print(json.dumps(summary(result)))

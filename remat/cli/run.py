@@ -68,6 +68,7 @@ def run_one(
     progress: bool = True,
     deterministic: bool = False,
     keep_grads: bool = False,
+    lean_ops: bool = True,
 ) -> dict[str, Any]:
     """Compile, optionally check, measure and time one configuration; the `--json` object."""
     import torch
@@ -77,9 +78,10 @@ def run_one(
         _use_deterministic_algorithms()
 
     import remat
-    from remat.measurement.check import check_against_eager, time_alternating, twin
     from remat.cli.common import UsageError, _positive, load_workload
+    from remat.measurement.check import check_against_eager, time_alternating, twin
     from remat.measurement.memory import measure_step_peak
+    from remat.pipeline.capture import flat_inputs, run_captured
 
     _positive(pairs, "--pairs")
     if steps < 0:
@@ -96,7 +98,7 @@ def run_one(
 
     t0 = time.perf_counter()
     say(f"compiling {model} (batch {batch_size}, budget {budget}, planner {planner}) ...")
-    step = remat.compile(train_step, spec.model, opt, spec.batch, memory_budget=budget, planner=planner, progress=progress)
+    step = remat.compile(train_step, spec.model, opt, spec.batch, memory_budget=budget, planner=planner, progress=progress, lean_ops=lean_ops)
     report = step.report
     say(
         f"compiled in {time.perf_counter() - t0:.1f} s: {report.num_recomputed} activations recomputed, "
@@ -120,16 +122,12 @@ def run_one(
     eager_measured = measure_step_peak(lambda: train_step(eager_model, eager_opt, spec.batch), device, eager_model)
     eager_peak = persistent + eager_measured.peak_bytes
     # The captured graph without recomputation, run on the eager copy: the baseline remat starts from.
-    from remat.pipeline.capture import flat_inputs, run_captured
-
     tg = step.compiled_for(spec.batch).tg
     base_inputs = flat_inputs(tg, eager_model, eager_opt, spec.batch)
     baseline_measured = persistent + measure_step_peak(lambda: run_captured(tg, tg.gm, eager_model, base_inputs), device, eager_model).peak_bytes
 
     say(f"timing eager vs remat, {pairs} alternating pairs ...")
-    timing = time_alternating(
-        lambda: train_step(eager_model, eager_opt, spec.batch), lambda: step(spec.batch), pairs=pairs, device=device
-    )
+    timing = time_alternating(lambda: train_step(eager_model, eager_opt, spec.batch), lambda: step(spec.batch), pairs=pairs, device=device)
     losses = []
     for i in range(steps):
         losses.append(float(pytree.tree_leaves(step(spec.batch))[0]))  # the loss: first of what train_step returns
@@ -166,6 +164,7 @@ def run_one(
         "num_recomputed": report.num_recomputed,
         "recompute_ops": report.copies,
         "updates_in_backward": bool(plan and plan.updates_in_backward), "updates_note": plan.updates_note if plan else "",
+        "lean_ops": list(plan.lean_ops) if plan else [], "lean_ops_note": plan.meta.get("lean_ops_note", "") if plan else "",
         "grads_match": grads_match,
         "mismatches": mismatches[:20],
         "compile_seconds": report.compile_seconds,
@@ -191,6 +190,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         seed=args.seed,
         deterministic=args.deterministic,
         keep_grads=args.keep_grads,
+        lean_ops=not args.no_lean_ops,
     )
     if args.json:
         print(json.dumps(result))
@@ -204,6 +204,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"(spread {result['overhead_ratio_spread'][0]:.3f}-{result['overhead_ratio_spread'][1]:.3f}); "
             f"{result['num_recomputed']} activations recomputed"
             + ("; optimizer updates in the backward pass" if result["updates_in_backward"] else "")
+            + (f"; {len(result['lean_ops'])} backward ops write into a dying input" if result["lean_ops"] else "")
             + ("" if result["grads_match"] is None else f"; bitwise equal to eager: {result['grads_match']}")
         )
     return 0 if result["grads_match"] is not False else 1

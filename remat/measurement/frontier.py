@@ -74,6 +74,7 @@ class Sweep:
     time_limit: float
     measure: bool
     pairs: int
+    lean_ops: bool  # plan with lean operator variants too (pipeline.lean_ops)
     tg: Any
     index: Any
     prof: Any
@@ -99,7 +100,8 @@ def run_point(sw: Sweep, planner: str, budget: str, budget_bytes: int, fraction:
     try:
         plan = make_plan(
             planner, sw.index, sw.node_seconds, int(budget_bytes), fingerprint=sw.prof.fingerprint, model=sw.model,
-            batch_size=sw.batch_size, optimizer=sw.optimizer, baseline_iteration_seconds=sw.prof.iteration_seconds, **kwargs,
+            batch_size=sw.batch_size, optimizer=sw.optimizer, baseline_iteration_seconds=sw.prof.iteration_seconds,
+            lean_ops=sw.lean_ops, **kwargs,
         )
     except BudgetError as e:
         point.status, point.error = "no_plan", str(e)
@@ -197,6 +199,7 @@ def run_frontier(
     profile_path: str | Path | None = None,
     progress: bool = True,
     resume: bool = False,
+    lean_ops: bool = True,
 ) -> Frontier:
     """Plan (and with `measure`, run) every budget with every planner; write the results.
 
@@ -222,7 +225,7 @@ def run_frontier(
     if time_limit <= 0:
         raise UsageError(f"--time-limit must be positive, got {time_limit}")
     out = Path(out_dir) if out_dir is not None else Path("runs") / f"frontier-{model}-b{batch_size}"
-    previous = _resumable(out, model, batch_size, optimizer, device) if resume else None
+    previous = _resumable(out, model, batch_size, optimizer, device, lean_ops) if resume else None
     if previous is not None and profile_path is None and (out / "profile.json").is_file():
         profile_path = out / "profile.json"
 
@@ -258,7 +261,7 @@ def run_frontier(
         measured_baseline_peak_bytes=int(prof.measured_peak_bytes) if prof.measured_peak_bytes is not None else None,
         profile_seconds=profile_seconds,
         time_limit=time_limit,
-        meta={"seed": seed, "runs": runs, "fingerprint": prof.fingerprint, "num_nodes": len(index.order)},
+        meta={"seed": seed, "runs": runs, "fingerprint": prof.fingerprint, "num_nodes": len(index.order), "lean_ops": lean_ops},
     )
     if previous is not None:  # its points first; planners and budgets it had that this sweep has not stay listed
         frontier.points = list(previous.points)
@@ -269,7 +272,7 @@ def run_frontier(
          f"(persistent {base_tl.persistent_bytes / MiB:,.2f} MiB); iteration {prof.iteration_seconds * 1e3:,.1f} ms")
     sweep = Sweep(
         model=model, batch_size=batch_size, optimizer=optimizer, device=device, seed=seed, time_limit=time_limit, measure=measure,
-        pairs=pairs, tg=tg, index=index, prof=prof, node_seconds=node_seconds, persistent_bytes=int(base_tl.persistent_bytes),
+        pairs=pairs, lean_ops=lean_ops, tg=tg, index=index, prof=prof, node_seconds=node_seconds, persistent_bytes=int(base_tl.persistent_bytes),
         spec=spec, opt=opt, train_step=train_step,
     )  # fmt: skip
 

@@ -91,7 +91,7 @@ def load_frontier(path: str | Path) -> Frontier:
     return Frontier(**d)
 
 
-def _resumable(out: Path, model: str, batch_size: int, optimizer: str, device: str) -> Frontier | None:
+def _resumable(out: Path, model: str, batch_size: int, optimizer: str, device: str, lean_ops: bool = True) -> Frontier | None:
     """The frontier a resumed sweep goes on from (None: none yet), refused if it is of another configuration."""
     from remat.errors import UsageError
 
@@ -108,6 +108,12 @@ def _resumable(out: Path, model: str, batch_size: int, optimizer: str, device: s
                 f"{model} with batch size {batch_size} ({optimizer}, {device}): its {what} differs. Use another --out, or drop "
                 "--resume to start over."
             )
+    if previous.meta.get("lean_ops", True) != lean_ops:
+        had = "with" if previous.meta.get("lean_ops", True) else "without"
+        raise UsageError(
+            f"--resume: {path} was planned {had} lean operator variants; resume it with the same --no-lean-ops setting, "
+            "or use another --out"
+        )
     return previous
 
 

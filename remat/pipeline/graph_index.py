@@ -23,6 +23,7 @@ import torch.fx
 from remat.pipeline import op_facts, rng_replay
 from remat.pipeline.analysis import GraphAnalysis, analyze
 from remat.pipeline.train_graph import Phase, TrainGraph
+from remat.pipeline.lean_ops import LeanOps, apply_lean_ops, find_lean_ops
 from remat.pipeline.update_placement import UpdatePlacement, place_updates, reorder
 
 
@@ -68,8 +69,11 @@ class GraphIndex:
     # Measured kernel scratch per node (Profile.scratch_by_node()), set by whoever has a
     # profile: the plan simulator then predicts what the allocator will see.
     scratch: dict[str, int] = field(default_factory=dict)
-    # The index of the captured order this one was reordered from (`updates_in_backward`).
-    unmoved: "GraphIndex | None" = None
+    # The index of the graph as captured, where this one derives from it (`with_lean_ops`,
+    # `updates_in_backward`); None for the captured graph itself.
+    captured: "GraphIndex | None" = None
+    updates_moved: bool = False  # private optimizer updates run in the backward pass
+    lean_ops: list[str] = field(default_factory=list)  # nodes that write into a dying input (lean_ops)
 
     @classmethod
     def build(cls, tg: TrainGraph, analysis: GraphAnalysis) -> "GraphIndex":
@@ -118,19 +122,38 @@ class GraphIndex:
             first_late_reader=first_late,
         )
 
+    def with_lean_ops(self) -> tuple["GraphIndex | None", LeanOps]:
+        """This graph with every backward op that can write its result into a dying input
+        doing so (lean_ops), indexed; None where no op can. Computed once, on the graph as
+        captured (then `updates_in_backward` of the result may move its updates)."""
+        if self.lean_ops or self.updates_moved:
+            return None, LeanOps()
+        cached = self.__dict__.get("_with_lean_ops")
+        if cached is None:
+            lean = find_lean_ops(self.tg, self.analysis)
+            derived = None
+            if lean.applies:
+                tg = apply_lean_ops(self.tg, lean)
+                derived = GraphIndex.build(tg, analyze(tg))
+                derived.captured, derived.lean_ops = self, lean.nodes
+            cached = self.__dict__["_with_lean_ops"] = (derived, lean)
+        if cached[0] is not None:
+            cached[0].scratch = self.scratch  # whoever has a profile may set it after the first call
+        return cached
+
     def updates_in_backward(self) -> tuple["GraphIndex | None", UpdatePlacement]:
         """This graph with each private optimizer update moved to just after its gradient is
         final (update_placement), indexed; None where no update can move. Computed once."""
+        if self.updates_moved:
+            return None, UpdatePlacement()
         cached = self.__dict__.get("_updates_in_backward")
         if cached is None:
-            if self.unmoved is not None:
-                return self, UpdatePlacement()
             order, placement = place_updates(self.tg, self.analysis)
             moved = None
             if placement.applies:
                 tg = reorder(self.tg, order)
                 moved = GraphIndex.build(tg, analyze(tg))
-                moved.scratch, moved.unmoved = self.scratch, self
+                moved.captured, moved.updates_moved, moved.lean_ops = self.captured or self, True, self.lean_ops
             cached = self.__dict__["_updates_in_backward"] = (moved, placement)
         if cached[0] is not None:
             cached[0].scratch = self.scratch  # whoever has a profile may set it after the first call

@@ -11,7 +11,7 @@ import importlib
 from typing import Any
 
 from remat.errors import PlanError
-from remat.planners.placement import plan_with_placement
+from remat.planners.placement import plan_with_placement, planned_graphs
 from remat.planners.plan import Plan, check_node_seconds
 from remat.pipeline.schedule import GraphIndex
 
@@ -24,13 +24,16 @@ PLANNERS: tuple[str, ...] = tuple(_MODULES)
 
 
 def make_plan(
-    planner: str, index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, *, updates_in_backward: bool = True, **meta: Any
+    planner: str, index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, *,
+    updates_in_backward: bool = True, lean_ops: bool = True, **meta: Any
 ) -> Plan:
     """Plan with `planner` under a cap of `budget_bytes` on the whole peak.
 
     The planner plans both the captured order and, where `updates_in_backward` allows and
     some optimizer updates can move, the order with them in the backward pass; the plan
-    that fits at the least predicted time is kept (`placement.plan_with_placement`).
+    that fits at the least predicted time is kept (`placement.plan_with_placement`). Where
+    `lean_ops` allows, the graph with its lean operator variants (pipeline.lean_ops) is
+    planned too.
 
     `meta` is passed to the Plan: model, batch_size, optimizer, fingerprint (the
     profile's), baseline_iteration_seconds, meta. Raises BudgetError when no plan fits,
@@ -44,6 +47,9 @@ def make_plan(
 
         raise BudgetError(f"budget_bytes must be a positive number of bytes, got {budget_bytes!r}; use remat.budget.parse_budget")
     module = importlib.import_module(_MODULES[planner])
-    if updates_in_backward and "time_limit" in meta and index.updates_in_backward()[0] is not None:
-        meta = {**meta, "time_limit": meta["time_limit"] / 2}  # the limit holds for both orders together
-    return plan_with_placement(index, lambda idx: module.plan(idx, node_seconds, budget_bytes, **meta), allow_moving=updates_in_backward)
+    if "time_limit" in meta:  # the limit holds for every graph planned together
+        graphs = planned_graphs(index, allow_moving=updates_in_backward, lean_ops=lean_ops)
+        meta = {**meta, "time_limit": meta["time_limit"] / len(graphs)}
+    return plan_with_placement(
+        index, lambda idx: module.plan(idx, node_seconds, budget_bytes, **meta), allow_moving=updates_in_backward, lean_ops=lean_ops
+    )

@@ -1,8 +1,14 @@
-"""Where the optimizer updates run, chosen together with what is recomputed: every planner
-plans the graph in its captured order and with its private updates moved into the
-backward pass (`GraphIndex.updates_in_backward`), and the plan that fits at the least
-predicted time is kept (at equal time, the lower predicted peak). When neither fits, the
-error with the smaller reachable peak is raised: the floor with updates in backward."""
+"""Which graph a planner plans, chosen together with what is recomputed.
+
+- Lean operator variants (`GraphIndex.with_lean_ops`): the graph with them and the graph
+  without are both planned, and the cheaper plan kept.
+- Where the optimizer updates run is chosen: every planner plans the graph in its
+  captured order and with its private updates moved into the backward pass
+  (`GraphIndex.updates_in_backward`), and the plan that fits at the least predicted time
+  is kept (at equal time, the lower predicted peak). When neither fits, the error with the
+  smaller reachable peak is raised: the floor with updates in backward.
+
+The baseline a plan is measured against is always the step as captured."""
 
 from __future__ import annotations
 
@@ -16,8 +22,60 @@ from remat.pipeline.simulator import simulate_schedule
 from remat.planners.plan import Plan
 
 
-def plan_with_placement(index: GraphIndex, run: Callable[[GraphIndex], Plan], *, allow_moving: bool = True) -> Plan:
-    """`run(index)` plans one order; this runs it on both and keeps the better plan."""
+def planned_graphs(index: GraphIndex, *, allow_moving: bool = True, lean_ops: bool = True) -> list[GraphIndex]:
+    """The graphs a planner is run on for `index` as captured: with its lean operator
+    variants (where any apply and `lean_ops` allows) and without, each in its captured
+    order and with its updates moved (where any can move and `allow_moving` allows)."""
+    bases = [index]
+    lean = index.with_lean_ops()[0] if lean_ops else None
+    if lean is not None:
+        bases.insert(0, lean)
+    out = []
+    for base in bases:
+        moved = base.updates_in_backward()[0] if allow_moving else None
+        out.extend([moved, base] if moved is not None else [base])
+    return out
+
+
+def plan_with_placement(
+    index: GraphIndex, run: Callable[[GraphIndex], Plan], *, allow_moving: bool = True, lean_ops: bool = True
+) -> Plan:
+    """`run(index)` plans one graph; this runs it on the graphs allowed and keeps the better
+    plan. The graph with lean operator variants holds fewer bytes under every plan, but a
+    heuristic planner may still land on a costlier plan there, so both are planned."""
+    captured = index
+    bases = [captured]
+    lean_note = "lean operator variants were not allowed"
+    if lean_ops:
+        lean, found = captured.with_lean_ops()
+        lean_note = found.summary()
+        if lean is not None:
+            bases.insert(0, lean)
+    plans: list[Plan] = []
+    errors: list[BudgetError] = []
+    for base in bases:
+        try:
+            plan = _choose_placement(base, captured, run, allow_moving)
+        except BudgetError as e:
+            errors.append(e)
+            continue
+        plan.lean_ops = list(base.lean_ops)
+        plans.append(plan)
+        if not plan.recomputed:
+            break  # nothing recomputed: no plan can be cheaper
+    if not plans:
+        raise errors[0]  # the lean graph's, where there is one: the lower floor
+    plan = min(plans, key=lambda p: (p.predicted_overhead_seconds, p.predicted_peak_bytes))
+    if lean_ops and len(bases) > 1 and not plan.lean_ops:
+        lean_note = f"lean operator variants not used: the plan without them is predicted cheaper ({lean_note})"
+    plan.meta["lean_ops_note"] = lean_note
+    # The baseline is the step as captured, whichever graph the plan runs.
+    baseline = simulate_schedule(captured, build_schedule(captured, set()))
+    plan.baseline_peak_bytes, plan.baseline_step_peak_bytes = int(baseline.peak_bytes), int(baseline.step_peak_bytes)
+    return plan
+
+
+def _choose_placement(index: GraphIndex, captured: GraphIndex, run: Callable[[GraphIndex], Plan], allow_moving: bool) -> Plan:
     moved, placement = index.updates_in_backward()
     if moved is None or not allow_moving:
         plan = run(index)
@@ -36,10 +94,10 @@ def plan_with_placement(index: GraphIndex, run: Callable[[GraphIndex], Plan], *,
     if not results:
         smallest = min(errors, key=lambda k: errors[k].reach.best if errors[k].reach is not None else float("inf"))
         if smallest:
-            captured = simulate_schedule(index, build_schedule(index, set())).peak_bytes
+            peak = simulate_schedule(captured, build_schedule(captured, set())).peak_bytes
             errors[True].add_note(
                 f"remat: that peak runs each optimizer update as soon as its gradient is final; the step as captured "
-                f"peaks at {format_bytes(captured)} without recomputation"
+                f"peaks at {format_bytes(peak)} without recomputation"
             )
         raise errors[smallest]
     chosen = min(results, key=lambda k: (results[k].predicted_overhead_seconds, results[k].predicted_peak_bytes, not k))
@@ -55,9 +113,6 @@ def plan_with_placement(index: GraphIndex, run: Callable[[GraphIndex], Plan], *,
         }
     elif other in errors:
         plan.meta["other_placement"] = {"updates_in_backward": other, "error": str(errors[other]).splitlines()[0]}
-    # The baseline is the step as captured, whichever order the plan runs in.
-    baseline = simulate_schedule(index, build_schedule(index, set()))
-    plan.baseline_peak_bytes, plan.baseline_step_peak_bytes = int(baseline.peak_bytes), int(baseline.step_peak_bytes)
     return plan
 
 

@@ -62,6 +62,7 @@ class Plan:
     share_rebuilt: bool = False  # the rebuild policy it was made for: shared (True) or per block; a bool in the file format
     updates_in_backward: bool = False  # each private optimizer update runs as soon as its gradient is final
     updates_note: str = ""  # which updates moved, or why they stay at the end of the step
+    lean_ops: list[str] = field(default_factory=list)  # nodes that write their result into a dying input (lean_ops)
 
     @property
     def policy(self) -> RebuildPolicy:
@@ -101,8 +102,17 @@ class Plan:
             )
 
     def index_for(self, index: GraphIndex) -> GraphIndex:
-        """The index of the order this plan runs in: `index`, or its updates moved into the backward pass."""
-        base = index.unmoved or index
+        """The index of the graph this plan runs: `index` as captured, with the plan's lean
+        operator variants and its updates moved into the backward pass, as the plan says."""
+        base = index.captured or index
+        if self.lean_ops:
+            lean, found = base.with_lean_ops()
+            if lean is None or lean.lean_ops != self.lean_ops:
+                raise PlanError(
+                    f"the plan writes {len(self.lean_ops)} backward results into dying inputs, but this graph allows "
+                    f"{len(found.applied)} other ones: it was made for another graph. Plan this graph again."
+                )
+            base = lean
         if not self.updates_in_backward:
             return base
         moved, placement = base.updates_in_backward()
@@ -171,7 +181,7 @@ _PLAN_SIGNS: dict[type, dict[str, str]] = {
 
 def graph_fingerprint_of(index: GraphIndex) -> str:
     """The captured graph's fingerprint, as the profiler computes it (profiles and plans agree)."""
-    return graph_fingerprint((index.unmoved or index).tg)
+    return graph_fingerprint((index.captured or index).tg)
 
 
 def check_node_seconds(index: GraphIndex, node_seconds: dict[str, float]) -> None:
