@@ -11,14 +11,13 @@ from torch import nn
 import remat
 from remat.errors import BudgetError, PlanError
 from remat.measurement.check import check_against_eager, twin
-from remat.models import build_model, make_optimizer, make_train_step
 from remat.pipeline import build as pipeline
 from remat.pipeline.lean_ops import ROW_WISE, find_lean_ops, out_overload
-from remat.pipeline.schedule import build_schedule
 from remat.pipeline.simulator import simulate_schedule
 from remat.pipeline.train_graph import Phase
 from remat.planners import make_plan
 from remat.planners.plan import Plan
+from test_updates_in_backward import _built, _peak
 
 aten = torch.ops.aten
 
@@ -79,19 +78,8 @@ def test_only_ops_with_their_own_out_kernel_count():
     assert out_overload(aten.gelu_backward.default, "meta") is None
 
 
-def _built(name, batch, optimizer="sgd", step=None, loss_fn=None):
-    spec = build_model(name, batch)
-    opt = make_optimizer(optimizer, spec.model.parameters())
-    step = step or make_train_step(spec.loss_fn)
-    return spec, opt, step, pipeline.build(step, spec.model, opt, spec.batch, runs=1)
-
-
-def _peak(index) -> int:
-    return simulate_schedule(index, build_schedule(index, set())).peak_bytes
-
-
 def test_the_loss_backward_writes_into_its_incoming_gradient_and_every_variant_holds_its_precondition():
-    spec, opt, step, built = _built("bert-tiny", 4)
+    spec, opt, step, built = _built("bert-tiny", 4, "sgd")
     lean = find_lean_ops(built.tg, built.analysis)
     into = {v.node: v.into for v in lean.applied}
     assert into.get("_log_softmax_backward_data") == "nll_loss_backward"
@@ -117,7 +105,6 @@ class _TwiceRead(nn.Module):
     def __init__(self):
         super().__init__()
         self.a = nn.Linear(16, 16)
-        self.b = nn.Linear(16, 16)
 
     def forward(self, x):
         h = self.a(x)
@@ -138,7 +125,9 @@ def test_an_input_read_later_is_never_overwritten():
     batch = torch.randn(8, 16)
     built = pipeline.build(step, model, opt, batch, runs=1)
     index = built.index
-    for v in find_lean_ops(built.tg, built.analysis).applied:
+    applied = find_lean_ops(built.tg, built.analysis).applied
+    assert applied, "the other backward ops of this model can write into their dying inputs"
+    for v in applied:
         (sid,) = index.storages[v.into]
         later = [u for a in index.analysis.tensors[sid].aliases for u in index.users.get(a, []) if index.rank[u] > index.rank[v.node]]
         assert not later, f"{v.node} overwrites {v.into}, which {later[0]} reads later"
@@ -170,7 +159,7 @@ def test_a_budget_only_the_lean_graph_reaches_runs_bitwise_at_its_predicted_peak
 
 
 def test_a_saved_plan_names_its_variants_and_refuses_a_graph_without_them(tmp_path):
-    spec, opt, step, built = _built("bert-tiny", 4)
+    spec, opt, step, built = _built("bert-tiny", 4, "sgd")
     ns = built.profile.seconds_by_node()
     derived, _ = built.index.with_lean_ops()
     plan = make_plan("mutwo", built.index, ns, (_peak(derived) + _peak(built.index)) // 2)

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._guards import detect_fake_mode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from remat.pipeline.train_graph import InputKind, Phase, TrainGraph
@@ -89,6 +91,13 @@ class GraphAnalysis:
 
     def storage_by_key(self) -> dict[str, int]:
         return {t.key: t.id for t in self.tensors}
+
+
+def refresh_fake_values(gm: torch.fx.GraphModule) -> None:
+    """New fake values for every node of a rewritten graph, from its placeholders' own, so
+    that the analysis reads each node's storage as the rewritten graph makes it."""
+    fake_inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    FakeTensorProp(gm, detect_fake_mode(fake_inputs)).propagate_dont_convert_inputs(*fake_inputs)
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor | None]:

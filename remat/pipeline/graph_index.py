@@ -128,35 +128,47 @@ class GraphIndex:
         captured (then `updates_in_backward` of the result may move its updates)."""
         if self.lean_ops or self.updates_moved:
             return None, LeanOps()
-        cached = self.__dict__.get("_with_lean_ops")
-        if cached is None:
+
+        def derive() -> tuple["GraphIndex | None", LeanOps]:
             lean = find_lean_ops(self.tg, self.analysis)
-            derived = None
-            if lean.applies:
-                tg = apply_lean_ops(self.tg, lean)
-                derived = GraphIndex.build(tg, analyze(tg))
-                derived.captured, derived.lean_ops = self, lean.nodes
-            cached = self.__dict__["_with_lean_ops"] = (derived, lean)
-        if cached[0] is not None:
-            cached[0].scratch = self.scratch  # whoever has a profile may set it after the first call
-        return cached
+            if not lean.applies:
+                return None, lean
+            derived = self._indexed(apply_lean_ops(self.tg, lean))
+            derived.lean_ops = lean.nodes
+            return derived, lean
+
+        return self._derived("_with_lean_ops", derive)
 
     def updates_in_backward(self) -> tuple["GraphIndex | None", UpdatePlacement]:
         """This graph with each private optimizer update moved to just after its gradient is
         final (update_placement), indexed; None where no update can move. Computed once."""
         if self.updates_moved:
             return None, UpdatePlacement()
-        cached = self.__dict__.get("_updates_in_backward")
-        if cached is None:
+
+        def derive() -> tuple["GraphIndex | None", UpdatePlacement]:
             order, placement = place_updates(self.tg, self.analysis)
-            moved = None
-            if placement.applies:
-                tg = reorder(self.tg, order)
-                moved = GraphIndex.build(tg, analyze(tg))
-                moved.captured, moved.updates_moved, moved.lean_ops = self.captured or self, True, self.lean_ops
-            cached = self.__dict__["_updates_in_backward"] = (moved, placement)
+            if not placement.applies:
+                return None, placement
+            moved = self._indexed(reorder(self.tg, order))
+            moved.updates_moved, moved.lean_ops = True, self.lean_ops
+            return moved, placement
+
+        return self._derived("_updates_in_backward", derive)
+
+    def _indexed(self, tg: TrainGraph) -> "GraphIndex":
+        """The index of a graph derived from this one (same nodes, rewritten or reordered)."""
+        derived = GraphIndex.build(tg, analyze(tg))
+        derived.captured = self.captured or self
+        return derived
+
+    def _derived(self, key: str, derive: Callable[[], tuple]) -> tuple:
+        """`derive()` computed once and cached under `key`; the derived index shares this
+        one's kernel scratch, which whoever has a profile may set after the first call."""
+        cached = self.__dict__.get(key)
+        if cached is None:
+            cached = self.__dict__[key] = derive()
         if cached[0] is not None:
-            cached[0].scratch = self.scratch  # whoever has a profile may set it after the first call
+            cached[0].scratch = self.scratch
         return cached
 
     # ------------------------------------------------------------------ the rules of rebuilding

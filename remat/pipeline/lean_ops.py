@@ -28,11 +28,9 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from remat.pipeline import op_facts
-from remat.pipeline.analysis import GraphAnalysis
+from remat.pipeline.analysis import GraphAnalysis, refresh_fake_values
 from remat.pipeline.train_graph import Phase, TrainGraph
 
 aten = torch.ops.aten
@@ -169,6 +167,5 @@ def apply_lean_ops(tg: TrainGraph, lean: LeanOps) -> TrainGraph:
         env[node.name] = new
     graph.lint()
     gm = torch.fx.GraphModule(tg.gm, graph)
-    fake_inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-    FakeTensorProp(gm, detect_fake_mode(fake_inputs)).propagate_dont_convert_inputs(*fake_inputs)
+    refresh_fake_values(gm)
     return dataclasses.replace(tg, gm=gm, meta={**tg.meta, "lean_ops": lean.nodes})

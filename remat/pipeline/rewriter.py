@@ -18,9 +18,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from remat.pipeline.analysis import refresh_fake_values
 from remat.pipeline.train_graph import Phase, TrainGraph
 from remat.pipeline.op_facts import copy_call
 from remat.pipeline.rng_replay import RNG_SAVE, Replay, op_device
@@ -77,11 +76,7 @@ def rewrite(index: GraphIndex, schedule: Schedule) -> Rewritten:
     graph.lint()
     gm = torch.fx.GraphModule(tg.gm, graph)
 
-    # Fresh fake values, so that each copy has a storage of its own for the analysis.
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    fake_inputs = [n.meta["val"] for n in placeholders]
-    mode = detect_fake_mode(fake_inputs)
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
+    refresh_fake_values(gm)  # each copy gets a storage of its own for the analysis
 
     phase: dict[str, Phase] = {}
     following = Phase.OPTIMIZER

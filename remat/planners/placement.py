@@ -26,12 +26,8 @@ def planned_graphs(index: GraphIndex, *, allow_moving: bool = True, lean_ops: bo
     """The graphs a planner is run on for `index` as captured: with its lean operator
     variants (where any apply and `lean_ops` allows) and without, each in its captured
     order and with its updates moved (where any can move and `allow_moving` allows)."""
-    bases = [index]
-    lean = index.with_lean_ops()[0] if lean_ops else None
-    if lean is not None:
-        bases.insert(0, lean)
     out = []
-    for base in bases:
+    for base in _bases(index, lean_ops)[0]:
         moved = base.updates_in_backward()[0] if allow_moving else None
         out.extend([moved, base] if moved is not None else [base])
     return out
@@ -44,13 +40,7 @@ def plan_with_placement(
     plan. The graph with lean operator variants holds fewer bytes under every plan, but a
     heuristic planner may still land on a costlier plan there, so both are planned."""
     captured = index
-    bases = [captured]
-    lean_note = "lean operator variants were not allowed"
-    if lean_ops:
-        lean, found = captured.with_lean_ops()
-        lean_note = found.summary()
-        if lean is not None:
-            bases.insert(0, lean)
+    bases, lean_note = _bases(captured, lean_ops)
     plans: list[Plan] = []
     errors: list[BudgetError] = []
     for base in bases:
@@ -66,13 +56,22 @@ def plan_with_placement(
     if not plans:
         raise errors[0]  # the lean graph's, where there is one: the lower floor
     plan = min(plans, key=lambda p: (p.predicted_overhead_seconds, p.predicted_peak_bytes))
-    if lean_ops and len(bases) > 1 and not plan.lean_ops:
+    if len(bases) > 1 and not plan.lean_ops:
         lean_note = f"lean operator variants not used: the plan without them is predicted cheaper ({lean_note})"
     plan.meta["lean_ops_note"] = lean_note
     # The baseline is the step as captured, whichever graph the plan runs.
     baseline = simulate_schedule(captured, build_schedule(captured, set()))
     plan.baseline_peak_bytes, plan.baseline_step_peak_bytes = int(baseline.peak_bytes), int(baseline.step_peak_bytes)
     return plan
+
+
+def _bases(index: GraphIndex, lean_ops: bool) -> tuple[list[GraphIndex], str]:
+    """The graphs to plan before the updates are placed, the one with lean operator variants
+    first (where allowed and any apply), and what the variants came to."""
+    if not lean_ops:
+        return [index], "lean operator variants were not allowed"
+    lean, found = index.with_lean_ops()
+    return ([lean, index] if lean is not None else [index]), found.summary()
 
 
 def _choose_placement(index: GraphIndex, captured: GraphIndex, run: Callable[[GraphIndex], Plan], allow_moving: bool) -> Plan:
