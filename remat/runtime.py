@@ -15,13 +15,16 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from remat import ranks
 from remat.pipeline import build as pipeline
+from remat.pipeline import data_parallel
 from remat.budget import parse_budget
 from remat.pipeline.capture import (
     InputKind,
     TrainGraph,
     TrainStep,
     batch_leaf_names,
+    capture,
     flat_inputs,
     run_captured,
 )
@@ -29,7 +32,7 @@ from remat.errors import CaptureError, RematError
 from remat.measurement.memory import measure_step_peak
 from remat.planners.plan import Plan
 from remat.planners import make_plan
-from remat.pipeline.profiles import Profile
+from remat.pipeline.profiles import Profile, graph_fingerprint
 from remat.pipeline.rewriter import rewrite
 from remat.pipeline.simulator import simulate, simulate_schedule
 
@@ -87,6 +90,11 @@ def _signature(batch: Any) -> tuple[str, tuple[tuple[tuple[int, ...], torch.dtyp
     return str(spec), sig
 
 
+def _shapes(sig: tuple[tuple[tuple[int, ...], Any, str], ...]) -> list[tuple[tuple[int, ...], str]]:
+    """A signature without devices: what must be equal on every rank (each has its own device)."""
+    return [(shape, str(dtype)) for shape, dtype, _ in sig]
+
+
 @dataclass
 class RematStep:
     """A training step that runs the rewritten graph. Call it with a batch: `loss = step(batch)`."""
@@ -114,6 +122,8 @@ class RematStep:
     def __post_init__(self) -> None:
         # Parse now: a bad budget is an error at compile time, not at the first step.
         self._budget = parse_budget(self.memory_budget) if self.memory_budget is not None else None
+        # A DDP model: every rank compiles and runs the same graph, agreed stage by stage (remat.ranks).
+        self._dp = data_parallel.data_parallel_of(self.model)
 
     @property
     def report(self) -> StepReport:
@@ -129,21 +139,36 @@ class RematStep:
 
     def compiled_for(self, batch: Any) -> CompiledGraph:
         """The compiled graph for this batch's shape, compiling it if it is new."""
+        sig = self._agreed("reading the batch", lambda: self._checked_signature(batch), summary=_shapes, differ="the batch's shapes and dtypes")
+        cached = self._graphs.get(sig)
+        if cached is not None:
+            return cached
+        compiled = self._compile(batch)
+        self._structure = _signature(batch)[0]
+        self._graphs[sig] = compiled
+        return compiled
+
+    def _checked_signature(self, batch: Any) -> Any:
+        """The batch's shape signature, or an error for a batch this step cannot take."""
         structure, sig = _signature(batch)
         if self._structure is not None and structure != self._structure:
             raise CaptureError(
                 f"this step was compiled for batches structured as {self._structure}, got {structure}; "
                 "compile another step for another batch structure"
             )
-        cached = self._graphs.get(sig)
-        if cached is not None:
-            return cached
-        if self._graphs:
+        if self._graphs and sig not in self._graphs:
             self._check_dtype_device(batch, next(iter(self._graphs.values())).tg)
-        compiled = self._compile(batch)
-        self._structure = structure
-        self._graphs[sig] = compiled
-        return compiled
+        return sig
+
+    def _agreed(self, what: str, fn: Any, summary: Any = None, differ: str = "") -> Any:
+        """`fn()`; for a data-parallel step, on every rank together (remat.ranks.together),
+        and where `summary` is given, with its value the same on every rank."""
+        if self._dp is None:
+            return fn()
+        result, summaries = ranks.together(self._dp, what, fn, summary or (lambda _: None))
+        if summary is not None:
+            ranks.same_everywhere(summaries, differ)
+        return result
 
     def _check_dtype_device(self, batch: Any, tg: TrainGraph) -> None:
         leaves = pytree.tree_leaves(batch)
@@ -159,10 +184,13 @@ class RematStep:
 
     def _compile(self, batch: Any) -> CompiledGraph:
         start = time.perf_counter()
-        built = pipeline.build(
-            self.train_step, self.model, self.optimizer, batch, runs=self.profile_runs, progress=self.progress, profile_cache=self.profile_cache
+        tg = self._agreed(
+            "capturing the step", lambda: capture(self.train_step, self.model, self.optimizer, batch), summary=graph_fingerprint, differ="the captured graph"
         )
-        tg, analysis, prof, index = built.tg, built.analysis, built.profile, built.index
+        built = pipeline.build_on(
+            tg, self.model, self.optimizer, batch, runs=self.profile_runs, progress=self.progress, profile_cache=self.profile_cache
+        )
+        analysis, prof, index = built.analysis, built.profile, built.index
         baseline = simulate(analysis, scratch=index.scratch)
         plan: Plan | None = None
         budget_bytes: int | None = None
@@ -172,13 +200,20 @@ class RematStep:
         else:
             budget_bytes = self._budget.to_bytes(baseline.persistent_bytes, baseline.step_peak_bytes)
             node_seconds = {n.name: n.seconds for n in prof.nodes}
-            plan = make_plan(
-                self.planner, index, node_seconds, budget_bytes, updates_in_backward=self.updates_in_backward, lean_ops=self.lean_ops
-            )
-            ordered = plan.index_for(index)
-            schedule = plan.schedule(ordered)
-            predicted = simulate_schedule(ordered, schedule).peak_bytes
-            gm = rewrite(ordered, schedule).gm if schedule.copies else ordered.tg.gm
+
+            def make() -> Plan:
+                return make_plan(
+                    self.planner, index, node_seconds, budget_bytes, updates_in_backward=self.updates_in_backward, lean_ops=self.lean_ops
+                )
+
+            plan = make() if self._dp is None else ranks.share_plan(self._dp, make)
+
+            def rewritten() -> tuple[int, torch.fx.GraphModule]:
+                ordered = plan.index_for(index)
+                schedule = plan.schedule(ordered)
+                return simulate_schedule(ordered, schedule).peak_bytes, (rewrite(ordered, schedule).gm if schedule.copies else ordered.tg.gm)
+
+            predicted, gm = self._agreed("applying the plan", rewritten)
         report = StepReport(
             profile=prof,
             plan=plan,
@@ -202,7 +237,9 @@ class RematStep:
     def __call__(self, batch: Any) -> torch.Tensor:
         compiled = self.compiled_for(batch)
         self._last = compiled
-        inputs = flat_inputs(compiled.tg, self.model, self.optimizer, batch)
+        inputs = self._agreed("reading the step's inputs", lambda: flat_inputs(compiled.tg, self.model, self.optimizer, batch))
+        if self._dp is not None:
+            data_parallel.before_step(self.model)
         if self.measure and not compiled.measured:
             measured = measure_step_peak(lambda: self._run(compiled, inputs), compiled.tg.device, self.model)
             compiled.report.measured_peak_bytes = compiled.report.persistent_bytes + measured.peak_bytes
@@ -215,11 +252,17 @@ class RematStep:
     def _run(self, compiled: CompiledGraph, inputs: list[torch.Tensor]) -> torch.Tensor:
         """One step; on failure, put back the state the step had changed (see `_Undo`)."""
         undo = _Undo(compiled, inputs)
+        dp = compiled.tg.data_parallel
         try:
-            return run_captured(compiled.tg, compiled.gm, self.model, inputs)
+            result = run_captured(compiled.tg, compiled.gm, self.model, inputs)
         except Exception as e:
             undo.restore(e)
+            if dp is not None:
+                ranks.note_collective_failure(e, dp)
             raise
+        if dp is not None:
+            data_parallel.after_step(self.model, dp)
+        return result
 
 
 class _Undo:

@@ -37,6 +37,14 @@ def configure_run(p: argparse.ArgumentParser) -> None:
         help="clear gradients before the forward pass instead of after the update, so that each step leaves its "
         "gradients set and --check compares them too (they then live to the end of the step)",
     )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="data parallel: N processes on this machine (gloo on 127.0.0.1), the model wrapped in DistributedDataParallel; "
+        "--batch-size is per process. Measures each rank against eager DDP and DDP with HF's checkpointing (CPU only)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout; progress goes to stderr")
 
 
@@ -177,6 +185,8 @@ def run_one(
 def cmd_run(args: argparse.Namespace) -> int:
     from remat.measurement.report import console_for
 
+    if args.nproc != 1:
+        return _run_data_parallel(args)
     result = run_one(
         args.model,
         args.batch_size,
@@ -208,3 +218,40 @@ def cmd_run(args: argparse.Namespace) -> int:
             + ("" if result["grads_match"] is None else f"; bitwise equal to eager: {result['grads_match']}")
         )
     return 0 if result["grads_match"] is not False else 1
+
+
+def _run_data_parallel(args: argparse.Namespace) -> int:
+    """`remat run --nproc N`: every rank's measurements (remat.measurement.data_parallel)."""
+    from remat.cli.common import UsageError, check_model_args
+    from remat.launch import run_ranks
+    from remat.measurement.data_parallel import RankConfig, measure_rank
+    from remat.measurement.report import console_for
+
+    if args.nproc < 2:
+        raise UsageError(f"--nproc must be 2 or more for data parallel (1: one process, the default), got {args.nproc}")
+    if args.device != "cpu":
+        raise UsageError("--nproc runs gloo processes on the CPU; on GPUs launch your own script with torchrun (one GPU per rank)")
+    check_model_args(args.model, args.batch_size, args.optimizer, args.device)
+    config = RankConfig(
+        model=args.model, batch_size=args.batch_size, budget=_budget_arg(args.budget), planner=args.planner, optimizer=args.optimizer,
+        steps=args.steps, pairs=args.pairs, check=args.check, seed=args.seed, lean_ops=not args.no_lean_ops, baselines=("hf",),
+    )  # fmt: skip
+    print(f"running {args.model} on {args.nproc} processes (batch {args.batch_size} each) ...", file=sys.stderr, flush=True)
+    results = run_ranks(measure_rank, args.nproc, (config,), timeout_s=3600, pg_timeout_s=600)
+    if args.json:
+        print(json.dumps({"nproc": args.nproc, "ranks": results}))
+    else:
+        console = console_for(sys.stdout)
+        mib = 2**20
+        for r in results:
+            hf = ""
+            if "hf_activation_peak_bytes" in r:
+                hf = f"; DDP+HF {r['hf_activation_peak_bytes'] / mib:.1f} MiB at {r['hf_overhead_ratio']:.3f}x"
+            console.print(
+                f"rank {r['rank']}: activation peak eager DDP {r['eager_activation_peak_bytes'] / mib:.1f} MiB, remat "
+                f"{r['activation_peak_bytes_measured'] / mib:.1f} MiB measured / {r['predicted_activation_peak_bytes'] / mib:.1f} MiB "
+                f"predicted at {r['overhead_ratio']:.3f}x eager DDP's time{hf}; {r['num_recomputed']} recomputed, "
+                f"{r['collectives']} all-reduces in the graph"
+                + ("" if r["grads_match"] is None else f"; bitwise equal to eager DDP: {r['grads_match']}")
+            )
+    return 0 if all(r["grads_match"] is not False for r in results) else 1

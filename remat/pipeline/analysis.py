@@ -20,6 +20,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from remat.pipeline.data_parallel import aliases_its_input
 from remat.pipeline.train_graph import InputKind, Phase, TrainGraph
 
 
@@ -249,6 +250,8 @@ def analyze(tg: TrainGraph, gm: torch.fx.GraphModule | None = None, phase: dict[
             ]
         elif node.op == "call_function":
             vals = _tensors_in(node.meta.get("val"))
+            if aliases_its_input(node):  # a collective's wait returns the tensor it was given
+                vals = _tensors_in(node.args[0].meta.get("val"))
             for i in _masked_outputs(node):
                 if i < len(vals) and vals[i] is not None:
                     undefined.add(StorageWeakRef(vals[i].untyped_storage()))

@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
-from remat.pipeline import hyperparams
+from remat.pipeline import data_parallel, hyperparams
 from remat.pipeline.cpu_strides import CpuOutputStrides
 from remat.errors import CaptureError
 from remat.pipeline.optimizer_state import check_first_step_state, optimizer_on, optimizer_states
@@ -72,6 +72,8 @@ def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: torch.optim.O
             f"BatchNorm behave as they did then. Call model.{'train' if mode == 'training' else 'eval'}() before "
             "the step (e.g. after evaluating), or compile a step for the other mode."
         )
+    if tg.data_parallel is not None:
+        data_parallel.check_unchanged(model, tg.data_parallel)
     params = _unique_named(model.named_parameters())
     buffers = _unique_named(model.named_buffers())
     trainable = tuple(n for n, p in params.items() if p.requires_grad)
@@ -207,6 +209,7 @@ def capture(
     nothing else about the model or optimizer changes.
     """
     leaves, spec, params, buffers, trainable, device = _check_arguments(model, optimizer, example_batch)
+    dp = data_parallel.data_parallel_of(model)
     had_state = {id(p) for p, st in optimizer.state.items() if st} if optimizer is not None else set()
     states = optimizer_states(optimizer, params)
 
@@ -241,18 +244,10 @@ def capture(
             for n in trainable:
                 t_params[n].grad = torch.zeros_like(t_params[n])
             marker([t_params[n].grad for n in trainable], "preset_grads")
-        calls = {"backward": 0}
+        calls = {"backward": 0, "reduced": 0}
         real_backward = torch.autograd.backward
-
-        def backward(tensors, *a, **k):  # type: ignore[no-untyped-def]
-            # Several calls: micro-batches accumulating into the same gradients, then one update.
-            calls["backward"] += 1
-            roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-            marker(roots, "backward_begin")
-            real_backward(tensors, *a, **k)
-            named = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]
-            grad_order[:] = [n for n, _ in named]  # the last backward's: the gradients the update reads
-            marker([g for _, g in named], "grads")
+        synced: list[bool] = []  # per forward of a DDP model: whether it syncs gradients
+        backward = _marking_backward(real_backward, t_params, grad_order, calls, dp, synced)
 
         def step_pre_hook(opt, args, kwargs):  # type: ignore[no-untyped-def]
             marker([], "optimizer_begin")
@@ -261,6 +256,8 @@ def capture(
         mapping.update({a: t_buffers[c] for a, c in buffer_alias.items()})
         with contextlib.ExitStack() as stack:
             stack.enter_context(stateless._reparametrize_module(model, mapping))
+            if dp is not None:
+                stack.enter_context(data_parallel.traced_forward(model, synced))
             if optimizer is not None:
                 stack.enter_context(optimizer_on(optimizer, real_to_name, t_params, t_states))
                 stack.enter_context(hyperparams.symbolic(optimizer, t_hyper, zero_facts, symbols))
@@ -275,7 +272,7 @@ def capture(
             raise CaptureError("train_step never called loss.backward(): remat captures a whole training step")
         grads = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]
         final_grads[:] = [n for n, _ in grads]
-        seen.update(output_spec=out_spec, backward_passes=calls["backward"])
+        seen.update(output_spec=out_spec, backward_passes=calls["backward"], reduced=calls["reduced"])
         return outputs, [g for _, g in grads]
 
     def trace() -> torch.fx.GraphModule:
@@ -304,12 +301,53 @@ def capture(
         check_first_step_state(optimizer, had_state, {id(params[n]) for n in grad_order})
         groups = hyperparams.group_specs(optimizer, real_to_name, zero_facts)
     tg = _finish(gm, inputs, grad_order, final_grads, str(spec), optimizer is not None, device)
+    if dp is not None:
+        dp.last_forward_synced = bool(seen["reduced"])
+        tg.data_parallel = dp
+        data_parallel.place_collectives(tg.gm)
     tg.output_spec, tg.backward_passes = seen["output_spec"], seen["backward_passes"]
     tg.trainable = trainable
     tg.training = tuple(m.training for m in model.modules())
     tg.leaves_zero_grads = leaves_zero_grads
     tg.groups = groups
     return tg
+
+
+def _marking_backward(
+    real_backward: Callable[..., Any], t_params: dict[str, torch.Tensor], grad_order: list[str], calls: dict[str, int],
+    dp: data_parallel.DataParallel | None, synced: list[bool],
+) -> Callable[..., None]:  # fmt: skip
+    """`torch.autograd.backward` as traced: markers around it, and for a DDP model whose last
+    forward syncs gradients, their average over the ranks."""
+
+    def backward(tensors, *a, **k):  # type: ignore[no-untyped-def]
+        # Several calls: micro-batches accumulating into the same gradients, then one update.
+        calls["backward"] += 1
+        roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        marker(roots, "backward_begin")
+        real_backward(tensors, *a, **k)
+        if dp is not None and synced and synced[-1]:
+            _reduce_across_ranks(dp, t_params, calls)
+        synced.clear()
+        named = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]
+        grad_order[:] = [n for n, _ in named]  # the last backward's: the gradients the update reads
+        marker([g for _, g in named], "grads")
+
+    return backward
+
+
+def _reduce_across_ranks(dp: data_parallel.DataParallel, t_params: dict[str, torch.Tensor], calls: dict[str, int]) -> None:
+    """After a backward pass that DDP would sync: each reduced parameter's gradient averaged over the ranks."""
+    calls["reduced"] += 1
+    if calls["reduced"] > 1:
+        raise CaptureError(
+            "the step syncs gradients across ranks in more than one backward pass; run all but the last micro-batch "
+            "under model.no_sync(), as DistributedDataParallel's documentation does for gradient accumulation"
+        )
+    names = [n for n in dp.reduced if t_params[n].grad is not None]
+    data_parallel.check_unused(dp, names)
+    for n, g in zip(names, data_parallel.reduce_gradients([t_params[n].grad for n in names], dp)):
+        t_params[n].grad = g
 
 
 def _step_outputs(result: Any) -> tuple[list[torch.Tensor], Any]:

@@ -65,6 +65,7 @@ class TrainGraph:
     leaves_zero_grads: bool = False  # the step ends with zero_grad(set_to_none=False): see ends_with_zero_grads
     backward_passes: int = 1  # backward() calls per step: micro-batches accumulating gradients
     groups: list[hyperparams.GroupSpec] = field(default_factory=list)  # what the update assumes of param_groups
+    data_parallel: Any = None  # data_parallel.DataParallel of a DDP-wrapped model: its gradients are averaged in the graph
     meta: dict[str, Any] = field(default_factory=dict)
 
     def op_nodes(self) -> list[torch.fx.Node]:

@@ -1,0 +1,107 @@
+"""One rank of a data-parallel measurement: remat beside eager DDP (and DDP with HF's
+checkpointing) on the same model, batch and process group.
+
+Each rank builds the workload, wraps independent copies in DistributedDataParallel,
+compiles remat's step (every rank together: remat.ranks), optionally checks 3 steps
+bitwise against eager DDP, measures each step's peak with the allocator, and times them
+in alternation. Every rank runs the same sequence of steps, so their collectives pair up.
+
+Eager DDP also holds its gradient buckets for the whole run (one buffer per gradient's
+bytes, allocated when DDP is built): they are outside any step's peak and are reported
+on their own (`eager_bucket_bytes`); remat's graph reduces each gradient in a buffer of
+its own that lives only as long as that gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+@dataclass
+class RankConfig:
+    model: str
+    batch_size: int  # per rank
+    budget: Any
+    planner: str = "mutwo"
+    optimizer: str = "sgd"
+    steps: int = 3
+    pairs: int = 5
+    check: bool = False
+    seed: int = 0
+    lean_ops: bool = True
+    baselines: tuple[str, ...] = ()  # "hf": eager DDP with Hugging Face's per-block checkpointing
+
+
+def measure_rank(config: RankConfig) -> dict[str, Any]:
+    """What this rank measured (see the module docstring); run it on every rank."""
+    import remat
+    from remat.measurement.baselines import NotSupported, hf_checkpointing
+    from remat.measurement.check import check_against_eager, time_alternating, twin
+    from remat.measurement.memory import measure_step_peak
+    from remat.workloads import load
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spec = load(config.model, config.batch_size, config.optimizer, seed=config.seed)
+    plain_eager, eager_opt = twin(spec.model, spec.optimizer)
+    plain_hf, hf_opt = twin(spec.model, spec.optimizer) if "hf" in config.baselines else (None, None)
+    ours, eager = DDP(spec.model), DDP(plain_eager)
+    step_fn = spec.train_step
+    step = remat.compile(step_fn, ours, spec.optimizer, spec.batch, memory_budget=config.budget, planner=config.planner, lean_ops=config.lean_ops)
+    report = step.report
+
+    grads_match = None
+    if config.check:
+        result = check_against_eager(step_fn, eager, eager_opt, ours, spec.optimizer, step, spec.batch, steps=3, seed=config.seed)
+        grads_match = result.match
+    else:
+        step_fn(eager, eager_opt, spec.batch)
+    persistent = report.persistent_bytes
+    for p in ours.parameters():
+        p.grad = None
+    eager_peak = measure_step_peak(lambda: step_fn(eager, eager_opt, spec.batch), "cpu", eager).peak_bytes
+    timing = time_alternating(lambda: step_fn(eager, eager_opt, spec.batch), lambda: step(spec.batch), pairs=config.pairs)
+    out: dict[str, Any] = {
+        "rank": rank,
+        "world_size": world,
+        "model": config.model,
+        "batch_size_per_rank": config.batch_size,
+        "budget": config.budget,
+        "budget_bytes": report.budget_bytes,
+        "persistent_bytes": persistent,
+        "eager_bucket_bytes": sum(p.numel() * p.element_size() for p in eager.parameters() if p.requires_grad),
+        "eager_activation_peak_bytes": eager_peak,
+        "predicted_peak_bytes": report.predicted_peak_bytes,
+        "peak_bytes_measured": report.measured_peak_bytes,
+        "activation_peak_bytes_measured": (report.measured_peak_bytes or 0) - persistent,
+        "predicted_activation_peak_bytes": report.predicted_peak_bytes - persistent,
+        "eager_iteration_seconds": timing.a_seconds,
+        "iteration_seconds": timing.b_seconds,
+        "overhead_ratio": timing.ratio,
+        "overhead_ratio_spread": list(timing.ratio_spread),
+        "num_recomputed": report.num_recomputed,
+        "updates_in_backward": bool(report.plan and report.plan.updates_in_backward),
+        "lean_ops": len(report.plan.lean_ops) if report.plan else 0,
+        "collectives": sum(1 for n in step.graph_module.graph.nodes if "all_reduce" in str(n.target)),
+        "grads_match": grads_match,
+    }
+    if plain_hf is not None:
+        try:
+            hf_step = hf_checkpointing(plain_hf, spec.loss_fn)
+        except NotSupported as e:
+            out["hf_error"] = str(e)
+        else:
+            hf = DDP(plain_hf)
+            hf_step(hf, hf_opt, spec.batch)
+            out["hf_activation_peak_bytes"] = measure_step_peak(lambda: hf_step(hf, hf_opt, spec.batch), "cpu", hf).peak_bytes
+            hf_timing = time_alternating(lambda: step_fn(eager, eager_opt, spec.batch), lambda: hf_step(hf, hf_opt, spec.batch), pairs=config.pairs)
+            out["hf_overhead_ratio"] = hf_timing.ratio
+            out["hf_overhead_ratio_spread"] = list(hf_timing.ratio_spread)
+    losses = [float(pytree.tree_leaves(step(spec.batch))[0]) for _ in range(config.steps)]
+    out["losses"] = losses
+    return out

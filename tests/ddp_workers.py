@@ -1,0 +1,193 @@
+"""What each rank runs in the data-parallel tests (spawned by remat.launch.run_ranks).
+
+Module-level functions, so that a spawned process can import them. Each builds the same
+model twice, wraps both in DistributedDataParallel, trains one eagerly and one through
+remat on the same rank-dependent batches, and reports what the test asserts on."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import remat
+from remat.models import build_model, make_optimizer
+
+
+def _batch(model_name: str, batch_size: int, rank: int, i: int) -> Any:
+    return build_model(model_name, batch_size, seed=1000 + 100 * rank + i).batch
+
+
+def _wrapped(model_name: str, batch_size: int, optimizer: str, **ddp_options: Any) -> tuple[DDP, Any, Any]:
+    spec = build_model(model_name, batch_size, seed=0)
+    ddp = DDP(spec.model, **ddp_options)
+    return ddp, make_optimizer(optimizer, ddp.parameters()), spec.loss_fn
+
+
+def _step(loss_fn: Any, micro_batches: int) -> Any:
+    """A training step; with several micro-batches, all but the last under no_sync()."""
+
+    def train_step(model: Any, optimizer: Any, batch: Any) -> torch.Tensor:
+        parts = [batch] if micro_batches == 1 else _split(batch, micro_batches)
+        total = None
+        for i, part in enumerate(parts):
+            quiet = model.no_sync() if i < len(parts) - 1 else contextlib.nullcontext()
+            with quiet:
+                loss = loss_fn(model, part) / len(parts)
+                loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        optimizer.step()
+        optimizer.zero_grad()
+        return total
+
+    return train_step
+
+
+def _split(batch: Any, n: int) -> list[Any]:
+    if isinstance(batch, dict):
+        chunks = {k: v.chunk(n) for k, v in batch.items()}
+        return [{k: c[i] for k, c in chunks.items()} for i in range(n)]
+    return [tuple(t.chunk(n)[i] for t in batch) for i in range(n)]
+
+
+def _state(model: DDP, optimizer: Any, buffers: bool = True) -> list[torch.Tensor]:
+    """Parameters, buffers (each rank's own after its last forward, as in eager DDP) and optimizer state."""
+    tensors = [*model.parameters(), *(model.buffers() if buffers else ())]
+    for p in model.parameters():
+        tensors.extend(v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor))
+    return tensors
+
+
+def _digest(tensors: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def train_like_eager(model_name: str, optimizer: str, budget: float, steps: int, micro_batches: int = 1, batch_size: int = 4) -> dict[str, Any]:
+    """`steps` steps of eager DDP and of remat on the same batches and random stream."""
+    rank = dist.get_rank()
+    eager, eager_opt, loss_fn = _wrapped(model_name, batch_size, optimizer)
+    ours, ours_opt, _ = _wrapped(model_name, batch_size, optimizer)
+    train_step = _step(loss_fn, micro_batches)
+    batches = [_batch(model_name, batch_size, rank, i) for i in range(steps)]
+    torch.manual_seed(7)
+    eager_losses = [train_step(eager, eager_opt, b) for b in batches]
+    torch.manual_seed(7)
+    step = remat.compile(train_step, ours, ours_opt, batches[0], memory_budget=budget)
+    losses = [step(b) for b in batches]
+    equal = [torch.equal(a, b) for a, b in zip(_state(eager, eager_opt), _state(ours, ours_opt))]
+    report = step.report
+    return {
+        "losses_equal": all(torch.equal(a, b) for a, b in zip(eager_losses, losses)),
+        "state_equal": bool(equal) and all(equal),
+        "state_tensors": len(equal),
+        "digest": _digest(_state(ours, ours_opt, buffers=False)),
+        "num_recomputed": report.num_recomputed,
+        "predicted_peak_bytes": report.predicted_peak_bytes,
+        "measured_peak_bytes": report.measured_peak_bytes,
+        "largest_gradient_bytes": max(p.numel() * p.element_size() for p in ours.parameters()),
+        "collectives": sum(1 for n in step.graph_module.graph.nodes if "all_reduce" in str(n.target)),
+    }
+
+
+def failing_capture() -> str:
+    """Rank 1's step raises while it is captured; returns what this rank raised."""
+    ddp, opt, loss_fn = _wrapped("mlp", 8, "sgd")
+
+    def train_step(model: Any, optimizer: Any, batch: Any) -> torch.Tensor:
+        if dist.get_rank() == 1:
+            raise ValueError("rank one's step breaks")
+        loss = loss_fn(model, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    try:
+        remat.compile(train_step, ddp, opt, _batch("mlp", 8, 0, 0), memory_budget=None)
+    except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
+        return f"{type(e).__name__}: {e} {' '.join(getattr(e, '__notes__', []))}"
+    return "no error"
+
+
+def diverging_batch() -> list[str]:
+    """Both ranks compile together; at the second call rank 1 brings a batch of another
+    shape. Returns what this rank raised there, then that a later step still runs."""
+    ddp, opt, loss_fn = _wrapped("mlp", 8, "sgd")
+    step = remat.compile(_step(loss_fn, 1), ddp, opt, _batch("mlp", 8, 0, 0), memory_budget=None)
+    out = []
+    size = 4 if dist.get_rank() == 1 else 8
+    try:
+        step(_batch("mlp", size, dist.get_rank(), 1))
+        out.append("no error")
+    except Exception as e:  # noqa: BLE001
+        out.append(f"{type(e).__name__}: {e}")
+    step(_batch("mlp", 8, dist.get_rank(), 2))
+    out.append("ran after")
+    return out
+
+
+def refusals() -> dict[str, str]:
+    """Settings the graph cannot honour, each refused with a message: what each raised."""
+    out: dict[str, str] = {}
+
+    def attempt(name: str, ddp: DDP, opt: Any, train_step: Any, batch: Any, around: Any = contextlib.nullcontext) -> None:
+        try:
+            with around():
+                remat.compile(train_step, ddp, opt, batch, memory_budget=None)
+            out[name] = "no error"
+        except remat.RematError as e:
+            out[name] = str(e)
+
+    ddp, opt, loss_fn = _wrapped("mlp", 8, "sgd")
+    ddp.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
+    attempt("comm_hook", ddp, opt, _step(loss_fn, 1), _batch("mlp", 8, 0, 0))
+
+    # An unused parameter: DDP without find_unused_parameters would fail; refused at capture.
+    ddp_unused, opt_unused, loss_fn = _wrapped("mlp", 8, "sgd")
+    unused = torch.nn.Parameter(torch.zeros(3))
+    ddp_unused.module.register_parameter("unused", unused)
+    ddp_unused = DDP(ddp_unused.module)
+    attempt("unused", ddp_unused, make_optimizer("sgd", ddp_unused.parameters()), _step(loss_fn, 1), _batch("mlp", 8, 0, 0))
+
+    # The same step compiled outside no_sync() and called inside it.
+    ddp, opt, loss_fn = _wrapped("mlp", 8, "sgd")
+    step = remat.compile(_step(loss_fn, 1), ddp, opt, _batch("mlp", 8, 0, 0), memory_budget=None)
+    try:
+        with ddp.no_sync():
+            step(_batch("mlp", 8, 0, 1))
+        out["no_sync_outside"] = "no error"
+    except remat.RematError as e:
+        out["no_sync_outside"] = str(e)
+    return out
+
+
+def unused_found(batch_size: int = 8) -> dict[str, Any]:
+    """find_unused_parameters=True: an unused parameter keeps grad None and its value, as in eager DDP."""
+    rank = dist.get_rank()
+    results = []
+    for _ in range(2):
+        spec = build_model("mlp", batch_size, seed=0)
+        spec.model.register_parameter("unused", torch.nn.Parameter(torch.ones(3)))
+        ddp = DDP(spec.model, find_unused_parameters=True)
+        results.append((ddp, make_optimizer("adamw", ddp.parameters()), spec.loss_fn))
+    (eager, eager_opt, loss_fn), (ours, ours_opt, _) = results
+    train_step = _step(loss_fn, 1)
+    batches = [_batch("mlp", batch_size, rank, i) for i in range(2)]
+    for b in batches:
+        train_step(eager, eager_opt, b)
+    step = remat.compile(train_step, ours, ours_opt, batches[0], memory_budget=None)
+    for b in batches:
+        step(b)
+    return {
+        "state_equal": all(torch.equal(a, b) for a, b in zip(_state(eager, eager_opt), _state(ours, ours_opt))),
+        "unused_grad": ours.module.unused.grad is None and eager.module.unused.grad is None,
+    }
+

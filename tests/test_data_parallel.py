@@ -1,0 +1,64 @@
+"""Data-parallel training: a DDP-wrapped model through remat on 2 gloo processes (127.0.0.1).
+
+Each test spawns two ranks (remat.launch.run_ranks, with a process-group timeout and an
+overall deadline, so a hang fails the test instead of CI); tests/ddp_workers.py holds what
+each rank runs."""
+
+from __future__ import annotations
+
+import pytest
+
+import ddp_workers
+from remat.launch import run_ranks
+
+DEADLINE = 300  # seconds for a whole two-rank run
+PG_TIMEOUT = 60  # seconds a collective may wait
+
+
+def _two_ranks(fn, *args):
+    return run_ranks(fn, 2, args, timeout_s=DEADLINE, pg_timeout_s=PG_TIMEOUT)
+
+
+@pytest.mark.parametrize(
+    "model, optimizer, budget, micro_batches",
+    [("bert-tiny", "adamw", 0.5, 1), ("resnet-tiny", "sgd", 0.5, 1), ("bert-tiny", "sgd", 0.6, 2)],
+    ids=["bert-tiny-adamw", "resnet-tiny-sgd", "bert-tiny-no_sync-accumulation"],
+)
+def test_bitwise_equal_to_eager_ddp_on_every_rank(model, optimizer, budget, micro_batches):
+    results = _two_ranks(ddp_workers.train_like_eager, model, optimizer, budget, 3, micro_batches)
+    for rank, r in enumerate(results):
+        assert r["num_recomputed"] > 0, (rank, r)  # the budget makes it recompute
+        assert r["collectives"] > 0, (rank, r)
+        assert r["losses_equal"] and r["state_equal"] and r["state_tensors"] > 0, (rank, r)
+        # One graph on every rank: the same prediction. The measured peak is the prediction,
+        # or above it by gradients that gloo's worker thread let go of a moment after the
+        # wait returned (a reduced gradient freed by its update just then is freed late).
+        assert r["predicted_peak_bytes"] == results[0]["predicted_peak_bytes"]
+        slack = 0.01 * r["predicted_peak_bytes"] + 2 * r["largest_gradient_bytes"]
+        assert -0.01 * r["predicted_peak_bytes"] <= r["measured_peak_bytes"] - r["predicted_peak_bytes"] <= slack, (rank, r)
+    # Parameters, buffers and optimizer state are the same on both ranks.
+    assert results[0]["digest"] == results[1]["digest"]
+
+
+def test_a_rank_that_fails_stops_every_rank_with_its_error():
+    own, other = _two_ranks(ddp_workers.failing_capture)[::-1]
+    assert "rank one's step breaks" in own and "rank 1 failed capturing the step" in own, own
+    assert other.startswith("RankFailed: rank 1 failed capturing the step") and "rank one's step breaks" in other, other
+
+
+def test_ranks_with_different_batches_stop_together_and_can_go_on():
+    for rank, (raised, after) in enumerate(_two_ranks(ddp_workers.diverging_batch)):
+        assert raised.startswith("RankFailed: the ranks differ in the batch's shapes"), (rank, raised)
+        assert after == "ran after"
+
+
+def test_settings_the_graph_cannot_honour_are_refused():
+    for out in _two_ranks(ddp_workers.refusals):
+        assert "communication hook" in out["comm_hook"]
+        assert "find_unused_parameters=True" in out["unused"]
+        assert "no_sync()" in out["no_sync_outside"]
+
+
+def test_unused_parameters_with_find_unused_keep_no_gradient():
+    for r in _two_ranks(ddp_workers.unused_found):
+        assert r["state_equal"] and r["unused_grad"]
