@@ -94,7 +94,14 @@ def train_like_eager(model_name: str, optimizer: str, budget: float, steps: int,
         "measured_peak_bytes": report.measured_peak_bytes,
         "largest_gradient_bytes": max(p.numel() * p.element_size() for p in ours.parameters()),
         "collectives": sum(1 for n in step.graph_module.graph.nodes if "all_reduce" in str(n.target)),
+        "collective_order": _collective_order(step.graph_module),
+        "updates_in_backward": bool(report.plan and report.plan.updates_in_backward),
     }
+
+
+def _collective_order(gm: torch.fx.GraphModule) -> list[str]:
+    """Each collective of the graph in run order, by what it reduces: equal lists mean the ranks pair up."""
+    return [f"{n.target}{tuple(n.args[0].meta['val'].shape)}" for n in gm.graph.nodes if n.op == "call_function" and "c10d" in str(n.target)]
 
 
 def failing_capture() -> str:

@@ -163,10 +163,16 @@ def after_step(model: torch.nn.Module, dp: DataParallel) -> None:
     model.require_forward_param_sync = dp.last_forward_synced  # type: ignore[union-attr]
 
 
+# All-reduces issued and not yet waited for, at most. More hides more latency (the main
+# thread blocks in a wait less often); each one in flight holds its gradient's buffer until
+# its wait, and the update that frees it cannot run before.
+IN_FLIGHT = 4
+
+
 def place_collectives(gm: torch.fx.GraphModule) -> int:
     """Issue each traced all-reduce right after its input is final, and wait for it just
-    before the next all-reduce is issued (the last where it was traced). Returns how many
-    collectives were placed.
+    before the IN_FLIGHT-th next all-reduce is issued (the last ones where they were
+    traced, at the end of the backward pass). Returns how many collectives were placed.
 
     A gradient is final after its producer and after every earlier op that writes its
     storage in place (accumulation into a gradient left from a previous step). The
@@ -194,17 +200,15 @@ def place_collectives(gm: torch.fx.GraphModule) -> int:
     order = sorted(issues, key=lambda n: (ready(n), position[n]))
     after: dict[int, list[torch.fx.Node]] = {}
     for i, issue in enumerate(order):
-        block = [waits[order[i - 1]]] if i else []
+        block = [waits[order[i - IN_FLIGHT]]] if i >= IN_FLIGHT else []
         after.setdefault(ready(issue), []).extend([*block, scales[issue], issue])
     moved = {m for block in after.values() for m in block}
-    last_wait = waits[order[-1]]
+    last_waits = [waits[n] for n in order[-IN_FLIGHT:]]
     new_order: list[torch.fx.Node] = []
     for n in nodes:
-        if n in moved:
-            continue
-        if n is last_wait or (n.target is WAIT and n in waits.values()):
-            if n is last_wait:
-                new_order.append(n)
+        if n in moved or (n.op == "call_function" and n.target is WAIT and n in waits.values()):
+            if n is last_waits[0]:  # where the traced waits were: the end of the backward pass
+                new_order.extend(last_waits)
             continue
         new_order.append(n)
         new_order.extend(after.get(position[n], []))
