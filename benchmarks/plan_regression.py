@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/plan_regression.py --save DIR    # profiles + plans of this code
     .venv/bin/python benchmarks/plan_regression.py --check DIR   # re-plan from DIR's profiles, compare
+    .venv/bin/python benchmarks/plan_regression.py --replan DIR  # re-plan from DIR's profiles, write the plans (a rule changed on purpose)
     (--no-lean-ops: plan without lean operator variants, to compare with plans made before them)
 
 A restructuring of the memory model or the planners must not change a plan. `--save`
@@ -33,7 +34,7 @@ from remat.workloads import load  # noqa: E402
 
 MODELS = [("mlp-deep", 512), ("bert-tiny", 16), ("resnet-tiny", 16)]
 BUDGETS = [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
-PLANNERS = {"mutwo": {}, "chen": {}, "milp": {"time_limit": 10.0}}
+PLANNERS = {"mutwo": {}, "chen": {}, "milp": {"time_limit": 10.0}, "refined": {}}
 VOLATILE = ("planning_seconds", "meta")  # meta: the solvers' own statistics (times, bounds in the last bits)
 
 
@@ -77,15 +78,16 @@ def main() -> int:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--save", metavar="DIR")
     mode.add_argument("--check", metavar="DIR")
+    mode.add_argument("--replan", metavar="DIR")
     p.add_argument("--no-lean-ops", action="store_true", help="plan without lean operator variants (compare with plans made before them)")
     args = p.parse_args()
-    folder = Path(args.save or args.check)
+    folder = Path(args.save or args.check or args.replan)
     folder.mkdir(parents=True, exist_ok=True)
     plans: dict[str, Any] = {}
     for model, batch in MODELS:
         plans.update(plans_for(model, batch, folder, save=bool(args.save), lean_ops=not args.no_lean_ops))
         print(f"{model} b{batch}: planned", file=sys.stderr, flush=True)
-    if args.save:
+    if args.save or args.replan:
         (folder / "plans.json").write_text(json.dumps(plans, indent=1, sort_keys=True) + "\n")
         print(f"saved {len(plans)} plans to {folder}")
         return 0

@@ -31,7 +31,7 @@ from remat.pipeline.capture import (
 from remat.errors import CaptureError, RematError
 from remat.measurement.memory import measure_step_peak
 from remat.planners.plan import Plan
-from remat.planners import make_plan
+from remat.planners import DEFAULT_PLANNER, make_plan
 from remat.pipeline.profiles import Profile, graph_fingerprint
 from remat.pipeline.rewriter import rewrite
 from remat.pipeline.simulator import simulate, simulate_schedule
@@ -103,7 +103,7 @@ class RematStep:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer | None
     memory_budget: str | int | float | None
-    planner: str = "mutwo"
+    planner: str = DEFAULT_PLANNER
     profile_runs: int = 3
     measure: bool = True  # measure the allocator's peak on the first step of each shape
     progress: bool = False
@@ -302,7 +302,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     optimizer: torch.optim.Optimizer | None,
     example_batch: Any,
     memory_budget: str | int | float | None = None,
-    planner: str = "mutwo",
+    planner: str = DEFAULT_PLANNER,
     *,
     profile_runs: int = 3,
     measure: bool = True,

@@ -96,7 +96,22 @@ def train_like_eager(model_name: str, optimizer: str, budget: float, steps: int,
         "collectives": sum(1 for n in step.graph_module.graph.nodes if "all_reduce" in str(n.target)),
         "collective_order": _collective_order(step.graph_module),
         "updates_in_backward": bool(report.plan and report.plan.updates_in_backward),
+        "moved_updates_follow": _moved_updates_follow(step),
     }
+
+
+def _moved_updates_follow(step: Any) -> dict[str, str]:
+    """Where each update that can move into the backward pass goes: the op it follows."""
+    from remat.pipeline.analysis import analyze
+    from remat.pipeline.graph_index import GraphIndex
+
+    tg = step._last.tg
+    _, placement = GraphIndex.build(tg, analyze(tg)).updates_in_backward()
+    return {param: _target(tg, node) for param, node in placement.moved.items()}
+
+
+def _target(tg: Any, name: str) -> str:
+    return next(str(n.target) for n in tg.gm.graph.nodes if n.name == name)
 
 
 def _collective_order(gm: torch.fx.GraphModule) -> list[str]:

@@ -40,7 +40,9 @@ def test_bitwise_equal_to_eager_ddp_on_every_rank(model, optimizer, budget, micr
     # own after its last forward, as in eager DDP), and so is the order of the collectives.
     assert results[0]["digest"] == results[1]["digest"]
     assert results[0]["collective_order"] == results[1]["collective_order"]
-    assert any(r["updates_in_backward"] for r in results)  # updates run after their gradient's all-reduce
+    # Updates that may move into the backward pass go right after their gradient's all-reduce is waited for.
+    follow = results[0]["moved_updates_follow"]
+    assert follow and all("wait_tensor" in target for target in follow.values()), follow
 
 
 def test_a_rank_that_fails_stops_every_rank_with_its_error():

@@ -25,6 +25,7 @@ from remat.models import make_train_step
 from remat.planners.bound import PeakLowerBound
 from remat.planners.evaluate import Evaluator, evaluate
 from remat.planners.plan import Plan
+from remat.defaults import DEFAULT_PLANNER
 from remat.planners import PLANNERS, make_plan
 from remat.planners.chen import segment_drops
 from remat.planners.mutwo import Candidate, candidate_records, greedy, plan_mutwo
@@ -497,7 +498,7 @@ def test_unknown_planner_lists_planners(chain):
     assert PLANNERS[:2] == ("mutwo", "chen")
 
 
-@pytest.mark.parametrize("planner", ["mutwo", "chen"])
+@pytest.mark.parametrize("planner", ["mutwo", "chen", "refined"])
 def test_budget_at_or_above_baseline_is_an_empty_plan(chain, planner):
     ns = seconds(chain)
     plan = make_plan(planner, chain, ns, CHAIN_PERSISTENT + 16516)
@@ -515,7 +516,7 @@ def test_bad_budget_bytes_and_node_times(chain):
         make_plan("mutwo", chain, ns, 10**6)
 
 
-@pytest.mark.parametrize("planner", ["mutwo", "chen"])
+@pytest.mark.parametrize("planner", ["mutwo", "chen", "refined"])
 def test_plans_are_deterministic(residual, planner):
     ns = seconds(residual, mm=4.0, mm_1=2.0, sin=0.5)
     a = make_plan(planner, residual, ns, RESIDUAL_PERSISTENT + 17000).to_dict()
@@ -601,7 +602,7 @@ def test_cli_plan_json(mlp_run, capsys, tmp_path):
     for key in ("planner", "budget_bytes", "baseline_peak_bytes", "predicted_peak_bytes", "predicted_overhead_seconds",
                 "baseline_iteration_seconds", "num_recomputed", "planning_seconds"):
         assert key in summary
-    assert summary["planner"] == "mutwo" and summary["predicted_peak_bytes"] <= summary["budget_bytes"]
+    assert summary["planner"] == DEFAULT_PLANNER and summary["predicted_peak_bytes"] <= summary["budget_bytes"]
     assert "Recomputed activations" in captured.err  # the table went to stderr
     for name in ("plan.json", "recomputed.csv", "plan_memory.png"):
         assert (tmp_path / name).is_file()

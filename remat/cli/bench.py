@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from remat.defaults import DEFAULT_PLANNER
+
 
 def _ints(text: str, what: str) -> list[int]:
     from remat.cli.common import UsageError
@@ -49,7 +51,7 @@ def configure_bench(p: argparse.ArgumentParser) -> None:
         help=f"from: {', '.join(BASELINES)}, or none (default: hf,sequential; compile runs at each budget)",
     )
     p.add_argument("--optimizer", default="sgd", metavar="NAME", help=f"one of: {', '.join(OPTIMIZER_NAMES)} (default: sgd)")
-    p.add_argument("--planner", default="mutwo", help="remat planner (default: mutwo)")
+    p.add_argument("--planner", default=DEFAULT_PLANNER, help=f"remat planner (default: {DEFAULT_PLANNER})")
     p.add_argument("--pairs", type=int, default=3, metavar="K", help="timing rounds, each eager + every method (default: 3)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--seed", type=int, default=0)

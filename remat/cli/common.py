@@ -66,12 +66,13 @@ MODEL_HELP = (
 def add_model_arguments(p: argparse.ArgumentParser, budget_help: str) -> None:
     """--model, --batch-size, --budget, --planner, --optimizer and --no-lean-ops, as `plan` and `run` take them."""
     from remat.models import OPTIMIZER_NAMES
+    from remat.defaults import DEFAULT_PLANNER
     from remat.planners import PLANNERS
 
     p.add_argument("--model", required=True, metavar="NAME", help=MODEL_HELP)
     p.add_argument("--batch-size", type=int, required=True, metavar="B")
     p.add_argument("--budget", required=True, metavar="X", help=budget_help)
-    p.add_argument("--planner", default="mutwo", metavar="NAME", help=f"one of: {', '.join(PLANNERS)} (default: mutwo)")
+    p.add_argument("--planner", default=DEFAULT_PLANNER, metavar="NAME", help=f"one of: {', '.join(PLANNERS)} (default: {DEFAULT_PLANNER})")
     p.add_argument("--optimizer", default="sgd", metavar="NAME", help=f"one of: {', '.join(OPTIMIZER_NAMES)} (default: sgd)")
     p.add_argument(
         "--no-lean-ops",

@@ -18,6 +18,7 @@ from typing import Any
 
 HELP = "choose what to recompute so that an iteration fits a memory budget, and predict the cost"
 from remat.budget import MiB
+from remat.defaults import DEFAULT_PLANNER
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -49,7 +50,7 @@ def plan_command(
     batch_size: int,
     budget: str | int | float,
     *,
-    planner: str = "mutwo",
+    planner: str = DEFAULT_PLANNER,
     optimizer: str = "sgd",
     profile_path: str | Path | None = None,
     out_dir: str | Path | None = None,

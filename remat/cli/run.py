@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from remat.budget import GiB
+from remat.defaults import DEFAULT_PLANNER
 
 
 def configure_run(p: argparse.ArgumentParser) -> None:
@@ -66,7 +67,7 @@ def run_one(
     batch_size: int,
     budget: Any,
     *,
-    planner: str = "mutwo",
+    planner: str = DEFAULT_PLANNER,
     optimizer: str = "sgd",
     steps: int = 3,
     pairs: int = 5,

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.nn.parallel import DistributedDataParallel as DDP
+from remat.defaults import DEFAULT_PLANNER
 
 
 @dataclass
@@ -28,7 +29,7 @@ class RankConfig:
     model: str
     batch_size: int  # per rank
     budget: Any
-    planner: str = "mutwo"
+    planner: str = DEFAULT_PLANNER
     optimizer: str = "sgd"
     steps: int = 3
     pairs: int = 5

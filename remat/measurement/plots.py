@@ -226,8 +226,8 @@ def plot_frontier(fr: "Frontier", path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"mutwo": "#c44e52", "chen": "#4c72b0", "milp": "#55a868"}
-    labels = {"mutwo": "μ-TWO (greedy)", "chen": "Chen √n segments", "milp": "exact (MILP)"}
+    colors = {"mutwo": "#c44e52", "chen": "#4c72b0", "milp": "#55a868", "refined": "#8172b2"}
+    labels = {"mutwo": "μ-TWO (greedy)", "chen": "Chen √n segments", "milp": "exact (MILP)", "refined": "μ-TWO, picks taken back"}
     fig, ax = plt.subplots(figsize=(9, 5.5), dpi=120)
     for planner in fr.planners:
         pts = sorted((p for p in fr.points if p.planner == planner and p.status == "ok"), key=lambda p: p.predicted_peak_bytes or 0)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from remat.budget import MiB
+from remat.defaults import DEFAULT_PLANNER
 from remat.measurement.memory import persistent_bytes
 from remat.measurement.plots import plot_latency_vs_batch, plot_peak_vs_batch, plot_tradeoff
 from remat.measurement.results import failure_reason, Method, RESULTS_HEADER, Results, load_results, methods_for, results_rows, write_markdown, write_results_csv, write_stats_csv, write_top_activations_csv
@@ -227,7 +228,7 @@ def run_batch(
     *,
     optimizer: str = "sgd",
     device: str = "cpu",
-    planner: str = "mutwo",
+    planner: str = DEFAULT_PLANNER,
     pairs: int = 3,
     seed: int = 0,
     say: Callable[[str], None] = lambda s: None,
@@ -346,7 +347,7 @@ def bench(
     *,
     optimizer: str = "sgd",
     device: str = "cpu",
-    planner: str = "mutwo",
+    planner: str = DEFAULT_PLANNER,
     pairs: int = 3,
     seed: int = 0,
     resume: bool = False,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from remat.defaults import DEFAULT_PLANNER
 from remat.errors import PlanError
 from remat.planners.placement import plan_with_placement, planned_graphs
 from remat.planners.plan import Plan, check_node_seconds
@@ -19,8 +20,10 @@ _MODULES: dict[str, str] = {
     "mutwo": "remat.planners.mutwo",
     "chen": "remat.planners.chen",
     "milp": "remat.planners.milp",
+    "refined": "remat.planners.refined",
 }
 PLANNERS: tuple[str, ...] = tuple(_MODULES)
+assert DEFAULT_PLANNER in PLANNERS
 
 
 def make_plan(
