@@ -1,9 +1,8 @@
 """Run a function on N local processes, each one rank of a process group on 127.0.0.1.
 
-What `remat run --nproc N`, `remat bench --nproc N` and the data-parallel tests use
-instead of `torchrun`: each rank is a fresh (spawned) process, joined to a gloo (CPU) or
-NCCL (one GPU per rank) process group with a timeout, so that a rank stuck in a
-collective fails instead of hanging. Every rank's return value comes back to the caller;
+What `remat run --nproc N` and the data-parallel tests use instead of `torchrun`: each
+rank is a fresh (spawned) process, joined to a gloo process group (CPU) with a timeout,
+so that a rank stuck in a collective fails instead of hanging. Every rank's return value comes back to the caller;
 a rank that raised, or ranks still running at the deadline (then killed), make
 `RanksFailed` with each rank's error.
 """
@@ -18,7 +17,6 @@ import time
 import traceback
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -39,12 +37,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_main(rank: int, world: int, port: int, backend: str, pg_timeout_s: float, fn: Callable[..., Any], args: tuple, results: Any) -> None:
+def _rank_main(rank: int, world: int, port: int, pg_timeout_s: float, fn: Callable[..., Any], args: tuple, results: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout_s))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout_s))
         try:
             value = fn(*args)
         finally:
@@ -60,7 +56,6 @@ def run_ranks(
     nprocs: int,
     args: tuple = (),
     *,
-    backend: str = "gloo",
     timeout_s: float = 600.0,
     pg_timeout_s: float = 60.0,
 ) -> list[Any]:
@@ -69,15 +64,10 @@ def run_ranks(
     timeout (a collective waiting longer fails); `timeout_s` bounds the whole run."""
     if nprocs < 1:
         raise RematError(f"--nproc must be at least 1, got {nprocs}")
-    if backend == "nccl" and torch.cuda.device_count() < nprocs:
-        raise RematError(
-            f"{nprocs} NCCL ranks need {nprocs} GPUs (one each), this machine has {torch.cuda.device_count()}; "
-            "use fewer processes, or gloo on CPU"
-        )
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, nprocs, port, backend, pg_timeout_s, fn, args, results), daemon=True) for r in range(nprocs)]
+    procs = [ctx.Process(target=_rank_main, args=(r, nprocs, port, pg_timeout_s, fn, args, results), daemon=True) for r in range(nprocs)]
     for p in procs:
         p.start()
     outcome: dict[int, tuple[str, Any]] = {}

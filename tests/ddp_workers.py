@@ -213,3 +213,22 @@ def unused_found(batch_size: int = 8) -> dict[str, Any]:
         "unused_grad": ours.module.unused.grad is None and eager.module.unused.grad is None,
     }
 
+
+
+def options_like_eager(batch_size: int = 8) -> dict[str, bool]:
+    """static_graph and gradient_as_bucket_view change only DDP's own buffers and speed:
+    remat's steps leave bitwise what eager DDP with the same options leaves."""
+    rank = dist.get_rank()
+    out = {}
+    for name, options in {"static_graph": {"static_graph": True}, "gradient_as_bucket_view": {"gradient_as_bucket_view": True}}.items():
+        eager, eager_opt, loss_fn = _wrapped("mlp", batch_size, "adamw", **options)
+        ours, ours_opt, _ = _wrapped("mlp", batch_size, "adamw", **options)
+        train_step = _step(loss_fn, 1)
+        batches = [_batch("mlp", batch_size, rank, i) for i in range(3)]
+        for b in batches:
+            train_step(eager, eager_opt, b)
+        step = remat.compile(train_step, ours, ours_opt, batches[0], memory_budget=None)
+        for b in batches:
+            step(b)
+        out[name] = all(torch.equal(a, b) for a, b in zip(_state(eager, eager_opt), _state(ours, ours_opt)))
+    return out

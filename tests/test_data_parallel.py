@@ -67,3 +67,8 @@ def test_settings_the_graph_cannot_honour_are_refused():
 def test_unused_parameters_with_find_unused_keep_no_gradient():
     for r in _two_ranks(ddp_workers.unused_found):
         assert r["state_equal"] and r["unused_grad"]
+
+
+def test_options_that_only_change_ddps_buffers_train_the_same():
+    for r in _two_ranks(ddp_workers.options_like_eager):
+        assert r == {"static_graph": True, "gradient_as_bucket_view": True}, r

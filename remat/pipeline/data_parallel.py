@@ -6,9 +6,9 @@ averaging into the graph as functional collectives (`torch.ops._c10d_functional`
 gradient, once the last backward pass has finished it, is scaled by 1/world size (the
 multiplication DDP applies as it copies a gradient into its bucket) and all-reduced by
 sum; the averaged tensor is the parameter's gradient from there on. `place_collectives`
-then issues each all-reduce as soon as its gradient is final and waits for it just before
-the next one is issued, so communication runs beside the rest of the backward pass, in
-the same order on every rank.
+then issues each all-reduce as soon as its gradient is final and waits for it a few
+issues later (`IN_FLIGHT`), so communication runs beside the rest of the backward pass,
+in the same order on every rank.
 
 What DDP does outside the backward pass is done as DDP does it: its buffer broadcast
 from rank 0 before each forward (`before_step`), and `no_sync()` read at each forward of
