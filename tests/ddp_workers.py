@@ -201,18 +201,21 @@ def unused_found(batch_size: int = 8) -> dict[str, Any]:
         ddp = DDP(spec.model, find_unused_parameters=True)
         results.append((ddp, make_optimizer("adamw", ddp.parameters()), spec.loss_fn))
     (eager, eager_opt, loss_fn), (ours, ours_opt, _) = results
+    return {
+        "state_equal": _trained_alike(eager, eager_opt, ours, ours_opt, loss_fn, [_batch("mlp", batch_size, rank, i) for i in range(2)]),
+        "unused_grad": ours.module.unused.grad is None and eager.module.unused.grad is None,
+    }
+
+
+def _trained_alike(eager: DDP, eager_opt: Any, ours: DDP, ours_opt: Any, loss_fn: Any, batches: list[Any]) -> bool:
+    """Eager DDP and remat (no recomputation) trained on `batches`: whether they end bitwise equal."""
     train_step = _step(loss_fn, 1)
-    batches = [_batch("mlp", batch_size, rank, i) for i in range(2)]
     for b in batches:
         train_step(eager, eager_opt, b)
     step = remat.compile(train_step, ours, ours_opt, batches[0], memory_budget=None)
     for b in batches:
         step(b)
-    return {
-        "state_equal": all(torch.equal(a, b) for a, b in zip(_state(eager, eager_opt), _state(ours, ours_opt))),
-        "unused_grad": ours.module.unused.grad is None and eager.module.unused.grad is None,
-    }
-
+    return all(torch.equal(a, b) for a, b in zip(_state(eager, eager_opt), _state(ours, ours_opt)))
 
 
 def options_like_eager(batch_size: int = 8) -> dict[str, bool]:
@@ -223,12 +226,5 @@ def options_like_eager(batch_size: int = 8) -> dict[str, bool]:
     for name, options in {"static_graph": {"static_graph": True}, "gradient_as_bucket_view": {"gradient_as_bucket_view": True}}.items():
         eager, eager_opt, loss_fn = _wrapped("mlp", batch_size, "adamw", **options)
         ours, ours_opt, _ = _wrapped("mlp", batch_size, "adamw", **options)
-        train_step = _step(loss_fn, 1)
-        batches = [_batch("mlp", batch_size, rank, i) for i in range(3)]
-        for b in batches:
-            train_step(eager, eager_opt, b)
-        step = remat.compile(train_step, ours, ours_opt, batches[0], memory_budget=None)
-        for b in batches:
-            step(b)
-        out[name] = all(torch.equal(a, b) for a, b in zip(_state(eager, eager_opt), _state(ours, ours_opt)))
+        out[name] = _trained_alike(eager, eager_opt, ours, ours_opt, loss_fn, [_batch("mlp", batch_size, rank, i) for i in range(3)])
     return out
