@@ -74,6 +74,8 @@ class GraphIndex:
     captured: "GraphIndex | None" = None
     updates_moved: bool = False  # private optimizer updates run in the backward pass
     lean_ops: list[str] = field(default_factory=list)  # nodes that write into a dying input (lean_ops)
+    # reads_of_copy per node, filled as asked: the planners ask it millions of times.
+    _copy_reads: dict[str, list[str]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, tg: TrainGraph, analysis: GraphAnalysis) -> "GraphIndex":
@@ -292,8 +294,11 @@ class GraphIndex:
 
     def reads_of_copy(self, name: str) -> list[str]:
         """Inputs a copy of `name` reads (BatchNorm's twin does not read running stats)."""
-        reads = op_facts.copy_reads(self.node_map[name])
-        return self.inputs[name] if reads is None else reads
+        found = self._copy_reads.get(name)
+        if found is None:
+            reads = op_facts.copy_reads(self.node_map[name])
+            found = self._copy_reads[name] = self.inputs[name] if reads is None else reads
+        return found
 
     def closure(self, needed: list[str], dropped: frozenset[int] | set[int]) -> list[str]:
         """Forward nodes to copy (in execution order) so that every `needed` value exists
