@@ -17,7 +17,8 @@ from remat.pipeline.simulator import simulate_schedule
 from remat.pipeline.train_graph import Phase
 from remat.planners import make_plan
 from remat.planners.plan import Plan
-from test_updates_in_backward import _built, _peak
+from remat.models import make_train_step
+from test_updates_in_backward import _built, _model_is_the_loss, _peak
 
 aten = torch.ops.aten
 
@@ -114,14 +115,7 @@ class _TwiceRead(nn.Module):
 def test_an_input_read_later_is_never_overwritten():
     model = _TwiceRead()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step(m, o, batch):
-        loss = m(batch)
-        loss.backward()
-        o.step()
-        o.zero_grad()
-        return loss
-
+    step = make_train_step(_model_is_the_loss)
     batch = torch.randn(8, 16)
     built = pipeline.build(step, model, opt, batch, runs=1)
     index = built.index

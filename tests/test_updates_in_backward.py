@@ -24,6 +24,11 @@ def _built(model_name: str, batch: int, optimizer: str, train_step=None):
     return spec, opt, step, pipeline.build(step, spec.model, opt, spec.batch, runs=1)
 
 
+def _model_is_the_loss(model, batch):
+    """The loss of a test model whose forward returns it."""
+    return model(batch)
+
+
 def _peak(index) -> int:
     return simulate_schedule(index, build_schedule(index, set())).peak_bytes
 
@@ -134,14 +139,7 @@ def test_a_tied_weight_is_updated_only_after_its_last_reader():
     model = _Tied()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ids = torch.randint(0, 50, (8, 12))
-
-    def step(m, o, batch):
-        loss = m(batch)
-        loss.backward()
-        o.step()
-        o.zero_grad()
-        return loss
-
+    step = make_train_step(_model_is_the_loss)
     built = pipeline.build(step, model, opt, ids, runs=1)
     moved, placement = built.index.updates_in_backward()
     assert moved is not None

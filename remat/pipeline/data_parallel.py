@@ -62,14 +62,10 @@ class DataParallel:
     group: Any = field(default=None, repr=False, compare=False)  # the ProcessGroup
 
 
-def is_ddp(model: torch.nn.Module) -> bool:
-    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
-
-
 def data_parallel_of(model: torch.nn.Module) -> DataParallel | None:
     """The DDP settings of `model` (None when it is not wrapped in DDP), or a CaptureError
     naming a setting whose behaviour the captured graph would not reproduce."""
-    if not is_ddp(model):
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return None
     ddp: Any = model
     refused = [
@@ -85,14 +81,7 @@ def data_parallel_of(model: torch.nn.Module) -> DataParallel | None:
             raise CaptureError(f"remat cannot capture this DistributedDataParallel model: {why}")
     group = ddp.process_group
     ignored = set(getattr(ddp, "parameters_to_ignore", ()))
-    seen: set[int] = set()
-    reduced = []
-    for name, p in ddp.module.named_parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        if name not in ignored and p.requires_grad:
-            reduced.append(f"module.{name}")
+    reduced = [f"module.{name}" for name, p in ddp.module.named_parameters() if name not in ignored and p.requires_grad]
     return DataParallel(
         group_name=group.group_name,
         world_size=torch.distributed.get_world_size(group),
@@ -192,21 +181,22 @@ def place_collectives(gm: torch.fx.GraphModule) -> int:
             if ref is not None:
                 writers[ref] = position[n]
 
-    def ready(issue: torch.fx.Node) -> int:
+    ready: dict[torch.fx.Node, int] = {}  # issue -> position of the last op its gradient waits for
+    for issue in issues:
         grad = scales[issue].args[0]
         ref = _storage(grad)
-        return max(position[grad], writers.get(ref, -1) if ref is not None else -1)
+        ready[issue] = max(position[grad], writers.get(ref, -1) if ref is not None else -1)
 
-    order = sorted(issues, key=lambda n: (ready(n), position[n]))
+    order = sorted(issues, key=lambda n: (ready[n], position[n]))
     after: dict[int, list[torch.fx.Node]] = {}
     for i, issue in enumerate(order):
         block = [waits[order[i - IN_FLIGHT]]] if i >= IN_FLIGHT else []
-        after.setdefault(ready(issue), []).extend([*block, scales[issue], issue])
-    moved = {m for block in after.values() for m in block}
+        after.setdefault(ready[issue], []).extend([*block, scales[issue], issue])
+    placed = {m for block in after.values() for m in block} | set(waits.values())
     last_waits = [waits[n] for n in order[-IN_FLIGHT:]]
     new_order: list[torch.fx.Node] = []
     for n in nodes:
-        if n in moved or (n.op == "call_function" and n.target is WAIT and n in waits.values()):
+        if n in placed:
             if n is last_waits[0]:  # where the traced waits were: the end of the backward pass
                 new_order.extend(last_waits)
             continue

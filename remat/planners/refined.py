@@ -23,30 +23,30 @@ def plan(index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, *
     """The planner interface (remat.planners.make_plan)."""
     t0 = time.perf_counter()
     first = mutwo.plan(index, node_seconds, budget_bytes, **meta)
+    first.planner = "refined"
+    first.meta["refined"] = {"removed": 0, "mutwo_overhead_seconds": first.predicted_overhead_seconds}
     if not first.recomputed:
-        first.planner = "refined"
         return first
     ev = Evaluator(index, node_seconds, budget_bytes, policy=first.policy)
-    kept = set(first.dropped(index))
-    best = None
-    removed = 0
-    by_cost = sorted(first.recomputed, key=lambda r: (-r.recompute_seconds, r.key))
     storage = index.analysis.storage_by_key()
-    for entry in by_cost:
+    kept = {storage[r.key] for r in first.recomputed}
+    best, cost = None, first.predicted_overhead_seconds
+    for entry in sorted(first.recomputed, key=lambda r: (-r.recompute_seconds, r.key)):
         trial = kept - {storage[entry.key]}
         fits, _, evaluation = ev.check(trial)
-        if fits and evaluation is not None and evaluation.overhead_seconds <= (best.overhead_seconds if best else first.predicted_overhead_seconds):
-            kept, best = trial, evaluation
-            removed += 1
+        if fits and evaluation is not None and evaluation.overhead_seconds <= cost:
+            kept, best, cost = trial, evaluation, evaluation.overhead_seconds
     if best is None:
-        first.planner = "refined"
-        first.meta["refined"] = {"removed": 0, "mutwo_overhead_seconds": first.predicted_overhead_seconds}
         return first
     rest = {k: v for k, v in meta.items() if k != "meta"}
     extra = dict(meta.get("meta") or {})
     extra.update(
         schedule=first.policy.value,
-        refined={"removed": removed, "mutwo_overhead_seconds": first.predicted_overhead_seconds, "mutwo_num_recomputed": first.num_recomputed},
+        refined={
+            "removed": first.num_recomputed - len(kept),
+            "mutwo_overhead_seconds": first.predicted_overhead_seconds,
+            "mutwo_num_recomputed": first.num_recomputed,
+        },
         **ev.stats(),
     )
     order = [storage[r.key] for r in first.recomputed if storage[r.key] in kept]
