@@ -5,7 +5,9 @@ hang. So each stage that could go differently on one rank (reading the batch, ca
 rewriting) ends in `together`: the ranks exchange whether it worked, and if it failed
 anywhere, every rank raises, naming the rank and its error. The plan is made once, on
 rank 0, from its profile, and sent to the others (`share_plan`); a rank's own profile
-would differ by timing noise and could plan otherwise.
+would differ by timing noise and could plan otherwise. Rank 0's measured kernel scratch
+goes to every rank too (`from_root`), so that budgets and predicted peaks, which count
+it, are the same numbers everywhere.
 
 What fails inside a collective (a rank that died mid-step) surfaces as the process
 group's timeout error; `note_collective_failure` says what it probably means.
@@ -67,6 +69,13 @@ def same_everywhere(values: list[Any], what: str) -> None:
             f"the ranks differ in {what}: rank 0 has {values[0]}, rank {differing} has {values[differing]}. Every rank must "
             "capture the same graph (same model, batch shapes and settings)"
         )
+
+
+def from_root(dp: DataParallel, value: Any) -> Any:
+    """Rank 0's `value` on every rank (small and picklable)."""
+    box = [value if dp.rank == ROOT else None]
+    dist.broadcast_object_list(box, src=ROOT, group=dp.group)
+    return box[0]
 
 
 def share_plan(dp: DataParallel, make: Callable[[], Plan]) -> Plan:

@@ -191,6 +191,8 @@ class RematStep:
             tg, self.model, self.optimizer, batch, runs=self.profile_runs, progress=self.progress, profile_cache=self.profile_cache
         )
         analysis, prof, index = built.analysis, built.profile, built.index
+        if self._dp is not None:  # one memory model on every rank: rank 0's measured scratch
+            index.scratch = ranks.from_root(self._dp, index.scratch)
         baseline = simulate(analysis, scratch=index.scratch)
         plan: Plan | None = None
         budget_bytes: int | None = None
