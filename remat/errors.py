@@ -1,5 +1,9 @@
 """Errors remat raises on purpose: each names the problem and what to do about it."""
 
+from __future__ import annotations
+
+from typing import Any, Callable
+
 
 class RematError(Exception):
     """Base class: a user-facing problem (bad input, unsupported model, impossible budget)."""
@@ -17,11 +21,32 @@ class BudgetError(RematError):
     """A memory budget could not be parsed, or no plan fits it.
 
     `reach`, where a planner knows it: the smallest peak its plans reach (`plan.Reach`),
-    for callers that retry at it rather than read the message."""
+    for callers that retry at it rather than read the message. Pinning it down can take
+    seconds, and a planner that fails on one graph often succeeds on another, so it may be
+    given as a function, called on first use, with the message as a function of it."""
 
-    def __init__(self, message: str, reach: object | None = None):
-        super().__init__(message)
-        self.reach = reach
+    def __init__(self, message: str | Callable[[Any], str], reach: Any = None, headline: str = "no plan fits the budget"):
+        super().__init__(message if isinstance(message, str) else "")
+        self._message, self._reach, self._headline = message, reach, headline
+
+    @property
+    def reach(self) -> Any:
+        if callable(self._reach):
+            self._reach = self._reach()
+        return self._reach
+
+    def brief(self) -> str:
+        """The message's first line where it is known; where it waits on the reach, that no
+        plan fits, without pinning the reach down (for a record of a plan not chosen)."""
+        if isinstance(self._message, str):
+            return self._message.splitlines()[0] if self._message else ""
+        return f"{self._headline} (its smallest reachable peak was not worked out, as another plan was kept)"
+
+    def __str__(self) -> str:
+        if not isinstance(self._message, str):
+            self._message = self._message(self.reach)
+            self.args = (self._message,)
+        return self._message
 
 
 class PlanError(RematError):

@@ -109,8 +109,25 @@ def activation_role_bytes(timeline: Timeline, rank: int) -> int:
     return int(timeline.by_role[Role.ACTIVATION.value][rank])
 
 
-def simulate_schedule(index: GraphIndex, schedule: Schedule, granularity: int = 1) -> Timeline:
-    """The memory timeline of running `schedule` (see simulator.py for the conventions)."""
+@dataclass
+class ScheduleIntervals:
+    """Each storage instance a schedule makes, one row each: its bytes, the steps [start,
+    end] it is live over, and its role."""
+
+    nbytes: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    roles: list[str]
+    # Where asked for (`touches`): the rows each copy step makes or reads, and the last step
+    # that is not a copy to make or read each row (-1 for none).
+    touched_by_copy: dict[int, list[int]] | None = None
+    last_plain_touch: np.ndarray | None = None
+
+
+def schedule_intervals(index: GraphIndex, schedule: Schedule, granularity: int = 1, touches: bool = False) -> ScheduleIntervals:
+    """The storage instances of running `schedule` and when each is live (the simulator's
+    conventions, module docstring). Generator states held for replay are not among them.
+    `touches`: also record which instances each copy makes or reads."""
     tensors = index.analysis.tensors
     n_steps = len(schedule.steps)
     start: dict[int, int] = {}
@@ -122,6 +139,8 @@ def simulate_schedule(index: GraphIndex, schedule: Schedule, granularity: int = 
     # in this step*, so a backward view of a rebuilt value lives in the rebuilt storage.
     value_keys: dict[tuple[str, int], list[int]] = {}
     next_key = len(tensors)
+    touched: dict[int, list[int]] = {}
+    plain: dict[int, int] = {}
 
     def keys(node: str, instance: int) -> list[int]:
         found = value_keys.get((node, instance))
@@ -150,26 +169,45 @@ def simulate_schedule(index: GraphIndex, schedule: Schedule, granularity: int = 
             if k in start:
                 end[k] = max(end.get(k, i), i)
         value_keys[(step.node, step.instance)] = own
+        if touches and step.copy:
+            touched[i] = own + list(inherited.values())
+        elif touches:
+            for k in own + list(inherited.values()):
+                plain[k] = i
     for a, instance in schedule.output_reads:
         for k in keys(a, instance):
             if k in start:
                 end[k] = n_steps
     ks = sorted(start)
+    row = {k: j for j, k in enumerate(ks)} if touches else {}
+    return ScheduleIntervals(
+        nbytes=np.array([size[k] for k in ks], dtype=np.int64),
+        start=np.array([start[k] for k in ks], dtype=np.int64),
+        end=np.array([end[k] for k in ks], dtype=np.int64),
+        roles=[role[k] for k in ks],
+        touched_by_copy={i: sorted({row[k] for k in keys if k in row}) for i, keys in touched.items()} if touches else None,
+        last_plain_touch=np.array([plain.get(k, -1) for k in ks], dtype=np.int64) if touches else None,
+    )
+
+
+def simulate_schedule(index: GraphIndex, schedule: Schedule, granularity: int = 1) -> Timeline:
+    """The memory timeline of running `schedule` (see simulator.py for the conventions)."""
+    made = schedule_intervals(index, schedule, granularity)
     extra = replay_state_intervals(index, schedule)
     return simulate_intervals(
-        n_steps,
-        np.array([size[k] for k in ks] + [b for b, _, _ in extra], dtype=np.int64),
-        np.array([start[k] for k in ks] + [lo for _, lo, _ in extra], dtype=np.int64),
-        np.array([end[k] for k in ks] + [hi for _, _, hi in extra], dtype=np.int64),
-        [role[k] for k in ks] + [Role.OTHER.value] * len(extra),
-        persistent_by_role(tensors, granularity),
+        len(schedule.steps),
+        np.concatenate([made.nbytes, np.array([b for b, _, _, _ in extra], dtype=np.int64)]),
+        np.concatenate([made.start, np.array([lo for _, lo, _, _ in extra], dtype=np.int64)]),
+        np.concatenate([made.end, np.array([hi for _, _, hi, _ in extra], dtype=np.int64)]),
+        made.roles + [Role.OTHER.value] * len(extra),
+        persistent_by_role(index.analysis.tensors, granularity),
         np.array([index.scratch.get(s.node, 0) for s in schedule.steps], dtype=np.int64) if index.scratch else None,
     )
 
 
-def replay_state_intervals(index: GraphIndex, schedule: Schedule) -> list[tuple[int, int, int]]:
-    """(bytes, first step, last step) of each generator state a schedule holds for replay:
-    saved just before a random op runs, held through its last copy."""
+def replay_state_intervals(index: GraphIndex, schedule: Schedule) -> list[tuple[int, int, int, str]]:
+    """(bytes, first step, last step, random op) of each generator state a schedule holds
+    for replay: saved just before a random op runs, held through its last copy."""
     bytes_of = {n: index.replay_state_bytes(n) for n in {s.node for s in schedule.steps if s.copy}}
     original: dict[str, int] = {}
     last_copy: dict[str, int] = {}
@@ -178,4 +216,4 @@ def replay_state_intervals(index: GraphIndex, schedule: Schedule) -> list[tuple[
             original[step.node] = i
         elif bytes_of.get(step.node):
             last_copy[step.node] = i
-    return [(bytes_of[n], original[n], hi) for n, hi in last_copy.items()]
+    return [(bytes_of[n], original[n], hi, n) for n, hi in last_copy.items()]

@@ -2,7 +2,8 @@
 
 One interface (`make_plan`), one registry line per planner: a new planner is one new
 module exposing `plan(index, node_seconds, budget_bytes, **meta) -> Plan` and one line
-in `_MODULES`.
+in `_MODULES`. A module may also expose `improve(index, plan, node_seconds, budget_bytes)
+-> Plan`, run once on the plan kept over every graph planned (`plan_with_placement`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ def make_plan(
     if "time_limit" in meta:  # the limit holds for every graph planned together
         graphs = planned_graphs(index, allow_moving=updates_in_backward, lean_ops=lean_ops)
         meta = {**meta, "time_limit": meta["time_limit"] / len(graphs)}
+    improve = getattr(module, "improve", None)
     return plan_with_placement(
-        index, lambda idx: module.plan(idx, node_seconds, budget_bytes, **meta), allow_moving=updates_in_backward, lean_ops=lean_ops
+        index,
+        lambda idx: module.plan(idx, node_seconds, budget_bytes, **meta),
+        allow_moving=updates_in_backward,
+        lean_ops=lean_ops,
+        improve=(lambda idx, first: improve(idx, first, node_seconds, budget_bytes)) if improve else None,
     )

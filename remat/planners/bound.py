@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from remat.pipeline.graph_index import merge_spans
-from remat.pipeline.schedule import GraphIndex, RebuildPolicy
-from remat.pipeline.simulator import Timeline
+from remat.pipeline.schedule import GraphIndex, RebuildPolicy, Schedule
+from remat.pipeline.simulator import Timeline, replay_state_intervals, schedule_intervals
 
 
 class PeakLowerBound:
@@ -251,3 +251,96 @@ def _add(diff: np.ndarray, lo: int, hi: int, nbytes: int) -> None:
     if hi >= lo:
         diff[lo] += nbytes
         diff[hi + 1] -= nbytes
+
+
+class KeepOneMoreBound:
+    """A lower bound on the simulated peak of a simulated plan with one of its dropped
+    storages kept instead, from the plan's own steps.
+
+    Keeping storage s changes the schedule only where s was involved. The forward pass
+    runs as before, but s lives on from its last forward use (forward ops removed because
+    only copies read them come back, which only adds). After it, only the blocks that
+    copied a value on s change: with s available their closures stop there, so some of
+    their copies go, with what those copies alone kept alive (sources they read, copies
+    held for later readers, generator states saved for replaying a random op). A later
+    block that read a copy such a block held rebuilds it itself, which only adds. So at
+    each step outside those blocks, from s's last forward use to its last use, the plan
+    kept one more holds at least the plan's bytes, plus s, less what those blocks make
+    that is live there, and less what they read that is live there after the last step
+    outside every block that makes or reads it (up to which it lives anyway). The greedy stops at the first prefix that fits, so
+    its slack is small beside most picks: most picks cannot be taken back, and this says
+    so without a simulation."""
+
+    def __init__(self, index: GraphIndex, schedule: Schedule, timeline: Timeline):
+        tensors = index.analysis.tensors
+        self._nbytes = [t.nbytes for t in tensors]
+        self._last_use = [t.last_use for t in tensors]
+        self._last_touch: dict[int, int] = {}  # the last forward op making, reading or writing a value on s
+        for n in index.order:
+            if n not in index.forward:
+                continue
+            r = index.rank[n]
+            for a in (n, *index.inputs[n]):
+                for s in index.storages.get(a, ()):
+                    self._last_touch[s] = max(self._last_touch.get(s, -1), r)
+        steps = schedule.steps
+        n = len(steps)
+        made = schedule_intervals(index, schedule, touches=True)
+        assert made.touched_by_copy is not None
+        states = replay_state_intervals(index, schedule)
+        state_row = {x: len(made.nbytes) + j for j, (*_, x) in enumerate(states)}
+        assert made.last_plain_touch is not None
+        # A row may go from its start where a changing block made it, and only after its last
+        # step outside the blocks otherwise (generator states: from their start).
+        self._start = np.concatenate([made.start, np.array([lo for _, lo, _, _ in states], dtype=np.int64)])
+        self._after = np.concatenate([np.maximum(made.last_plain_touch + 1, made.start), np.array([lo for _, lo, _, _ in states], dtype=np.int64)])
+        self._end = np.concatenate([made.end, np.array([hi for _, _, hi, _ in states], dtype=np.int64)])
+        self._bytes = np.concatenate([made.nbytes, np.array([b for b, *_ in states], dtype=np.int64)]).astype(np.float64)
+        # Each step's place in the captured order (its node's rank, or for a copy the rank
+        # of the node its block runs before), and its block (-1: not a copy).
+        self._at_rank = np.empty(n, dtype=np.int64)
+        self._block = np.full(n, -1, dtype=np.int64)
+        self._rows: dict[int, set[int]] = {}  # block -> the rows its copies make or read
+        self._blocks_of: dict[int, set[int]] = {}  # storage -> the blocks copying a value on it
+        following, block = len(index.order), n
+        for i in range(n - 1, -1, -1):
+            step = steps[i]
+            if not step.copy:
+                following, block = index.rank[step.node], i
+            else:
+                self._block[i] = block
+                rows = self._rows.setdefault(block, set())
+                rows.update(made.touched_by_copy[i])
+                if step.node in state_row:
+                    rows.add(state_row[step.node])
+                for s in index.storages.get(step.node, ()):
+                    self._blocks_of.setdefault(s, set()).add(block)
+            self._at_rank[i] = following
+        self._live = timeline.during
+        self._n = n
+        self.persistent = int(timeline.persistent_bytes)
+
+    def __call__(self, storage: int) -> int:
+        """The bound for the plan with `storage` (dropped in it) kept; 0 where this says nothing."""
+        lo = int(np.searchsorted(self._at_rank, self._last_touch.get(storage, -1), side="right"))
+        hi = int(np.searchsorted(self._at_rank, self._last_use[storage], side="right"))
+        if hi <= lo:
+            return 0
+        live = self._live[lo:hi]
+        blocks = self._blocks_of.get(storage, set())
+        if blocks:
+            rows = np.fromiter(set().union(*(self._rows[b] for b in blocks)), dtype=np.int64)
+            weights = self._bytes[rows]
+            first = np.where(np.isin(self._start[rows], self._block_steps(blocks)), self._start[rows], self._after[rows])
+            diff = np.bincount(first, weights, minlength=self._n + 1)
+            diff -= np.bincount(np.minimum(self._end[rows], self._n - 1) + 1, weights, minlength=self._n + 1)
+            live = live - np.cumsum(diff)[lo:hi].astype(np.int64)
+            stays = ~np.isin(self._block[lo:hi], np.fromiter(blocks, dtype=np.int64))
+            if not stays.any():
+                return 0
+            live = live[stays]
+        return self.persistent + int(live.max()) + self._nbytes[storage]
+
+    def _block_steps(self, blocks: set[int]) -> np.ndarray:
+        """The steps of these blocks."""
+        return np.flatnonzero(np.isin(self._block, np.fromiter(blocks, dtype=np.int64)))

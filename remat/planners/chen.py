@@ -86,7 +86,7 @@ def plan(index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, *
             if fitting >= FITS_TO_COMPARE:
                 break
     if best is None:
-        raise no_plan_error("chen", budget_bytes, ev.smallest_peak(), baseline.peak_bytes, len(candidates))
+        raise no_plan_error("chen", budget_bytes, ev.smallest_peak, baseline.peak_bytes, len(candidates))
     _, k, dropped, evaluation = best
     picks = [s for s in candidates if s in dropped]  # forward order
     extra.update(ev.stats())

@@ -68,5 +68,5 @@ def other_schedule_meta(competition: Competition[Any], describe: Callable[[Any],
         summary = describe(competition.results[other])
         return None if summary is None else {"schedule": other.value, **summary}
     if other in competition.errors:
-        return {"schedule": other.value, "error": str(competition.errors[other])}
+        return {"schedule": other.value, "error": competition.errors[other].brief()}
     return None

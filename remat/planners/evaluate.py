@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from remat.budget import format_bytes
 from remat.errors import BudgetError, PlanError
@@ -190,22 +190,25 @@ class Evaluator:
         return {"simulations": self.simulations, "skipped_by_bound": self.skipped_by_bound, "bound_violations": self.bound_violations}
 
 
-def no_plan_error(planner: str, budget_bytes: int, reach: Reach | int, baseline_peak: int, num_candidates: int) -> BudgetError:
-    """The BudgetError of a planner with no plan under the budget; `reach` may be a bare (exact) peak."""
-    if not isinstance(reach, Reach):
-        reach = Reach(int(reach), int(reach), True)
+def no_plan_error(planner: str, budget_bytes: int, reach: "Reach | int | Callable[[], Reach]", baseline_peak: int, num_candidates: int) -> BudgetError:
+    """The BudgetError of a planner with no plan under the budget; `reach` may be a bare
+    (exact) peak, or a function that pins it down when the error is first read."""
 
-    if reach.exact:
-        smallest = f"the smallest peak it could reach is {format_bytes(reach.best)} ({reach.best} bytes)"
-    else:
-        smallest = (
-            f"the smallest peak it could reach is {format_bytes(reach.best)} ({reach.best} bytes) among the plans "
-            f"it simulated, and none of its plans goes below {format_bytes(reach.lower)} ({reach.lower} bytes)"
+    def message(reach: Reach) -> str:
+        if reach.exact:
+            smallest = f"the smallest peak it could reach is {format_bytes(reach.best)} ({reach.best} bytes)"
+        else:
+            smallest = (
+                f"the smallest peak it could reach is {format_bytes(reach.best)} ({reach.best} bytes) among the plans "
+                f"it simulated, and none of its plans goes below {format_bytes(reach.lower)} ({reach.lower} bytes)"
+            )
+        return (
+            f"no {planner} plan fits the budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes): {smallest}, "
+            f"from {format_bytes(baseline_peak)} without recomputation, with {num_candidates} activations that may be "
+            f"recomputed. Raise the budget to at least {format_bytes(reach.best)} (--budget {reach.best}), or lower "
+            "the batch size."
         )
-    return BudgetError(
-        f"no {planner} plan fits the budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes): {smallest}, "
-        f"from {format_bytes(baseline_peak)} without recomputation, with {num_candidates} activations that may be "
-        f"recomputed. Raise the budget to at least {format_bytes(reach.best)} (--budget {reach.best}), or lower "
-        "the batch size.",
-        reach=reach,
-    )
+
+    if isinstance(reach, int):
+        reach = Reach(int(reach), int(reach), True)
+    return BudgetError(message, reach=reach, headline=f"no {planner} plan fits the budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes)")

@@ -34,28 +34,40 @@ def planned_graphs(index: GraphIndex, *, allow_moving: bool = True, lean_ops: bo
 
 
 def plan_with_placement(
-    index: GraphIndex, run: Callable[[GraphIndex], Plan], *, allow_moving: bool = True, lean_ops: bool = True
+    index: GraphIndex,
+    run: Callable[[GraphIndex], Plan],
+    *,
+    allow_moving: bool = True,
+    lean_ops: bool = True,
+    improve: Callable[[GraphIndex, Plan], Plan] | None = None,
 ) -> Plan:
     """`run(index)` plans one graph; this runs it on the graphs allowed and keeps the better
     plan. The graph with lean operator variants holds fewer bytes under every plan, but a
-    heuristic planner may still land on a costlier plan there, so both are planned."""
+    heuristic planner may still land on a costlier plan there, so both are planned.
+    `improve(graph, plan)`, where given, then improves the kept plan on its own graph
+    (a plan no costlier that still fits): done once, not per graph, as it is the costly part."""
     captured = index
     bases, lean_note = _bases(captured, lean_ops)
-    plans: list[Plan] = []
-    errors: list[BudgetError] = []
+    plans: list[tuple[Plan, GraphIndex]] = []
+    errors: list[_NoPlan] = []
     for base in bases:
         try:
-            plan = _choose_placement(base, captured, run, allow_moving)
-        except BudgetError as e:
+            plan, graph = _choose_placement(base, run, allow_moving)
+        except _NoPlan as e:
             errors.append(e)
             continue
         plan.lean_ops = list(base.lean_ops)
-        plans.append(plan)
+        plans.append((plan, graph))
         if not plan.recomputed:
             break  # nothing recomputed: no plan can be cheaper
     if not plans:
-        raise errors[0]  # the lean graph's, where there is one: the lower floor
-    plan = min(plans, key=lambda p: (p.predicted_overhead_seconds, p.predicted_peak_bytes))
+        raise errors[0].error(captured)  # the lean graph's, where there is one: the lower floor
+    plan, graph = min(plans, key=lambda pg: (pg[0].predicted_overhead_seconds, pg[0].predicted_peak_bytes))
+    if improve is not None and plan.recomputed:
+        better = improve(graph, plan)
+        better.lean_ops, better.updates_in_backward, better.updates_note = plan.lean_ops, plan.updates_in_backward, plan.updates_note
+        better.meta = {**plan.meta, **better.meta}
+        plan = better
     if len(bases) > 1 and not plan.lean_ops:
         lean_note = f"lean operator variants not used: the plan without them is predicted cheaper ({lean_note})"
     plan.meta["lean_ops_note"] = lean_note
@@ -74,13 +86,42 @@ def _bases(index: GraphIndex, lean_ops: bool) -> tuple[list[GraphIndex], str]:
     return ([lean, index] if lean is not None else [index]), found.summary()
 
 
-def _choose_placement(index: GraphIndex, captured: GraphIndex, run: Callable[[GraphIndex], Plan], allow_moving: bool) -> Plan:
+class _NoPlan(Exception):
+    """No plan of one graph fits, in either placement of its updates (`errors`, keyed by
+    whether they were moved). Which error to raise is worked out only if no other graph
+    has a plan either: it needs each planner's smallest reachable peak, which can take
+    seconds to pin down."""
+
+    def __init__(self, errors: dict[bool, BudgetError]):
+        super().__init__("no plan fits")
+        self.errors = errors
+
+    def error(self, captured: GraphIndex) -> BudgetError:
+        """The error with the smaller reachable peak (the floor with updates in backward, where
+        that is it, saying so)."""
+        errors = self.errors
+        smallest = min(errors, key=lambda k: errors[k].reach.best if errors[k].reach is not None else float("inf"))
+        if smallest:
+            peak = simulate_schedule(captured, build_schedule(captured, set())).peak_bytes
+            errors[True].add_note(
+                f"remat: that peak runs each optimizer update as soon as its gradient is final; the step as captured "
+                f"peaks at {format_bytes(peak)} without recomputation"
+            )
+        return errors[smallest]
+
+
+def _choose_placement(index: GraphIndex, run: Callable[[GraphIndex], Plan], allow_moving: bool) -> tuple[Plan, GraphIndex]:
+    """The better plan of `index` in its captured order and with its updates moved, and the
+    graph it plans; _NoPlan where neither fits."""
     moved, placement = index.updates_in_backward()
     if moved is None or not allow_moving:
-        plan = run(index)
+        try:
+            plan = run(index)
+        except BudgetError as e:
+            raise _NoPlan({False: e}) from None
         why = placement.summary() if moved is None else "updates in the backward pass were not allowed"
         plan.updates_note = f"updates stay at the end of the step ({why})"
-        return plan
+        return plan, index
     results: dict[bool, Plan] = {}
     errors: dict[bool, BudgetError] = {}
     for in_backward, idx in ((True, moved), (False, index)):
@@ -91,14 +132,7 @@ def _choose_placement(index: GraphIndex, captured: GraphIndex, run: Callable[[Gr
         except BudgetError as e:
             errors[in_backward] = e
     if not results:
-        smallest = min(errors, key=lambda k: errors[k].reach.best if errors[k].reach is not None else float("inf"))
-        if smallest:
-            peak = simulate_schedule(captured, build_schedule(captured, set())).peak_bytes
-            errors[True].add_note(
-                f"remat: that peak runs each optimizer update as soon as its gradient is final; the step as captured "
-                f"peaks at {format_bytes(peak)} without recomputation"
-            )
-        raise errors[smallest]
+        raise _NoPlan(errors)
     chosen = min(results, key=lambda k: (results[k].predicted_overhead_seconds, results[k].predicted_peak_bytes, not k))
     plan = results[chosen]
     plan.updates_in_backward = chosen
@@ -111,8 +145,8 @@ def _choose_placement(index: GraphIndex, captured: GraphIndex, run: Callable[[Gr
             "predicted_peak_bytes": results[other].predicted_peak_bytes,
         }
     elif other in errors:
-        plan.meta["other_placement"] = {"updates_in_backward": other, "error": str(errors[other]).splitlines()[0]}
-    return plan
+        plan.meta["other_placement"] = {"updates_in_backward": other, "error": errors[other].brief()}
+    return plan, (moved if chosen else index)
 
 
 def _why_not(results: dict[bool, Plan], errors: dict[bool, BudgetError]) -> str:
