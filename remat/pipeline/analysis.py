@@ -94,11 +94,21 @@ class GraphAnalysis:
         return {t.key: t.id for t in self.tensors}
 
 
-def refresh_fake_values(gm: torch.fx.GraphModule) -> None:
-    """New fake values for every node of a rewritten graph, from its placeholders' own, so
-    that the analysis reads each node's storage as the rewritten graph makes it."""
+def refresh_fake_values(gm: torch.fx.GraphModule, only: set[str] | None = None) -> None:
+    """New fake values for the nodes of a rewritten graph, from their inputs' own, so that
+    the analysis reads each node's storage as the rewritten graph makes it: every node, or
+    only those named in `only` (in graph order; the others keep the values they have,
+    which is right where the rewrite changed neither them nor what they alias)."""
     fake_inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-    FakeTensorProp(gm, detect_fake_mode(fake_inputs)).propagate_dont_convert_inputs(*fake_inputs)
+    prop = FakeTensorProp(gm, detect_fake_mode(fake_inputs))
+    if only is None:
+        prop.propagate_dont_convert_inputs(*fake_inputs)
+        return
+    prop.env = {n: n.meta["val"] for n in gm.graph.nodes if "val" in n.meta}
+    with prop._mode:
+        for n in gm.graph.nodes:
+            if n.name in only:
+                prop.env[n] = prop.run_node(n)
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor | None]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from remat.gc_pause import gc_paused
 from remat.pipeline.analysis import GraphAnalysis, analyze
 from remat.pipeline.capture import capture
 from remat.pipeline.train_graph import TrainGraph, TrainStep
@@ -43,6 +44,7 @@ def build(
     return build_on(capture(train_step, model, optimizer, batch), model, optimizer, batch, **options)
 
 
+@gc_paused()
 def build_on(
     tg: TrainGraph,
     model: torch.nn.Module,

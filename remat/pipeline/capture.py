@@ -19,6 +19,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
+from remat.gc_pause import gc_paused
 from remat.pipeline import data_parallel, hyperparams
 from remat.pipeline.cpu_strides import CpuOutputStrides
 from remat.errors import CaptureError
@@ -197,6 +198,7 @@ def _trace(
             model.train(was_training)
 
 
+@gc_paused()
 def capture(
     train_step: TrainStep,
     model: torch.nn.Module,

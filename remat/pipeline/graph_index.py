@@ -135,7 +135,7 @@ class GraphIndex:
             lean = find_lean_ops(self.tg, self.analysis)
             if not lean.applies:
                 return None, lean
-            derived = self._indexed(apply_lean_ops(self.tg, lean))
+            derived = self._indexed(apply_lean_ops(self.tg, self.analysis, lean))
             derived.lean_ops = lean.nodes
             return derived, lean
 
@@ -291,6 +291,27 @@ class GraphIndex:
             return True  # placeholders, constants, backward/optimizer values
         sids = self.storages.get(name, [])
         return all(s in self.persistent or (s in self.activation and s not in dropped) for s in sids)
+
+    def unavailable(self, dropped: frozenset[int] | set[int]) -> set[str]:
+        """Every value that is not `available` under `dropped`, at once: the values on a
+        dropped storage, and those on a storage never kept (neither an activation nor
+        persistent). For a caller asking about many values."""
+        cache = self.__dict__.get("_values_on")
+        if cache is None:
+            values_on: dict[int, list[str]] = {}
+            never: set[str] = set()
+            for a in self.forward:
+                for sid in self.storages.get(a, []):
+                    if sid in self.activation:
+                        values_on.setdefault(sid, []).append(a)
+                    elif sid not in self.persistent:
+                        never.add(a)
+            cache = self.__dict__["_values_on"] = (values_on, frozenset(never))
+        values_on, never = cache
+        out = set(never)
+        for sid in dropped:
+            out.update(values_on.get(sid, ()))
+        return out
 
     def reads_of_copy(self, name: str) -> list[str]:
         """Inputs a copy of `name` reads (BatchNorm's twin does not read running stats)."""

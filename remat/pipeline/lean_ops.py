@@ -31,7 +31,7 @@ import torch.fx
 
 from remat.pipeline import op_facts
 from remat.pipeline.analysis import GraphAnalysis, refresh_fake_values
-from remat.pipeline.train_graph import Phase, TrainGraph
+from remat.pipeline.train_graph import derived_module, Phase, TrainGraph
 
 aten = torch.ops.aten
 
@@ -152,9 +152,11 @@ def find_lean_ops(tg: TrainGraph, analysis: GraphAnalysis) -> LeanOps:
     return LeanOps(applied)
 
 
-def apply_lean_ops(tg: TrainGraph, lean: LeanOps) -> TrainGraph:
-    """A copy of `tg` whose nodes in `lean` write their result into the named input
-    (same node names and order), with fresh fake values for the analysis."""
+def apply_lean_ops(tg: TrainGraph, analysis: GraphAnalysis, lean: LeanOps) -> TrainGraph:
+    """A copy of `tg` (analysed as `analysis`) whose nodes in `lean` write their result
+    into the named input (same node names and order), with fresh fake values where the
+    analysis must see a storage change: at those nodes and every value aliasing a result
+    they made before (a view of it, an in-place write to it)."""
     into = {v.node: v.into for v in lean.applied}
     graph = torch.fx.Graph()
     env: dict[str, torch.fx.Node] = {}
@@ -166,6 +168,7 @@ def apply_lean_ops(tg: TrainGraph, lean: LeanOps) -> TrainGraph:
             new.kwargs = {**new.kwargs, out_name: env[into[node.name]]}
         env[node.name] = new
     graph.lint()
-    gm = torch.fx.GraphModule(tg.gm, graph)
-    refresh_fake_values(gm)
+    gm = derived_module(tg.gm, graph)
+    results = {s for name in into for s in analysis.node_storages.get(name, [])}
+    refresh_fake_values(gm, only={n for n, sids in analysis.node_storages.items() if results.intersection(sids)} | set(into))
     return dataclasses.replace(tg, gm=gm, meta={**tg.meta, "lean_ops": lean.nodes})

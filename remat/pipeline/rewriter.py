@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from remat.gc_pause import gc_paused
 from remat.pipeline.analysis import refresh_fake_values
 from remat.pipeline.train_graph import Phase, TrainGraph
 from remat.pipeline.op_facts import copy_call
@@ -35,6 +36,7 @@ class Rewritten:
     copies: dict[str, str]  # copy node name -> the original node it rebuilds
 
 
+@gc_paused()
 def rewrite(index: GraphIndex, schedule: Schedule) -> Rewritten:
     tg: TrainGraph = index.tg
     old = tg.gm.graph

@@ -85,8 +85,9 @@ def build_schedule(
     all_reads: list[list[tuple[str, int]]] = []
     target: dict[str, int] = {}  # value -> instance of its rebuilt copy that later readers share
     next_instance = 0
+    gone = index.unavailable(dropped)
     for u in index.order:
-        if u in index.forward:
+        if u in index.forward or gone.isdisjoint(index.inputs[u]):
             all_steps.append(Step(u))
             all_reads.append([(a, ORIGINAL) for a in index.inputs[u]])
             continue
@@ -95,7 +96,7 @@ def build_schedule(
 
         def resolve(a: str) -> int | None:
             """Which instance of `a` node u's block can read; None: it must be rebuilt here."""
-            if index.available(a, dropped):
+            if a not in gone:
                 return ORIGINAL
             if a in block:
                 return block[a]
@@ -118,7 +119,7 @@ def build_schedule(
         all_steps.append(Step(u))
         all_reads.append([(a, resolve(a)) for a in index.inputs[u]])  # type: ignore[misc]
     output_reads = [(a, ORIGINAL) for a in index.output_inputs]
-    if any(not index.available(a, dropped) for a in index.output_inputs):
+    if not gone.isdisjoint(index.output_inputs):
         raise PlanError("a graph output cannot be recomputed")
 
     # Forward nodes that nothing reads any more (their readers now read copies) and that

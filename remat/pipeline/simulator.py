@@ -14,7 +14,7 @@ import numpy as np
 
 from remat.pipeline.analysis import ROLES, GraphAnalysis, Role, persistent_by_role, round_up
 from remat.pipeline.graph_index import GraphIndex
-from remat.pipeline.schedule import Schedule
+from remat.pipeline.schedule import ORIGINAL, Schedule
 
 
 @dataclass
@@ -129,62 +129,62 @@ def schedule_intervals(index: GraphIndex, schedule: Schedule, granularity: int =
     conventions, module docstring). Generator states held for replay are not among them.
     `touches`: also record which instances each copy makes or reads."""
     tensors = index.analysis.tensors
+    storages, persistent = index.storages, index.persistent
+    n_tensors = len(tensors)
     n_steps = len(schedule.steps)
     start: dict[int, int] = {}
-    end: dict[int, int] = {}
-    size: dict[int, int] = {}
-    role: dict[int, str] = {}
+    end: dict[int, int] = {}  # steps run in order: a key's last step so far is its end so far
+    source: dict[int, int] = {}  # key -> the storage whose bytes and role it has
     # An original storage is keyed by its id; each rebuilt instance's fresh storage gets a
     # new key. A view or in-place result shares the key of the input it aliases *as read
     # in this step*, so a backward view of a rebuilt value lives in the rebuilt storage.
     value_keys: dict[tuple[str, int], list[int]] = {}
-    next_key = len(tensors)
+    next_key = n_tensors
     touched: dict[int, list[int]] = {}
     plain: dict[int, int] = {}
-
-    def keys(node: str, instance: int) -> list[int]:
-        found = value_keys.get((node, instance))
-        return found if found is not None else list(index.storages.get(node, []))
-
+    no_storages: list[int] = []
     for i, (step, reads) in enumerate(zip(schedule.steps, schedule.reads)):
         inherited: dict[int, int] = {}
         for a, instance in reads:
-            for s, k in zip(index.storages.get(a, []), keys(a, instance)):
-                inherited[s] = k
-                if k in start:
-                    end[k] = i
+            sids = storages.get(a, no_storages)
+            if sids:
+                for s, k in zip(sids, value_keys.get((a, instance), sids)):
+                    inherited[s] = k
+                    if k in start:
+                        end[k] = i
         own: list[int] = []
-        for s in index.storages.get(step.node, []):
+        copy = step.instance != ORIGINAL
+        for s in storages.get(step.node, no_storages):
             k = inherited.get(s)
             if k is None:
-                if step.copy:
+                if copy:
                     k, next_key = next_key, next_key + 1
                 else:
                     k = s
             own.append(k)
-            if k not in start and (k >= len(tensors) or k not in index.persistent):
-                start[k] = i
-                size[k] = round_up(tensors[s].nbytes, granularity)
-                role[k] = tensors[s].role.value
             if k in start:
-                end[k] = max(end.get(k, i), i)
+                end[k] = i
+            elif k >= n_tensors or k not in persistent:
+                start[k] = end[k] = i
+                source[k] = s
         value_keys[(step.node, step.instance)] = own
-        if touches and step.copy:
+        if touches and copy:
             touched[i] = own + list(inherited.values())
         elif touches:
             for k in own + list(inherited.values()):
                 plain[k] = i
     for a, instance in schedule.output_reads:
-        for k in keys(a, instance):
+        sids = storages.get(a, no_storages)
+        for k in value_keys.get((a, instance), sids):
             if k in start:
                 end[k] = n_steps
     ks = sorted(start)
     row = {k: j for j, k in enumerate(ks)} if touches else {}
     return ScheduleIntervals(
-        nbytes=np.array([size[k] for k in ks], dtype=np.int64),
+        nbytes=np.array([round_up(tensors[source[k]].nbytes, granularity) for k in ks], dtype=np.int64),
         start=np.array([start[k] for k in ks], dtype=np.int64),
         end=np.array([end[k] for k in ks], dtype=np.int64),
-        roles=[role[k] for k in ks],
+        roles=[tensors[source[k]].role.value for k in ks],
         touched_by_copy={i: sorted({row[k] for k in keys if k in row}) for i, keys in touched.items()} if touches else None,
         last_plain_touch=np.array([plain.get(k, -1) for k in ks], dtype=np.int64) if touches else None,
     )

@@ -11,9 +11,18 @@ import torch.fx
 
 from remat.pipeline import hyperparams
 
-
-
 TrainStep = Callable[[torch.nn.Module, "torch.optim.Optimizer | None", Any], torch.Tensor]
+
+
+def derived_module(root: torch.fx.GraphModule, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """A module for a graph rewritten from `root`'s, its Python code generated on first
+    call: the planners only read a derived graph (tens of thousands of nodes take seconds
+    to generate code for), and most are never run."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:  # a torch without it: generated now
+        return torch.fx.GraphModule(root, graph)
+    return _LazyGraphModule(root, graph)
 
 
 class Phase(str, Enum):

@@ -28,7 +28,7 @@ import torch.fx
 
 from remat.pipeline import op_facts
 from remat.pipeline.analysis import GraphAnalysis
-from remat.pipeline.train_graph import InputKind, Phase, TrainGraph
+from remat.pipeline.train_graph import derived_module, InputKind, Phase, TrainGraph
 
 
 @dataclass
@@ -217,4 +217,4 @@ def reorder(tg: TrainGraph, order: list[str]) -> TrainGraph:
     output = next(n for n in tg.gm.graph.nodes if n.op == "output")
     graph.node_copy(output, lambda a: env[a.name])
     graph.lint()
-    return dataclasses.replace(tg, gm=torch.fx.GraphModule(tg.gm, graph), meta={**tg.meta, "updates_in_backward": True})
+    return dataclasses.replace(tg, gm=derived_module(tg.gm, graph), meta={**tg.meta, "updates_in_backward": True})

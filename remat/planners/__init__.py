@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from remat.gc_pause import gc_paused
 from remat.defaults import DEFAULT_PLANNER
 from remat.errors import PlanError
 from remat.planners.placement import plan_with_placement, planned_graphs
@@ -27,6 +28,7 @@ PLANNERS: tuple[str, ...] = tuple(_MODULES)
 assert DEFAULT_PLANNER in PLANNERS
 
 
+@gc_paused()
 def make_plan(
     planner: str, index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, *,
     updates_in_backward: bool = True, lean_ops: bool = True, **meta: Any

@@ -161,13 +161,7 @@ class PeakLowerBound:
         ranks = set(self._always)
         for s in dropped:
             ranks.update(self._late_ranks.get(s, ()))
-        gone: dict[str, bool] = {}
-
-        def unavailable(a: str) -> bool:
-            g = gone.get(a)
-            if g is None:
-                g = gone[a] = not index.available(a, dropped)
-            return g
+        gone = index.unavailable(dropped)
 
         target: set[str] = set()  # values whose copy later blocks share (while r <= shared_until)
         shared_until = self._shared_until
@@ -175,7 +169,9 @@ class PeakLowerBound:
         held: list[tuple[str, int]] = []
         for r in sorted(ranks):
             u = index.order[r]
-            ops = index.block_ops(u, lambda a: unavailable(a) and not (a in target and r <= shared_until[a]))
+            if gone.isdisjoint(index.inputs[u]):
+                continue
+            ops = index.block_ops(u, lambda a: a in gone and not (a in target and r <= shared_until[a]))
             if not ops:
                 continue
             for c in index.block_targets(u, ops, self.policy):
