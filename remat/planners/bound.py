@@ -61,6 +61,7 @@ class PeakLowerBound:
         for r in self._tail.tolist():
             _add(at, r, r, self._scratch.get(index.order[r], 0))
         self._at, self._across = at, across
+        self._last: tuple[frozenset[int], np.ndarray, np.ndarray] | None = None
         # Per forward value read after the forward pass, per storage: the span over which the
         # copy those readers share is live.
         self._value_spans = index.copy_spans()
@@ -100,8 +101,14 @@ class PeakLowerBound:
             return self.persistent
         tensors = self.index.analysis.tensors
         n = self._n
-        at, across = self._at.copy(), self._across.copy()
-        for s in dropped:
+        # Planners ask about growing sets (a greedy's prefixes): start from the last set's
+        # curves where this one contains it.
+        last = self._last
+        if last is not None and last[0] <= dropped:
+            at, across, added = last[1].copy(), last[2].copy(), dropped - last[0]
+        else:
+            at, across, added = self._at.copy(), self._across.copy(), dropped
+        for s in added:
             t = tensors[s]
             if s in self._safe:  # not kept: take back its kept interval
                 lo, hi = self._kept[s]
@@ -110,6 +117,7 @@ class PeakLowerBound:
             for lo, hi in self._spans.get(s, ()):
                 _add(at, lo, hi, t.nbytes)
                 _add(across, lo + 1, hi, t.nbytes)
+        self._last = (frozenset(dropped), at.copy(), across.copy())
         best = int(np.cumsum(at[:n])[self._tail].max())
         if not dropped or (above is not None and self.persistent + best > above):
             return self.persistent + best

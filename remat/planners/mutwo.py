@@ -15,6 +15,7 @@ that only fed dropped tensors.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from dataclasses import dataclass, field
@@ -100,9 +101,31 @@ def greedy(candidates: list[Candidate], fits: Callable[[list], tuple[bool, int |
     def total(cid: Id) -> float:
         return rtime[cid] * (1 + dependents.get(cid, 0))
 
+    # The best remaining candidate: highest ratio, then largest, then earliest (then the
+    # order given). A heap with an entry pushed whenever a candidate's ratio changes; an
+    # entry whose key is no longer its candidate's is skipped when it surfaces.
+    position = {c: i for i, c in enumerate(ids)}
+
+    def key(c: Id) -> tuple:
+        return (-ratio_of(size[c], total(c)), -size[c], order[c], position[c])
+
+    current = {c: key(c) for c in ids}
+    heap = [(k, c) for c, k in current.items()]
+    heapq.heapify(heap)
+
+    def rekey(c: Id) -> None:
+        if c in remaining:
+            k = key(c)
+            if k != current[c]:
+                current[c] = k
+                heapq.heappush(heap, (k, c))
+
     log: list[PickLog] = []
     while remaining:
-        best = max(remaining, key=lambda c: (ratio_of(size[c], total(c)), size[c], -order[c]))
+        while True:
+            k, best = heapq.heappop(heap)
+            if best in remaining and current[best] == k:
+                break
         best_total = total(best)
         remaining.discard(best)
         try:
@@ -116,6 +139,7 @@ def greedy(candidates: list[Candidate], fits: Callable[[list], tuple[bool, int |
         t_time = rtime[best]
         for s in t_sources:
             dependents[s] = dependents.get(s, 0) + 1
+            rekey(s)
         rec_updates: dict = {}
         cand_updates: dict = {}
         for u in sorted(users.pop(best, set()), key=order.__getitem__):
@@ -129,7 +153,9 @@ def greedy(candidates: list[Candidate], fits: Callable[[list], tuple[bool, int |
                     users.setdefault(s, set()).add(u)
                     if u in is_recomputed:
                         dependents[s] = dependents.get(s, 0) + 1
+                        rekey(s)
             rtime[u] += t_time
+            rekey(u)
             target = rec_updates if u in is_recomputed else cand_updates
             target[u] = (frozenset(srcs), rtime[u])
         total_updates = {s: total(s) for s in sorted((s for s in t_sources if s in remaining), key=order.__getitem__)}
