@@ -292,6 +292,31 @@ class GraphIndex:
         sids = self.storages.get(name, [])
         return all(s in self.persistent or (s in self.activation and s not in dropped) for s in sids)
 
+    def steps_as_captured(self) -> dict[str, tuple["Step", list[tuple[str, int]]]]:
+        """Per node, its step and what it reads where nothing it reads is rebuilt (shared by
+        every schedule, which only reads them)."""
+        from remat.pipeline.schedule import ORIGINAL, Step
+
+        cache = self.__dict__.get("_steps_as_captured")
+        if cache is None:
+            cache = self.__dict__["_steps_as_captured"] = {u: (Step(u), [(a, ORIGINAL) for a in self.inputs[u]]) for u in self.order}
+        return cache
+
+    def forward_readers(self, name: str) -> int:
+        """How many forward nodes read forward value `name`, the graph's output counting as one."""
+        cache = self.__dict__.get("_forward_readers")
+        if cache is None:
+            cache = {n: 0 for n in self.forward}
+            for u in self.forward:
+                for a in self.inputs[u]:
+                    if a in cache:
+                        cache[a] += 1
+            for a in self.output_inputs:
+                if a in cache:
+                    cache[a] += 1
+            self.__dict__["_forward_readers"] = cache
+        return cache[name]
+
     def unavailable(self, dropped: frozenset[int] | set[int]) -> set[str]:
         """Every value that is not `available` under `dropped`, at once: the values on a
         dropped storage, and those on a storage never kept (neither an activation nor

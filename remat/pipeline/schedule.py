@@ -27,6 +27,7 @@ Rules (DESIGN.md, "Correctness"):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from remat.errors import PlanError
 from remat.pipeline.graph_index import GraphIndex, RebuildPolicy
@@ -37,8 +38,7 @@ __all__ = ["ORIGINAL", "GraphIndex", "RebuildPolicy", "Schedule", "Step", "build
 ORIGINAL = -1  # the instance number of a value computed by its original node
 
 
-@dataclass(frozen=True)
-class Step:
+class Step(NamedTuple):
     node: str  # the original node this step runs
     instance: int = ORIGINAL  # >= 0: a rebuild placed in the backward pass, numbered
 
@@ -86,10 +86,12 @@ def build_schedule(
     target: dict[str, int] = {}  # value -> instance of its rebuilt copy that later readers share
     next_instance = 0
     gone = index.unavailable(dropped)
+    as_captured = index.steps_as_captured()
     for u in index.order:
         if u in index.forward or gone.isdisjoint(index.inputs[u]):
-            all_steps.append(Step(u))
-            all_reads.append([(a, ORIGINAL) for a in index.inputs[u]])
+            step, reads = as_captured[u]
+            all_steps.append(step)
+            all_reads.append(reads)
             continue
         r_u = index.rank[u]
         block: dict[str, int] = {}
@@ -124,18 +126,14 @@ def build_schedule(
 
     # Forward nodes that nothing reads any more (their readers now read copies) and that
     # have no side effect are removed: the value is then computed in the backward only.
+    # Only a copied node can be: it is not available, so no node after the forward pass
+    # reads its original, and its readers are the forward nodes reading it (and the
+    # graph's output), less those removed.
     copied = {s.node for s in all_steps if s.copy}
-    readers: dict[str, int] = {n: 0 for n in forward}
-    for step, reads in zip(all_steps, all_reads):
-        for a, instance in reads:
-            if instance == ORIGINAL and a in readers:
-                readers[a] += 1
-    for a, _ in output_reads:
-        if a in readers:
-            readers[a] += 1
+    readers = {n: index.forward_readers(n) for n in copied}
     removed: set[str] = set()
-    for n in reversed(forward):
-        if readers[n] == 0 and n not in index.random and not index.writes[n] and n in copied:
+    for n in sorted(copied, key=index.rank.__getitem__, reverse=True):
+        if readers[n] == 0 and n not in index.random and not index.writes[n]:
             removed.add(n)
             for a in index.inputs[n]:
                 if a in readers:
