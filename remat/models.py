@@ -40,6 +40,9 @@ MODEL_NAMES: tuple[str, ...] = (
     "bert-tiny",
     "resnet152",
     "resnet-tiny",
+    "gpt-narrow-6",
+    "gpt-narrow-20",
+    "gpt-narrow-60",
 )
 
 OPTIMIZER_NAMES: tuple[str, ...] = ("sgd", "adamw", "none")
@@ -112,6 +115,15 @@ def _build_bert(config_kwargs: dict[str, Any], seq_len: int, batch_size: int, ge
     return model, {"input_ids": input_ids, "labels": labels}, hf_loss
 
 
+def _build_gpt_narrow(layers: int, batch_size: int, gen: torch.Generator) -> tuple[nn.Module, Batch, LossFn]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(attn_implementation="eager", **_GPT_NARROW, n_layer=layers)  # eager: see _build_bert
+    model = GPT2LMHeadModel(config)
+    input_ids = torch.randint(0, config.vocab_size, (batch_size, config.n_positions), generator=gen)
+    return model, {"input_ids": input_ids, "labels": input_ids.clone()}, hf_loss
+
+
 def _build_resnet(config_kwargs: dict[str, Any], image_size: int, batch_size: int, gen: torch.Generator) -> tuple[nn.Module, Batch, LossFn]:
     from transformers import ResNetConfig, ResNetForImageClassification
 
@@ -144,6 +156,11 @@ _RESNET_TINY = dict(depths=[1, 1, 1, 1], hidden_sizes=[32, 64, 128, 256], embedd
 # leaves 2×2.
 _RESNET_TINY_IMAGE = 64
 
+# Deep, narrow decoders (GPT-2 blocks of width 64): graphs of real-model size, about 500
+# nodes per layer with AdamW (6 layers: 3,100 nodes; 20: 9,900; 60: 29,200), whose
+# iterations take milliseconds on a CPU. For measuring what planning costs at scale.
+_GPT_NARROW = dict(n_embd=64, n_head=2, n_inner=128, vocab_size=512, n_positions=64, bos_token_id=0, eos_token_id=0)
+
 _BUILDERS: dict[str, Callable[[int, torch.Generator], tuple[nn.Module, Batch, LossFn]]] = {
     # The μ-TWO course project's example: Linear(1024, 4096) → sigmoid → Linear(4096, 1024).
     "mlp": lambda b, g: _build_mlp([1024, 4096, 1024], b, g),
@@ -153,6 +170,9 @@ _BUILDERS: dict[str, Callable[[int, torch.Generator], tuple[nn.Module, Batch, Lo
     "bert-tiny": lambda b, g: _build_bert(_BERT_TINY, 32, b, g),
     "resnet152": lambda b, g: _build_resnet(_RESNET152, 224, b, g),
     "resnet-tiny": lambda b, g: _build_resnet(_RESNET_TINY, _RESNET_TINY_IMAGE, b, g),
+    "gpt-narrow-6": lambda b, g: _build_gpt_narrow(6, b, g),
+    "gpt-narrow-20": lambda b, g: _build_gpt_narrow(20, b, g),
+    "gpt-narrow-60": lambda b, g: _build_gpt_narrow(60, b, g),
 }
 assert tuple(_BUILDERS) == MODEL_NAMES
 

@@ -149,7 +149,21 @@ def test_zero_grad_first_without_optimizer() -> None:
 
 
 def test_model_names() -> None:
-    assert set(TINY) | {"bert", "resnet152"} == set(MODEL_NAMES)
+    from remat.cli.common import MODEL_HELP
+
+    assert set(TINY) | {"bert", "resnet152", "gpt-narrow-6", "gpt-narrow-20", "gpt-narrow-60"} == set(MODEL_NAMES)
+    assert all(name in MODEL_HELP for name in MODEL_NAMES)
+
+
+@pytest.mark.parametrize("layers", [6, 20, 60])
+def test_gpt_narrow_family_is_deep_and_narrow(layers: int) -> None:
+    """The family for measuring planning at scale: depth as named, width 64, one token
+    sequence of 64 per sample, and a step that trains."""
+    spec = build_model(f"gpt-narrow-{layers}", 2)
+    assert len(spec.model.transformer.h) == layers and spec.model.config.n_embd == 64
+    assert spec.batch["input_ids"].shape == (2, 64)
+    loss = make_train_step(spec.loss_fn)(spec.model, None, spec.batch)
+    assert torch.isfinite(loss) and all(p.grad is not None for p in spec.model.parameters())
 
 
 def test_bert_base_builds() -> None:

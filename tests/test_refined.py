@@ -62,3 +62,46 @@ def test_refined_plans_run_bitwise_equal_to_eager():
     result = check_against_eager(step_fn, eager_model, eager_opt, model, o, step, spec.batch, steps=3)
     assert result.match, result.summary()
     assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes
+
+
+def test_picks_are_taken_back_once_on_the_plan_kept(bert_tiny, monkeypatch):
+    """Every graph (lean variants or not, updates moved or not) is planned by μ-TWO, and only
+    the plan kept is refined; the bound on keeping one more pick spares the simulations of
+    the picks that cannot go back, so nearly every one simulated is taken back."""
+    from remat.planners import refined
+
+    built, base = bert_tiny
+    budget = int(base.persistent_bytes + 0.5 * base.step_peak_bytes)
+    calls = []
+    original = refined.improve
+    monkeypatch.setattr(refined, "improve", lambda *a: calls.append(a) or original(*a))
+    plan = make_plan("refined", built.index, built.node_seconds(), budget)
+    assert len(calls) == 1
+    graph, first = calls[0][:2]
+    assert first.keys != plan.keys and set(plan.keys) < set(first.keys)
+    assert (graph.lean_ops, graph.updates_moved) == (plan.lean_ops, plan.updates_in_backward)
+    info = plan.meta["refined"]
+    assert info["skipped_by_keep_bound"] > 0
+    # One simulation of the plan kept, then one per trial the bounds let through.
+    assert plan.meta["simulations"] - 1 <= info["removed"] + 2
+
+
+def test_a_failed_planners_reach_is_worked_out_only_when_its_error_is_read(bert_tiny, monkeypatch):
+    """Pinning down the smallest reachable peak can take seconds; a graph or rebuild policy
+    with no plan does not pay it when another has one, nor does its record in the plan."""
+    from remat.planners import evaluate, mutwo
+
+    built, base = bert_tiny
+    pinned, failed = [], []
+    monkeypatch.setattr(mutwo, "no_plan_error", lambda *a: failed.append(1) or evaluate.no_plan_error(*a))
+    original = evaluate.Evaluator.smallest_peak
+    monkeypatch.setattr(evaluate.Evaluator, "smallest_peak", lambda self, **kw: pinned.append(1) or original(self, **kw))
+    low = int(base.persistent_bytes + 0.05 * base.step_peak_bytes)
+    with pytest.raises(BudgetError) as e:
+        make_plan("mutwo", built.index, built.node_seconds(), low)
+    assert pinned and "the smallest peak it could reach is" in str(e.value) and e.value.reach.best > low
+    pinned.clear()
+    failed.clear()
+    for fraction in (0.4, 0.5, 0.6):
+        make_plan("mutwo", built.index, built.node_seconds(), int(base.persistent_bytes + fraction * base.step_peak_bytes))
+    assert failed and not pinned  # some graph or policy had no plan, and nothing paid for its reach

@@ -1,0 +1,194 @@
+"""What compiling costs as graphs grow: capture, profile, plan and the whole compile.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/planning_time.py --out docs/planning-time
+
+On the deep, narrow decoders of `remat.models` (gpt-narrow-6, -20, -60: about 3,100,
+9,900 and 29,200 nodes with AdamW at batch 2) each stage is timed once: capture,
+profile (`--profile-runs`, as `remat.compile` does), and one plan per planner and budget
+(each make_plan call's wall time, every graph it plans included; deriving those graphs
+from the captured one, done once per compile, is timed on its own). The whole compile
+(`remat.compile`, first call: capture, profile, plan at the first budget, rewrite) is
+timed on its own. `--bert-profile` adds BERT-base rows planned from a saved profile.
+Writes planning_time.csv, planning_time.md and planning_time.png (planning time against
+node count) to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+COLUMNS = ["model", "batch_size", "nodes", "stage", "planner", "budget", "seconds", "overhead_percent", "note"]
+
+
+def _timed(fn):  # type: ignore[no-untyped-def]
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def measure(model: str, batch: int, optimizer: str, budgets: list[float], planners: list[str], runs: int, saved: Path | None, compile_too: bool) -> list[dict]:
+    import remat
+    from remat.errors import BudgetError
+    from remat.pipeline import build as pipeline
+    from remat.pipeline.capture import capture
+    from remat.pipeline.profiles import Profile
+    from remat.pipeline.simulator import simulate
+    from remat.planners import make_plan, planned_graphs
+    from remat.workloads import load
+
+    spec = load(model, batch, optimizer)
+    tg, capture_s = _timed(lambda: capture(spec.train_step, spec.model, spec.optimizer, spec.batch))
+    nodes = len(tg.gm.graph.nodes)
+    profile = Profile.from_json(saved) if saved is not None else None
+    built, profile_s = _timed(lambda: pipeline.build_on(tg, spec.model, spec.optimizer, spec.batch, runs=runs, saved_profile=profile))
+    row = {"model": model, "batch_size": batch, "nodes": nodes, "planner": "", "budget": "", "overhead_percent": "", "note": ""}
+    rows = [{**row, "stage": "capture", "seconds": capture_s}]
+    rows.append({**row, "stage": "profile", "seconds": profile_s, "note": "saved profile read" if saved else f"{runs} runs"})
+    # The graphs every planner plans (lean variants, updates moved), derived once per index
+    # and shared by every plan of it: timed on their own, so each plan's time is its own.
+    _, derive_s = _timed(lambda: planned_graphs(built.index))
+    rows.append({**row, "stage": "derive", "seconds": derive_s, "note": "graphs planned: lean variants, updates moved"})
+    base = simulate(built.analysis, scratch=built.index.scratch)
+    seconds = built.node_seconds()
+    iteration = sum(seconds.values())
+    for fraction in budgets:
+        budget = int(base.persistent_bytes + fraction * base.step_peak_bytes)
+        for planner in planners:
+            t0 = time.perf_counter()
+            try:
+                plan = make_plan(planner, built.index, seconds, budget)
+                overhead, note = f"{100 * plan.predicted_overhead_seconds / iteration:.2f}", ""
+            except BudgetError as e:
+                overhead, note = "", f"no plan: {str(e).splitlines()[0][:80]}"
+            rows.append({**row, "stage": "plan", "planner": planner, "budget": fraction, "seconds": time.perf_counter() - t0, "overhead_percent": overhead, "note": note})
+            print(f"{model}: {nodes} nodes, {planner} at {fraction}: {rows[-1]['seconds']:.2f} s {note}", flush=True)
+    if compile_too:
+        fresh = load(model, batch, optimizer)
+        step, compile_s = _timed(
+            lambda: remat.compile(fresh.train_step, fresh.model, fresh.optimizer, fresh.batch, memory_budget=budgets[0], profile_runs=runs)
+        )
+        compile_s += _timed(lambda: step.compiled_for(fresh.batch))[1]  # where compile waits for the first batch
+        rows.append({**row, "stage": "compile", "planner": step.planner, "budget": budgets[0], "seconds": compile_s, "note": "capture + profile + plan + rewrite"})
+    print(f"{model}: {nodes} nodes, capture {capture_s:.1f} s, profile {profile_s:.1f} s" + (f", compile {rows[-1]['seconds']:.1f} s" if compile_too else ""), flush=True)
+    return rows
+
+
+def write(rows: list[dict], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "planning_time.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{r[k]:.3f}" if k == "seconds" else r[k]) for k in COLUMNS})
+    models = list(dict.fromkeys((r["model"], r["batch_size"], r["nodes"]) for r in rows))
+    lines = ["| model | nodes | capture s | profile s | derive s | compile s | planner | " + " | ".join(f"plan s at {b}" for b in _budgets(rows)) + " |"]
+    lines.append("|---|---:|---:|---:|---:|---:|---|" + "---:|" * len(_budgets(rows)))
+    for model, batch, nodes in models:
+        mine = [r for r in rows if r["model"] == model and r["batch_size"] == batch]
+        stage = {r["stage"]: r for r in mine if r["stage"] != "plan"}
+        for planner in dict.fromkeys(r["planner"] for r in mine if r["stage"] == "plan"):
+            cells = []
+            for b in _budgets(rows):
+                found = [r for r in mine if r["stage"] == "plan" and r["planner"] == planner and r["budget"] == b]
+                cells.append(
+                    "" if not found else f"{found[0]['seconds']:.2f}" + (f" ({found[0]['overhead_percent']}%)" if found[0]["overhead_percent"] else " (no plan)")
+                )
+            fmt = lambda k: f"{stage[k]['seconds']:.1f}" if k in stage else "–"  # noqa: E731
+            lines.append(f"| {model} b{batch} | {nodes:,} | {fmt('capture')} | {fmt('profile')} | {fmt('derive')} | {fmt('compile')} | {planner} | " + " | ".join(cells) + " |")
+    (out / "planning_time.md").write_text("\n".join(lines) + "\n")
+    _plot(rows, out / "planning_time.png")
+
+
+def _read(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        r["batch_size"], r["nodes"], r["seconds"] = int(r["batch_size"]), int(r["nodes"]), float(r["seconds"])
+        r["budget"] = float(r["budget"]) if r["budget"] else ""
+    return rows
+
+
+def _budgets(rows: list[dict]) -> list[float]:
+    return sorted({r["budget"] for r in rows if r["stage"] == "plan"})
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    plans = [r for r in rows if r["stage"] == "plan"]
+    # Lines across models of one family (one graph each), one colour per budget, one line
+    # style per planner; a model alone (BERT-base) as points at its own size.
+    grown = {r["model"] for r in rows if r["model"].startswith("gpt-narrow")}
+    colours = dict(zip(_budgets(rows), plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4))
+    for planner, style in (("refined", "-o"), ("mutwo", ":s")):
+        for b in _budgets(rows):
+            pts = sorted((r["nodes"], r["seconds"]) for r in plans if r["planner"] == planner and r["budget"] == b and r["model"] in grown)
+            if pts:
+                ax.plot(*zip(*pts), style, color=colours[b], label=f"{planner}, budget {b}")
+        alone = [(r["nodes"], r["seconds"]) for r in plans if r["planner"] == planner and r["model"] not in grown]
+        if alone:
+            ax.plot(*zip(*alone), "x" if planner == "refined" else "+", color="k", label=f"{planner}, BERT-base b16 (each budget)")
+    for stage, style, label in (("compile", "k--^", "whole compile (capture + profile + plan + rewrite)"), ("derive", "k-.v", "graphs planned, derived once")):
+        pts = sorted((r["nodes"], r["seconds"]) for r in rows if r["stage"] == stage and r["model"] in grown)
+        if pts:
+            ax.plot(*zip(*pts), style, label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("graph nodes (one training iteration)")
+    ax.set_ylabel("seconds, this machine")
+    ax.set_title("Planning and compile time against graph size")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="gpt-narrow-6,gpt-narrow-20,gpt-narrow-60")
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--optimizer", default="adamw")
+    p.add_argument("--budgets", default="0.4,0.6,0.8")
+    p.add_argument("--planners", default="refined,mutwo")
+    p.add_argument("--profile-runs", type=int, default=3)
+    p.add_argument("--bert-profile", default=None, help="a saved BERT-base profile (e.g. docs/planners/bert-b16-profile.json) to plan from too")
+    p.add_argument("--bert-batch-size", type=int, default=16)
+    p.add_argument("--bert-budgets", default="0.25,0.33,0.5,0.7,0.9")
+    p.add_argument("--no-compile", action="store_true", help="skip timing the whole compile")
+    p.add_argument("--out", default="runs/planning-time")
+    p.add_argument("--replot", action="store_true", help="only redraw the table and plot from --out's planning_time.csv")
+    args = p.parse_args()
+    if args.replot:
+        write(_read(Path(args.out) / "planning_time.csv"), Path(args.out))
+        return 0
+    budgets = [float(b) for b in args.budgets.split(",")]
+    planners = args.planners.split(",")
+    rows: list[dict] = []
+    for model in args.models.split(","):
+        rows += measure(model, args.batch_size, args.optimizer, budgets, planners, args.profile_runs, None, not args.no_compile)
+        write(rows, Path(args.out))
+    if args.bert_profile:
+        bert_budgets = [float(b) for b in args.bert_budgets.split(",")]
+        rows += measure("bert", args.bert_batch_size, "sgd", bert_budgets, planners, args.profile_runs, Path(args.bert_profile), False)
+        write(rows, Path(args.out))
+    print((Path(args.out) / "planning_time.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
