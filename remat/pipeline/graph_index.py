@@ -292,16 +292,6 @@ class GraphIndex:
         sids = self.storages.get(name, [])
         return all(s in self.persistent or (s in self.activation and s not in dropped) for s in sids)
 
-    def steps_as_captured(self) -> dict[str, tuple["Step", list[tuple[str, int]]]]:
-        """Per node, its step and what it reads where nothing it reads is rebuilt (shared by
-        every schedule, which only reads them)."""
-        from remat.pipeline.schedule import ORIGINAL, Step
-
-        cache = self.__dict__.get("_steps_as_captured")
-        if cache is None:
-            cache = self.__dict__["_steps_as_captured"] = {u: (Step(u), [(a, ORIGINAL) for a in self.inputs[u]]) for u in self.order}
-        return cache
-
     def forward_readers(self, name: str) -> int:
         """How many forward nodes read forward value `name`, the graph's output counting as one."""
         cache = self.__dict__.get("_forward_readers")

@@ -60,6 +60,15 @@ class Schedule:
         return [s.node for s in self.steps if s.copy]
 
 
+def _steps_as_captured(index: GraphIndex) -> dict[str, tuple[Step, list[tuple[str, int]]]]:
+    """Per node, its step and what it reads where nothing it reads is rebuilt: the same in
+    every schedule of the index (which only reads them), so made once and kept with it."""
+    cache = index.__dict__.get("_steps_as_captured")
+    if cache is None:
+        cache = index.__dict__["_steps_as_captured"] = {u: (Step(u), [(a, ORIGINAL) for a in index.inputs[u]]) for u in index.order}
+    return cache
+
+
 def recompute_seconds(schedule: Schedule, node_seconds: dict[str, float]) -> float:
     """Predicted extra time of a schedule: the copies, less the forward ops it removed."""
     return sum(node_seconds[s.node] for s in schedule.steps if s.copy) - sum(node_seconds[n] for n in schedule.removed)
@@ -86,7 +95,7 @@ def build_schedule(
     target: dict[str, int] = {}  # value -> instance of its rebuilt copy that later readers share
     next_instance = 0
     gone = index.unavailable(dropped)
-    as_captured = index.steps_as_captured()
+    as_captured = _steps_as_captured(index)
     for u in index.order:
         if u in index.forward or gone.isdisjoint(index.inputs[u]):
             step, reads = as_captured[u]
