@@ -57,14 +57,15 @@ class UpdatePlacement:
 def _owners_of_inputs(tg: TrainGraph, analysis: GraphAnalysis) -> dict[int, str]:
     """Storage -> the parameter it belongs to: the parameter, its optimizer state, its gradient."""
     placeholders = [n for n in tg.gm.graph.nodes if n.op == "placeholder"]
-    params = [spec.name for spec in tg.inputs if spec.kind is InputKind.PARAMETER]
+    params = {spec.name for spec in tg.inputs if spec.kind is InputKind.PARAMETER}
     owner: dict[int, str] = {}
     for node, spec in zip(placeholders, tg.inputs):
         name = None
         if spec.kind is InputKind.PARAMETER:
             name = spec.name
-        elif spec.kind is InputKind.OPTIMIZER_STATE:
-            name = max((p for p in params if spec.name.startswith(p + ".")), key=len, default=None)
+        elif spec.kind is InputKind.OPTIMIZER_STATE:  # "<param>.<state key>": the longest parameter prefix
+            parts = spec.name.split(".")
+            name = next((p for p in (".".join(parts[:k]) for k in range(len(parts) - 1, 0, -1)) if p in params), None)
         if name is not None:
             for s in analysis.node_storages.get(node.name, []):
                 owner[s] = name
