@@ -1,6 +1,7 @@
 """What compiling costs as graphs grow: capture, profile, plan and the whole compile.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/planning_time.py --out docs/planning-time
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/planning_time.py --out docs/planning-time \
+        --also bert:16:docs/planners/bert-b16-profile.json --also resnet152:4
 
 On the deep, narrow decoders of `remat.models` (gpt-narrow-6, -20, -60: about 3,100,
 9,900 and 29,200 nodes with AdamW at batch 2) each stage is timed once: capture,
@@ -8,7 +9,9 @@ profile (`--profile-runs`, as `remat.compile` does), and one plan per planner an
 (each make_plan call's wall time, every graph it plans included; deriving those graphs
 from the captured one, done once per compile, is timed on its own). The whole compile
 (`remat.compile`, first call: capture, profile, plan at the first budget, rewrite) is
-timed on its own. `--bert-profile` adds BERT-base rows planned from a saved profile.
+timed on its own. `--also MODEL:BATCH[:PROFILE]` (repeatable) adds rows for a model with
+SGD at `--also-budgets`, planned from a saved profile where one is given (only if it was
+measured on the same graph), else profiled now.
 Writes planning_time.csv, planning_time.md and planning_time.png (planning time against
 node count) to `--out`.
 """
@@ -141,7 +144,7 @@ def _plot(rows: list[dict], path: Path) -> None:
                 ax.plot(*zip(*pts), style, color=colours[b], label=f"{planner}, budget {b}")
         alone = [(r["nodes"], r["seconds"]) for r in plans if r["planner"] == planner and r["model"] not in grown]
         if alone:
-            ax.plot(*zip(*alone), "x" if planner == "refined" else "+", color="k", label=f"{planner}, BERT-base b16 (each budget)")
+            ax.plot(*zip(*alone), "x" if planner == "refined" else "+", color="k", label=f"{planner}, BERT-base b16 and ResNet-152 b4 (each budget)")
     for stage, style, label in (("compile", "k--^", "whole compile (capture + profile + plan + rewrite)"), ("derive", "k-.v", "graphs planned, derived once")):
         pts = sorted((r["nodes"], r["seconds"]) for r in rows if r["stage"] == stage and r["model"] in grown)
         if pts:
@@ -166,9 +169,8 @@ def main() -> int:
     p.add_argument("--budgets", default="0.4,0.6,0.8")
     p.add_argument("--planners", default="refined,mutwo")
     p.add_argument("--profile-runs", type=int, default=3)
-    p.add_argument("--bert-profile", default=None, help="a saved BERT-base profile (e.g. docs/planners/bert-b16-profile.json) to plan from too")
-    p.add_argument("--bert-batch-size", type=int, default=16)
-    p.add_argument("--bert-budgets", default="0.25,0.33,0.5,0.7,0.9")
+    p.add_argument("--also", action="append", default=[], metavar="MODEL:BATCH[:PROFILE]", help="also plan MODEL at BATCH (SGD), from a saved profile if given")
+    p.add_argument("--also-budgets", default="0.25,0.33,0.5,0.7,0.9")
     p.add_argument("--no-compile", action="store_true", help="skip timing the whole compile")
     p.add_argument("--out", default="runs/planning-time")
     p.add_argument("--replot", action="store_true", help="only redraw the table and plot from --out's planning_time.csv")
@@ -182,9 +184,10 @@ def main() -> int:
     for model in args.models.split(","):
         rows += measure(model, args.batch_size, args.optimizer, budgets, planners, args.profile_runs, None, not args.no_compile)
         write(rows, Path(args.out))
-    if args.bert_profile:
-        bert_budgets = [float(b) for b in args.bert_budgets.split(",")]
-        rows += measure("bert", args.bert_batch_size, "sgd", bert_budgets, planners, args.profile_runs, Path(args.bert_profile), False)
+    for also in args.also:
+        model, batch, *path = also.split(":", 2)
+        also_budgets = [float(b) for b in args.also_budgets.split(",")]
+        rows += measure(model, int(batch), "sgd", also_budgets, planners, args.profile_runs, Path(path[0]) if path else None, False)
         write(rows, Path(args.out))
     print((Path(args.out) / "planning_time.md").read_text())
     return 0
