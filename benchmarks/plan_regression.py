@@ -67,7 +67,7 @@ def plans_for(model: str, batch: int, profiles: Path, save: bool, lean_ops: bool
                 out[key] = {"error": f"{type(e).__name__}: {str(e).split(':')[0]}"}
                 continue
             doc = _stable(json.loads(json.dumps(plan.to_dict())))
-            if planner == "milp" and plan.meta.get("milp_status") != "optimal":
+            if planner == "milp" and plan.meta.get("milp_status") not in ("optimal", "optimal_below_reserve"):
                 doc = {"not optimal within the time limit": True}
             out[key] = doc
     return out

@@ -202,10 +202,13 @@ def test_exact_planner_is_registered_and_never_worse_than_greedy():
             continue
         exact = make_plan("milp", index, ns, budget, time_limit=60)
         assert exact.predicted_peak_bytes <= budget
-        # Both keep the cheaper of the two schedules; the exact planner's optimum is over both.
-        assert exact.meta["milp_status"] == "optimal"
-        assert exact.predicted_overhead_seconds <= greedy.predicted_overhead_seconds + 1e-12
-        assert exact.meta["milp_lower_bound"] <= exact.predicted_overhead_seconds + 1e-12
+        # Both keep the cheaper of the two schedules; the exact planner's optimum is over
+        # both, among the plans that fit below its reserve for replayed random ops.
+        reserve = exact.meta["milp_replay_reserve_bytes"]
+        assert reserve > 0 and exact.meta["milp_status"] == "optimal_below_reserve"
+        assert exact.meta["milp_lower_bound"] is None  # not claimed: plans in the reserve are left out
+        if greedy.predicted_peak_bytes <= budget - reserve:
+            assert exact.predicted_overhead_seconds <= greedy.predicted_overhead_seconds + 1e-12
 
 
 def test_coarsened_program_returns_a_fitting_plan_and_says_it_is_coarse():
