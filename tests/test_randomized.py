@@ -117,6 +117,16 @@ FROZEN_1X1_CONV_WEIGHT = RandomSpec(
 )
 # Boolean-mask indexing: traced with a symbolic size, and the simulator then failed with
 # GuardOnDataDependentSymNode instead of a CaptureError.
+# Lean variants, pinned: a backward op writes into a gradient that is itself a view of
+# one an earlier lean op wrote into (ReLU backward in place twice over a BatchNorm). The
+# lean graph's values must be refreshed in graph order, or the later op's result lands
+# on a storage the analysis no longer has, and the prediction is 896 bytes above the
+# rewritten graph's.
+LEAN_INTO_A_REFRESHED_VALUE = RandomSpec(
+    4, 8, 0, vocab=50, seed=6785, loss="ce", extra_loss=True, budget=0.5, retry=0.2, clip=True,
+    ops=(Op("embedding", (0,), (16,)), Op("relu_", (1,)), Op("batch_norm", (2,), (True,)), Op("relu_", (3,)), Op("relu", (4,)),
+         Op("linear", (5,), (16, False)), Op("mul", (2, 6))),
+)
 MASK_INDEXING = RandomSpec(4, 4, 16, ops=(Op("linear", (0,), (16, True)), Op("relu", (1,))), hostile="mask")
 
 
@@ -132,6 +142,7 @@ MASK_INDEXING = RandomSpec(4, 4, 16, ops=(Op("linear", (0,), (16, True)), Op("re
 @example(BN_SLICE_INPLACE)
 @example(UNUSED_PARAMETER)
 @example(MASK_INDEXING)
+@example(LEAN_INTO_A_REFRESHED_VALUE)
 @example(MSE_ON_TRANSPOSE)
 @example(LN_BACKWARD_THROUGH_TRANSPOSE)
 @example(SLICE_KEEPS_BASE_ALIVE)

@@ -94,20 +94,26 @@ class GraphAnalysis:
         return {t.key: t.id for t in self.tensors}
 
 
-def refresh_fake_values(gm: torch.fx.GraphModule, only: set[str] | None = None) -> None:
+def refresh_fake_values(gm: torch.fx.GraphModule, only: set[str] | None = None, same_as: dict[str, str] | None = None) -> None:
     """New fake values for the nodes of a rewritten graph, from their inputs' own, so that
     the analysis reads each node's storage as the rewritten graph makes it: every node, or
-    only those named in `only` (in graph order; the others keep the values they have,
-    which is right where the rewrite changed neither them nor what they alias)."""
+    only those named in `only` (the others keep the values they have, which is right where
+    the rewrite changed neither them nor what they alias). `same_as[n] = m`: node n's value
+    is node m's as it is then (an op returning its `out` argument), without running n.
+    In graph order, so that each node sees its inputs' new values."""
     fake_inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     prop = FakeTensorProp(gm, detect_fake_mode(fake_inputs))
-    if only is None:
+    if only is None and not same_as:
         prop.propagate_dont_convert_inputs(*fake_inputs)
         return
+    only, same_as = only or set(), same_as or {}
+    by_name = {n.name: n for n in gm.graph.nodes}
     prop.env = {n: n.meta["val"] for n in gm.graph.nodes if "val" in n.meta}
     with prop._mode:
         for n in gm.graph.nodes:
-            if n.name in only:
+            if n.name in same_as:
+                n.meta["val"] = prop.env[n] = prop.env[by_name[same_as[n.name]]]
+            elif n.name in only:
                 prop.env[n] = prop.run_node(n)
 
 

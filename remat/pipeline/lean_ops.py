@@ -171,8 +171,7 @@ def apply_lean_ops(tg: TrainGraph, analysis: GraphAnalysis, lean: LeanOps) -> Tr
     gm = derived_module(tg.gm, graph)
     # An out= op returns its out argument: the node's value is the input's own (same
     # layout, checked), and the values aliasing what it used to make are run again.
-    for name, target in into.items():
-        env[name].meta["val"] = env[target].meta["val"]
     results = {s for name in into for s in analysis.node_storages.get(name, [])}
-    refresh_fake_values(gm, only={n for n, sids in analysis.node_storages.items() if results.intersection(sids)} - set(into))
+    aliasing = {n for n, sids in analysis.node_storages.items() if results.intersection(sids)} - set(into)
+    refresh_fake_values(gm, only=aliasing, same_as=into)
     return dataclasses.replace(tg, gm=gm, meta={**tg.meta, "lean_ops": lean.nodes})
