@@ -10,13 +10,14 @@ no measure (the C allocator keeps freed pages).
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+from remat.gc_pause import gc_paused
 
 
 @dataclass
@@ -49,21 +50,6 @@ def _quiet_stdio() -> Iterator[None]:
             os.dup2(s, fd)
             os.close(s)
         os.close(devnull)
-
-
-@contextlib.contextmanager
-def no_gc() -> Iterator[None]:
-    """Keep the garbage collector off while a measured run goes on: a collection in the
-    middle would free objects that are not the step's and move what the allocator reports
-    as held (seen once in 3000 random models, by 64 bytes at one node). No collection
-    before it either: with torch loaded one costs tens of ms, more than a small step."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def cpu_memory_events(prof: profile) -> list[tuple[int, int]]:
@@ -108,7 +94,7 @@ def measure_peak(fn: Callable[[], Any], device: str | torch.device = "cpu") -> M
     if device.type != "cpu":
         raise ValueError(f"cannot measure memory on device {device}: only cpu and cuda are supported")
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with no_gc():
+    with gc_paused():
         with _quiet_stdio():
             prof.start()
         try:

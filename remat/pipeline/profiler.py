@@ -32,7 +32,8 @@ from remat.pipeline.capture import flat_inputs
 from remat.pipeline.train_graph import InputKind, TrainGraph
 from remat.pipeline.cpu_strides import CORRECTED_STRIDES
 from remat.errors import CaptureError, PlanError, RematError
-from remat.measurement.memory import _quiet_stdio, cpu_memory_events, measure_peak, no_gc
+from remat.gc_pause import gc_paused
+from remat.measurement.memory import _quiet_stdio, cpu_memory_events, measure_peak
 from remat.pipeline.simulator import Timeline, simulate
 
 from remat.pipeline.profiles import PHASES, NodeProfile, Profile, TensorProfile, graph_fingerprint, target_name
@@ -200,7 +201,7 @@ def _memory_run_cpu(runner: _NodeRunner, inputs: list[torch.Tensor]) -> _NodeMem
             return fn()
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with no_gc():
+    with gc_paused():
         with _quiet_stdio():
             prof.start()
         try:
