@@ -286,11 +286,9 @@ class GraphIndex:
         return max((cache.get(sid, -1) for sid in self.storages.get(name, [])), default=-1)
 
     def available(self, name: str, dropped: frozenset[int] | set[int]) -> bool:
-        """Whether a value can be read in the backward pass without being rebuilt."""
-        if name not in self.rank or name not in self.forward:
-            return True  # placeholders, constants, backward/optimizer values
-        sids = self.storages.get(name, [])
-        return all(s in self.persistent or (s in self.activation and s not in dropped) for s in sids)
+        """Whether a value can be read in the backward pass without being rebuilt (placeholders,
+        constants and values made after the forward pass always can)."""
+        return name not in self.unavailable(dropped)
 
     def forward_readers(self, name: str) -> int:
         """How many forward nodes read forward value `name`, the graph's output counting as one."""
@@ -308,9 +306,13 @@ class GraphIndex:
         return cache[name]
 
     def unavailable(self, dropped: frozenset[int] | set[int]) -> set[str]:
-        """Every value that is not `available` under `dropped`, at once: the values on a
-        dropped storage, and those on a storage never kept (neither an activation nor
-        persistent). For a caller asking about many values."""
+        """The forward values that cannot be read in the backward pass without being rebuilt
+        under `dropped`: those on a dropped storage, and those on a storage never kept
+        (neither an activation nor persistent). The one definition of availability; the
+        last set's answer is kept, as callers ask about one set many times over."""
+        last = self.__dict__.get("_last_unavailable")
+        if last is not None and (last[0] is dropped or last[0] == dropped):
+            return last[1]
         cache = self.__dict__.get("_values_on")
         if cache is None:
             values_on: dict[int, list[str]] = {}
@@ -326,6 +328,7 @@ class GraphIndex:
         out = set(never)
         for sid in dropped:
             out.update(values_on.get(sid, ()))
+        self.__dict__["_last_unavailable"] = (frozenset(dropped), out)
         return out
 
     def reads_of_copy(self, name: str) -> list[str]:

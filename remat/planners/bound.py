@@ -271,9 +271,9 @@ class KeepOneMoreBound:
     each step outside those blocks, from s's last forward use to its last use, the plan
     kept one more holds at least the plan's bytes, plus s, less what those blocks make
     that is live there, and less what they read that is live there after the last step
-    outside every block that makes or reads it (up to which it lives anyway). The greedy stops at the first prefix that fits, so
-    its slack is small beside most picks: most picks cannot be taken back, and this says
-    so without a simulation."""
+    outside every block that makes or reads it (up to which it lives anyway). The greedy
+    stops at the first prefix that fits, so its slack is small beside most picks: most
+    picks cannot be taken back, and this says so without a simulation."""
 
     def __init__(self, index: GraphIndex, schedule: Schedule, timeline: Timeline):
         tensors = index.analysis.tensors
@@ -333,18 +333,15 @@ class KeepOneMoreBound:
         live = self._live[lo:hi]
         blocks = self._blocks_of.get(storage, set())
         if blocks:
+            changing = np.isin(self._block, np.fromiter(blocks, dtype=np.int64))  # the steps of those blocks
             rows = np.fromiter(set().union(*(self._rows[b] for b in blocks)), dtype=np.int64)
             weights = self._bytes[rows]
-            first = np.where(np.isin(self._start[rows], self._block_steps(blocks)), self._start[rows], self._after[rows])
+            first = np.where(changing[self._start[rows]], self._start[rows], self._after[rows])
             diff = np.bincount(first, weights, minlength=self._n + 1)
             diff -= np.bincount(np.minimum(self._end[rows], self._n - 1) + 1, weights, minlength=self._n + 1)
             live = live - np.cumsum(diff)[lo:hi].astype(np.int64)
-            stays = ~np.isin(self._block[lo:hi], np.fromiter(blocks, dtype=np.int64))
+            stays = ~changing[lo:hi]
             if not stays.any():
                 return 0
             live = live[stays]
         return self.persistent + int(live.max()) + self._nbytes[storage]
-
-    def _block_steps(self, blocks: set[int]) -> np.ndarray:
-        """The steps of these blocks."""
-        return np.flatnonzero(np.isin(self._block, np.fromiter(blocks, dtype=np.int64)))
