@@ -1,4 +1,4 @@
-"""The refined planner: μ-TWO's plan with the picks it no longer needs taken back."""
+"""The refined planner: μ-TWO's plan improved by a local search (rebuild policy, take back, exchange)."""
 
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ def bert_tiny():
     return built, simulate(built.analysis, scratch=built.index.scratch)
 
 
-def test_never_costlier_than_mutwo_and_cheaper_where_the_greedy_overshoots(bert_tiny):
+def test_never_costlier_than_mutwo_and_far_cheaper_at_tight_budgets(bert_tiny):
     built, base = bert_tiny
-    cheaper = 0
+    far_cheaper = 0
     for fraction in (0.4, 0.5, 0.6, 0.7, 0.8):
         budget = int(base.persistent_bytes + fraction * base.step_peak_bytes)
         greedy = make_plan("mutwo", built.index, built.node_seconds(), budget)
@@ -39,13 +39,58 @@ def test_never_costlier_than_mutwo_and_cheaper_where_the_greedy_overshoots(bert_
         assert plan.planner == "refined"
         assert plan.predicted_peak_bytes <= budget
         assert plan.predicted_overhead_seconds <= greedy.predicted_overhead_seconds
-        assert set(plan.keys) <= set(greedy.keys)  # it only takes picks back
-        if plan.predicted_overhead_seconds < 0.9 * greedy.predicted_overhead_seconds:
-            cheaper += 1
-            assert plan.meta["refined"]["removed"] > 0
-            assert plan.meta["refined"]["mutwo_overhead_seconds"] == greedy.predicted_overhead_seconds
-    # Measured on this profile: at 0.4, 0.5 and 0.6 μ-TWO's plan costs 1.2-2.7x the refined one.
-    assert cheaper >= 2
+        assert plan.meta["refined"]["mutwo_overhead_seconds"] == greedy.predicted_overhead_seconds
+        far_cheaper += plan.predicted_overhead_seconds < 0.5 * greedy.predicted_overhead_seconds
+    # Measured on this profile: at 0.4, 0.5 and 0.6 μ-TWO's plan costs 3-5x the refined one.
+    assert far_cheaper >= 2
+
+
+def test_each_move_finds_what_the_one_before_missed(bert_tiny):
+    """At 0.4 μ-TWO's per-block set costs 4x as much rebuilt with values shared; at 0.5 and
+    0.6 exchanging costly picks for cheaper ones lowers the cost after taking back, with
+    picks μ-TWO never made."""
+    built, base = bert_tiny
+
+    def plans(fraction):
+        budget = int(base.persistent_bytes + fraction * base.step_peak_bytes)
+        return make_plan("mutwo", built.index, built.node_seconds(), budget), make_plan("refined", built.index, built.node_seconds(), budget)
+
+    greedy, plan = plans(0.4)
+    assert "other rebuild policy" in plan.meta["refined"]["found_by"]
+    assert plan.meta["schedule"] != greedy.meta["schedule"] == plan.meta["refined"]["mutwo_schedule"]
+    assert plan.predicted_overhead_seconds < 0.5 * greedy.predicted_overhead_seconds
+    exchanged = 0
+    for fraction in (0.5, 0.6):
+        greedy, plan = plans(fraction)
+        info = plan.meta["refined"]
+        if "exchange" in info["found_by"]:
+            exchanged += 1
+            assert info["exchanges"] > 0
+            assert plan.predicted_overhead_seconds < info["taken_back_overhead_seconds"]
+            assert set(plan.keys) - set(greedy.keys)  # picks the greedy never made
+    assert exchanged >= 1
+
+
+@pytest.mark.parametrize("model,batch,fractions", [("resnet-tiny", 16, (0.5, 0.6, 0.7, 0.8)), ("mlp-deep", 512, (0.7, 0.75, 0.8, 0.9))])
+def test_within_two_percent_of_the_proven_optimum(model, batch, fractions):
+    """Where the exact planner proves its plan optimal, the default planner's plan costs at
+    most 2% of the iteration more (on these profiles μ-TWO's plans cost up to 9% more)."""
+    spec = load(model, batch, "sgd")
+    tg = capture(spec.train_step, spec.model, spec.optimizer, spec.batch)
+    built = pipeline.build_on(tg, spec.model, spec.optimizer, spec.batch, saved_profile=Profile.from_json(PROFILES / f"{model}-b{batch}.json"))
+    base = simulate(built.analysis, scratch=built.index.scratch)
+    iteration = sum(built.node_seconds().values())
+    proven = 0
+    for fraction in fractions:
+        budget = int(base.persistent_bytes + fraction * base.step_peak_bytes)
+        plan = make_plan("refined", built.index, built.node_seconds(), budget)
+        exact = make_plan("milp", built.index, built.node_seconds(), budget, time_limit=20.0)
+        if exact.meta["milp_status"] != "optimal":
+            continue
+        proven += 1
+        assert plan.predicted_peak_bytes <= budget
+        assert plan.predicted_overhead_seconds - exact.predicted_overhead_seconds <= 0.02 * iteration, fraction
+    assert proven >= 3
 
 
 def test_refined_plans_run_bitwise_equal_to_eager():
@@ -78,12 +123,12 @@ def test_picks_are_taken_back_once_on_the_plan_kept(bert_tiny, monkeypatch):
     plan = make_plan("refined", built.index, built.node_seconds(), budget)
     assert len(calls) == 1
     graph, first = calls[0][:2]
-    assert first.keys != plan.keys and set(plan.keys) < set(first.keys)
+    assert first.keys != plan.keys
     assert (graph.lean_ops, graph.updates_moved) == (plan.lean_ops, plan.updates_in_backward)
     info = plan.meta["refined"]
-    assert info["skipped_by_keep_bound"] > 0
-    # One simulation of the plan kept, then one per trial the bounds let through.
-    assert plan.meta["simulations"] - 1 <= info["removed"] + 2
+    assert info["taken_back"] > 0
+    # Most trials of taking a pick back are ruled out by the bound, without a simulation.
+    assert info["skipped_by_keep_bound"] > info["simulations"]
 
 
 def test_a_failed_planners_reach_is_worked_out_only_when_its_error_is_read(bert_tiny, monkeypatch):

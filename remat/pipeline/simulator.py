@@ -190,9 +190,10 @@ def schedule_intervals(index: GraphIndex, schedule: Schedule, granularity: int =
     )
 
 
-def simulate_schedule(index: GraphIndex, schedule: Schedule, granularity: int = 1) -> Timeline:
-    """The memory timeline of running `schedule` (see simulator.py for the conventions)."""
-    made = schedule_intervals(index, schedule, granularity)
+def simulate_schedule(index: GraphIndex, schedule: Schedule, granularity: int = 1, made: ScheduleIntervals | None = None) -> Timeline:
+    """The memory timeline of running `schedule` (see simulator.py for the conventions);
+    `made`: its `schedule_intervals` at this granularity, where already worked out."""
+    made = made if made is not None else schedule_intervals(index, schedule, granularity)
     extra = replay_state_intervals(index, schedule)
     return simulate_intervals(
         len(schedule.steps),

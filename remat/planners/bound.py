@@ -6,7 +6,7 @@ import numpy as np
 
 from remat.pipeline.graph_index import merge_spans
 from remat.pipeline.schedule import GraphIndex, RebuildPolicy, Schedule
-from remat.pipeline.simulator import Timeline, replay_state_intervals, schedule_intervals
+from remat.pipeline.simulator import ScheduleIntervals, Timeline, replay_state_intervals, schedule_intervals
 
 
 class PeakLowerBound:
@@ -275,7 +275,8 @@ class KeepOneMoreBound:
     stops at the first prefix that fits, so its slack is small beside most picks: most
     picks cannot be taken back, and this says so without a simulation."""
 
-    def __init__(self, index: GraphIndex, schedule: Schedule, timeline: Timeline):
+    def __init__(self, index: GraphIndex, schedule: Schedule, timeline: Timeline, made: ScheduleIntervals | None = None):
+        """`made`: the schedule's intervals with touches (`schedule_intervals(..., touches=True)`), where at hand."""
         tensors = index.analysis.tensors
         self._nbytes = [t.nbytes for t in tensors]
         self._last_use = [t.last_use for t in tensors]
@@ -289,7 +290,8 @@ class KeepOneMoreBound:
                     self._last_touch[s] = max(self._last_touch.get(s, -1), r)
         steps = schedule.steps
         n = len(steps)
-        made = schedule_intervals(index, schedule, touches=True)
+        if made is None or made.touched_by_copy is None:
+            made = schedule_intervals(index, schedule, touches=True)
         assert made.touched_by_copy is not None
         states = replay_state_intervals(index, schedule)
         state_row = {x: len(made.nbytes) + j for j, (*_, x) in enumerate(states)}

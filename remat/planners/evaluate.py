@@ -11,7 +11,7 @@ from typing import Any, Callable
 from remat.budget import format_bytes
 from remat.errors import BudgetError, PlanError
 from remat.pipeline.schedule import GraphIndex, RebuildPolicy, Schedule, build_schedule, recompute_seconds
-from remat.pipeline.simulator import Timeline, simulate_schedule
+from remat.pipeline.simulator import ScheduleIntervals, Timeline, schedule_intervals, simulate_schedule
 from remat.planners.bound import PeakLowerBound
 from remat.planners.plan import Plan, Recomputed, graph_fingerprint_of
 
@@ -23,6 +23,7 @@ class Evaluation:
     schedule: Schedule
     timeline: Timeline
     overhead_seconds: float
+    intervals: ScheduleIntervals | None = None  # with the copies' touches, where asked for
 
     @property
     def peak_bytes(self) -> int:
@@ -30,10 +31,17 @@ class Evaluation:
 
 
 def evaluate(
-    index: GraphIndex, dropped: set[int] | frozenset[int], node_seconds: dict[str, float], policy: RebuildPolicy = RebuildPolicy.PER_BLOCK
+    index: GraphIndex,
+    dropped: set[int] | frozenset[int],
+    node_seconds: dict[str, float],
+    policy: RebuildPolicy = RebuildPolicy.PER_BLOCK,
+    touches: bool = False,
 ) -> Evaluation:
+    """`touches`: keep the schedule's intervals with what each copy touches (for KeepOneMoreBound)."""
     schedule = build_schedule(index, dropped, policy)
-    return Evaluation(schedule, simulate_schedule(index, schedule), recompute_seconds(schedule, node_seconds))
+    made = schedule_intervals(index, schedule, touches=True) if touches else None
+    timeline = simulate_schedule(index, schedule, made=made)
+    return Evaluation(schedule, timeline, recompute_seconds(schedule, node_seconds), made)
 
 
 def assemble_plan(

@@ -1,71 +1,217 @@
-"""μ-TWO's plan, then the picks it no longer needs taken back.
+"""μ-TWO's plan, improved by a short local search: the default planner.
 
-The greedy never takes a pick back: a tensor chosen early for its ratio may be
-unnecessary once later, larger picks are in, and the plan then lands well under the
-budget at a cost it need not pay. This planner runs μ-TWO (`mutwo.plan`, both rebuild
-policies) on every graph planned, and on the plan kept (`improve`, run once) tries to
-drop each pick from the set, the one whose rebuild costs most first, keeping every
-removal after which the plan still fits (the schedule and the plan simulator decide, as
-for every planner) and costs no more. One pass, each pick tried once, so the result is
-deterministic. The plan records μ-TWO's cost beside its own.
+μ-TWO's greedy (`mutwo`) never takes a pick back, and prices each tensor alone. Three
+moves, run once on the plan kept over every graph planned (`improve`), each checked by
+the schedule and the plan simulator as for every planner, each kept only where the plan
+still fits and costs less:
+
+1. **Rebuild policy.** The same drop set under the other policy (`RebuildPolicy`): the
+   greedy ran under both, but each stopped at its own first fitting prefix, and a set
+   found per block can cost a quarter as much with rebuilt values shared.
+2. **Take back** each pick the plan no longer needs, the one whose rebuild costs most
+   first (a bound, `KeepOneMoreBound`, skips those whose return cannot fit).
+3. **Exchange** a costly pick for cheaper ones: drop it from the set, and while the plan
+   is over the budget, add the activations live at the simulated peak that free most
+   bytes per second of rebuild until their bytes cover the excess; then take back again.
+   The costliest `EXCHANGE_PICKS` picks are tried per round, for up to `EXCHANGE_ROUNDS`
+   rounds that each find a cheaper plan.
+
+Every order is fixed (ties broken by storage id), so the plan is deterministic. The plan
+records μ-TWO's cost and what each move did (`meta["refined"]`).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
+from remat.errors import PlanError
+from remat.pipeline.schedule import GraphIndex, RebuildPolicy
 from remat.planners import mutwo
 from remat.planners.bound import KeepOneMoreBound
-from remat.planners.evaluate import Evaluator, assemble_plan, evaluate
+from remat.planners.evaluate import Evaluation, assemble_plan, evaluate
 from remat.planners.plan import Plan
-from remat.pipeline.schedule import GraphIndex
+
+EXCHANGE_PICKS = 8  # picks tried per exchange round, costliest first
+EXCHANGE_ROUNDS = 4  # rounds, each ending at the first exchange that lowers the cost
+FILL_ATTEMPTS = 3  # simulations while filling the excess after a pick is dropped
+EXCHANGE_FROM = 1.25  # exchange from a policy's point only within this factor of the cheapest cost
 
 
 def plan(index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, **meta) -> Plan:
     """The planner interface (remat.planners.make_plan): μ-TWO's plan of one graph."""
     first = mutwo.plan(index, node_seconds, budget_bytes, **meta)
     first.planner = "refined"
-    first.meta["refined"] = {"removed": 0, "mutwo_overhead_seconds": first.predicted_overhead_seconds}
+    first.meta["refined"] = {"mutwo_overhead_seconds": first.predicted_overhead_seconds}
     return first
 
 
 def improve(index: GraphIndex, first: Plan, node_seconds: dict[str, float], budget_bytes: int) -> Plan:
-    """`first` (μ-TWO's plan of `index`) with every pick taken back that it can do without."""
+    """`first` (μ-TWO's plan of `index`) improved by the three moves (module docstring)."""
     t0 = time.perf_counter()
-    ev = Evaluator(index, node_seconds, budget_bytes, policy=first.policy)
     storage = index.analysis.storage_by_key()
-    kept = {storage[r.key] for r in first.recomputed}
-    best, cost = None, first.predicted_overhead_seconds
-    bound, skipped = None, 0
-    for entry in sorted(first.recomputed, key=lambda r: (-r.recompute_seconds, r.key)):
-        if bound is None:
-            now = best or evaluate(index, kept, node_seconds, first.policy)
-            bound = KeepOneMoreBound(index, now.schedule, now.timeline)
-        if bound(storage[entry.key]) > budget_bytes:
-            skipped += 1
-            continue
-        trial = kept - {storage[entry.key]}
-        fits, _, evaluation = ev.check(trial)
-        if fits and evaluation is not None and evaluation.overhead_seconds <= cost:
-            kept, best, cost, bound = trial, evaluation, evaluation.overhead_seconds, None
-    if best is None:
-        first.meta["refined"]["skipped_by_keep_bound"] = skipped
+    picks = frozenset(storage[r.key] for r in first.recomputed)
+    search = _LocalSearch(index, node_seconds, budget_bytes)
+    start = search.fitting(picks, first.policy)
+    assert start is not None, "μ-TWO's plan fits by construction"
+    points = [search.take_back(start)]
+    # The other policy from the set taken back, or else from μ-TWO's set, where either fits.
+    other = next(p for p in RebuildPolicy if p is not first.policy)
+    start = search.fitting(points[0].dropped, other) or search.fitting(picks, other)
+    if start is not None:
+        points.append(search.take_back(start))
+    cheapest = min(points, key=_Point.rank)
+    # Exchanges from each policy's point that is not far behind the cheapest.
+    best = min((search.exchange(p) for p in points if p.cost <= EXCHANGE_FROM * cheapest.cost), key=_Point.rank)
+    record = {
+        "mutwo_overhead_seconds": first.predicted_overhead_seconds,
+        "mutwo_num_recomputed": first.num_recomputed,
+        "mutwo_schedule": first.policy.value,
+        "taken_back_overhead_seconds": cheapest.cost,  # the cheapest plan before any exchange
+        "taken_back": len(picks - cheapest.dropped),
+        "exchanges": search.exchanges,
+        "found_by": _found_by(first, picks, cheapest, best),
+        "simulations": search.simulations,
+        "skipped_by_keep_bound": search.skipped,
+        "seconds": time.perf_counter() - t0,
+    }
+    if best.dropped == picks and best.policy is first.policy:
+        first.meta["refined"] = record
         return first
-    meta = dict(first.meta)
-    meta.update(
-        refined={
-            "removed": first.num_recomputed - len(kept),
-            "mutwo_overhead_seconds": first.predicted_overhead_seconds,
-            "mutwo_num_recomputed": first.num_recomputed,
-            "skipped_by_keep_bound": skipped,
-            "seconds": time.perf_counter() - t0,
-        },
-        **ev.stats(),
-    )
-    order = [storage[r.key] for r in first.recomputed if storage[r.key] in kept]
+    meta = {k: v for k, v in first.meta.items() if k != "other_schedule"}  # the competition was μ-TWO's
+    meta.update(refined=record, schedule=best.policy.value)
+    order = [storage[r.key] for r in first.recomputed if storage[r.key] in best.dropped]
+    order += sorted(best.dropped - set(order))  # exchanged in, in storage order
     return assemble_plan(
-        "refined", index, node_seconds, budget_bytes, order, best, ev.baseline.timeline,
-        first.planning_seconds + time.perf_counter() - t0, meta=meta, policy=first.policy,
+        "refined", index, node_seconds, budget_bytes, order, best.evaluation, search.baseline.timeline,
+        first.planning_seconds + time.perf_counter() - t0, meta=meta, policy=best.policy,
         fingerprint=first.fingerprint, model=first.model, batch_size=first.batch_size, optimizer=first.optimizer,
         baseline_iteration_seconds=first.baseline_iteration_seconds,
     )  # fmt: skip
+
+
+def _found_by(first: Plan, picks: frozenset[int], taken_back: _Point, best: _Point) -> list[str]:
+    """The moves that made the plan kept, after μ-TWO's greedy."""
+    moves = ["mutwo"]
+    if best.policy is not first.policy:
+        moves.append("other rebuild policy")
+    if taken_back.dropped < picks or best.dropped < picks:
+        moves.append("take back")
+    if best.cost < taken_back.cost:
+        moves.append("exchange")
+    return moves
+
+
+@dataclass(frozen=True)
+class _Point:
+    """A drop set that fits, with its simulation, under one rebuild policy."""
+
+    dropped: frozenset[int]
+    evaluation: Evaluation
+    policy: RebuildPolicy
+
+    @property
+    def cost(self) -> float:
+        return self.evaluation.overhead_seconds
+
+    def rank(self) -> tuple[float, int]:
+        return (self.cost, self.evaluation.peak_bytes)
+
+
+@dataclass
+class _LocalSearch:
+    index: GraphIndex
+    node_seconds: dict[str, float]
+    budget_bytes: int
+    simulations: int = 0
+    skipped: int = 0
+    exchanges: int = 0
+    _alone: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.baseline = evaluate(self.index, set(), self.node_seconds)
+        self._candidates = self.index.candidates()
+
+    def evaluate(self, dropped: frozenset[int], policy: RebuildPolicy) -> Evaluation:
+        self.simulations += 1
+        return evaluate(self.index, dropped, self.node_seconds, policy, touches=True)
+
+    def seconds_alone(self, sid: int) -> float:
+        """Seconds to rebuild `sid` with nothing else dropped: the price the exchange ranks by."""
+        if sid not in self._alone:
+            ops = self.index.closure(self.index.backward_readers(sid), frozenset([sid]))
+            self._alone[sid] = float(sum(self.node_seconds[n] for n in ops))
+        return self._alone[sid]
+
+    def take_back(self, point: _Point, among: frozenset[int] | None = None) -> _Point:
+        """`point` with each pick (of `among`, where given) removed, costliest rebuild first,
+        where it still fits at no more cost."""
+        bound = None
+        for sid in sorted(point.dropped if among is None else among, key=lambda s: (-self.seconds_alone(s), s)):
+            if bound is None:
+                bound = KeepOneMoreBound(self.index, point.evaluation.schedule, point.evaluation.timeline, point.evaluation.intervals)
+            if bound(sid) > self.budget_bytes:
+                self.skipped += 1
+                continue
+            trial = self.fitting(point.dropped - {sid}, point.policy)
+            if trial is not None and trial.cost <= point.cost:
+                point = trial
+                bound = None
+        return point
+
+    def exchange(self, point: _Point) -> _Point:
+        """`point` after rounds of exchanging a costly pick for cheaper ones (module docstring)."""
+        tried: set[tuple[int, frozenset[int]]] = set()
+        for _ in range(EXCHANGE_ROUNDS):
+            costliest = sorted(point.dropped, key=lambda s: (-self.seconds_alone(s), s))[:EXCHANGE_PICKS]
+            for sid in costliest:
+                if (sid, point.dropped) in tried:
+                    continue
+                tried.add((sid, point.dropped))
+                filled = self._fill(point.dropped - {sid}, point.policy, excluded=sid)
+                if filled is None:
+                    continue
+                # The picks just added first: most of the fill's excess is in them. Only an
+                # exchange that pays then gets the whole take-back.
+                trial = self.take_back(filled, among=filled.dropped - point.dropped)
+                if trial.cost < point.cost:
+                    point = self.take_back(trial)
+                    self.exchanges += 1
+                    break
+            else:
+                return point
+        return point
+
+    def _fill(self, dropped: frozenset[int], policy: RebuildPolicy, excluded: int) -> _Point | None:
+        """`dropped` with activations live at the simulated peak added until the plan fits, or None."""
+        tensors = self.index.analysis.tensors
+        for attempt in range(FILL_ATTEMPTS + 1):
+            try:
+                evaluation = self.evaluate(dropped, policy)
+            except PlanError:
+                return None
+            if evaluation.peak_bytes <= self.budget_bytes:
+                return _Point(dropped, evaluation, policy)
+            if attempt == FILL_ATTEMPTS:
+                return None
+            at = self.index.rank[evaluation.schedule.steps[evaluation.timeline.peak_rank].node]
+            live = [s for s in self._candidates if s not in dropped and s != excluded and tensors[s].created < at <= tensors[s].last_use]
+            live.sort(key=lambda s: (-tensors[s].nbytes / max(self.seconds_alone(s), 1e-12), s))
+            excess, added = evaluation.peak_bytes - self.budget_bytes, []
+            for s in live:
+                added.append(s)
+                excess -= tensors[s].nbytes
+                if excess <= 0:
+                    break
+            if not added:
+                return None
+            dropped = dropped | frozenset(added)
+        return None
+
+    def fitting(self, dropped: frozenset[int], policy: RebuildPolicy) -> _Point | None:
+        """`dropped` under `policy` where it fits, else None."""
+        try:
+            evaluation = self.evaluate(dropped, policy)
+        except PlanError:
+            return None
+        return _Point(dropped, evaluation, policy) if evaluation.peak_bytes <= self.budget_bytes else None
