@@ -53,7 +53,10 @@ def test_frontier_plans_measures_and_records_failures(tmp_path):
     rows = list(csv.DictReader((out / "frontier.csv").open()))
     assert [r["status"] for r in rows] == ["no_plan", "no_plan", "ok", "ok", "ok", "ok"]
     table = markdown_table(fr)
-    assert "μ-TWO gap" in table and "| 0.85 |" in table
+    assert "mutwo − best (of iteration)" in table
+    row = next(line for line in table.splitlines() if line.startswith("| 0.85 |")).split(" | ")
+    best = min(greedy.predicted_overhead_seconds, exact.predicted_overhead_seconds)
+    assert f"{(greedy.predicted_overhead_seconds - best) / fr.baseline_iteration_seconds:+.2%}" in row
 
 
 def test_cli_frontier_arguments(tmp_path, capsys):

@@ -173,14 +173,14 @@ def _finite(value: Any) -> Any:
 
 
 def markdown_table(fr: Frontier) -> str:
-    """Per budget: each planner's predicted overhead, μ-TWO's gap to the exact planner, solver time."""
+    """Per budget: each planner's predicted overhead, each heuristic planner's gap to the
+    cheapest plan found at that budget (the exact planner's, where it ran), solver time."""
     it = fr.baseline_iteration_seconds
     head = ["budget", "cap MiB"]
     for p in fr.planners:
         head += [f"{p} peak MiB", f"{p} overhead"]
-    has = {"mutwo", "milp"} <= set(fr.planners)
-    if has:
-        head += ["μ-TWO gap (of iteration)", "μ-TWO / exact"]
+    heuristics = [p for p in fr.planners if p != "milp"] if len(fr.planners) > 1 else []
+    head += [f"{p} − best (of iteration)" for p in heuristics]
     if "milp" in fr.planners:
         head += ["milp status", "milp proven gap", "milp s"]
     measured = any(p.measured_peak_bytes is not None for p in fr.points)
@@ -199,14 +199,11 @@ def markdown_table(fr: Frontier) -> str:
                 row += ["—", "no plan" if x is not None and x.status == "no_plan" else "error"]
             else:
                 row += [f"{x.predicted_peak_bytes / MiB:,.2f}", f"{x.predicted_overhead_fraction:.2%}"]
-        mu, ex = pts.get("mutwo"), pts.get("milp")
-        if has:
-            if mu is not None and ex is not None and mu.status == ex.status == "ok":
-                gap = (mu.predicted_overhead_seconds - ex.predicted_overhead_seconds) / it if it else 0.0
-                ratio = mu.predicted_overhead_seconds / ex.predicted_overhead_seconds if ex.predicted_overhead_seconds > 0 else (1.0 if mu.predicted_overhead_seconds <= 0 else math.inf)
-                row += [f"{gap:+.2%}", f"{ratio:.2f}×"]
-            else:
-                row += ["—", "—"]
+        fitting = [x.predicted_overhead_seconds for x in pts.values() if x is not None and x.status == "ok"]
+        for p in heuristics:
+            x = pts[p]
+            row.append(f"{(x.predicted_overhead_seconds - min(fitting)) / it:+.2%}" if x is not None and x.status == "ok" and it else "—")
+        ex = pts.get("milp")
         if "milp" in fr.planners:
             if ex is not None and ex.status == "ok":
                 g = ex.solver.get("milp_gap_seconds")  # None: no finite bound proven (a time-out)
