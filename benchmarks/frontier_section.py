@@ -29,7 +29,7 @@ out = ["## Optimality: exact planner and frontier", "",
 for d, model, b, budgets in runs:
     p = root / d
     if not (p / "frontier.md").exists():
-        out += [f"### {model}, batch {b}", "", f"(not run yet: `remat frontier --model {model} --batch-size {b} --planners mutwo,chen,milp --budgets {budgets} --measure --out docs/frontier/{d}`)", ""]
+        out += [f"### {model}, batch {b}", "", f"(not run yet: `remat frontier --model {model} --batch-size {b} --planners refined,mutwo,chen,milp --budgets {budgets} --measure --out docs/frontier/{d}`)", ""]
         continue
     fr = json.loads((p / "frontier.json").read_text())
     done = {pt["budget"] for pt in fr["points"] if pt["planner"] == fr["planners"][-1]}
@@ -38,7 +38,7 @@ for d, model, b, budgets in runs:
     skipped = len(lines) - 2 - len(rows)
     it = fr["baseline_iteration_seconds"]
     out += [f"### {model}, batch {b}", "",
-            f"`remat frontier --model {model} --batch-size {b} --planners mutwo,chen,milp --budgets {budgets} --measure --out docs/frontier/{d}`", "",
+            f"`remat frontier --model {model} --batch-size {b} --planners refined,mutwo,chen,milp --budgets {budgets} --measure --out docs/frontier/{d}`", "",
             f"Peak without recomputation {fr['baseline_peak_bytes']/2**20:,.2f} MiB (persistent {fr['persistent_bytes']/2**20:,.2f} MiB), "
             f"iteration {it*1e3:,.1f} ms (profiled). {skipped} budgets below the smallest reachable peak left out." +
             ("" if len(done) == len(fr["budgets"]) else f" Sweep incomplete: {len(done)} of {len(fr['budgets'])} budgets done."), "",
