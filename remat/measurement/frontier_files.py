@@ -195,8 +195,10 @@ def markdown_table(fr: Frontier) -> str:
         row = [b, f"{first.budget_bytes / MiB:,.2f}"]
         for p in fr.planners:
             x = pts[p]
-            if x is None or x.status != "ok":
-                row += ["—", "no plan" if x is not None and x.status == "no_plan" else "error"]
+            if x is None:
+                row += ["—", "not run"]  # a sweep still under way, or stopped
+            elif x.status != "ok":
+                row += ["—", "no plan" if x.status == "no_plan" else "error"]
             else:
                 row += [f"{x.predicted_peak_bytes / MiB:,.2f}", f"{x.predicted_overhead_fraction:.2%}"]
         fitting = [x.predicted_overhead_seconds for x in pts.values() if x is not None and x.status == "ok"]

@@ -14,7 +14,8 @@ still fits and costs less:
    is over the budget, add the activations live at the simulated peak that free most
    bytes per second of rebuild until their bytes cover the excess; then take back again.
    The costliest `EXCHANGE_PICKS` picks are tried per round, for up to `EXCHANGE_ROUNDS`
-   rounds that each find a cheaper plan, and `EXCHANGE_SIMULATIONS` simulations in all.
+   rounds that each find a cheaper plan, and `EXCHANGE_SIMULATIONS` simulations in all
+   (fewer on large graphs: `EXCHANGE_STEPS` schedule steps simulated).
 
 Every order is fixed (ties broken by storage id), so the plan is deterministic. The plan
 records μ-TWO's cost and what each move did (`meta["refined"]`).
@@ -36,7 +37,8 @@ EXCHANGE_PICKS = 8  # picks tried per exchange round, costliest first
 EXCHANGE_ROUNDS = 4  # rounds, each ending at the first exchange that lowers the cost
 FILL_ATTEMPTS = 3  # simulations while filling the excess after a pick is dropped
 EXCHANGE_FROM = 1.25  # exchange from a policy's point only within this factor of the cheapest cost
-EXCHANGE_SIMULATIONS = 24  # in all: on a 30,000-node graph a simulation takes a tenth of a second
+EXCHANGE_SIMULATIONS = 24  # in all, and no more than
+EXCHANGE_STEPS = 200_000  # schedule steps simulated in all (a 30,000-node graph's simulation takes 0.1 s)
 
 
 def plan(index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, **meta) -> Plan:
@@ -54,7 +56,8 @@ def improve(index: GraphIndex, first: Plan, node_seconds: dict[str, float], budg
     picks = frozenset(storage[r.key] for r in first.recomputed)
     search = _LocalSearch(index, node_seconds, budget_bytes)
     start = search.fitting(picks, first.policy)
-    assert start is not None, "μ-TWO's plan fits by construction"
+    if start is None:  # μ-TWO simulated this very plan under the budget: nothing to improve from
+        return first
     points = [search.take_back(start)]
     # The other policy from the set taken back, or else from μ-TWO's set, where either fits.
     other = next(p for p in RebuildPolicy if p is not first.policy)
@@ -63,7 +66,7 @@ def improve(index: GraphIndex, first: Plan, node_seconds: dict[str, float], budg
         points.append(search.take_back(start))
     cheapest = min(points, key=_Point.rank)
     # Exchanges from each policy's point that is not far behind the cheapest, the cheapest first.
-    search.exchange_until = search.simulations + EXCHANGE_SIMULATIONS
+    search.exchange_until = (search.simulations + EXCHANGE_SIMULATIONS, search.steps + EXCHANGE_STEPS)
     near = sorted((p for p in points if p.cost <= EXCHANGE_FROM * cheapest.cost), key=_Point.rank)
     best = min((search.exchange(p) for p in near), key=_Point.rank)
     record = {
@@ -129,7 +132,8 @@ class _LocalSearch:
     simulations: int = 0
     skipped: int = 0
     exchanges: int = 0
-    exchange_until: int = 0  # the simulation count at which exchanges stop
+    steps: int = 0  # schedule steps simulated
+    exchange_until: tuple[int, int] = (0, 0)  # the simulations and steps at which exchanges stop
     _alone: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -138,7 +142,9 @@ class _LocalSearch:
 
     def evaluate(self, dropped: frozenset[int], policy: RebuildPolicy) -> Evaluation:
         self.simulations += 1
-        return evaluate(self.index, dropped, self.node_seconds, policy, touches=True)
+        evaluation = evaluate(self.index, dropped, self.node_seconds, policy, touches=True)
+        self.steps += len(evaluation.schedule.steps)
+        return evaluation
 
     def seconds_alone(self, sid: int) -> float:
         """Seconds to rebuild `sid` with nothing else dropped: the price the exchange ranks by."""
@@ -168,7 +174,7 @@ class _LocalSearch:
         for _ in range(EXCHANGE_ROUNDS):
             costliest = sorted(point.dropped, key=lambda s: (-self.seconds_alone(s), s))[:EXCHANGE_PICKS]
             for sid in costliest:
-                if self.simulations >= self.exchange_until:
+                if self.simulations >= self.exchange_until[0] or self.steps >= self.exchange_until[1]:
                     return point
                 filled = self._fill(point.dropped - {sid}, point.policy, excluded=sid)
                 if filled is None:
