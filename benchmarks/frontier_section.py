@@ -25,7 +25,7 @@ out = ["## Optimality: exact planner and frontier", "",
 "Every plan below was rewritten and run (`--measure`): 3 steps bitwise equal to eager (column eager-equal) and the "
 "allocator's peak against the prediction. Overheads are predicted (summed median node times of the copies, less removed "
 "forward ops), as a fraction of the profiled iteration. Budgets are fractions of the activation peak; rows where no "
-"planner has a plan are left out. CPU, SGD, `OMP_NUM_THREADS=1`, one other job on the second core; run at commit e51cd35.", ""]
+"planner has a plan are left out. CPU, SGD, `OMP_NUM_THREADS=1`, one other job on the second core; planner code of commit db8261b. The exact planner's 60 s per budget is shared by the four graphs planned (lean variants or not, updates moved or not): 15 s each. Each heuristic planner's gap is to the cheapest plan any planner found at that budget.", ""]
 for d, model, b, budgets in runs:
     p = root / d
     if not (p / "frontier.md").exists():
@@ -47,32 +47,28 @@ pathlib.Path("/tmp/section.md").write_text("\n".join(out) + "\n")
 findings = """### Findings
 
 - **Every plan on the four frontiers ran bitwise equal to eager and measured exactly the predicted peak** (+0.00%
-  everywhere, kernel scratch included). The first runs showed mlp-deep 3–11% *below* prediction: the
-  frontier measured a step while the check's gradients were still set, and the step frees them as it starts, which the
-  allocator profiler (it never saw them allocated) cannot subtract. The frontier now clears them first, as `remat run`
-  does; the figures above are from after that fix.
-- **The exact planner is the lower envelope** on mlp-deep, bert-tiny and resnet-tiny: proven optimal (gap 0) at every
-  budget, at or below μ-TWO and Chen everywhere. Solver times: under 0.4 s on mlp-deep and resnet-tiny, up to 9.4 s on
-  bert-tiny at the tightest budgets (the shared-schedule program branches more). On BERT-base batch 8 (204 binaries,
-  ~60,000 continuous variables) it proves optimality at 0.8 and 0.9 in 21–26 s and hits the 60 s limit at 0.5–0.7 with
-  a proven gap of 3.4% (0.6) and 0.65% (0.7) of the iteration, and none proven at 0.5; at 0.7 its time-limited plan is
-  0.09% of the iteration *worse* than μ-TWO's.
-- **μ-TWO's gap** (its predicted overhead minus the exact one, as a share of the iteration): small at loose budgets
-  (≤ 0.1% on BERT-base at 0.7–0.9, ≤ 2.7% on bert-tiny and resnet-tiny at 0.8 and above), large at tight ones: +12.6% on
-  mlp-deep at 0.8, +19 to +90% on bert-tiny at 0.65–0.75 (6.3× the optimal overhead at 0.65), +5 to +7% on resnet-tiny
-  at 0.6–0.65, +7% on BERT-base at 0.5–0.6. Two causes: the greedy never takes a pick back (once later picks make an
-  earlier one unnecessary it stays, and it often lands well under the budget: resnet-tiny at 0.6–0.65, 6.27 MiB for a
-  6.6–7.0 MiB cap), and its ratio is a tensor's size over its own recompute time, while the true cost of a set is not
-  additive (rebuilt intermediates die with their block and are rebuilt again by the next one, and kept sources pay in
-  memory for the rebuilds that extend their life). Both programs see the whole set.
-- **Chen's √n segments** (shared rebuilds, one extra forward per segment) cost 13–43% of the iteration at every budget
+  everywhere, kernel scratch included).
+- **The default planner (`refined`) is within 0.8% of the iteration of the cheapest plan found, at every budget from
+  the floor to 1.0 on all four**: at most +0.08% on mlp-deep (0.9), +0.79% on bert-tiny (0.55, against the exact
+  planner's optimum below its reserve), +0.68% on resnet-tiny (0.75, against a proven optimum), +0.22% on BERT-base
+  batch 8 (0.7). Where the exact planner stops at its time limit, the default's plan is cheaper: BERT-base 10.2%
+  against 11.4% at 0.5 and 4.9% against 6.1% at 0.6; bert-tiny 28.1% against 30.5% at 0.4 and 14.3% against 15.0% at 0.5.
+- **μ-TWO's gap** (its predicted overhead minus the cheapest, as a share of the iteration): small at loose budgets, large
+  at tight ones: +131% on bert-tiny at 0.4 (its per-block set costs 4× the same set with rebuilt values shared) and
+  +25 to +59% at 0.45–0.55; +8 to +14% on mlp-deep at every budget below 1.0; +4 to +7% on resnet-tiny at 0.6–0.65 and
+  0.8; +7.3 to +7.7% on BERT-base at 0.5–0.6. The default planner's local search removes it (see "The default
+  planner" below for which move finds what).
+- **The exact planner is the lower envelope where it proves optimality**: mlp-deep and resnet-tiny at every budget
+  (under 1 s each); bert-tiny at 0.55 and above (optimal below its replay reserve, see below). On BERT-base batch 8
+  (204 binaries, ~60,000 continuous variables) its 15 s per graph proves nothing below 1.0.
+- **Chen's √n segments** (shared rebuilds, one extra forward per segment) cost 15–47% of the iteration at every budget
   below 1.0, whatever the budget asks: a segment count that fits is found, but segments know nothing of where the peak
-  is. On BERT-base at 0.5 no segment count fits at all.
+  is. On bert-tiny at 0.4 no segment count fits at all.
 - **BERT-base at batch 2** (SGD): no budget below 1.0 is reachable by any planner: the peak sits where
   the gradients and the vocabulary-sized logits are live, which recomputation cannot reduce. Batch 8 shows the
   trade-off, down to the gradient floor at 0.48.
 - Profiles were taken with one other job on the second core (`OMP_NUM_THREADS=1`): overheads are shares of those
-  profiled iterations; compare planners within a row.
+  profiled iterations; compare planners within a row. Each run profiles anew, so two runs' figures differ by a little.
 """
 s = pathlib.Path("/tmp/section.md").read_text() + "\n" + findings
 pathlib.Path("/tmp/section.md").write_text(s)
