@@ -175,13 +175,17 @@ def greedy(candidates: list[Candidate], fits: Callable[[list], tuple[bool, int |
 # ---------------------------------------------------------------------- from a graph
 
 
+def rebuild_ops_alone(index: GraphIndex, sid: int) -> list[str]:
+    """The forward ops that rebuild storage `sid` for its backward readers when only it is dropped."""
+    return index.closure(index.backward_readers(sid), frozenset([sid]))
+
+
 def candidate_records(index: GraphIndex, node_seconds: dict[str, float]) -> list[Candidate]:
     """Every activation that may be recomputed, with its sources and time when only it is dropped."""
     out: list[Candidate] = []
     tensors = index.analysis.tensors
     for t in (tensors[s] for s in index.candidates()):
-        dropped = frozenset([t.id])
-        ops = index.closure(index.backward_readers(t.id), dropped)
+        ops = rebuild_ops_alone(index, t.id)
         op_set = set(ops)
         srcs: set[int] = set()
         for n in ops:

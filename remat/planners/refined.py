@@ -89,7 +89,7 @@ def improve(index: GraphIndex, first: Plan, node_seconds: dict[str, float], budg
     order = [storage[r.key] for r in first.recomputed if storage[r.key] in best.dropped]
     order += sorted(best.dropped - set(order))  # exchanged in, in storage order
     return assemble_plan(
-        "refined", index, node_seconds, budget_bytes, order, best.evaluation, search.baseline.timeline,
+        "refined", index, node_seconds, budget_bytes, order, best.evaluation, evaluate(index, set(), node_seconds).timeline,
         first.planning_seconds + time.perf_counter() - t0, meta=meta, policy=best.policy,
         fingerprint=first.fingerprint, model=first.model, batch_size=first.batch_size, optimizer=first.optimizer,
         baseline_iteration_seconds=first.baseline_iteration_seconds,
@@ -137,7 +137,6 @@ class _LocalSearch:
     _alone: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.baseline = evaluate(self.index, set(), self.node_seconds)
         self._candidates = self.index.candidates()
 
     def evaluate(self, dropped: frozenset[int], policy: RebuildPolicy) -> Evaluation:
@@ -149,8 +148,7 @@ class _LocalSearch:
     def seconds_alone(self, sid: int) -> float:
         """Seconds to rebuild `sid` with nothing else dropped: the price the exchange ranks by."""
         if sid not in self._alone:
-            ops = self.index.closure(self.index.backward_readers(sid), frozenset([sid]))
-            self._alone[sid] = float(sum(self.node_seconds[n] for n in ops))
+            self._alone[sid] = float(sum(self.node_seconds[n] for n in mutwo.rebuild_ops_alone(self.index, sid)))
         return self._alone[sid]
 
     def take_back(self, point: _Point, among: frozenset[int] | None = None) -> _Point:
