@@ -328,7 +328,8 @@ class GraphIndex:
         out = set(never)
         for sid in dropped:
             out.update(values_on.get(sid, ()))
-        self.__dict__["_last_unavailable"] = (frozenset(dropped), out)
+        # Kept as the caller's own set where it is frozen, so that its next call matches by identity.
+        self.__dict__["_last_unavailable"] = (dropped if isinstance(dropped, frozenset) else frozenset(dropped), out)
         return out
 
     def reads_of_copy(self, name: str) -> list[str]:

@@ -54,24 +54,43 @@ class Schedule:
     removed: list[str]  # forward nodes dropped because only rebuilt copies are read
     output_reads: list[tuple[str, int]]
     dropped: frozenset[int]  # the storages the schedule was built for
+    copy_positions: list[int]  # where in `steps` the copies are, in order
+    resolved: list[str]  # the nodes (not copies) that read some value other than as captured
 
     @property
     def copies(self) -> list[str]:
-        return [s.node for s in self.steps if s.copy]
+        return [self.steps[i].node for i in self.copy_positions]
 
 
-def _steps_as_captured(index: GraphIndex) -> dict[str, tuple[Step, list[tuple[str, int]]]]:
-    """Per node, its step and what it reads where nothing it reads is rebuilt: the same in
-    every schedule of the index (which only reads them), so made once and kept with it."""
-    cache = index.__dict__.get("_steps_as_captured")
+@dataclass
+class _AsCaptured:
+    """The steps of the captured order where nothing they read is rebuilt, what each reads,
+    and the positions of the nodes after the forward pass that read a forward value (the
+    only ones a block can precede): the same in every schedule of the index, so made once
+    and kept with it."""
+
+    steps: list[Step]
+    reads: list[list[tuple[str, int]]]
+    late_readers: list[int]
+
+
+def _as_captured(index: GraphIndex) -> _AsCaptured:
+    cache = index.__dict__.get("_as_captured")
     if cache is None:
-        cache = index.__dict__["_steps_as_captured"] = {u: (Step(u), [(a, ORIGINAL) for a in index.inputs[u]]) for u in index.order}
+        forward = index.forward
+        cache = index.__dict__["_as_captured"] = _AsCaptured(
+            steps=[Step(u) for u in index.order],
+            reads=[[(a, ORIGINAL) for a in index.inputs[u]] for u in index.order],
+            late_readers=[
+                i for i, u in enumerate(index.order) if u not in forward and any(a in forward for a in index.inputs[u])
+            ],
+        )
     return cache
 
 
 def recompute_seconds(schedule: Schedule, node_seconds: dict[str, float]) -> float:
     """Predicted extra time of a schedule: the copies, less the forward ops it removed."""
-    return sum(node_seconds[s.node] for s in schedule.steps if s.copy) - sum(node_seconds[n] for n in schedule.removed)
+    return sum(node_seconds[n] for n in schedule.copies) - sum(node_seconds[n] for n in schedule.removed)
 
 
 def build_schedule(
@@ -85,23 +104,28 @@ def build_schedule(
     if bad:
         keys = ", ".join(index.analysis.tensors[s].key for s in bad[:5])
         raise PlanError(f"only activations can be recomputed; not activations: {keys}")
-    forward = [n for n in index.order if n in index.forward]
 
     # One pass in the captured order: forward nodes as they are, each later node preceded
     # by the block that rebuilds what it reads and is not available. Forward and backward
-    # passes may alternate (micro-batches accumulating gradients in one step).
+    # passes may alternate (micro-batches accumulating gradients in one step). Only a node
+    # after the forward pass that reads a forward value can need a block; the runs between
+    # them are taken as captured.
     all_steps: list[Step] = []
     all_reads: list[list[tuple[str, int]]] = []
+    copied: set[str] = set()
+    resolved: list[str] = []
     target: dict[str, int] = {}  # value -> instance of its rebuilt copy that later readers share
     next_instance = 0
     gone = index.unavailable(dropped)
-    as_captured = _steps_as_captured(index)
-    for u in index.order:
-        if u in index.forward or gone.isdisjoint(index.inputs[u]):
-            step, reads = as_captured[u]
-            all_steps.append(step)
-            all_reads.append(reads)
+    as_captured = _as_captured(index)
+    done = 0  # the captured steps before this position are placed
+    for i in as_captured.late_readers:
+        u = index.order[i]
+        if gone.isdisjoint(index.inputs[u]):
             continue
+        all_steps.extend(as_captured.steps[done:i])
+        all_reads.extend(as_captured.reads[done:i])
+        done = i + 1
         r_u = index.rank[u]
         block: dict[str, int] = {}
 
@@ -125,10 +149,14 @@ def build_schedule(
             all_steps.append(Step(c, next_instance))
             all_reads.append(reads)  # type: ignore[arg-type]
             next_instance += 1
+        copied.update(ops)
+        resolved.append(u)
         for c in index.block_targets(u, ops, policy):
             target[c] = block[c]
         all_steps.append(Step(u))
         all_reads.append([(a, resolve(a)) for a in index.inputs[u]])  # type: ignore[misc]
+    all_steps.extend(as_captured.steps[done:])
+    all_reads.extend(as_captured.reads[done:])
     output_reads = [(a, ORIGINAL) for a in index.output_inputs]
     if not gone.isdisjoint(index.output_inputs):
         raise PlanError("a graph output cannot be recomputed")
@@ -138,7 +166,6 @@ def build_schedule(
     # Only a copied node can be: it is not available, so no node after the forward pass
     # reads its original, and its readers are the forward nodes reading it (and the
     # graph's output), less those removed.
-    copied = {s.node for s in all_steps if s.copy}
     readers = {n: index.forward_readers(n) for n in copied}
     removed: set[str] = set()
     for n in sorted(copied, key=index.rank.__getitem__, reverse=True):
@@ -147,13 +174,17 @@ def build_schedule(
             for a in index.inputs[n]:
                 if a in readers:
                     readers[a] -= 1
-    kept = [i for i, step in enumerate(all_steps) if step.copy or step.node not in removed]
+    if removed:
+        kept = [i for i, step in enumerate(all_steps) if step.instance != ORIGINAL or step.node not in removed]
+        all_steps, all_reads = [all_steps[i] for i in kept], [all_reads[i] for i in kept]
     return Schedule(
-        steps=[all_steps[i] for i in kept],
-        reads=[all_reads[i] for i in kept],
+        steps=all_steps,
+        reads=all_reads,
         removed=sorted(removed, key=index.rank.__getitem__),
         output_reads=output_reads,
         dropped=dropped,
+        copy_positions=[i for i, step in enumerate(all_steps) if step.instance != ORIGINAL] if copied else [],
+        resolved=resolved,
     )
 
 

@@ -8,6 +8,7 @@ once, outside the timeline, as the executor's caller holds them before and after
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,69 +125,191 @@ class ScheduleIntervals:
     last_plain_touch: np.ndarray | None = None
 
 
+@dataclass
+class _CapturedTouches:
+    """Every (step, storage) touch of the captured order, one entry each: the node's rank,
+    the storage, and whether the node makes it (own) or reads it. A schedule runs most
+    nodes as captured, so their touches are taken from here in bulk."""
+
+    rank: np.ndarray
+    key: np.ndarray
+    own: np.ndarray  # bool: the node makes a value on this storage
+    nbytes: np.ndarray  # per storage id
+    roles: np.ndarray  # per storage id: its role's value
+
+
+def _captured_touches(index: GraphIndex) -> _CapturedTouches:
+    cache = index.__dict__.get("_captured_touches")
+    if cache is None:
+        rank, key, own = [], [], []
+        storages = index.storages
+        for r, u in enumerate(index.order):
+            for a in index.inputs[u]:
+                for s in storages.get(a, ()):
+                    rank.append(r), key.append(s), own.append(False)
+            for s in storages.get(u, ()):
+                rank.append(r), key.append(s), own.append(True)
+        tensors = index.analysis.tensors
+        cache = index.__dict__["_captured_touches"] = _CapturedTouches(
+            np.array(rank, dtype=np.int64), np.array(key, dtype=np.int64), np.array(own, dtype=bool),
+            np.array([t.nbytes for t in tensors], dtype=np.int64), np.array([t.role.value for t in tensors], dtype=object),
+        )
+    return cache
+
+
+def _positions(index: GraphIndex, schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
+    """Where each captured node runs in `schedule` (by rank; -1: removed), and which steps
+    are copies: the nodes that are not copies run in their captured order. Kept with the
+    schedule, which both its intervals and its scratch read."""
+    cached = schedule.__dict__.get("_positions")
+    if cached is not None:
+        return cached
+    position = np.full(len(index.order), -1, dtype=np.int64)
+    is_copy = np.zeros(len(schedule.steps), dtype=bool)
+    is_copy[schedule.copy_positions] = True
+    kept = np.ones(len(index.order), dtype=bool)
+    kept[[index.rank[n] for n in schedule.removed]] = False
+    position[kept] = np.flatnonzero(~is_copy)
+    schedule.__dict__["_positions"] = (position, is_copy)
+    return position, is_copy
+
+
+def _persistent_by_role(index: GraphIndex, granularity: int) -> dict[str, int]:
+    """The same for every schedule of the index: worked out once per granularity."""
+    cache = index.__dict__.setdefault("_persistent_by_role", {})
+    if granularity not in cache:
+        cache[granularity] = persistent_by_role(index.analysis.tensors, granularity)
+    return dict(cache[granularity])
+
+
+def _scratch(index: GraphIndex, schedule: Schedule) -> np.ndarray | None:
+    """Each step's kernel scratch bytes (None where the index has none measured)."""
+    if not index.scratch:
+        return None
+    by_rank = index.__dict__.get("_scratch_by_rank")
+    if by_rank is None or by_rank[0] is not index.scratch:
+        by_rank = index.__dict__["_scratch_by_rank"] = (index.scratch, np.array([index.scratch.get(n, 0) for n in index.order], dtype=np.int64))
+    position, is_copy = _positions(index, schedule)
+    out = np.zeros(len(schedule.steps), dtype=np.int64)
+    ran = position >= 0
+    out[position[ran]] = by_rank[1][ran]
+    for i in schedule.copy_positions:
+        out[i] = index.scratch.get(schedule.steps[i].node, 0)
+    return out
+
+
 def schedule_intervals(index: GraphIndex, schedule: Schedule, granularity: int = 1, touches: bool = False) -> ScheduleIntervals:
     """The storage instances of running `schedule` and when each is live (the simulator's
     conventions, module docstring). Generator states held for replay are not among them.
-    `touches`: also record which instances each copy makes or reads."""
+    `touches`: also record which instances each copy makes or reads.
+
+    An original storage is keyed by its id; each rebuilt instance's fresh storage gets a
+    new key. A view or in-place result shares the key of the input it aliases *as read in
+    this step*, so a backward view of a rebuilt value lives in the rebuilt storage. A key
+    lives from the first step that makes it (never for a persistent storage, which the
+    caller holds) through the last step that makes or reads it, or the end where the
+    graph's output reads it. Steps that run as captured and read values as captured touch
+    the storages they touched in the captured order: taken in bulk. The rest (copies, the
+    nodes their blocks precede, and readers of a value they left on a rebuilt key) follow
+    the rules step by step."""
     tensors = index.analysis.tensors
-    storages, persistent = index.storages, index.persistent
-    n_tensors = len(tensors)
-    n_steps = len(schedule.steps)
-    start: dict[int, int] = {}
-    end: dict[int, int] = {}  # steps run in order: a key's last step so far is its end so far
-    source: dict[int, int] = {}  # key -> the storage whose bytes and role it has
-    # An original storage is keyed by its id; each rebuilt instance's fresh storage gets a
-    # new key. A view or in-place result shares the key of the input it aliases *as read
-    # in this step*, so a backward view of a rebuilt value lives in the rebuilt storage.
-    value_keys: dict[tuple[str, int], list[int]] = {}
+    storages = index.storages
+    n_tensors, n_steps = len(tensors), len(schedule.steps)
+    captured = _captured_touches(index)
+
+    position, is_copy = _positions(index, schedule)
+
+    step_by_step = set(schedule.copy_positions) | {int(position[index.rank[u]]) for u in schedule.resolved}
+    pending = sorted(step_by_step)
+    pos: list[int] = []
+    key: list[int] = []
+    own_flag: list[bool] = []
+    source: dict[int, int] = {}  # new key -> the storage whose bytes and role it has
+    value_keys: dict[tuple[str, int], list[int]] = {}  # values whose keys are not their storages'
     next_key = n_tensors
     touched: dict[int, list[int]] = {}
-    plain: dict[int, int] = {}
     no_storages: list[int] = []
-    for i, (step, reads) in enumerate(zip(schedule.steps, schedule.reads)):
+    while pending:
+        i = heapq.heappop(pending)
+        step, reads = schedule.steps[i], schedule.reads[i]
         inherited: dict[int, int] = {}
         for a, instance in reads:
             sids = storages.get(a, no_storages)
-            if sids:
-                for s, k in zip(sids, value_keys.get((a, instance), sids)):
-                    inherited[s] = k
-                    if k in start:
-                        end[k] = i
+            for s, k in zip(sids, value_keys.get((a, instance), sids)):
+                inherited[s] = k
+                pos.append(i), key.append(k), own_flag.append(False)
         own: list[int] = []
         copy = step.instance != ORIGINAL
-        for s in storages.get(step.node, no_storages):
+        sids = storages.get(step.node, no_storages)
+        for s in sids:
             k = inherited.get(s)
             if k is None:
                 if copy:
                     k, next_key = next_key, next_key + 1
+                    source[k] = s
                 else:
                     k = s
             own.append(k)
-            if k in start:
-                end[k] = i
-            elif k >= n_tensors or k not in persistent:
-                start[k] = end[k] = i
-                source[k] = s
-        value_keys[(step.node, step.instance)] = own
-        if touches and copy:
-            touched[i] = own + list(inherited.values())
-        elif touches:
-            for k in own + list(inherited.values()):
-                plain[k] = i
+            pos.append(i), key.append(k), own_flag.append(True)
+        if copy:
+            value_keys[(step.node, step.instance)] = own
+            if touches:
+                touched[i] = own + list(inherited.values())
+        elif own != sids:
+            # Its readers read it on a rebuilt key: they follow the rules too.
+            value_keys[(step.node, ORIGINAL)] = own
+            for u in index.users[step.node]:
+                j = int(position[index.rank[u]])
+                if j > i and j not in step_by_step:
+                    step_by_step.add(j)
+                    heapq.heappush(pending, j)
+
+    # The captured touches of every other step, at its position in the schedule.
+    at = position[captured.rank]
+    bulk = at >= 0
+    if step_by_step:
+        by_rules = np.zeros(n_steps, dtype=bool)
+        by_rules[list(step_by_step)] = True
+        bulk &= ~by_rules[np.maximum(at, 0)]
+    all_pos = np.concatenate([at[bulk], np.array(pos, dtype=np.int64)])
+    all_key = np.concatenate([captured.key[bulk], np.array(key, dtype=np.int64)])
+    all_own = np.concatenate([captured.own[bulk], np.array(own_flag, dtype=bool)])
+
+    n_keys = next_key
+    persistent = np.zeros(n_keys, dtype=bool)
+    persistent[list(index.persistent)] = True
+    start = np.full(n_keys, n_steps, dtype=np.int64)
+    makes = all_own & ~persistent[all_key]
+    np.minimum.at(start, all_key[makes], all_pos[makes])
+    end = np.full(n_keys, -1, dtype=np.int64)
+    np.maximum.at(end, all_key, all_pos)
     for a, instance in schedule.output_reads:
         sids = storages.get(a, no_storages)
         for k in value_keys.get((a, instance), sids):
-            if k in start:
-                end[k] = n_steps
-    ks = sorted(start)
-    row = {k: j for j, k in enumerate(ks)} if touches else {}
+            end[k] = n_steps
+    ks = np.flatnonzero(start < n_steps)
+    src = ks.copy()
+    new = ks >= n_tensors
+    src[new] = [source[int(k)] for k in ks[new]]
+    nbytes = captured.nbytes[src]
+    if granularity > 1:
+        nbytes = -(-nbytes // granularity) * granularity
+    touched_by_copy = last_plain_touch = None
+    if touches:
+        row = np.full(n_keys, -1, dtype=np.int64)
+        row[ks] = np.arange(len(ks))
+        touched_by_copy = {i: sorted({int(row[k]) for k in keys if row[k] >= 0}) for i, keys in touched.items()}
+        plain = ~is_copy[all_pos]
+        last = np.full(n_keys, -1, dtype=np.int64)
+        np.maximum.at(last, all_key[plain], all_pos[plain])
+        last_plain_touch = last[ks]
     return ScheduleIntervals(
-        nbytes=np.array([round_up(tensors[source[k]].nbytes, granularity) for k in ks], dtype=np.int64),
-        start=np.array([start[k] for k in ks], dtype=np.int64),
-        end=np.array([end[k] for k in ks], dtype=np.int64),
-        roles=[tensors[source[k]].role.value for k in ks],
-        touched_by_copy={i: sorted({row[k] for k in keys if k in row}) for i, keys in touched.items()} if touches else None,
-        last_plain_touch=np.array([plain.get(k, -1) for k in ks], dtype=np.int64) if touches else None,
+        nbytes=nbytes,
+        start=start[ks],
+        end=end[ks],
+        roles=captured.roles[src].tolist(),
+        touched_by_copy=touched_by_copy,
+        last_plain_touch=last_plain_touch,
     )
 
 
@@ -201,20 +324,23 @@ def simulate_schedule(index: GraphIndex, schedule: Schedule, granularity: int = 
         np.concatenate([made.start, np.array([lo for _, lo, _, _ in extra], dtype=np.int64)]),
         np.concatenate([made.end, np.array([hi for _, _, hi, _ in extra], dtype=np.int64)]),
         made.roles + [Role.OTHER.value] * len(extra),
-        persistent_by_role(index.analysis.tensors, granularity),
-        np.array([index.scratch.get(s.node, 0) for s in schedule.steps], dtype=np.int64) if index.scratch else None,
+        _persistent_by_role(index, granularity),
+        _scratch(index, schedule),
     )
 
 
 def replay_state_intervals(index: GraphIndex, schedule: Schedule) -> list[tuple[int, int, int, str]]:
     """(bytes, first step, last step, random op) of each generator state a schedule holds
     for replay: saved just before a random op runs, held through its last copy."""
-    bytes_of = {n: index.replay_state_bytes(n) for n in {s.node for s in schedule.steps if s.copy}}
+    bytes_of = {n: b for n in set(schedule.copies) if (b := index.replay_state_bytes(n))}
+    if not bytes_of:
+        return []
     original: dict[str, int] = {}
     last_copy: dict[str, int] = {}
     for i, step in enumerate(schedule.steps):
-        if not step.copy:
-            original[step.node] = i
-        elif bytes_of.get(step.node):
-            last_copy[step.node] = i
+        if step.node in bytes_of:
+            if step.instance == ORIGINAL:
+                original[step.node] = i
+            else:
+                last_copy[step.node] = i
     return [(bytes_of[n], original[n], hi, n) for n, hi in last_copy.items()]

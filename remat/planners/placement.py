@@ -22,12 +22,15 @@ from remat.pipeline.simulator import simulate_schedule
 from remat.planners.plan import Plan
 
 
-def planned_graphs(index: GraphIndex, *, allow_moving: bool = True, lean_ops: bool = True) -> list[GraphIndex]:
+def planned_graphs(index: GraphIndex, *, allow_moving: bool = True, lean_ops: bool = True, local_search: bool = False) -> list[GraphIndex]:
     """The graphs a planner is run on for `index` as captured: with its lean operator
     variants (where any apply and `lean_ops` allows) and without, each in its captured
-    order and with its updates moved (where any can move and `allow_moving` allows)."""
+    order and with its updates moved (where any can move and `allow_moving` allows).
+    `local_search`: those a planner with a local search runs on where the first graph has
+    a plan (`plan_with_placement`)."""
     out = []
-    for base in _bases(index, lean_ops)[0]:
+    bases = _bases(index, lean_ops)[0]
+    for base in bases[:1] if local_search else bases:
         moved = base.updates_in_backward()[0] if allow_moving else None
         out.extend([moved, base] if moved is not None else [base])
     return out
@@ -42,10 +45,12 @@ def plan_with_placement(
     improve: Callable[[GraphIndex, Plan], Plan] | None = None,
 ) -> Plan:
     """`run(index)` plans one graph; this runs it on the graphs allowed and keeps the better
-    plan. The graph with lean operator variants holds fewer bytes under every plan, but a
-    heuristic planner may still land on a costlier plan there, so both are planned.
-    `improve(graph, plan)`, where given, then improves the kept plan on its own graph
-    (a plan no costlier that still fits): done once, not per graph, as it is the costly part."""
+    plan. The graph with lean operator variants holds no more bytes than the graph without
+    under every drop set, at the same cost, so its best plan is never costlier. A heuristic
+    planner alone may still land on a costlier plan there, so both graphs are planned; a
+    planner with `improve(graph, plan)` (a local search that improves the kept plan on its
+    own graph, done once as it is the costly part) plans the graph without the variants
+    only where the lean graph has no plan."""
     captured = index
     bases, lean_note = _bases(captured, lean_ops)
     plans: list[tuple[Plan, GraphIndex]] = []
@@ -58,8 +63,8 @@ def plan_with_placement(
             continue
         plan.lean_ops = list(base.lean_ops)
         plans.append((plan, graph))
-        if not plan.recomputed:
-            break  # nothing recomputed: no plan can be cheaper
+        if not plan.recomputed or improve is not None:
+            break  # nothing recomputed: no plan can be cheaper; or the local search takes it from here
     if not plans:
         raise errors[0].error(captured)  # the lean graph's, where there is one: the lower floor
     plan, graph = min(plans, key=lambda pg: (pg[0].predicted_overhead_seconds, pg[0].predicted_peak_bytes))
@@ -69,7 +74,8 @@ def plan_with_placement(
         better.meta = {**plan.meta, **better.meta}
         plan = better
     if len(bases) > 1 and not plan.lean_ops:
-        lean_note = f"lean operator variants not used: the plan without them is predicted cheaper ({lean_note})"
+        why = "no plan with them fits" if errors else "the plan without them is predicted cheaper"
+        lean_note = f"lean operator variants not used: {why} ({lean_note})"
     plan.meta["lean_ops_note"] = lean_note
     # The baseline is the step as captured, whichever graph the plan runs.
     baseline = simulate_schedule(captured, build_schedule(captured, set()))

@@ -180,8 +180,13 @@ _PLAN_SIGNS: dict[type, dict[str, str]] = {
 
 
 def graph_fingerprint_of(index: GraphIndex) -> str:
-    """The captured graph's fingerprint, as the profiler computes it (profiles and plans agree)."""
-    return graph_fingerprint((index.captured or index).tg)
+    """The captured graph's fingerprint, as the profiler computes it (profiles and plans agree);
+    worked out once per captured graph, which every plan of it carries."""
+    captured = index.captured or index
+    found = captured.__dict__.get("_fingerprint")
+    if found is None:
+        found = captured.__dict__["_fingerprint"] = graph_fingerprint(captured.tg)
+    return found
 
 
 def check_node_seconds(index: GraphIndex, node_seconds: dict[str, float]) -> None:
