@@ -150,3 +150,23 @@ def test_a_failed_planners_reach_is_worked_out_only_when_its_error_is_read(bert_
     for fraction in (0.4, 0.5, 0.6):
         make_plan("mutwo", built.index, built.node_seconds(), int(base.persistent_bytes + fraction * base.step_peak_bytes))
     assert failed and not pinned  # some graph or policy had no plan, and nothing paid for its reach
+
+
+def test_plans_the_graph_without_lean_variants_only_where_no_lean_plan_fits(bert_tiny, monkeypatch):
+    """The lean-variant graph holds no more bytes under any drop set, so the local search
+    starts from it alone; μ-TWO alone, the paper's algorithm, still plans both graphs."""
+    import remat.planners.mutwo as mutwo
+    import remat.planners.refined as refined
+
+    built, base = bert_tiny
+    budget = int(base.persistent_bytes + 0.5 * base.step_peak_bytes)
+    planned: dict[str, list] = {"refined": [], "mutwo": []}
+    for name, module in (("refined", refined), ("mutwo", mutwo)):
+        original = module.plan
+        monkeypatch.setattr(module, "plan", lambda idx, *a, _o=original, _n=name, **k: planned[_n].append(idx) or _o(idx, *a, **k))
+    plan = make_plan("refined", built.index, built.node_seconds(), budget)
+    assert plan.lean_ops and planned["refined"]
+    assert all(idx.lean_ops for idx in planned["refined"])
+    planned["mutwo"].clear()
+    make_plan("mutwo", built.index, built.node_seconds(), budget)
+    assert any(not idx.lean_ops for idx in planned["mutwo"]) and any(idx.lean_ops for idx in planned["mutwo"])
