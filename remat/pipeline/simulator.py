@@ -136,23 +136,28 @@ class _CapturedTouches:
     own: np.ndarray  # bool: the node makes a value on this storage
     nbytes: np.ndarray  # per storage id
     roles: np.ndarray  # per storage id: its role's value
+    persistent: np.ndarray  # per storage id: bool, held by the caller
 
 
 def _captured_touches(index: GraphIndex) -> _CapturedTouches:
     cache = index.__dict__.get("_captured_touches")
     if cache is None:
-        rank, key, own = [], [], []
         storages = index.storages
-        for r, u in enumerate(index.order):
-            for a in index.inputs[u]:
-                for s in storages.get(a, ()):
-                    rank.append(r), key.append(s), own.append(False)
-            for s in storages.get(u, ()):
-                rank.append(r), key.append(s), own.append(True)
+        touches = [
+            (r, s, made)
+            for r, u in enumerate(index.order)
+            for a, made in [*((a, 0) for a in index.inputs[u]), (u, 1)]
+            for s in storages.get(a, ())
+        ]
+        table = np.array(touches, dtype=np.int64).reshape(-1, 3)
         tensors = index.analysis.tensors
         cache = index.__dict__["_captured_touches"] = _CapturedTouches(
-            np.array(rank, dtype=np.int64), np.array(key, dtype=np.int64), np.array(own, dtype=bool),
-            np.array([t.nbytes for t in tensors], dtype=np.int64), np.array([t.role.value for t in tensors], dtype=object),
+            rank=table[:, 0],
+            key=table[:, 1],
+            own=table[:, 2].astype(bool),
+            nbytes=np.array([t.nbytes for t in tensors], dtype=np.int64),
+            roles=np.array([t.role.value for t in tensors], dtype=object),
+            persistent=np.array([t.persistent for t in tensors], dtype=bool),
         )
     return cache
 
@@ -212,9 +217,8 @@ def schedule_intervals(index: GraphIndex, schedule: Schedule, granularity: int =
     the storages they touched in the captured order: taken in bulk. The rest (copies, the
     nodes their blocks precede, and readers of a value they left on a rebuilt key) follow
     the rules step by step."""
-    tensors = index.analysis.tensors
     storages = index.storages
-    n_tensors, n_steps = len(tensors), len(schedule.steps)
+    n_tensors, n_steps = len(index.analysis.tensors), len(schedule.steps)
     captured = _captured_touches(index)
 
     position, is_copy = _positions(index, schedule)
@@ -276,8 +280,7 @@ def schedule_intervals(index: GraphIndex, schedule: Schedule, granularity: int =
     all_own = np.concatenate([captured.own[bulk], np.array(own_flag, dtype=bool)])
 
     n_keys = next_key
-    persistent = np.zeros(n_keys, dtype=bool)
-    persistent[list(index.persistent)] = True
+    persistent = np.concatenate([captured.persistent, np.zeros(n_keys - n_tensors, dtype=bool)])  # new keys never are
     start = np.full(n_keys, n_steps, dtype=np.int64)
     makes = all_own & ~persistent[all_key]
     np.minimum.at(start, all_key[makes], all_pos[makes])
@@ -291,9 +294,7 @@ def schedule_intervals(index: GraphIndex, schedule: Schedule, granularity: int =
     src = ks.copy()
     new = ks >= n_tensors
     src[new] = [source[int(k)] for k in ks[new]]
-    nbytes = captured.nbytes[src]
-    if granularity > 1:
-        nbytes = -(-nbytes // granularity) * granularity
+    nbytes = round_up(captured.nbytes[src], granularity)
     touched_by_copy = last_plain_touch = None
     if touches:
         row = np.full(n_keys, -1, dtype=np.int64)
