@@ -8,7 +8,9 @@ On the deep, narrow decoders of `remat.models` (gpt-narrow-6, -20, -60: about 3,
 profile (`--profile-runs`, as `remat.compile` does), and one plan per planner and budget
 (each make_plan call's wall time, every graph it plans included; deriving those graphs
 from the captured one, done once per compile, is timed on its own: those the default
-planner plans, then the rest that planners without a local search also plan). The whole compile
+planner plans, then the rest that planners without a local search also plan). Plans at
+later budgets reuse what earlier ones worked out per graph; the default planner is also
+timed cold, on a fresh index per budget, derivation included: what one compile pays. The whole compile
 (`remat.compile`, first call: capture, profile, plan at the first budget, rewrite) is
 timed on its own. `--also MODEL:BATCH[:PROFILE]` (repeatable) adds rows for a model with
 SGD at `--also-budgets`, planned from a saved profile where one is given (only if it was
@@ -31,6 +33,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+COLD = "{} (cold: graphs derived, first plan)"  # the planner column of the plans timed on a fresh index
 COLUMNS = ["model", "batch_size", "nodes", "stage", "planner", "budget", "seconds", "overhead_percent", "note"]
 
 
@@ -48,6 +51,8 @@ def measure(model: str, batch: int, optimizer: str, budgets: list[float], planne
     from remat.pipeline.capture import capture
     from remat.pipeline.profiles import Profile
     from remat.pipeline.simulator import simulate
+    from remat.defaults import DEFAULT_PLANNER
+    from remat.pipeline.graph_index import GraphIndex
     from remat.planners import make_plan, planned_graphs
     from remat.workloads import load
 
@@ -71,6 +76,23 @@ def measure(model: str, batch: int, optimizer: str, budgets: list[float], planne
     base = simulate(built.analysis, scratch=built.index.scratch)
     seconds = built.node_seconds()
     iteration = sum(seconds.values())
+    # What one compile's planning costs: the default planner on an index of its own (a fresh
+    # copy of the captured one), so that the graphs it derives and every table it keeps per
+    # graph are made inside the time.
+    for fraction in budgets:
+        budget = int(base.persistent_bytes + fraction * base.step_peak_bytes)
+        fresh_index = GraphIndex.build(tg, built.analysis)
+        fresh_index.scratch = built.index.scratch
+        with gc_paused():
+            t0 = time.perf_counter()
+            try:
+                plan = make_plan(DEFAULT_PLANNER, fresh_index, seconds, budget)
+                overhead, note = f"{100 * plan.predicted_overhead_seconds / iteration:.2f}", ""
+            except BudgetError as e:
+                overhead, note = "", f"no plan: {str(e).splitlines()[0][:80]}"
+            cold_s = time.perf_counter() - t0
+        rows.append({**row, "stage": "plan", "planner": COLD.format(DEFAULT_PLANNER), "budget": fraction, "seconds": cold_s, "overhead_percent": overhead, "note": note})
+        print(f"{model}: {nodes} nodes, {rows[-1]['planner']} at {fraction}: {cold_s:.2f} s {note}", flush=True)
     for fraction in budgets:
         budget = int(base.persistent_bytes + fraction * base.step_peak_bytes)
         for planner in planners:
@@ -145,14 +167,15 @@ def _plot(rows: list[dict], path: Path) -> None:
     # style per planner; a model alone (BERT-base) as points at its own size.
     grown = {r["model"] for r in rows if r["model"].startswith("gpt-narrow")}
     colours = dict(zip(_budgets(rows), plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4))
-    for planner, style in (("refined", "-o"), ("mutwo", ":s")):
+    for planner, style in ((COLD.format("refined"), "-D"), ("refined", "-o"), ("mutwo", ":s")):
         for b in _budgets(rows):
             pts = sorted((r["nodes"], r["seconds"]) for r in plans if r["planner"] == planner and r["budget"] == b and r["model"] in grown)
             if pts:
                 ax.plot(*zip(*pts), style, color=colours[b], label=f"{planner}, budget {b}")
         alone = [(r["nodes"], r["seconds"]) for r in plans if r["planner"] == planner and r["model"] not in grown]
         if alone:
-            ax.plot(*zip(*alone), "x" if planner == "refined" else "+", color="k", label=f"{planner}, BERT-base b16 and ResNet-152 b4 (each budget)")
+            marker = {"refined": "x", "mutwo": "+"}.get(planner, "1")
+            ax.plot(*zip(*alone), marker, color="k", label=f"{planner}, BERT-base b16 and ResNet-152 b4 (each budget)")
     for stage, style, label in (("compile", "k--^", "whole compile (capture + profile + plan + rewrite)"), ("derive", "k-.v", "graphs the default planner plans, derived once")):
         pts = sorted((r["nodes"], r["seconds"]) for r in rows if r["stage"] == stage and r["model"] in grown)
         if pts:

@@ -33,7 +33,7 @@ from remat.measurement.memory import measure_step_peak
 from remat.planners.plan import Plan
 from remat.planners import DEFAULT_PLANNER, make_plan
 from remat.pipeline.profiles import Profile, graph_fingerprint
-from remat.pipeline.rewriter import rewrite
+from remat.pipeline.rewriter import runnable
 from remat.pipeline.simulator import simulate, simulate_schedule
 
 
@@ -213,7 +213,7 @@ class RematStep:
             def rewritten() -> tuple[int, torch.fx.GraphModule]:
                 ordered = plan.index_for(index)
                 schedule = plan.schedule(ordered)
-                return simulate_schedule(ordered, schedule).peak_bytes, (rewrite(ordered, schedule).gm if schedule.copies else ordered.tg.gm)
+                return simulate_schedule(ordered, schedule).peak_bytes, (runnable(ordered, schedule))
 
             predicted, gm = self._agreed("applying the plan", rewritten)
         report = StepReport(

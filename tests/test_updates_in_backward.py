@@ -199,3 +199,54 @@ def test_a_budget_out_of_reach_names_the_floor_with_the_updates_moved():
         make_plan("mutwo", built.index, built.profile.seconds_by_node(), _peak(moved) // 4)
     assert info.value.reach.best < _peak(built.index)  # the floor with the updates moved
     assert any("as soon as its gradient is final" in note for note in info.value.__notes__)
+
+
+def test_a_reordered_graph_keeps_its_module_and_runs_in_the_new_order():
+    """The graph with its updates moved shares the captured module (no copy); what runs it is
+    emitted in the index's order, and a bad order is refused."""
+    from remat.pipeline.rewriter import runnable
+    from remat.pipeline.update_placement import reorder
+
+    spec, opt, step, built = _built("mlp-deep", 64, "adamw")
+    moved, _ = built.index.updates_in_backward()
+    assert moved.tg.gm is built.tg.gm and moved.tg.order == moved.order != built.index.order
+    gm = runnable(moved, build_schedule(moved, set()))
+    assert [n.name for n in gm.graph.nodes if n.op == "call_function"] == moved.order
+    assert runnable(built.index, build_schedule(built.index, set())) is built.tg.gm  # as captured: the module itself
+    order = built.index.order
+    with pytest.raises(ValueError, match="before one of its inputs"):
+        reorder(built.tg, order[::-1])
+    with pytest.raises(ValueError, match="exactly once"):
+        reorder(built.tg, order[:-1])
+    with pytest.raises(ValueError, match="its own order"):
+        reorder(moved.tg, moved.order)
+
+
+def test_the_default_planner_plans_the_captured_order_only_where_it_holds_less():
+    """Both orders give the greedy the same picks in the same order; the local search plans
+    the captured order only where it holds less under the picks the moved plan made."""
+    import dataclasses
+
+    import remat.planners.refined as refined
+    from remat.planners import make_plan
+    from remat.planners.placement import _holds_no_less
+
+    spec, opt, step, built = _built("mlp-deep", 64, "adamw")
+    ns = built.profile.seconds_by_node()
+    budget = int(_peak(built.index.updates_in_backward()[0]) * 0.97)  # some recomputation needed, either order
+    planned = []
+    original = refined.plan
+    refined.plan = lambda idx, *a, **k: planned.append(idx) or original(idx, *a, **k)
+    try:
+        plan = make_plan("refined", built.index, ns, budget, lean_ops=False)
+    finally:
+        refined.plan = original
+    assert plan.recomputed and plan.updates_in_backward
+    assert planned == [built.index.updates_in_backward()[0]]
+    assert "holds no less" in plan.meta["other_placement"]["not_planned"]
+    mutwo = make_plan("mutwo", built.index, ns, budget, lean_ops=False)
+    assert "not_planned" not in mutwo.meta["other_placement"]  # μ-TWO alone plans both orders
+    # The rule itself: the captured order's peak under the moved plan's picks, against the plan's.
+    captured_peak = simulate_schedule(built.index, build_schedule(built.index, mutwo.dropped(built.index), mutwo.policy)).peak_bytes
+    assert _holds_no_less(built.index, dataclasses.replace(mutwo, predicted_peak_bytes=captured_peak)) is not None
+    assert _holds_no_less(built.index, dataclasses.replace(mutwo, predicted_peak_bytes=captured_peak + 1)) is None

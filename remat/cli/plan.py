@@ -65,7 +65,7 @@ def plan_command(
     from remat.budget import parse_budget
     from remat.cli.common import build_and_capture
     from remat.errors import PlanError
-    from remat.planners.evaluate import evaluate
+    from remat.planners.evaluate import baseline_of, evaluate
     from remat.planners import PLANNERS, make_plan
     from remat.pipeline.profiler import load_profile_for
 
@@ -90,7 +90,7 @@ def plan_command(
         files["profile"] = prof.to_json(out / "profile.json")
     node_seconds = {n.name: n.seconds for n in prof.nodes}
 
-    baseline = evaluate(index, set(), node_seconds)
+    baseline = baseline_of(index)
     budget_bytes = parsed.to_bytes(baseline.timeline.persistent_bytes, baseline.timeline.step_peak_bytes)
     plan = make_plan(
         planner,

@@ -138,12 +138,12 @@ def _measure(sw: Sweep, plan: Any, point: Point) -> None:
     from remat.pipeline.capture import flat_inputs, run_captured
     from remat.measurement.check import check_against_eager, time_alternating, twin
     from remat.measurement.memory import measure_step_peak
-    from remat.pipeline.rewriter import rewrite
+    from remat.pipeline.rewriter import runnable
 
     tg, spec = sw.tg, sw.spec
     ordered = plan.index_for(sw.index)
     schedule = plan.schedule(ordered)
-    gm = rewrite(ordered, schedule).gm if schedule.copies else ordered.tg.gm
+    gm = runnable(ordered, schedule)
     eager_model, eager_opt = twin(spec.model, sw.opt)
     remat_model, remat_opt = twin(spec.model, sw.opt)
 
@@ -210,7 +210,7 @@ def run_frontier(
     """
     from remat.pipeline import build as pipeline
     from remat.pipeline.capture import capture
-    from remat.planners.evaluate import evaluate
+    from remat.planners.evaluate import baseline_of
     from remat.planners import PLANNERS
     from remat.pipeline.profiler import load_profile_for
     from remat.workloads import check_arguments as check_model_args
@@ -245,7 +245,7 @@ def run_frontier(
     profile_seconds = time.perf_counter() - t0
     _check_same_graph(previous, prof.fingerprint, out)
     node_seconds = prof.seconds_by_node()
-    baseline = evaluate(index, set(), node_seconds)
+    baseline = baseline_of(index)
     base_tl = baseline.timeline
     frontier = Frontier(
         model=model,

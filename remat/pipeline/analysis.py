@@ -214,10 +214,13 @@ def analyze(tg: TrainGraph, gm: torch.fx.GraphModule | None = None, phase: dict[
     A rewritten graph passes its own `phase` map (copies of forward ops placed in the
     backward pass are backward nodes) and must carry fresh fake values in meta["val"].
     """
-    gm = gm if gm is not None else tg.gm
     phase = phase if phase is not None else tg.phase
+    reordered = gm is None and tg.order is not None  # inputs first, then the ops in tg.order, then the output
+    gm = gm if gm is not None else tg.gm
     nodes = list(gm.graph.nodes)
-    op_nodes = [n for n in nodes if n.op == "call_function"]
+    op_nodes = tg.op_nodes() if reordered else [n for n in nodes if n.op == "call_function"]
+    if reordered:
+        nodes = [n for n in nodes if n.op in ("placeholder", "get_attr")] + op_nodes + [n for n in nodes if n.op == "output"]
     rank = {n.name: i for i, n in enumerate(op_nodes)}
     end = len(op_nodes)
 

@@ -80,7 +80,7 @@ class GraphIndex:
     @classmethod
     def build(cls, tg: TrainGraph, analysis: GraphAnalysis) -> "GraphIndex":
         nodes = list(tg.gm.graph.nodes)
-        ops = [n for n in nodes if n.op == "call_function"]
+        ops = tg.op_nodes()
         order = [n.name for n in ops]
         assert order == analysis.node_names, "analysis does not belong to this graph"
         inputs = {n.name: list(dict.fromkeys(a.name for a in n.all_input_nodes)) for n in ops}
@@ -365,6 +365,8 @@ class GraphIndex:
 
     def check_copy(self, name: str, copied: set[str], dropped: frozenset[int] | set[int], before_rank: int) -> str | None:
         """Why `name` cannot be copied into the backward pass (None if it can)."""
+        if name in self._always_copyable():
+            return None
         if name in self.random and name not in self.replayable:
             why = rng_replay.replay_problem(self.node_map[name])
             return f"{name} is a random op that cannot be replayed ({why}): its output must be kept"
@@ -389,6 +391,16 @@ class GraphIndex:
                         return f"{name} reads {a}, which {self.order[w]} changes in place before the rebuild"
         return None
 
+    def _always_copyable(self) -> set[str]:
+        """Forward ops `check_copy` passes whatever is dropped (most; the others it checks each time)."""
+        if "_always_copyable_ops" not in self.__dict__:
+            self.__dict__["_always_copyable_ops"] = {
+                n for n in self.forward
+                if not (n in self.random and n not in self.replayable)
+                and (not self.writes[n] or self.node_map[n].target in op_facts.STATE_FREE_TWINS)
+                and all(w == self.rank[n] for a in self.reads_of_copy(n) for s in self.storages.get(a, []) for w in self.written_by.get(s, []))
+            }  # fmt: skip
+        return self.__dict__["_always_copyable_ops"]
 
     def stale_read(self, sid: int, writers: list[str]) -> str | None:
         """A read of storage `sid` through a value made before an in-place write that precedes

@@ -157,6 +157,8 @@ def apply_lean_ops(tg: TrainGraph, analysis: GraphAnalysis, lean: LeanOps) -> Tr
     into the named input (same node names and order), with fresh fake values where the
     analysis must see a storage change: at those nodes and every value aliasing a result
     they made before (a view of it, an in-place write to it)."""
+    if tg.order is not None:
+        raise ValueError("lean operator variants are applied to a graph in its own order")
     into = {v.node: v.into for v in lean.applied}
     graph = torch.fx.Graph()
     env: dict[str, torch.fx.Node] = {}

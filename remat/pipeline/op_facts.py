@@ -4,6 +4,7 @@ twin that computes the same outputs without their side effect on module state.""
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any, Callable
 
@@ -44,7 +45,12 @@ UNDECLARED_WRITES: dict[Any, tuple[int, ...]] = {
 def is_random(node: torch.fx.Node) -> bool:
     """Whether the op draws from a random generator (its schema's `nondeterministic_seeded` tag)."""
     target = node.target
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+    return isinstance(target, torch._ops.OpOverload) and _seeded(target)
+
+
+@functools.lru_cache(maxsize=None)
+def _seeded(target: torch._ops.OpOverload) -> bool:
+    return torch.Tag.nondeterministic_seeded in target.tags
 
 
 def written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -55,14 +61,22 @@ def written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     out: list[torch.fx.Node] = [
         node.args[i] for i in UNDECLARED_WRITES.get(target, ()) if i < len(node.args) and isinstance(node.args[i], torch.fx.Node)
     ]
-    for i, arg in enumerate(target._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = node.args[i] if i < len(node.args) and not arg.kwarg_only else node.kwargs.get(arg.name)
+    for i, name, kwarg_only in _written_arguments(target):
+        value = node.args[i] if i < len(node.args) and not kwarg_only else node.kwargs.get(name)
         for v in value if isinstance(value, (list, tuple)) else [value]:
             if isinstance(v, torch.fx.Node):
                 out.append(v)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _written_arguments(target: torch._ops.OpOverload) -> tuple[tuple[int, str, bool], ...]:
+    """(position, name, keyword-only) of each argument the schema marks as written (`Tensor(a!)`)."""
+    return tuple(
+        (i, arg.name, arg.kwarg_only)
+        for i, arg in enumerate(target._schema.arguments)
+        if arg.alias_info is not None and arg.alias_info.is_write
+    )
 
 
 def copy_reads(node: torch.fx.Node) -> list[str] | None:

@@ -89,3 +89,11 @@ def rewrite(index: GraphIndex, schedule: Schedule) -> Rewritten:
             phase[node.name] = tg.phase[node.name]
             following = phase[node.name]
     return Rewritten(gm=gm, phase=phase, copies=copies)
+
+
+def runnable(index: GraphIndex, schedule: Schedule) -> torch.fx.GraphModule:
+    """The module that runs `schedule`: the graph's own where the schedule is the graph as it
+    stands (nothing copied, and not reordered apart from its module), else the rewrite."""
+    if not schedule.copies and index.tg.order is None:
+        return index.tg.gm
+    return rewrite(index, schedule).gm

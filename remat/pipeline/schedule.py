@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+
 from remat.errors import PlanError
 from remat.pipeline.graph_index import GraphIndex, RebuildPolicy
 
@@ -119,6 +121,9 @@ def build_schedule(
     gone = index.unavailable(dropped)
     as_captured = _as_captured(index)
     done = 0  # the captured steps before this position are placed
+    copy_positions: list[int] = []
+    blocks_at: list[int] = []  # the captured position of each node a block precedes
+    copies_through: list[int] = []  # the copies placed up to and including that block
     for i in as_captured.late_readers:
         u = index.order[i]
         if gone.isdisjoint(index.inputs[u]):
@@ -146,11 +151,14 @@ def build_schedule(
                 raise PlanError(f"cannot recompute what {u} needs: {why}")
             reads = [(a, resolve(a)) for a in index.reads_of_copy(c)]
             block[c] = next_instance
+            copy_positions.append(len(all_steps))
             all_steps.append(Step(c, next_instance))
             all_reads.append(reads)  # type: ignore[arg-type]
             next_instance += 1
         copied.update(ops)
         resolved.append(u)
+        blocks_at.append(i)
+        copies_through.append(len(copy_positions))
         for c in index.block_targets(u, ops, policy):
             target[c] = block[c]
         all_steps.append(Step(u))
@@ -174,16 +182,30 @@ def build_schedule(
             for a in index.inputs[n]:
                 if a in readers:
                     readers[a] -= 1
+    removed_in_order = sorted(removed, key=index.rank.__getitem__)
     if removed:
-        kept = [i for i, step in enumerate(all_steps) if step.instance != ORIGINAL or step.node not in removed]
-        all_steps, all_reads = [all_steps[i] for i in kept], [all_reads[i] for i in kept]
+        # A removed node is a forward node, so no block runs just before it: its step sits
+        # at its captured position plus the copies of the blocks before it.
+        ranks = np.array([index.rank[n] for n in removed_in_order], dtype=np.int64)
+        before = np.searchsorted(np.array(blocks_at, dtype=np.int64), ranks, side="right")
+        gaps = (ranks + np.concatenate([[0], np.array(copies_through, dtype=np.int64)])[before]).tolist()
+        kept_steps: list[Step] = []
+        kept_reads: list[list[tuple[str, int]]] = []
+        start = 0
+        for g in gaps:
+            kept_steps.extend(all_steps[start:g])
+            kept_reads.extend(all_reads[start:g])
+            start = g + 1
+        all_steps, all_reads = kept_steps + all_steps[start:], kept_reads + all_reads[start:]
+        positions = np.array(copy_positions, dtype=np.int64)
+        copy_positions = (positions - np.searchsorted(np.array(gaps, dtype=np.int64), positions)).tolist()
     return Schedule(
         steps=all_steps,
         reads=all_reads,
-        removed=sorted(removed, key=index.rank.__getitem__),
+        removed=removed_in_order,
         output_reads=output_reads,
         dropped=dropped,
-        copy_positions=[i for i, step in enumerate(all_steps) if step.instance != ORIGINAL] if copied else [],
+        copy_positions=copy_positions,
         resolved=resolved,
     )
 

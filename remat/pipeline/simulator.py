@@ -333,7 +333,10 @@ def simulate_schedule(index: GraphIndex, schedule: Schedule, granularity: int = 
 def replay_state_intervals(index: GraphIndex, schedule: Schedule) -> list[tuple[int, int, int, str]]:
     """(bytes, first step, last step, random op) of each generator state a schedule holds
     for replay: saved just before a random op runs, held through its last copy."""
-    bytes_of = {n: b for n in set(schedule.copies) if (b := index.replay_state_bytes(n))}
+    if not index.replayable:
+        return []
+    copied = {schedule.steps[i].node for i in schedule.copy_positions}
+    bytes_of = {n: b for n in index.replayable & copied if (b := index.replay_state_bytes(n))}
     if not bytes_of:
         return []
     original: dict[str, int] = {}

@@ -76,10 +76,18 @@ class TrainGraph:
     groups: list[hyperparams.GroupSpec] = field(default_factory=list)  # what the update assumes of param_groups
     data_parallel: Any = None  # data_parallel.DataParallel of a DDP-wrapped model: its gradients are averaged in the graph
     meta: dict[str, Any] = field(default_factory=dict)
+    # The op nodes' execution order where it is not gm's own: a graph reordered without
+    # copying it (update_placement.reorder). Such a graph runs only as emitted by the
+    # rewriter (rewriter.runnable), which follows the schedule's order.
+    order: list[str] | None = None
 
     def op_nodes(self) -> list[torch.fx.Node]:
         """The call_function nodes in execution order (rank = index in this list)."""
-        return [n for n in self.gm.graph.nodes if n.op == "call_function"]
+        ops = [n for n in self.gm.graph.nodes if n.op == "call_function"]
+        if self.order is None:
+            return ops
+        by_name = {n.name: n for n in ops}
+        return [by_name[n] for n in self.order]
 
     def batch_signature(self) -> list[tuple[tuple[int, ...], str, str]]:
         return [(i.shape, i.dtype, i.device) for i in self.inputs if i.kind is InputKind.BATCH]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
 from remat.pipeline.graph_index import merge_spans
@@ -42,57 +44,13 @@ class PeakLowerBound:
     def __init__(self, index: GraphIndex, baseline: Timeline, policy: RebuildPolicy = RebuildPolicy.PER_BLOCK):
         self.index = index
         self.policy = policy
-        tensors = index.analysis.tensors
-        n = len(index.order)
-        self._n = n
-        self._tail = np.array([r for r, name in enumerate(index.order) if name not in index.forward], dtype=np.int64)
         self.persistent = int(baseline.persistent_bytes)
-        self._m = len(self._tail)
-        at = np.zeros(n + 2, dtype=np.int64)  # live at node r
-        across = np.zeros(n + 2, dtype=np.int64)  # live before node r's block and at r
-        self._kept = index.kept_intervals()
-        for sid, (lo, hi) in self._kept.items():
-            _add(at, lo, hi, tensors[sid].nbytes)
-            _add(across, lo + 1, hi, tensors[sid].nbytes)
-        self._safe = {s for s in self._kept if s in index.activation}
-        # A node's kernel scratch (index.scratch, measured) is live while it runs: at the
-        # node itself, and at a copy of it.
-        self._scratch = dict(index.scratch)
-        for r in self._tail.tolist():
-            _add(at, r, r, self._scratch.get(index.order[r], 0))
-        self._at, self._across = at, across
         self._last: tuple[frozenset[int], np.ndarray, np.ndarray] | None = None
-        # Per forward value read after the forward pass, per storage: the span over which the
-        # copy those readers share is live.
-        self._value_spans = index.copy_spans()
-        self._spans = index.activation_copy_spans()  # per activation: where a copy of it is live once it is dropped
-        # Where blocks can be: before the nodes after the forward pass that read a forward
-        # value on a given activation (a block runs only before a node that reads a value
-        # that is not available), or one on a storage that is never available.
-        late_ranks: dict[int, set[int]] = {}
-        always: set[int] = set()
-        for r in self._tail.tolist():
-            for a in index.inputs[index.order[r]]:
-                if a not in index.forward:
-                    continue
-                for s in index.storages.get(a, []):
-                    if s in index.activation:
-                        late_ranks.setdefault(s, set()).add(r)
-                    elif s not in index.persistent:
-                        always.add(r)
-        self._late_ranks = {s: sorted(rs) for s, rs in late_ranks.items()}
-        self._always = always
-        self._reads = {a: index.reads_of_copy(a) for a in index.forward}
-        self._shared_until = {a: index.shared_until(a) for a in index.forward}
-        # Per forward op: the storages (not persistent) a copy of it makes and reads, and
-        # the bytes it makes, and reads plus its scratch.
-        self._outs = {a: [s for s in index.storages.get(a, []) if s not in index.persistent] for a in index.forward}
-        self._ins = {
-            a: list(dict.fromkeys(s for b in self._reads[a] for s in index.storages.get(b, []) if s not in index.persistent))
-            for a in index.forward
-        }
-        self._out_bytes = {a: sum(tensors[s].nbytes for s in self._outs[a]) for a in index.forward}
-        self._in_bytes = {a: sum(tensors[s].nbytes for s in self._ins[a]) + self._scratch.get(a, 0) for a in index.forward}
+        # The tables hold for every policy and budget: made once per graph (and its measured scratch).
+        cached = index.__dict__.get("_peak_bound_tables")
+        if cached is None or cached[0] is not index.scratch:
+            cached = index.__dict__["_peak_bound_tables"] = (index.scratch, _bound_tables(index))
+        self.__dict__.update(cached[1])
 
     def __call__(self, dropped: set[int] | frozenset[int], above: int | None = None) -> int:
         """The bound for `dropped`. With `above`, stop early once what is summed so far exceeds
@@ -250,6 +208,62 @@ class PeakLowerBound:
         return kept is not None and kept[0] < r <= kept[1]
 
 
+def _bound_tables(index: GraphIndex) -> dict:
+    """What PeakLowerBound reads about a graph, whatever the dropped set: each as the
+    attribute of the bound it becomes."""
+    t = SimpleNamespace()
+    tensors = index.analysis.tensors
+    n = len(index.order)
+    t._n = n
+    t._tail = np.array([r for r, name in enumerate(index.order) if name not in index.forward], dtype=np.int64)
+    t._m = len(t._tail)
+    at = np.zeros(n + 2, dtype=np.int64)  # live at node r
+    across = np.zeros(n + 2, dtype=np.int64)  # live before node r's block and at r
+    t._kept = index.kept_intervals()
+    for sid, (lo, hi) in t._kept.items():
+        _add(at, lo, hi, tensors[sid].nbytes)
+        _add(across, lo + 1, hi, tensors[sid].nbytes)
+    t._safe = {s for s in t._kept if s in index.activation}
+    # A node's kernel scratch (index.scratch, measured) is live while it runs: at the
+    # node itself, and at a copy of it.
+    t._scratch = dict(index.scratch)
+    for r in t._tail.tolist():
+        _add(at, r, r, t._scratch.get(index.order[r], 0))
+    t._at, t._across = at, across
+    # Per forward value read after the forward pass, per storage: the span over which the
+    # copy those readers share is live.
+    t._value_spans = index.copy_spans()
+    t._spans = index.activation_copy_spans()  # per activation: where a copy of it is live once it is dropped
+    # Where blocks can be: before the nodes after the forward pass that read a forward
+    # value on a given activation (a block runs only before a node that reads a value
+    # that is not available), or one on a storage that is never available.
+    late_ranks: dict[int, set[int]] = {}
+    always: set[int] = set()
+    for r in t._tail.tolist():
+        for a in index.inputs[index.order[r]]:
+            if a not in index.forward:
+                continue
+            for s in index.storages.get(a, []):
+                if s in index.activation:
+                    late_ranks.setdefault(s, set()).add(r)
+                elif s not in index.persistent:
+                    always.add(r)
+    t._late_ranks = {s: sorted(rs) for s, rs in late_ranks.items()}
+    t._always = always
+    t._reads = {a: index.reads_of_copy(a) for a in index.forward}
+    t._shared_until = {a: index.shared_until(a) for a in index.forward}
+    # Per forward op: the storages (not persistent) a copy of it makes and reads, and
+    # the bytes it makes, and reads plus its scratch.
+    t._outs = {a: [s for s in index.storages.get(a, []) if s not in index.persistent] for a in index.forward}
+    t._ins = {
+        a: list(dict.fromkeys(s for b in t._reads[a] for s in index.storages.get(b, []) if s not in index.persistent))
+        for a in index.forward
+    }
+    t._out_bytes = {a: sum(tensors[s].nbytes for s in t._outs[a]) for a in index.forward}
+    t._in_bytes = {a: sum(tensors[s].nbytes for s in t._ins[a]) + t._scratch.get(a, 0) for a in index.forward}
+    return vars(t)
+
+
 def _add(diff: np.ndarray, lo: int, hi: int, nbytes: int) -> None:
     """Add `nbytes` over ranks [lo, hi] of a difference array."""
     if hi >= lo:
@@ -280,14 +294,7 @@ class KeepOneMoreBound:
         tensors = index.analysis.tensors
         self._nbytes = [t.nbytes for t in tensors]
         self._last_use = [t.last_use for t in tensors]
-        self._last_touch: dict[int, int] = {}  # the last forward op making, reading or writing a value on s
-        for n in index.order:
-            if n not in index.forward:
-                continue
-            r = index.rank[n]
-            for a in (n, *index.inputs[n]):
-                for s in index.storages.get(a, ()):
-                    self._last_touch[s] = max(self._last_touch.get(s, -1), r)
+        self._last_touch = _last_forward_touch(index)
         steps = schedule.steps
         n = len(steps)
         if made is None or made.touched_by_copy is None:
@@ -347,3 +354,19 @@ class KeepOneMoreBound:
                 return 0
             live = live[stays]
         return self.persistent + int(live.max()) + self._nbytes[storage]
+
+
+def _last_forward_touch(index: GraphIndex) -> dict[int, int]:
+    """Per storage, the rank of the last forward op making, reading or writing a value on it;
+    worked out once per graph."""
+    found = index.__dict__.get("_last_forward_touch")
+    if found is None:
+        found = index.__dict__["_last_forward_touch"] = {}
+        for n in index.order:
+            if n not in index.forward:
+                continue
+            r = index.rank[n]
+            for a in (n, *index.inputs[n]):
+                for s in index.storages.get(a, ()):
+                    found[s] = max(found.get(s, -1), r)
+    return found

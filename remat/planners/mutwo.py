@@ -177,7 +177,25 @@ def greedy(candidates: list[Candidate], fits: Callable[[list], tuple[bool, int |
 
 def rebuild_ops_alone(index: GraphIndex, sid: int) -> list[str]:
     """The forward ops that rebuild storage `sid` for its backward readers when only it is dropped."""
-    return index.closure(index.backward_readers(sid), frozenset([sid]))
+    return _rebuilt_alone(index, sid)[0]
+
+
+def _rebuilt_alone(index: GraphIndex, sid: int) -> tuple[list[str], frozenset[int]]:
+    """`rebuild_ops_alone` and the storages those ops read (besides `sid`), worked out once
+    per graph: every planner run on it, at every budget, asks again."""
+    cache = index.__dict__.setdefault("_rebuilt_alone", {})
+    found = cache.get(sid)
+    if found is None:
+        ops = index.closure(index.backward_readers(sid), frozenset([sid]))
+        op_set = set(ops)
+        srcs: set[int] = set()
+        for n in ops:
+            for a in index.reads_of_copy(n):
+                if a not in op_set:
+                    srcs.update(index.storages.get(a, []))
+        srcs.discard(sid)
+        found = cache[sid] = (ops, frozenset(srcs))
+    return found
 
 
 def candidate_records(index: GraphIndex, node_seconds: dict[str, float]) -> list[Candidate]:
@@ -185,15 +203,8 @@ def candidate_records(index: GraphIndex, node_seconds: dict[str, float]) -> list
     out: list[Candidate] = []
     tensors = index.analysis.tensors
     for t in (tensors[s] for s in index.candidates()):
-        ops = rebuild_ops_alone(index, t.id)
-        op_set = set(ops)
-        srcs: set[int] = set()
-        for n in ops:
-            for a in index.reads_of_copy(n):
-                if a not in op_set:
-                    srcs.update(index.storages.get(a, []))
-        srcs.discard(t.id)
-        out.append(Candidate(id=t.id, size=t.nbytes, sources=frozenset(srcs), time=float(sum(node_seconds[n] for n in ops)), order=t.created))
+        ops, srcs = _rebuilt_alone(index, t.id)
+        out.append(Candidate(id=t.id, size=t.nbytes, sources=srcs, time=float(sum(node_seconds[n] for n in ops)), order=t.created))
     return out
 
 

@@ -6,7 +6,9 @@
   captured order and with its private updates moved into the backward pass
   (`GraphIndex.updates_in_backward`), and the plan that fits at the least predicted time
   is kept (at equal time, the lower predicted peak). When neither fits, the error with the
-  smaller reachable peak is raised: the floor with updates in backward.
+  smaller reachable peak is raised: the floor with updates in backward. A planner with a
+  local search plans the captured order only where it holds less under the picks of the
+  plan with the updates moved (`_holds_no_less`).
 
 The baseline a plan is measured against is always the step as captured."""
 
@@ -15,10 +17,10 @@ from __future__ import annotations
 from typing import Callable
 
 from remat.budget import format_bytes
-from remat.errors import BudgetError
+from remat.errors import BudgetError, PlanError
 from remat.pipeline.graph_index import GraphIndex
 from remat.pipeline.schedule import build_schedule
-from remat.pipeline.simulator import simulate_schedule
+from remat.pipeline.simulator import simulate, simulate_schedule
 from remat.planners.plan import Plan
 
 
@@ -57,7 +59,7 @@ def plan_with_placement(
     errors: list[_NoPlan] = []
     for base in bases:
         try:
-            plan, graph = _choose_placement(base, run, allow_moving)
+            plan, graph = _choose_placement(base, run, allow_moving, local_search=improve is not None)
         except _NoPlan as e:
             errors.append(e)
             continue
@@ -78,7 +80,7 @@ def plan_with_placement(
         lean_note = f"lean operator variants not used: {why} ({lean_note})"
     plan.meta["lean_ops_note"] = lean_note
     # The baseline is the step as captured, whichever graph the plan runs.
-    baseline = simulate_schedule(captured, build_schedule(captured, set()))
+    baseline = simulate(captured.analysis, scratch=captured.scratch)
     plan.baseline_peak_bytes, plan.baseline_step_peak_bytes = int(baseline.peak_bytes), int(baseline.step_peak_bytes)
     return plan
 
@@ -108,7 +110,7 @@ class _NoPlan(Exception):
         errors = self.errors
         smallest = min(errors, key=lambda k: errors[k].reach.best if errors[k].reach is not None else float("inf"))
         if smallest:
-            peak = simulate_schedule(captured, build_schedule(captured, set())).peak_bytes
+            peak = simulate(captured.analysis, scratch=captured.scratch).peak_bytes
             errors[True].add_note(
                 f"remat: that peak runs each optimizer update as soon as its gradient is final; the step as captured "
                 f"peaks at {format_bytes(peak)} without recomputation"
@@ -116,9 +118,13 @@ class _NoPlan(Exception):
         return errors[smallest]
 
 
-def _choose_placement(index: GraphIndex, run: Callable[[GraphIndex], Plan], allow_moving: bool) -> tuple[Plan, GraphIndex]:
+def _choose_placement(
+    index: GraphIndex, run: Callable[[GraphIndex], Plan], allow_moving: bool, local_search: bool = False
+) -> tuple[Plan, GraphIndex]:
     """The better plan of `index` in its captured order and with its updates moved, and the
-    graph it plans; _NoPlan where neither fits."""
+    graph it plans; _NoPlan where neither fits. `local_search`: a local search improves the
+    plan kept, so the captured order is planned only where it may stop earlier
+    (`_holds_no_less`)."""
     moved, placement = index.updates_in_backward()
     if moved is None or not allow_moving:
         try:
@@ -130,9 +136,15 @@ def _choose_placement(index: GraphIndex, run: Callable[[GraphIndex], Plan], allo
         return plan, index
     results: dict[bool, Plan] = {}
     errors: dict[bool, BudgetError] = {}
+    skipped: str | None = None
     for in_backward, idx in ((True, moved), (False, index)):
-        if not in_backward and True in results and not results[True].recomputed:
-            break  # nothing recomputed with the updates moved: the captured order cannot be cheaper
+        if not in_backward and True in results:
+            if not results[True].recomputed:
+                break  # nothing recomputed with the updates moved: the captured order cannot be cheaper
+            if local_search:
+                skipped = _holds_no_less(index, results[True])
+                if skipped is not None:
+                    break
         try:
             results[in_backward] = run(idx)
         except BudgetError as e:
@@ -152,7 +164,25 @@ def _choose_placement(index: GraphIndex, run: Callable[[GraphIndex], Plan], allo
         }
     elif other in errors:
         plan.meta["other_placement"] = {"updates_in_backward": other, "error": errors[other].brief()}
+    elif skipped is not None:
+        plan.meta["other_placement"] = {"updates_in_backward": other, "not_planned": skipped}
     return plan, (moved if chosen else index)
+
+
+def _holds_no_less(captured: GraphIndex, moved_plan: Plan) -> str | None:
+    """Why the captured order need not be planned after the plan with the updates moved, or
+    None. Both orders give the greedy the same candidates, sizes and rebuild times, so it
+    picks in the same order in both and stops at the first prefix that fits: where the
+    captured order holds no less under the moved plan's picks, its greedy stops there or
+    later. The local search that follows starts from the plan kept."""
+    dropped = moved_plan.dropped(captured, check_fingerprint=False)
+    try:
+        peak = simulate_schedule(captured, build_schedule(captured, dropped, moved_plan.policy)).peak_bytes
+    except PlanError:
+        return None
+    if peak < moved_plan.predicted_peak_bytes:
+        return None
+    return f"the captured order holds no less under the same recomputation ({format_bytes(peak)})"
 
 
 def _why_not(results: dict[bool, Plan], errors: dict[bool, BudgetError]) -> str:

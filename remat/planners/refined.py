@@ -30,7 +30,7 @@ from remat.errors import PlanError
 from remat.pipeline.schedule import GraphIndex, RebuildPolicy
 from remat.planners import mutwo
 from remat.planners.bound import KeepOneMoreBound
-from remat.planners.evaluate import Evaluation, assemble_plan, evaluate
+from remat.planners.evaluate import Evaluation, assemble_plan, baseline_of, evaluate
 from remat.planners.plan import Plan
 
 EXCHANGE_PICKS = 8  # picks tried per exchange round, costliest first
@@ -89,7 +89,7 @@ def improve(index: GraphIndex, first: Plan, node_seconds: dict[str, float], budg
     order = [storage[r.key] for r in first.recomputed if storage[r.key] in best.dropped]
     order += sorted(best.dropped - set(order))  # exchanged in, in storage order
     return assemble_plan(
-        "refined", index, node_seconds, budget_bytes, order, best.evaluation, evaluate(index, set(), node_seconds).timeline,
+        "refined", index, node_seconds, budget_bytes, order, best.evaluation, baseline_of(index).timeline,
         first.planning_seconds + time.perf_counter() - t0, meta=meta, policy=best.policy,
         fingerprint=first.fingerprint, model=first.model, batch_size=first.batch_size, optimizer=first.optimizer,
         baseline_iteration_seconds=first.baseline_iteration_seconds,

@@ -82,7 +82,7 @@ from remat.budget import format_bytes
 from remat.errors import BudgetError, PlanError
 from remat.pipeline.schedule import GraphIndex, RebuildPolicy
 from remat.planners.compete import compete_schedules, other_schedule_meta
-from remat.planners.evaluate import Evaluation, assemble_plan, evaluate
+from remat.planners.evaluate import Evaluation, assemble_plan, baseline_of, evaluate
 from remat.planners.milp.model import MilpModel
 from remat.planners.milp.cut_loop import DEFAULT_TIME_LIMIT, MilpResult, solve
 from remat.planners.plan import Plan
@@ -173,7 +173,7 @@ def plan(
             "(micro-batches accumulating gradients). Use --planner mutwo or chen."
         )
     extra = dict(meta.pop("meta", None) or {})
-    baseline = evaluate(index, set(), node_seconds)
+    baseline = baseline_of(index)
     policies = [RebuildPolicy.PER_BLOCK, RebuildPolicy.SHARED] if compete_shared else [RebuildPolicy.PER_BLOCK]
     schedules = ",".join(p.value for p in policies)
     if baseline.peak_bytes <= budget_bytes:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from remat.pipeline.schedule import GraphIndex, RebuildPolicy
-from remat.planners.evaluate import evaluate
+from remat.planners.evaluate import baseline_of
 from remat.planners.milp.rows import Rows
 
 Terms = list[tuple[int, float]]
@@ -72,7 +72,7 @@ class MilpModel:
         b.removal()
         at_const, at_terms = b.memory_at_nodes()
         block_rows = b.memory_in_blocks()
-        baseline = evaluate(index, set(), node_seconds)
+        baseline = baseline_of(index)
         model = cls(
             index=index,
             node_seconds=node_seconds,
