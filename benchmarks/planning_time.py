@@ -160,6 +160,7 @@ def _plot(rows: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(8, 4.8))
     plans = [r for r in rows if r["stage"] == "plan"]
@@ -180,8 +181,12 @@ def _plot(rows: list[dict], path: Path) -> None:
         pts = sorted((r["nodes"], r["seconds"]) for r in rows if r["stage"] == stage and r["model"] in grown)
         if pts:
             ax.plot(*zip(*pts), style, label=label)
+    ax.axhline(3.0, color="grey", linestyle=":", linewidth=1, label="planning target at 30,000 nodes: 3 s")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ticks = [3_000, 10_000, 30_000]
+    ax.set_xticks(ticks, [f"{t // 1000}k" for t in ticks])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("graph nodes (one training iteration)")
     ax.set_ylabel("seconds, this machine")
     ax.set_title("Planning and compile time against graph size")

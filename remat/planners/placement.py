@@ -172,9 +172,10 @@ def _choose_placement(
 def _holds_no_less(captured: GraphIndex, moved_plan: Plan) -> str | None:
     """Why the captured order need not be planned after the plan with the updates moved, or
     None. Both orders give the greedy the same candidates, sizes and rebuild times, so it
-    picks in the same order in both and stops at the first prefix that fits: where the
-    captured order holds no less under the moved plan's picks, its greedy stops there or
-    later. The local search that follows starts from the plan kept."""
+    picks in the same order in both and stops at the first prefix that fits: the captured
+    order's greedy stops earlier only if it holds less at an earlier prefix. This checks
+    the prefix where the moved greedy stopped, one simulation instead of two greedy runs;
+    the local search that follows starts from the plan kept."""
     dropped = moved_plan.dropped(captured, check_fingerprint=False)
     try:
         peak = simulate_schedule(captured, build_schedule(captured, dropped, moved_plan.policy)).peak_bytes
