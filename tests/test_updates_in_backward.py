@@ -222,7 +222,7 @@ def test_a_reordered_graph_keeps_its_module_and_runs_in_the_new_order():
         reorder(moved.tg, moved.order)
 
 
-def test_the_default_planner_plans_the_captured_order_only_where_it_holds_less():
+def test_the_default_planner_plans_the_captured_order_only_where_it_holds_less(monkeypatch):
     """Both orders give the greedy the same picks in the same order; the local search plans
     the captured order only where it holds less under the picks the moved plan made."""
     import dataclasses
@@ -236,11 +236,8 @@ def test_the_default_planner_plans_the_captured_order_only_where_it_holds_less()
     budget = int(_peak(built.index.updates_in_backward()[0]) * 0.97)  # some recomputation needed, either order
     planned = []
     original = refined.plan
-    refined.plan = lambda idx, *a, **k: planned.append(idx) or original(idx, *a, **k)
-    try:
-        plan = make_plan("refined", built.index, ns, budget, lean_ops=False)
-    finally:
-        refined.plan = original
+    monkeypatch.setattr(refined, "plan", lambda idx, *a, **k: planned.append(idx) or original(idx, *a, **k))
+    plan = make_plan("refined", built.index, ns, budget, lean_ops=False)
     assert plan.recomputed and plan.updates_in_backward
     assert planned == [built.index.updates_in_backward()[0]]
     assert "holds no less" in plan.meta["other_placement"]["not_planned"]
