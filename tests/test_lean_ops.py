@@ -165,3 +165,36 @@ def test_a_saved_plan_names_its_variants_and_refuses_a_graph_without_them(tmp_pa
     again.lean_ops = again.lean_ops[1:]
     with pytest.raises(PlanError, match="dying inputs"):
         again.index_for(built.index)
+
+
+def _storages_as_seen(analysis):
+    """Each node's storages by key, with their bytes and lives: what the simulator reads."""
+    t = analysis.tensors
+    return {n: [(t[s].key, t[s].nbytes, t[s].created, t[s].last_use, t[s].role) for s in sids] for n, sids in analysis.node_storages.items()}
+
+
+def test_the_lean_graph_keeps_the_captured_module_and_is_analysed_as_its_rewrite_runs():
+    """The variants are kept beside the captured module, not in a copy of it; the analysis
+    reads each result on its input's storage, as the emitted out= calls make it (their
+    fake values propagated afresh), and the graph with its updates moved is analysed the
+    same from it."""
+    from remat.pipeline.analysis import analyze, reordered_analysis
+    from remat.pipeline.rewriter import rewrite, runnable
+    from remat.pipeline.schedule import build_schedule
+
+    spec, opt, step, built = _built("bert-tiny", 4, "adamw")
+    derived, found = built.index.with_lean_ops()
+    assert derived.tg.gm is built.tg.gm and derived.tg.lean_into == {v.node: v.into for v in found.applied}
+    schedule = build_schedule(derived, set())
+    gm = runnable(derived, schedule)
+    emitted = {n.name: n for n in gm.graph.nodes}
+    for v in found.applied:
+        out_op, out_name = out_overload(built.index.node_map[v.node].target, "cpu")
+        assert emitted[v.node].target is out_op and emitted[v.node].kwargs[out_name].name == v.into
+    rewritten = rewrite(derived, schedule)
+    assert _storages_as_seen(analyze(derived.tg, rewritten.gm, rewritten.phase)) == _storages_as_seen(derived.analysis)
+    assert derived.writes[found.applied[0].node] == derived.storages[found.applied[0].into]  # the out= write, seen by the index
+    moved, _ = derived.updates_in_backward()
+    assert moved.tg.gm is built.tg.gm and moved.tg.lean_into == derived.tg.lean_into
+    assert moved.analysis == analyze(moved.tg)  # derived from the lean graph's, as analysed afresh
+    assert moved.analysis == reordered_analysis(moved.tg, derived.analysis)

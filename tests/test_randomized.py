@@ -119,9 +119,9 @@ FROZEN_1X1_CONV_WEIGHT = RandomSpec(
 # GuardOnDataDependentSymNode instead of a CaptureError.
 # Lean variants, pinned: a backward op writes into a gradient that is itself a view of
 # one an earlier lean op wrote into (ReLU backward in place twice over a BatchNorm). The
-# lean graph's values must be refreshed in graph order, or the later op's result lands
-# on a storage the analysis no longer has, and the prediction is 896 bytes above the
-# rewritten graph's.
+# later op's result must resolve to where the earlier one's lives (in graph order), or it
+# lands on a storage the rewritten graph does not have, and the prediction is 896 bytes
+# above the rewritten graph's.
 LEAN_INTO_A_REFRESHED_VALUE = RandomSpec(
     4, 8, 0, vocab=50, seed=6785, loss="ce", extra_loss=True, budget=0.5, retry=0.2, clip=True,
     ops=(Op("embedding", (0,), (16,)), Op("relu_", (1,)), Op("batch_norm", (2,), (True,)), Op("relu_", (3,)), Op("relu", (4,)),

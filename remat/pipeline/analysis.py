@@ -10,6 +10,8 @@ schema (`_unsafe_view`, `reshape` of a contiguous tensor) are still counted righ
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -94,27 +96,27 @@ class GraphAnalysis:
         return {t.key: t.id for t in self.tensors}
 
 
-def refresh_fake_values(gm: torch.fx.GraphModule, only: set[str] | None = None, same_as: dict[str, str] | None = None) -> None:
-    """New fake values for the nodes of a rewritten graph, from their inputs' own, so that
-    the analysis reads each node's storage as the rewritten graph makes it: every node, or
-    only those named in `only` (the others keep the values they have, which is right where
-    the rewrite changed neither them nor what they alias). `same_as[n] = m`: node n's value
-    is node m's as it is then (an op returning its `out` argument), without running n.
-    In graph order, so that each node sees its inputs' new values."""
+def refresh_fake_values(gm: torch.fx.GraphModule) -> None:
+    """New fake values for the nodes of a rewritten graph, from its inputs' own, so that the
+    analysis reads each node's storage as the rewritten graph makes it."""
     fake_inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-    prop = FakeTensorProp(gm, detect_fake_mode(fake_inputs))
-    if only is None and not same_as:
-        prop.propagate_dont_convert_inputs(*fake_inputs)
-        return
-    only, same_as = only or set(), same_as or {}
-    by_name = {n.name: n for n in gm.graph.nodes}
-    prop.env = {n: n.meta["val"] for n in gm.graph.nodes if "val" in n.meta}
-    with prop._mode:
-        for n in gm.graph.nodes:
-            if n.name in same_as:
-                n.meta["val"] = prop.env[n] = prop.env[by_name[same_as[n.name]]]
-            elif n.name in only:
-                prop.env[n] = prop.run_node(n)
+    FakeTensorProp(gm, detect_fake_mode(fake_inputs)).propagate_dont_convert_inputs(*fake_inputs)
+
+
+def _lean_storages(tg: TrainGraph) -> dict[StorageWeakRef, StorageWeakRef]:
+    """Where the values of a graph with lean operator variants live (`TrainGraph.lean_into`):
+    the storage such a node's op would allocate is its input's storage, for the node and for
+    every value on it (a view of the result, an in-place write to it). An input that is
+    itself such a result resolves to where that one lives (graph order)."""
+    if not tg.lean_into:
+        return {}
+    by_name = {n.name: n for n in tg.gm.graph.nodes}
+    ref = lambda name: StorageWeakRef(by_name[name].meta["val"].untyped_storage())  # noqa: E731
+    merged: dict[StorageWeakRef, StorageWeakRef] = {}
+    for node in (n for n in by_name if n in tg.lean_into):
+        into = ref(tg.lean_into[node])
+        merged[ref(node)] = merged.get(into, into)
+    return merged
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor | None]:
@@ -152,13 +154,16 @@ def _masked_outputs(node: torch.fx.Node) -> list[int]:
     native_layer_norm_backward, ...): the real kernel returns an undefined tensor there, the
     fake kernel a full-size one that no node reads."""
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
+    i = _output_mask_position(target) if isinstance(target, torch._ops.OpOverload) else None
+    if i is None:
         return []
-    for i, arg in enumerate(target._schema.arguments):
-        if arg.name == "output_mask":
-            mask = node.args[i] if i < len(node.args) else node.kwargs.get("output_mask")
-            return [j for j, on in enumerate(mask or []) if not on]
-    return []
+    mask = node.args[i] if i < len(node.args) else node.kwargs.get("output_mask")
+    return [j for j, on in enumerate(mask or []) if not on]
+
+
+@functools.lru_cache(maxsize=None)
+def _output_mask_position(target: torch._ops.OpOverload) -> int | None:
+    return next((i for i, arg in enumerate(target._schema.arguments) if arg.name == "output_mask"), None)
 
 
 def _unmasked_by_the_kernel(node: torch.fx.Node, vals: list) -> list:
@@ -213,6 +218,7 @@ def analyze(tg: TrainGraph, gm: torch.fx.GraphModule | None = None, phase: dict[
 
     A rewritten graph passes its own `phase` map (copies of forward ops placed in the
     backward pass are backward nodes) and must carry fresh fake values in meta["val"].
+    The captured graph's are read in `tg.order` and with `tg.lean_into`, where set.
     """
     phase = phase if phase is not None else tg.phase
     reordered = gm is None and tg.order is not None  # inputs first, then the ops in tg.order, then the output
@@ -222,36 +228,25 @@ def analyze(tg: TrainGraph, gm: torch.fx.GraphModule | None = None, phase: dict[
     if reordered:
         nodes = [n for n in nodes if n.op in ("placeholder", "get_attr")] + op_nodes + [n for n in nodes if n.op == "output"]
     rank = {n.name: i for i, n in enumerate(op_nodes)}
-    end = len(op_nodes)
+    lean = _lean_storages(tg) if gm is tg.gm else {}
 
     tensors: list[TensorInfo] = []
     by_ref: dict[StorageWeakRef, int] = {}
     node_storages: dict[str, list[int]] = {}
-    new_storages: list[list[int]] = [[] for _ in op_nodes]
     undefined: set[StorageWeakRef] = set()  # fake outputs the real kernel does not make
     held: list[list] = []
     placeholder_index = 0
 
     def storage_id(t: torch.Tensor, node: torch.fx.Node, created: int, role: Role, persistent: bool, key: str) -> int:
         ref = StorageWeakRef(t.untyped_storage())
+        ref = lean.get(ref, ref)
         sid = by_ref.get(ref)
         if sid is None:
             sid = len(tensors)
             by_ref[ref] = sid
             tensors.append(
-                TensorInfo(
-                    id=sid,
-                    node=node.name,
-                    key=key,
-                    nbytes=_storage_nbytes(node, t),
-                    role=role,
-                    created=created,
-                    last_use=end if persistent else created,
-                    persistent=persistent,
-                )
+                TensorInfo(id=sid, node=node.name, key=key, nbytes=_storage_nbytes(node, t), role=role, created=created, last_use=created, persistent=persistent)
             )
-            if created >= 0:
-                new_storages[created].append(sid)
         tensors[sid].aliases.append(node.name)
         return sid
 
@@ -283,13 +278,60 @@ def analyze(tg: TrainGraph, gm: torch.fx.GraphModule | None = None, phase: dict[
                 for i, v in enumerate(vals)
                 if v is not None
             ]
+    return _with_lifetimes(tg, tensors, node_storages, op_nodes, next(n for n in nodes if n.op == "output"), phase)
 
+
+def reordered_analysis(tg: TrainGraph, analysis: GraphAnalysis) -> GraphAnalysis:
+    """The analysis of `tg`, a reordering (`tg.order`) of the graph `analysis` is of, from that
+    one's storages: which storage each node's value lives in does not depend on the order,
+    only their numbering (by first holder) and their lifetimes do. Each storage's first
+    holder is the op that makes it in every order (any other value on it is read from it,
+    directly or not), so its numbering is `analyze`'s of the reordered graph."""
+    nodes = list(tg.gm.graph.nodes)
+    op_nodes = tg.op_nodes()
+    rank = {n.name: i for i, n in enumerate(op_nodes)}
+    holders = [n for n in nodes if n.op in ("placeholder", "get_attr")] + op_nodes
+    old = analysis.tensors
+    renumber: dict[int, int] = {}
+    tensors: list[TensorInfo] = []
+    for node in holders:
+        for s in analysis.node_storages[node.name]:
+            sid = renumber.get(s)
+            if sid is None:
+                t = old[s]
+                assert t.node == node.name, f"{t.key} is first held by {node.name} in the new order"
+                sid = renumber[s] = len(tensors)
+                created = rank[node.name] if t.created >= 0 else -1
+                tensors.append(dataclasses.replace(t, id=sid, created=created, last_use=created, last_forward_use=None, first_backward_use=None, aliases=[]))
+            tensors[sid].aliases.append(node.name)
+    node_storages = {node.name: [renumber[s] for s in analysis.node_storages[node.name]] for node in holders}
+    return _with_lifetimes(tg, tensors, node_storages, op_nodes, next(n for n in nodes if n.op == "output"), tg.phase)
+
+
+def _with_lifetimes(
+    tg: TrainGraph,
+    tensors: list[TensorInfo],
+    node_storages: dict[str, list[int]],
+    op_nodes: list[torch.fx.Node],
+    output_node: torch.fx.Node,
+    phase: dict[str, Phase],
+) -> GraphAnalysis:
+    """The analysis of the op nodes in the order given, from the storage each value lives in:
+    when each storage is made, read and freed, and its role."""
+    end = len(op_nodes)
+    new_storages: list[list[int]] = [[] for _ in op_nodes]
+    for t in tensors:
+        if t.persistent:
+            t.last_use = end
+        elif t.created >= 0:
+            new_storages[t.created].append(t.id)
     uses: list[list[int]] = [[] for _ in op_nodes]
-    for node in op_nodes:
-        r = rank[node.name]
+    phases = [phase[n.name] for n in op_nodes]
+    made_in_forward = [t.created >= 0 and phases[t.created] is Phase.FORWARD for t in tensors]
+    for r, node in enumerate(op_nodes):
         seen: set[int] = set()
         for inp in node.all_input_nodes:
-            for sid in node_storages.get(inp.name, []):
+            for sid in node_storages.get(inp.name, ()):
                 if sid not in seen:
                     seen.add(sid)
                     uses[r].append(sid)
@@ -298,25 +340,22 @@ def analyze(tg: TrainGraph, gm: torch.fx.GraphModule | None = None, phase: dict[
             # alive (an in-place result, a view) keeps its own creation.
             t = tensors[sid]
             t.last_use = max(t.last_use, r)
+        in_forward = phases[r] is Phase.FORWARD
         for sid in seen:
             t = tensors[sid]
             t.last_use = max(t.last_use, r)
-            ph = phase[node.name]
-            if t.created >= 0 and phase[op_nodes[t.created].name] is Phase.FORWARD:
-                if ph is Phase.FORWARD:
+            if made_in_forward[sid]:
+                if in_forward:
                     t.last_forward_use = r if t.last_forward_use is None else max(t.last_forward_use, r)
                 elif t.first_backward_use is None:
                     # First read after the forward pass: in the backward, or later (the
                     # optimizer phase, a returned value such as detached logits).
                     t.first_backward_use = r
 
-    output_node = next(n for n in nodes if n.op == "output")
     output_storages = {sid for inp in output_node.all_input_nodes for sid in node_storages.get(inp.name, [])}
     for sid in output_storages:
         tensors[sid].last_use = end
     _assign_roles(tg, tensors, op_nodes, node_storages, output_node, phase)
-
-    phases = [phase[n.name] for n in op_nodes]
     return GraphAnalysis(
         node_names=[n.name for n in op_nodes],
         phases=phases,
@@ -331,6 +370,11 @@ def analyze(tg: TrainGraph, gm: torch.fx.GraphModule | None = None, phase: dict[
 
 def round_up(nbytes: int, granularity: int) -> int:
     return -(-nbytes // granularity) * granularity if granularity > 1 else nbytes
+
+
+# The ops through which a tied weight's gradient sums its partial gradients (add.out: a
+# lean variant writing the sum into a dying partial, see lean_ops).
+_GRADIENT_SUMS = (torch.ops.aten.add.Tensor, torch.ops.aten.add.out, torch.ops.aten.detach.default)
 
 
 def _assign_roles(
@@ -352,7 +396,7 @@ def _assign_roles(
     todo = [by_name[n] for n in tg.grad_nodes.values() if n in by_name]
     while todo:
         node = todo.pop()
-        if node.target not in (torch.ops.aten.add.Tensor, torch.ops.aten.detach.default):
+        if node.target not in _GRADIENT_SUMS:
             continue
         for arg in node.all_input_nodes:
             if arg.name in by_name and phase[arg.name] is Phase.BACKWARD:
@@ -374,11 +418,12 @@ def _assign_roles(
 
 def _phase_bounds(phases: list[Phase]) -> dict[str, tuple[int, int]]:
     """Per phase: [first rank, last rank + 1) of its nodes."""
-    bounds: dict[str, tuple[int, int]] = {}
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
     for i, ph in enumerate(phases):
-        lo, hi = bounds.get(ph.value, (i, i + 1))
-        bounds[ph.value] = (min(lo, i), max(hi, i + 1))
-    return bounds
+        first.setdefault(ph.value, i)
+        last[ph.value] = i
+    return {ph: (first[ph], last[ph] + 1) for ph in first}
 
 
 def persistent_by_role(tensors: list, granularity: int = 1) -> dict[str, int]:

@@ -21,7 +21,7 @@ import torch
 import torch.fx
 
 from remat.pipeline import op_facts, rng_replay
-from remat.pipeline.analysis import GraphAnalysis, analyze
+from remat.pipeline.analysis import GraphAnalysis, analyze, reordered_analysis
 from remat.pipeline.train_graph import Phase, TrainGraph
 from remat.pipeline.lean_ops import LeanOps, apply_lean_ops, find_lean_ops
 from remat.pipeline.update_placement import UpdatePlacement, place_updates, reorder
@@ -89,12 +89,12 @@ class GraphIndex:
             for a in inputs[n]:
                 if a in users:
                     users[a].append(n)
-        writes = {n.name: sorted({s for a in op_facts.written_args(n) for s in analysis.node_storages.get(a.name, [])}) for n in ops}
+        writes = {n.name: sorted({s for a in tg.written_args(n) for s in analysis.node_storages.get(a.name, [])}) for n in ops}
         written_by: dict[int, list[int]] = {}
         for r, n in enumerate(order):
             for s in writes[n]:
                 written_by.setdefault(s, []).append(r)
-        output = next(n for n in nodes if n.op == "output")
+        output, random = next(n for n in nodes if n.op == "output"), [n for n in ops if op_facts.is_random(n)]
         rank = {n: i for i, n in enumerate(order)}
         forward = {n for n in order if tg.phase[n] is Phase.FORWARD}
         first_late: dict[str, int] = {}
@@ -112,8 +112,8 @@ class GraphIndex:
             inputs=inputs,
             users=users,
             storages=analysis.node_storages,
-            random={n.name for n in ops if op_facts.is_random(n)},
-            replayable={n.name for n in ops if op_facts.is_random(n) and rng_replay.replay_problem(n) is None},
+            random={n.name for n in random},
+            replayable={n.name for n in random if rng_replay.replay_problem(n) is None},
             writes=writes,
             written_by=written_by,
             output_inputs=list(dict.fromkeys(a.name for a in output.all_input_nodes)),
@@ -135,7 +135,7 @@ class GraphIndex:
             lean = find_lean_ops(self.tg, self.analysis)
             if not lean.applies:
                 return None, lean
-            derived = self._indexed(apply_lean_ops(self.tg, self.analysis, lean))
+            derived = self._indexed(apply_lean_ops(self.tg, lean))
             derived.lean_ops = lean.nodes
             return derived, lean
 
@@ -148,18 +148,18 @@ class GraphIndex:
             return None, UpdatePlacement()
 
         def derive() -> tuple["GraphIndex | None", UpdatePlacement]:
-            order, placement = place_updates(self.tg, self.analysis)
+            order, placement = place_updates(self.tg, self.analysis, self.writes)
             if not placement.applies:
                 return None, placement
-            moved = self._indexed(reorder(self.tg, order))
+            moved = self._indexed(tg := reorder(self.tg, order), reordered_analysis(tg, self.analysis))
             moved.updates_moved, moved.lean_ops = True, self.lean_ops
             return moved, placement
 
         return self._derived("_updates_in_backward", derive)
 
-    def _indexed(self, tg: TrainGraph) -> "GraphIndex":
-        """The index of a graph derived from this one (same nodes, rewritten or reordered)."""
-        derived = GraphIndex.build(tg, analyze(tg))
+    def _indexed(self, tg: TrainGraph, analysis: GraphAnalysis | None = None) -> "GraphIndex":
+        """The index of a graph derived from this one (same nodes), analysed as `analysis` where given."""
+        derived = GraphIndex.build(tg, analysis or analyze(tg))
         derived.captured = self.captured or self
         return derived
 

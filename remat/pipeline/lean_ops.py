@@ -3,9 +3,10 @@ dies at that op, instead of allocating a new one (MONeT's in-place backward oper
 
 A pass with one job: it replaces such a node's op by the op's `out=` overload, with the
 dying input as `out`, and changes nothing else. The kernel is the same and each element is
-computed from the same inputs, so the values are bitwise those of the op it replaces; the
-analysis then sees the result on the input's storage, so the simulator, the bound and every
-planner count the variant's real bytes without a rule of their own.
+computed from the same inputs, so the values are bitwise those of the op it replaces. The
+variants are kept beside the captured module (`TrainGraph.lean_into`) and emitted by the
+rewriter; the analysis reads each result on its input's storage, so the simulator, the
+bound and every planner count the variant's real bytes without a rule of their own.
 
 Where a variant applies (each condition checked on the graph, not assumed):
 - the op is elementwise (`pointwise` tag: TensorIterator reads each element before writing
@@ -23,6 +24,7 @@ Where a variant applies (each condition checked on the graph, not assumed):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +32,8 @@ import torch
 import torch.fx
 
 from remat.pipeline import op_facts
-from remat.pipeline.analysis import GraphAnalysis, refresh_fake_values
-from remat.pipeline.train_graph import derived_module, Phase, TrainGraph
+from remat.pipeline.analysis import GraphAnalysis
+from remat.pipeline.train_graph import Phase, TrainGraph
 
 aten = torch.ops.aten
 
@@ -70,6 +72,7 @@ class LeanOps:
         return f"{len(self.applied)} backward ops write their result into a dying input ({', '.join(kinds)}; {saved:,} bytes not allocated)"
 
 
+@functools.lru_cache(maxsize=None)
 def out_overload(op: Any, device_type: str) -> tuple[Any, str] | None:
     """The `out=` overload of `op` taking the same arguments, and its out argument's name,
     where it has a kernel of its own on `device_type` ("cpu", "cuda"). A generated out=
@@ -152,28 +155,15 @@ def find_lean_ops(tg: TrainGraph, analysis: GraphAnalysis) -> LeanOps:
     return LeanOps(applied)
 
 
-def apply_lean_ops(tg: TrainGraph, analysis: GraphAnalysis, lean: LeanOps) -> TrainGraph:
-    """A copy of `tg` (analysed as `analysis`) whose nodes in `lean` write their result
-    into the named input (same node names and order), with fresh fake values where the
-    analysis must see a storage change: at those nodes and every value aliasing a result
-    they made before (a view of it, an in-place write to it)."""
-    if tg.order is not None:
-        raise ValueError("lean operator variants are applied to a graph in its own order")
-    into = {v.node: v.into for v in lean.applied}
-    graph = torch.fx.Graph()
-    env: dict[str, torch.fx.Node] = {}
-    for node in tg.gm.graph.nodes:
-        new = graph.node_copy(node, lambda a: env[a.name])
-        if node.name in into:
-            overload, out_name = out_overload(node.target, node.meta["val"].device.type)  # type: ignore[misc]
-            new.target = overload
-            new.kwargs = {**new.kwargs, out_name: env[into[node.name]]}
-        env[node.name] = new
-    graph.lint()
-    gm = derived_module(tg.gm, graph)
-    # An out= op returns its out argument: the node's value is the input's own (same
-    # layout, checked), and the values aliasing what it used to make are run again.
-    results = {s for name in into for s in analysis.node_storages.get(name, [])}
-    aliasing = {n for n, sids in analysis.node_storages.items() if results.intersection(sids)} - set(into)
-    refresh_fake_values(gm, only=aliasing, same_as=into)
-    return dataclasses.replace(tg, gm=gm, meta={**tg.meta, "lean_ops": lean.nodes})
+def apply_lean_ops(tg: TrainGraph, lean: LeanOps) -> TrainGraph:
+    """`tg` with its nodes in `lean` writing their result into the named input: the same
+    module, the variants kept beside it (`TrainGraph.lean_into`). The analysis reads each
+    such result on its input's storage (`analysis.analyze`), and the rewriter emits the
+    out= call (`out_call`)."""
+    return dataclasses.replace(tg, lean_into={**tg.lean_into, **{v.node: v.into for v in lean.applied}})
+
+
+def out_call(node: torch.fx.Node, into: Any) -> tuple[Any, dict[str, Any]]:
+    """The target and kwargs of `node` writing its result into `into` (its out= overload)."""
+    overload, out_name = out_overload(node.target, node.meta["val"].device.type)  # type: ignore[misc]
+    return overload, {**node.kwargs, out_name: into}

@@ -1,4 +1,5 @@
-"""Graph rewriter: emit the captured graph in a schedule's order, with its recompute copies.
+"""Graph rewriter: emit the captured graph in a schedule's order, with its recompute copies
+(and its lean operator variants' out= calls, kept beside the module: `TrainGraph.lean_into`).
 
 Each copy step becomes a new node (the original op, or its state-free twin) that reads the
 copies of its rebuilt inputs and the originals of its sources; every node after the
@@ -21,6 +22,7 @@ import torch.fx
 
 from remat.gc_pause import gc_paused
 from remat.pipeline.analysis import refresh_fake_values
+from remat.pipeline.lean_ops import out_call
 from remat.pipeline.train_graph import Phase, TrainGraph
 from remat.pipeline.op_facts import copy_call
 from remat.pipeline.rng_replay import RNG_SAVE, Replay, op_device
@@ -70,7 +72,9 @@ def rewrite(index: GraphIndex, schedule: Schedule) -> Rewritten:
             rebuilt[(node.name, step.instance)] = new
             copies[new.name] = node.name
         else:
-            env[node.name] = graph.node_copy(node, arg)
+            env[node.name] = new = graph.node_copy(node, arg)
+            if step.node in tg.lean_into:
+                new.target, new.kwargs = out_call(new, env[tg.lean_into[step.node]])
 
     output = next(n for n in old.nodes if n.op == "output")
     out_source = {a: env[a] for a, _ in schedule.output_reads}
@@ -93,7 +97,8 @@ def rewrite(index: GraphIndex, schedule: Schedule) -> Rewritten:
 
 def runnable(index: GraphIndex, schedule: Schedule) -> torch.fx.GraphModule:
     """The module that runs `schedule`: the graph's own where the schedule is the graph as it
-    stands (nothing copied, and not reordered apart from its module), else the rewrite."""
-    if not schedule.copies and index.tg.order is None:
+    stands (nothing copied, and nothing kept beside its module: an order, lean variants),
+    else the rewrite."""
+    if not schedule.copies and index.tg.order is None and not index.tg.lean_into:
         return index.tg.gm
     return rewrite(index, schedule).gm

@@ -63,6 +63,15 @@ class Schedule:
     def copies(self) -> list[str]:
         return [self.steps[i].node for i in self.copy_positions]
 
+    def plain_steps(self, index: GraphIndex) -> tuple[np.ndarray, np.ndarray]:
+        """The positions of the steps that are not copies, and their nodes' ranks: those
+        steps run the captured order less the removed nodes, in that order."""
+        is_copy = np.zeros(len(self.steps), dtype=bool)
+        is_copy[self.copy_positions] = True
+        kept = np.ones(len(index.order), dtype=bool)
+        kept[[index.rank[n] for n in self.removed]] = False
+        return np.flatnonzero(~is_copy), np.flatnonzero(kept)
+
 
 @dataclass
 class _AsCaptured:

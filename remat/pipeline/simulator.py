@@ -339,12 +339,10 @@ def replay_state_intervals(index: GraphIndex, schedule: Schedule) -> list[tuple[
     bytes_of = {n: b for n in index.replayable & copied if (b := index.replay_state_bytes(n))}
     if not bytes_of:
         return []
-    original: dict[str, int] = {}
     last_copy: dict[str, int] = {}
-    for i, step in enumerate(schedule.steps):
-        if step.node in bytes_of:
-            if step.instance == ORIGINAL:
-                original[step.node] = i
-            else:
-                last_copy[step.node] = i
-    return [(bytes_of[n], original[n], hi, n) for n, hi in last_copy.items()]
+    for i in schedule.copy_positions:
+        if schedule.steps[i].node in bytes_of:
+            last_copy[schedule.steps[i].node] = i
+    positions, ranks = schedule.plain_steps(index)  # a random op is never removed: its original is among them
+    original = positions[np.searchsorted(ranks, [index.rank[n] for n in last_copy])].tolist()
+    return [(bytes_of[n], lo, hi, n) for (n, hi), lo in zip(last_copy.items(), original)]

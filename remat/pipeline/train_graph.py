@@ -9,20 +9,9 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from remat.pipeline import hyperparams
+from remat.pipeline import hyperparams, op_facts
 
 TrainStep = Callable[[torch.nn.Module, "torch.optim.Optimizer | None", Any], torch.Tensor]
-
-
-def derived_module(root: torch.fx.GraphModule, graph: torch.fx.Graph) -> torch.fx.GraphModule:
-    """A module for a graph rewritten from `root`'s, its Python code generated on first
-    call: the planners only read a derived graph (tens of thousands of nodes take seconds
-    to generate code for), and most are never run."""
-    try:
-        from torch.fx._lazy_graph_module import _LazyGraphModule
-    except ImportError:  # a torch without it: generated now
-        return torch.fx.GraphModule(root, graph)
-    return _LazyGraphModule(root, graph)
 
 
 class Phase(str, Enum):
@@ -76,10 +65,14 @@ class TrainGraph:
     groups: list[hyperparams.GroupSpec] = field(default_factory=list)  # what the update assumes of param_groups
     data_parallel: Any = None  # data_parallel.DataParallel of a DDP-wrapped model: its gradients are averaged in the graph
     meta: dict[str, Any] = field(default_factory=dict)
-    # The op nodes' execution order where it is not gm's own: a graph reordered without
-    # copying it (update_placement.reorder). Such a graph runs only as emitted by the
-    # rewriter (rewriter.runnable), which follows the schedule's order.
+    # Two ways a graph derives from the captured one without copying its module (a copy of
+    # tens of thousands of nodes takes a good part of a second). Such a graph runs only as
+    # emitted by the rewriter (rewriter.runnable), which applies both:
+    # - the op nodes' execution order where it is not gm's own (update_placement.reorder);
     order: list[str] | None = None
+    # - backward nodes that write their result into the buffer of the named input, their
+    #   op's out= overload (lean_ops), instead of allocating a new one.
+    lean_into: dict[str, str] = field(default_factory=dict)
 
     def op_nodes(self) -> list[torch.fx.Node]:
         """The call_function nodes in execution order (rank = index in this list)."""
@@ -88,6 +81,13 @@ class TrainGraph:
             return ops
         by_name = {n.name: n for n in ops}
         return [by_name[n] for n in self.order]
+
+    def written_args(self, node: torch.fx.Node) -> list[torch.fx.Node]:
+        """The input nodes whose storage `node` writes in place: its op's own
+        (op_facts.written_args) and, for a lean variant, the input it writes its result into."""
+        written = op_facts.written_args(node)
+        into = self.lean_into.get(node.name)
+        return written if into is None else written + [a for a in node.all_input_nodes if a.name == into]
 
     def batch_signature(self) -> list[tuple[tuple[int, ...], str, str]]:
         return [(i.shape, i.dtype, i.device) for i in self.inputs if i.kind is InputKind.BATCH]

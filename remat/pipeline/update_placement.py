@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from remat.pipeline import op_facts
 from remat.pipeline.analysis import GraphAnalysis
 from remat.pipeline.train_graph import InputKind, Phase, TrainGraph
 
@@ -75,10 +74,11 @@ def _owners_of_inputs(tg: TrainGraph, analysis: GraphAnalysis) -> dict[int, str]
     return owner
 
 
-def place_updates(tg: TrainGraph, analysis: GraphAnalysis) -> tuple[list[str], UpdatePlacement]:
+def place_updates(tg: TrainGraph, analysis: GraphAnalysis, writes: dict[str, list[int]]) -> tuple[list[str], UpdatePlacement]:
     """The op nodes in the order that runs each private update right after its gradient is
-    final (the captured order where nothing moves), and what moved."""
-    facts = _UpdateFacts(tg, analysis)
+    final (the captured order where nothing moves), and what moved. `writes`: per op node,
+    the storages it writes in place (GraphIndex.writes)."""
+    facts = _UpdateFacts(tg, analysis, writes)
     placement = UpdatePlacement(held=dict(facts.shared))
     slots: dict[str, int] = {}
     for param in facts.groups:
@@ -96,24 +96,23 @@ def place_updates(tg: TrainGraph, analysis: GraphAnalysis) -> tuple[list[str], U
 class _UpdateFacts:
     """The update ops of one graph, by parameter, with the storages they touch."""
 
-    def __init__(self, tg: TrainGraph, analysis: GraphAnalysis) -> None:
+    def __init__(self, tg: TrainGraph, analysis: GraphAnalysis, writes: dict[str, list[int]]) -> None:
         ops = tg.op_nodes()
         self.order = [n.name for n in ops]
         self.rank = {n: i for i, n in enumerate(self.order)}
         self.node_map = {n.name: n for n in ops}
         self.storages = analysis.node_storages
+        self.writes = writes
         update = [n for n in ops if tg.phase[n.name] is Phase.OPTIMIZER]
         self.in_update = {n.name for n in update}
         self.last_outside = max((r for r, n in enumerate(self.order) if n not in self.in_update), default=-1)
         self.readers: dict[int, list[int]] = {}
         self.writers: dict[int, list[int]] = {}
-        for r, n in enumerate(ops):
-            for a in n.all_input_nodes:
-                for sid in self.storages.get(a.name, []):
-                    self.readers.setdefault(sid, []).append(r)
-            for a in op_facts.written_args(n):
-                for sid in self.storages.get(a.name, []):
-                    self.writers.setdefault(sid, []).append(r)
+        for r, (n, read) in enumerate(zip(self.order, analysis.uses)):
+            for sid in read:
+                self.readers.setdefault(sid, []).append(r)
+            for sid in writes[n]:
+                self.writers.setdefault(sid, []).append(r)
         self._assign(update, _owners_of_inputs(tg, analysis))
 
     def _assign(self, update: list[torch.fx.Node], owner: dict[int, str]) -> None:
@@ -145,7 +144,7 @@ class _UpdateFacts:
             else:
                 free.append(n.name)
         self.free = set(free)
-        self.writing_free = {f for f in free if op_facts.written_args(self.node_map[f])}
+        self.writing_free = {f for f in free if self.writes[f]}
 
     def helpers(self, names: list[str]) -> list[str]:
         """The free ops that the ops `names` read, transitively, in captured order."""
@@ -167,7 +166,7 @@ class _UpdateFacts:
         if writing:
             return -1, f"it needs {writing[0]}, which writes in place"
         read = {sid for n in names for a in self.node_map[n].all_input_nodes for sid in self.storages.get(a.name, [])}
-        written = {sid for n in names for a in op_facts.written_args(self.node_map[n]) for sid in self.storages.get(a.name, [])}
+        written = {sid for n in names for sid in self.writes[n]}
         slot = max(self.outside_dep[n] for n in [*names, *helpers])
         members = set(names)
         for sid in read | written:

@@ -75,8 +75,8 @@ class PeakLowerBound:
             for lo, hi in self._spans.get(s, ()):
                 _add(at, lo, hi, t.nbytes)
                 _add(across, lo + 1, hi, t.nbytes)
-        self._last = (frozenset(dropped), at.copy(), across.copy())
-        best = int(np.cumsum(at[:n])[self._tail].max())
+        self._last = (frozenset(dropped), at, across)  # not changed below: copied first where it would be
+        best = int(np.cumsum(at[:n])[self._tail_at].max())
         if not dropped or (above is not None and self.persistent + best > above):
             return self.persistent + best
         blocks, held = self._blocks(dropped)
@@ -84,6 +84,7 @@ class PeakLowerBound:
         if held:
             # Under the shared schedule a copy made in an earlier block than its first
             # reader's is live from there: its spans start at that block.
+            at, across = at.copy(), across.copy()
             extra: dict[int, list[tuple[int, int]]] = {}
             for c, r in held:
                 for s, (_, hi) in self._value_spans[c].items():
@@ -100,7 +101,7 @@ class PeakLowerBound:
                 for lo, hi in xs:
                     _add(at, lo, hi, tensors[s].nbytes)
                     _add(across, lo + 1, hi, tensors[s].nbytes)
-            best = int(np.cumsum(at[:n])[self._tail].max())
+            best = int(np.cumsum(at[:n])[self._tail_at].max())
         across_curve = np.cumsum(across[:n])
         # Blocks by a cheap cap on what they can add (all they make, and the largest
         # inputs and scratch of one copy), highest first: the rest are skipped once the
@@ -217,6 +218,10 @@ def _bound_tables(index: GraphIndex) -> dict:
     t._n = n
     t._tail = np.array([r for r, name in enumerate(index.order) if name not in index.forward], dtype=np.int64)
     t._m = len(t._tail)
+    # The ranks the bound is taken over, as a slice where they run on (the forward pass
+    # first, as usual): a slice of a curve is read without a copy.
+    contiguous = t._m > 0 and int(t._tail[-1]) - int(t._tail[0]) + 1 == t._m
+    t._tail_at = slice(int(t._tail[0]), int(t._tail[-1]) + 1) if contiguous else t._tail
     at = np.zeros(n + 2, dtype=np.int64)  # live at node r
     across = np.zeros(n + 2, dtype=np.int64)  # live before node r's block and at r
     t._kept = index.kept_intervals()
@@ -310,25 +315,27 @@ class KeepOneMoreBound:
         self._end = np.concatenate([made.end, np.array([hi for _, _, hi, _ in states], dtype=np.int64)])
         self._bytes = np.concatenate([made.nbytes, np.array([b for b, *_ in states], dtype=np.int64)]).astype(np.float64)
         # Each step's place in the captured order (its node's rank, or for a copy the rank
-        # of the node its block runs before), and its block (-1: not a copy).
-        self._at_rank = np.empty(n, dtype=np.int64)
-        self._block = np.full(n, -1, dtype=np.int64)
+        # of the node its block runs before), and its block (-1: not a copy): a copy's block
+        # is the first step after it that is not a copy. The steps that are not copies are
+        # the captured order less the removed nodes.
+        positions, ranks = schedule.plain_steps(index)
+        plain_rank = np.full(n + 1, len(index.order), dtype=np.int64)
+        plain_rank[positions] = ranks
+        is_copy = np.ones(n, dtype=bool)
+        is_copy[positions] = False
+        following = np.minimum.accumulate(np.where(is_copy, n, np.arange(n))[::-1])[::-1]
+        self._at_rank = plain_rank[following]
+        self._block = np.where(is_copy, following, -1)
         self._rows: dict[int, set[int]] = {}  # block -> the rows its copies make or read
         self._blocks_of: dict[int, set[int]] = {}  # storage -> the blocks copying a value on it
-        following, block = len(index.order), n
-        for i in range(n - 1, -1, -1):
-            step = steps[i]
-            if not step.copy:
-                following, block = index.rank[step.node], i
-            else:
-                self._block[i] = block
-                rows = self._rows.setdefault(block, set())
-                rows.update(made.touched_by_copy[i])
-                if step.node in state_row:
-                    rows.add(state_row[step.node])
-                for s in index.storages.get(step.node, ()):
-                    self._blocks_of.setdefault(s, set()).add(block)
-            self._at_rank[i] = following
+        for i in schedule.copy_positions:
+            node, block = steps[i].node, int(self._block[i])
+            rows = self._rows.setdefault(block, set())
+            rows.update(made.touched_by_copy[i])
+            if node in state_row:
+                rows.add(state_row[node])
+            for s in index.storages.get(node, ()):
+                self._blocks_of.setdefault(s, set()).add(block)
         self._live = timeline.during
         self._n = n
         self.persistent = int(timeline.persistent_bytes)
@@ -342,14 +349,19 @@ class KeepOneMoreBound:
         live = self._live[lo:hi]
         blocks = self._blocks_of.get(storage, set())
         if blocks:
-            changing = np.isin(self._block, np.fromiter(blocks, dtype=np.int64))  # the steps of those blocks
+            in_blocks = np.zeros(self._n + 2, dtype=bool)  # by block + 1 (a step outside every block: -1)
+            in_blocks[np.fromiter(blocks, dtype=np.int64) + 1] = True
             rows = np.fromiter(set().union(*(self._rows[b] for b in blocks)), dtype=np.int64)
             weights = self._bytes[rows]
-            first = np.where(changing[self._start[rows]], self._start[rows], self._after[rows])
-            diff = np.bincount(first, weights, minlength=self._n + 1)
-            diff -= np.bincount(np.minimum(self._end[rows], self._n - 1) + 1, weights, minlength=self._n + 1)
-            live = live - np.cumsum(diff)[lo:hi].astype(np.int64)
-            stays = ~changing[lo:hi]
+            start = self._start[rows]
+            first = np.where(in_blocks[self._block[start] + 1], start, self._after[rows])
+            # What those rows hold over [lo, hi): a difference array over that window only
+            # (a row from before lo counts from lo; one from hi on, not at all).
+            width = hi - lo
+            diff = np.bincount(np.clip(first - lo, 0, width), weights, minlength=width + 1)
+            diff -= np.bincount(np.clip(np.minimum(self._end[rows], self._n - 1) + 1 - lo, 0, width), weights, minlength=width + 1)
+            live = live - np.cumsum(diff[:width]).astype(np.int64)
+            stays = ~in_blocks[self._block[lo:hi] + 1]  # the steps outside those blocks
             if not stays.any():
                 return 0
             live = live[stays]
