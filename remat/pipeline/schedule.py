@@ -82,7 +82,7 @@ class _AsCaptured:
 
     steps: list[Step]
     reads: list[list[tuple[str, int]]]
-    late_readers: list[int]
+    late_readers: dict[str, list[int]]  # forward value -> the positions of those nodes that read it
 
 
 def _as_captured(index: GraphIndex) -> _AsCaptured:
@@ -92,9 +92,7 @@ def _as_captured(index: GraphIndex) -> _AsCaptured:
         cache = index.__dict__["_as_captured"] = _AsCaptured(
             steps=[Step(u) for u in index.order],
             reads=[[(a, ORIGINAL) for a in index.inputs[u]] for u in index.order],
-            late_readers=[
-                i for i, u in enumerate(index.order) if u not in forward and any(a in forward for a in index.inputs[u])
-            ],
+            late_readers={a: [index.rank[u] for u in index.users[a] if u not in forward] for a in forward},
         )
     return cache
 
@@ -133,10 +131,8 @@ def build_schedule(
     copy_positions: list[int] = []
     blocks_at: list[int] = []  # the captured position of each node a block precedes
     copies_through: list[int] = []  # the copies placed up to and including that block
-    for i in as_captured.late_readers:
+    for i in sorted({i for a in gone for i in as_captured.late_readers.get(a, ())}):  # the nodes that read a value gone
         u = index.order[i]
-        if gone.isdisjoint(index.inputs[u]):
-            continue
         all_steps.extend(as_captured.steps[done:i])
         all_reads.extend(as_captured.reads[done:i])
         done = i + 1
