@@ -78,12 +78,12 @@ class GraphIndex:
     _copy_reads: dict[str, list[str]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def build(cls, tg: TrainGraph, analysis: GraphAnalysis) -> "GraphIndex":
+    def build(cls, tg: TrainGraph, analysis: GraphAnalysis, like: "GraphIndex | None" = None) -> "GraphIndex":  # like: same nodes, facts per node shared
         nodes = list(tg.gm.graph.nodes)
         ops = tg.op_nodes()
         order = [n.name for n in ops]
         assert order == analysis.node_names, "analysis does not belong to this graph"
-        inputs = {n.name: list(dict.fromkeys(a.name for a in n.all_input_nodes)) for n in ops}
+        inputs = like.inputs if like else {n.name: list(dict.fromkeys(a.name for a in n.all_input_nodes)) for n in ops}
         users: dict[str, list[str]] = {n: [] for n in order}
         for n in order:
             for a in inputs[n]:
@@ -94,11 +94,11 @@ class GraphIndex:
         for r, n in enumerate(order):
             for s in writes[n]:
                 written_by.setdefault(s, []).append(r)
-        output, random = next(n for n in nodes if n.op == "output"), [n for n in ops if op_facts.is_random(n)]
+        random = like.random if like else {n.name for n in ops if op_facts.is_random(n)}
+        node_map = like.node_map if like else {n.name: n for n in nodes}
         rank = {n: i for i, n in enumerate(order)}
         forward = {n for n in order if tg.phase[n] is Phase.FORWARD}
-        first_late: dict[str, int] = {}
-        last_late: dict[str, int] = {}
+        first_late, last_late = {}, {}  # forward value -> first and last rank after the forward pass that reads it
         for n in forward:
             late = [rank[u] for u in users[n] if u not in forward]
             if late:
@@ -112,14 +112,14 @@ class GraphIndex:
             inputs=inputs,
             users=users,
             storages=analysis.node_storages,
-            random={n.name for n in random},
-            replayable={n.name for n in random if rng_replay.replay_problem(n) is None},
+            random=random,
+            replayable=like.replayable if like else {n for n in random if rng_replay.replay_problem(node_map[n]) is None},
             writes=writes,
             written_by=written_by,
-            output_inputs=list(dict.fromkeys(a.name for a in output.all_input_nodes)),
+            output_inputs=list(dict.fromkeys(a.name for a in next(n for n in nodes if n.op == "output").all_input_nodes)),
             activation={t.id for t in analysis.tensors if t.is_activation},
             persistent={t.id for t in analysis.tensors if t.persistent},
-            node_map={n.name: n for n in nodes},
+            node_map=node_map,
             last_late_reader=last_late,
             first_late_reader=first_late,
         )
@@ -159,7 +159,7 @@ class GraphIndex:
 
     def _indexed(self, tg: TrainGraph, analysis: GraphAnalysis | None = None) -> "GraphIndex":
         """The index of a graph derived from this one (same nodes), analysed as `analysis` where given."""
-        derived = GraphIndex.build(tg, analysis or analyze(tg))
+        derived = GraphIndex.build(tg, analysis or analyze(tg), like=self)
         derived.captured = self.captured or self
         return derived
 
