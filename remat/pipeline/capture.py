@@ -179,21 +179,21 @@ def _check_arguments(
 
 
 def _trace(
-    traced: Callable[..., Any], flat: list[torch.Tensor], symbols: dict[str, str], zero_facts: dict[str, bool],
+    traced: Callable[..., Any], flat: list[torch.Tensor], symbols: dict[str, str], sign_facts: dict[str, int],
     hyper_values: dict[str, float], model: torch.nn.Module, was_training: bool,
 ) -> torch.fx.GraphModule:  # fmt: skip
     """make_fx of `traced`; a branch on a hyperparameter other than the known ones fixes its
-    zero-ness too (in `zero_facts`), and traces again."""
+    sign too (in `sign_facts`), and traces again."""
     while True:
         try:
             return make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=False)(*flat)
         except Exception as e:  # noqa: BLE001 - translated into a message a user can act on
-            new = [name for name in branched_hyperparameters(e, symbols) if name not in zero_facts]
+            new = [name for name in branched_hyperparameters(e, symbols) if name not in sign_facts]
             if not new:
                 if isinstance(e, CaptureError):
                     raise
                 raise explain_trace_failure(e) from e
-            zero_facts.update({name: hyper_values[name] == 0 for name in new})
+            sign_facts.update({name: hyperparams.sign(hyper_values[name]) for name in new})
         finally:
             model.train(was_training)
 
@@ -228,9 +228,9 @@ def capture(
     final_grads: list[str] = []
     seen: dict[str, Any] = {}  # what the last trace saw: the return value's structure, backward() calls
     probe = {"preset_grads": False}  # see check_no_accumulation
-    # Floats the update branches on (`if weight_decay != 0`) keep their zero-ness from the
+    # Floats the update branches on (`if weight_decay != 0`) keep their sign from the
     # capture; the others are free symbols. `symbols` names a float a trace tripped on.
-    zero_facts = {n: v == 0 for n, v in hyper_values.items() if hyperparams.parse_input_name(n)[1] in hyperparams.BRANCHED_KEYS}
+    sign_facts = {n: hyperparams.sign(v) for n, v in hyper_values.items() if hyperparams.parse_input_name(n)[1] in hyperparams.BRANCHED_KEYS}
     symbols: dict[str, str] = {}
 
     def traced(*args: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -262,7 +262,7 @@ def capture(
                 stack.enter_context(data_parallel.traced_forward(model, synced))
             if optimizer is not None:
                 stack.enter_context(optimizer_on(optimizer, real_to_name, t_params, t_states))
-                stack.enter_context(hyperparams.symbolic(optimizer, t_hyper, zero_facts, symbols))
+                stack.enter_context(hyperparams.symbolic(optimizer, t_hyper, sign_facts, symbols))
                 handle = optimizer.register_step_pre_hook(step_pre_hook)
                 stack.callback(handle.remove)
             torch.autograd.backward = backward
@@ -278,7 +278,7 @@ def capture(
         return outputs, [g for _, g in grads]
 
     def trace() -> torch.fx.GraphModule:
-        return _trace(traced, flat, symbols, zero_facts, hyper_values, model, was_training)
+        return _trace(traced, flat, symbols, sign_facts, hyper_values, model, was_training)
 
     was_training = model.training
     leaves_zero_grads = False
@@ -301,7 +301,7 @@ def capture(
         inputs = drop_unread_new_state(gm, inputs, optimizer, params, had_state)
         inputs = drop_unread_hyperparameters(gm, inputs)
         check_first_step_state(optimizer, had_state, {id(params[n]) for n in grad_order})
-        groups = hyperparams.group_specs(optimizer, real_to_name, zero_facts)
+        groups = hyperparams.group_specs(optimizer, real_to_name, sign_facts)
     tg = _finish(gm, inputs, grad_order, final_grads, str(spec), optimizer is not None, device)
     if dp is not None:
         dp.last_forward_synced = bool(seen["reduced"])

@@ -11,7 +11,7 @@ a scalar argument, bitwise.
 What cannot be an input is fixed at capture and checked at every call, with an error
 that names it when it changed: flags (nesterov, amsgrad, maximize, ...), which
 parameters each group holds, and, for a float the update branches on (`if
-weight_decay != 0`), whether it is zero.
+weight_decay != 0`, RMSprop's `if momentum > 0`), its sign: negative, zero or positive.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import torch
 
 from remat.errors import CaptureError
 
-# Floats that torch.optim's SGD/Adam/AdamW test against zero before using them. Their
-# zero-ness is fixed from the start; others are found when a trace trips on one.
+# Floats that torch.optim's optimizers compare with zero before using them. Their sign is
+# fixed from the start; others are found when a trace trips on one.
 BRANCHED_KEYS = frozenset({"weight_decay", "momentum"})
 
 
@@ -35,7 +35,14 @@ class GroupSpec:
 
     params: tuple[str, ...]  # names of the parameters in the group, in order
     flags: tuple[tuple[str, str], ...]  # (key, repr(value)) of every non-float entry
-    zero: tuple[tuple[str, bool], ...]  # (float key, whether it was 0) where the update branches on it
+    signs: tuple[tuple[str, int], ...]  # (float key, its sign: -1, 0, 1) where the update branches on it
+
+
+def sign(value: float) -> int:
+    return (value > 0) - (value < 0)
+
+
+_SIGN_WORDS = {-1: "negative", 0: "zero", 1: "positive"}
 
 
 def _is_number(value: Any) -> bool:
@@ -108,13 +115,13 @@ def _get(group: dict[str, Any], key: str) -> Any:
 def symbolic(
     optimizer: torch.optim.Optimizer,
     tensors: dict[str, torch.Tensor],
-    zero_facts: dict[str, bool],
+    sign_facts: dict[str, int],
     symbols: dict[str, str],
 ) -> Iterator[None]:
     """While tracing: each float of the param groups is the `.item()` of its graph input.
 
-    `tensors`: input name -> the traced 0-dim tensor. `zero_facts`: input name -> whether
-    it is zero, for the floats the update may branch on. `symbols` is filled with the
+    `tensors`: input name -> the traced 0-dim tensor. `sign_facts`: input name -> its sign
+    (-1, 0, 1), for the floats the update may branch on. `symbols` is filled with the
     symbol of each float -> its input name, to name a branch the trace trips on.
     """
     saved = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
@@ -124,8 +131,8 @@ def symbolic(
             name = input_name(gi, key)
             value = tensors[name].item()
             symbols[str(value.node.expr)] = name
-            if name in zero_facts:
-                torch._check(value == 0 if zero_facts[name] else value != 0)
+            if name in sign_facts:
+                torch._check({-1: value < 0, 0: value == 0, 1: value > 0}[sign_facts[name]])
             _set(group, key, value)
             placed[name] = value
     try:
@@ -143,11 +150,11 @@ def symbolic(
             group.update(values)
 
 
-def group_specs(optimizer: torch.optim.Optimizer, names: dict[int, str], zero_facts: dict[str, bool]) -> list[GroupSpec]:
+def group_specs(optimizer: torch.optim.Optimizer, names: dict[int, str], sign_facts: dict[str, int]) -> list[GroupSpec]:
     specs = []
     for gi, group in enumerate(optimizer.param_groups):
-        zero = tuple(sorted((key, zero_facts[input_name(gi, key)]) for key in float_entries(group) if input_name(gi, key) in zero_facts))
-        specs.append(GroupSpec(tuple(names[id(p)] for p in group["params"]), _flags(group, gi), zero))
+        signs = tuple(sorted((key, sign_facts[input_name(gi, key)]) for key in float_entries(group) if input_name(gi, key) in sign_facts))
+        specs.append(GroupSpec(tuple(names[id(p)] for p in group["params"]), _flags(group, gi), signs))
     return specs
 
 
@@ -175,14 +182,14 @@ def check_unchanged(optimizer: torch.optim.Optimizer, specs: list[GroupSpec], na
                     f"optimizer.param_groups[{gi}][{key!r}] changed from {was} to {now} since the step was compiled; "
                     "the captured update depends on it. Compile a new step (remat.compile) after changing it."
                 )
-        for key, was_zero in spec.zero:
+        for key, was in spec.signs:
             if key not in floats:
                 raise CaptureError(f"optimizer.param_groups[{gi}][{key!r}] is no longer a float; compile a new step.")
-            if (floats[key] == 0) != was_zero:
+            if sign(floats[key]) != was:
                 raise CaptureError(
-                    f"optimizer.param_groups[{gi}][{key!r}] changed from {'zero' if was_zero else 'nonzero'} to "
-                    f"{floats[key]!r}; the update skips or runs a whole term on whether it is zero, which the captured "
-                    "graph fixed. Compile a new step (remat.compile) after changing it."
+                    f"optimizer.param_groups[{gi}][{key!r}] changed from {_SIGN_WORDS[was]} to {floats[key]!r}; the update "
+                    f"skips or runs a whole term on whether it is {_SIGN_WORDS[was]}, which the captured graph fixed. "
+                    "Compile a new step (remat.compile) after changing it."
                 )
 
 

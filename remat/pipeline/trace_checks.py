@@ -3,6 +3,7 @@ name, what remat cannot run as eager does, and passes that drop inputs nothing r
 
 from __future__ import annotations
 
+from pathlib import Path
 
 import torch
 import torch.fx
@@ -132,7 +133,17 @@ def explain_trace_failure(e: Exception) -> CaptureError:
             "Python branch on tensor values that one captured graph cannot hold. Train in bfloat16 under "
             "torch.autocast (it needs no scaler), or without remat."
         )
-    if "DataDependent" in name or "GuardOnDataDependent" in name or "data-dependent" in str(e).lower():
+    data_dependent = "DataDependent" in name or "GuardOnDataDependent" in name or "data-dependent" in str(e).lower()
+    optimizer_frames = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename).parent.parts[-2:] == ("torch", "optim")]
+    if data_dependent and optimizer_frames:
+        where = optimizer_frames[-1]
+        return CaptureError(
+            f"the optimizer's update branches on a value that can change from step to step, such as its step count "
+            f"or its state (torch/optim/{Path(where.filename).name}, line {where.lineno}: {where.line}), which one captured graph cannot hold. Use an optimizer whose update "
+            "does not branch on its state (SGD, Adam, AdamW, RMSprop, Adagrad, Adamax, NAdam, Adadelta, Rprop), "
+            "or train this one without remat."
+        )
+    if data_dependent:
         return CaptureError(
             f"train_step has data-dependent Python control flow or an op whose output shape depends "
             f"on tensor values ({name}: {first}). Make the branch independent of tensor values "
