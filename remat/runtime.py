@@ -77,7 +77,6 @@ class CompiledGraph:
     tg: TrainGraph
     gm: torch.fx.GraphModule
     report: StepReport
-    written_buffers: list[int]  # placeholder positions of buffers the step writes in place
     measured: bool = False
 
 
@@ -227,14 +226,7 @@ class RematStep:
             copies=sum(1 for n in gm.graph.nodes if n.name.endswith("_recomputed")),
             compile_seconds=time.perf_counter() - start,
         )
-        placeholders = [n.name for n in tg.gm.graph.nodes if n.op == "placeholder"]
-        written = {s for n in index.order for s in index.writes[n]}
-        written_buffers = [
-            i
-            for i, (name, spec) in enumerate(zip(placeholders, tg.inputs))
-            if spec.kind is InputKind.BUFFER and set(analysis.node_storages[name]) & written
-        ]
-        return CompiledGraph(tg=tg, gm=gm, report=report, written_buffers=written_buffers)
+        return CompiledGraph(tg=tg, gm=gm, report=report)
 
     def __call__(self, batch: Any) -> torch.Tensor:
         compiled = self.compiled_for(batch)
@@ -252,13 +244,13 @@ class RematStep:
         return self._run(compiled, inputs)
 
     def _run(self, compiled: CompiledGraph, inputs: list[torch.Tensor]) -> torch.Tensor:
-        """One step; on failure, put back the state the step had changed (see `_Undo`)."""
-        undo = _Undo(compiled, inputs)
+        """One step; on failure, its error says what the step had already changed in place."""
+        changed = _ChangedOnFailure(compiled, inputs)
         dp = compiled.tg.data_parallel
         try:
             result = run_captured(compiled.tg, compiled.gm, self.model, inputs)
         except Exception as e:
-            undo.restore(e)
+            changed.note(e)
             if dp is not None:
                 ranks.note_collective_failure(e, dp)
             raise
@@ -267,34 +259,36 @@ class RematStep:
         return result
 
 
-class _Undo:
-    """Restores a failed step's in-place changes to persistent state.
+class _ChangedOnFailure:
+    """What a failed step had already changed in place, for its error.
 
-    The forward pass writes buffers (BatchNorm running statistics) in place: those are
-    small and copied before each step. Parameters and optimizer state change only in the
-    optimizer's updates, at the end of the step or, moved into the backward pass, as soon
-    as each gradient is final; version counters tell whether a failure came after some of
-    them had changed, which cannot be undone without a second copy of
-    all of them, and the error then says so.
+    The step writes persistent state in place: buffers (BatchNorm running statistics) in
+    the forward pass, parameters and optimizer state in the updates (at the end of the
+    step or, moved into the backward pass, as soon as each gradient is final). As in eager,
+    no second copy is kept to undo them: it would be memory the step holds beside the
+    plan. Version counters tell what a failure came after, and the error says so.
     """
 
     def __init__(self, compiled: CompiledGraph, inputs: list[torch.Tensor]) -> None:
-        self.buffers = [(inputs[i], inputs[i].detach().clone()) for i in compiled.written_buffers]
         self.watched = [
-            (spec.name, t, t._version)
+            (spec.name, spec.kind, t, t._version)
             for spec, t in zip(compiled.tg.inputs, inputs)
-            if spec.kind in (InputKind.PARAMETER, InputKind.OPTIMIZER_STATE)
+            if spec.kind in (InputKind.PARAMETER, InputKind.OPTIMIZER_STATE, InputKind.BUFFER)
         ]
 
-    def restore(self, error: Exception) -> None:
-        with torch.no_grad():
-            for t, saved in self.buffers:
-                t.copy_(saved)
-        changed = [name for name, t, version in self.watched if t._version != version]
-        if changed:
+    def note(self, error: Exception) -> None:
+        changed = [(name, kind) for name, kind, t, version in self.watched if t._version != version]
+        buffers = [name for name, kind in changed if kind is InputKind.BUFFER]
+        updated = [name for name, kind in changed if kind is not InputKind.BUFFER]
+        if buffers:
             error.add_note(
-                f"remat: the step failed after optimizer updates had begun; {len(changed)} parameters or optimizer "
-                f"states (first: {changed[0]}) were already updated and are not restored"
+                f"remat: the step failed after its forward pass had written {len(buffers)} buffers in place (first: "
+                f"{buffers[0]}), as eager's forward writes them (BatchNorm's running statistics); they are not restored"
+            )
+        if updated:
+            error.add_note(
+                f"remat: the step failed after optimizer updates had begun; {len(updated)} parameters or optimizer "
+                f"states (first: {updated[0]}) were already updated and are not restored"
             )
 
 

@@ -170,3 +170,46 @@ def test_step_that_accumulates_gradients_across_calls_is_refused():
         return accumulating(m, o, b)
 
     capture(clears_in_place, model, opt, torch.randn(2, 4))
+
+
+class _LSTMTagger(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lstm = torch.nn.LSTM(16, 32, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(32, 5)
+
+    def forward(self, x):
+        y, _ = self.lstm(x)
+        return self.head(y)
+
+
+def _lstm_step(model, optimizer, batch):
+    optimizer.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(batch["x"]).flatten(0, 1), batch["y"].flatten())
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _lstm_batch():
+    g = torch.Generator().manual_seed(1)
+    return {"x": torch.randn(4, 8, 16, generator=g), "y": torch.randint(0, 5, (4, 8), generator=g)}
+
+
+def test_an_lstm_on_onednn_is_refused_naming_the_switch_and_runs_bitwise_with_it_off():
+    """oneDNN's LSTM layer cannot run its backward from a graph (its workspace is undefined
+    at run time); with oneDNN off, eager and remat both run PyTorch's own LSTM kernels."""
+    import remat
+
+    model = _LSTMTagger()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    if torch.backends.mkldnn.is_available():
+        with pytest.raises(CaptureError, match=r"aten.mkldnn_rnn_layer.*torch.backends.mkldnn.enabled = False"):
+            remat.compile(_lstm_step, model, opt, _lstm_batch(), memory_budget=0.9, profile_runs=1, measure=False)
+    with torch.backends.mkldnn.flags(enabled=False):
+        eager_model, eager_opt = twin(model, opt)
+        step = remat.compile(_lstm_step, model, opt, _lstm_batch(), memory_budget=0.9, profile_runs=1)
+        result = check_against_eager(_lstm_step, eager_model, eager_opt, model, opt, step, _lstm_batch(), steps=3)
+        assert result.match, result.summary()
+        assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes

@@ -26,7 +26,7 @@ from remat.errors import CaptureError
 from remat.pipeline.optimizer_state import check_first_step_state, optimizer_on, optimizer_states
 
 from remat.pipeline.markers import MARKER, RECORD_FUNCTION_OPS, marker
-from remat.pipeline.trace_checks import branched_hyperparameters, check_no_accumulation, check_static_shapes, drop_unread_hyperparameters, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state
+from remat.pipeline.trace_checks import branched_hyperparameters, check_graph_runnable, check_no_accumulation, check_static_shapes, drop_unread_hyperparameters, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state
 from remat.pipeline.train_graph import GraphInput, InputKind, Phase, TrainGraph, TrainStep
 
 
@@ -296,6 +296,7 @@ def capture(
         if not leaves_zero_grads:
             check_no_accumulation(probe_gm)
     check_static_shapes(gm)
+    check_graph_runnable(gm)
     groups: list[hyperparams.GroupSpec] = []
     if optimizer is not None:
         inputs = drop_unread_new_state(gm, inputs, optimizer, params, had_state)

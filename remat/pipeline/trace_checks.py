@@ -117,6 +117,21 @@ def check_static_shapes(gm: torch.fx.GraphModule) -> None:
                 )
 
 
+def check_graph_runnable(gm: torch.fx.GraphModule) -> None:
+    """Refuse ops whose traced form cannot run from a graph, naming the way around.
+
+    oneDNN's LSTM layer returns an undefined workspace at run time (a tensor only on fake
+    tensors), and its backward, called from a graph, will not take one.
+    """
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.mkldnn_rnn_layer.default:
+            raise CaptureError(
+                "nn.LSTM on CPU runs oneDNN's fused layer (aten.mkldnn_rnn_layer), whose backward cannot run from a "
+                "captured graph. Set torch.backends.mkldnn.enabled = False before building the step (eager and remat "
+                "then both run PyTorch's own LSTM kernels), or train this model without remat."
+            )
+
+
 def _vals(node: torch.fx.Node) -> list[torch.Tensor]:
     v = node.meta.get("val")
     return [t for t in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, torch.Tensor)]
