@@ -194,6 +194,15 @@ def _inner_scheduler() -> Step:
     return step
 
 
+def _checkpointing(model):
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _seeded_step(model, optimizer, batch):
+    torch.manual_seed(0)
+    return plain_step(model, optimizer, batch)
+
+
 IDIOMS = [
     Idiom("learning-rate scheduler stepped every step (LambdaLR warm-up from 0)", "works",
           between=_sched(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, s / 3)))),
@@ -220,6 +229,8 @@ IDIOMS = [
     Idiom("torch.amp.GradScaler", "refused", step=_grad_scaler),
     Idiom("optimizer.add_param_group after compiling", "refused", between=_hook(_add_group)),
     Idiom("scheduler stepped inside train_step", "refused", step=_inner_scheduler()),
+    Idiom("the model's own activation checkpointing (gradient_checkpointing_enable, dropout inside)", "works", setup=_checkpointing),
+    Idiom("torch.manual_seed inside train_step", "refused", step=_seeded_step),
 ]
 
 

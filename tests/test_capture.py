@@ -3,6 +3,8 @@ what cannot be captured is refused with a message that says why."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -213,3 +215,96 @@ def test_an_lstm_on_onednn_is_refused_naming_the_switch_and_runs_bitwise_with_it
         result = check_against_eager(_lstm_step, eager_model, eager_opt, model, opt, step, _lstm_batch(), steps=3)
         assert result.match, result.summary()
         assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes
+
+
+class _Checkpointed(torch.nn.Module):
+    """Residual blocks with dropout, each under the user's own torch.utils.checkpoint."""
+
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.use_reentrant = use_reentrant
+        self.inp = torch.nn.Linear(16, 32)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Dropout(0.2), torch.nn.Linear(64, 32)) for _ in range(3)
+        )
+        self.out = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + torch.utils.checkpoint.checkpoint(block, h, use_reentrant=self.use_reentrant)
+        return self.out(h)
+
+
+def _checkpointed_step(model, optimizer, batch):
+    optimizer.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_the_users_own_checkpoint_calls_with_dropout_train_bitwise(use_reentrant):
+    """Traced as they are, the regions would be recomputed in the backward pass with new
+    dropout masks (the RNG state checkpoint restores is restored at trace time only), and
+    the gradients would differ from eager's with no error. They are traced as plain calls,
+    and remat plans their recomputation."""
+    import remat
+
+    model = _Checkpointed(use_reentrant)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(2)
+    batch = {"x": torch.randn(256, 16, generator=g), "y": torch.randint(0, 4, (256,), generator=g)}
+    eager_model, eager_opt = twin(model, opt)
+    step = remat.compile(_checkpointed_step, model, opt, batch, memory_budget=0.7, profile_runs=1)
+    captured = step.compiled_for(batch).tg.gm
+    assert sum(1 for n in captured.graph.nodes if n.target is torch.ops.aten.bernoulli_.float) == 3  # each dropout traced once
+    result = check_against_eager(_checkpointed_step, eager_model, eager_opt, model, opt, step, batch, steps=3)
+    assert result.match, result.summary()
+    assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes
+    assert "apply" not in torch.utils.checkpoint.CheckpointFunction.__dict__  # checkpoint itself is left as it was
+
+
+def test_a_hugging_face_model_with_gradient_checkpointing_enabled_trains_bitwise():
+    import remat
+
+    spec = build_model("bert-tiny", 4)
+    spec.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = make_optimizer("adamw", spec.model.parameters())
+    step_fn = make_train_step(spec.loss_fn, zero_grad_first=True)
+    eager_model, eager_opt = twin(spec.model, opt)
+    step = remat.compile(step_fn, spec.model, opt, spec.batch, memory_budget=0.6, profile_runs=1, measure=False)
+    result = check_against_eager(step_fn, eager_model, eager_opt, spec.model, opt, step, spec.batch, steps=3)
+    assert result.match, result.summary()
+
+
+def _seeding_step(seed_inside):
+    def step(model, optimizer, batch):
+        with seed_inside():
+            return _checkpointed_step(model, optimizer, batch)
+
+    return step
+
+
+@pytest.mark.parametrize(
+    "seed_inside,message",
+    [
+        (lambda: contextlib.nullcontext(torch.manual_seed(0)), r"calls torch.manual_seed\(\)"),
+        (torch.random.fork_rng, r"calls torch.set_rng_state\(\) \(torch.random.fork_rng does when it ends\)"),
+        (lambda: contextlib.nullcontext(torch.default_generator.manual_seed(5)), r"changes the random-number generator's state"),
+    ],
+)
+def test_a_step_that_sets_the_generators_state_is_refused(seed_inside, message):
+    """Done once while tracing and absent from the graph, it would leave the graph's dropout
+    masks, and the generator after each step, different from eager's without an error."""
+    import remat
+
+    model = _Checkpointed(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = {"x": torch.randn(8, 16), "y": torch.randint(0, 4, (8,))}
+    setters = [torch.manual_seed, torch.random.manual_seed, torch.set_rng_state, torch.random.set_rng_state]
+    with pytest.raises(CaptureError, match=message):
+        remat.compile(_seeding_step(seed_inside), model, opt, batch, memory_budget=None, profile_runs=1, measure=False)
+    assert setters == [torch.manual_seed, torch.random.manual_seed, torch.set_rng_state, torch.random.set_rng_state]

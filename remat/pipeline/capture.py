@@ -28,6 +28,8 @@ from remat.pipeline.optimizer_state import check_first_step_state, optimizer_on,
 from remat.pipeline.markers import MARKER, RECORD_FUNCTION_OPS, marker
 from remat.pipeline.trace_checks import branched_hyperparameters, check_graph_runnable, check_no_accumulation, check_static_shapes, drop_unread_hyperparameters, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state
 from remat.pipeline.train_graph import GraphInput, InputKind, Phase, TrainGraph, TrainStep
+from remat.pipeline.traced_rng import no_rng_state_set
+from remat.pipeline.user_checkpoints import plain_checkpoints
 
 
 def _unique_named(items: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -268,6 +270,8 @@ def capture(
             torch.autograd.backward = backward
             stack.callback(setattr, torch.autograd, "backward", real_backward)
             stack.enter_context(CpuOutputStrides())
+            stack.enter_context(plain_checkpoints())
+            stack.enter_context(no_rng_state_set())
             result = train_step(model, optimizer, t_batch)
         outputs, out_spec = _step_outputs(result)
         if calls["backward"] == 0:
