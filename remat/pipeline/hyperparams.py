@@ -132,7 +132,8 @@ def symbolic(
             value = tensors[name].item()
             symbols[str(value.node.expr)] = name
             if name in sign_facts:
-                torch._check({-1: value < 0, 0: value == 0, 1: value > 0}[sign_facts[name]])
+                fact = sign_facts[name]
+                torch._check(value > 0 if fact > 0 else value < 0 if fact < 0 else value == 0)
             _set(group, key, value)
             placed[name] = value
     try:

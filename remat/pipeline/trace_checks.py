@@ -142,21 +142,22 @@ def explain_trace_failure(e: Exception) -> CaptureError:
     first = str(e).strip().splitlines()[0] if str(e).strip() else name
     import traceback
 
-    if any("grad_scaler" in frame.filename for frame in traceback.extract_tb(e.__traceback__)):
+    frames = traceback.extract_tb(e.__traceback__)
+    if any("grad_scaler" in frame.filename for frame in frames):
         return CaptureError(
             "train_step uses torch.amp.GradScaler, which skips the optimizer step when a gradient overflows: a "
             "Python branch on tensor values that one captured graph cannot hold. Train in bfloat16 under "
             "torch.autocast (it needs no scaler), or without remat."
         )
     data_dependent = "DataDependent" in name or "GuardOnDataDependent" in name or "data-dependent" in str(e).lower()
-    optimizer_frames = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename).parent.parts[-2:] == ("torch", "optim")]
-    if data_dependent and optimizer_frames:
-        where = optimizer_frames[-1]
+    in_optimizer = [f for f in frames if Path(f.filename).parent.parts[-2:] == ("torch", "optim")]
+    if data_dependent and in_optimizer:
+        where = in_optimizer[-1]
         return CaptureError(
-            f"the optimizer's update branches on a value that can change from step to step, such as its step count "
-            f"or its state (torch/optim/{Path(where.filename).name}, line {where.lineno}: {where.line}), which one captured graph cannot hold. Use an optimizer whose update "
-            "does not branch on its state (SGD, Adam, AdamW, RMSprop, Adagrad, Adamax, NAdam, Adadelta, Rprop), "
-            "or train this one without remat."
+            "the optimizer's update branches on a value that can change from step to step, such as its step count "
+            f"or its state (torch/optim/{Path(where.filename).name}, line {where.lineno}: {where.line}), which one "
+            "captured graph cannot hold. Use an optimizer whose update does not branch on its state (SGD, Adam, "
+            "AdamW, RMSprop, Adagrad, Adamax, NAdam, Adadelta, Rprop), or train this one without remat."
         )
     if data_dependent:
         return CaptureError(

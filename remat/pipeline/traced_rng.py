@@ -34,8 +34,10 @@ def no_rng_state_set() -> Iterator[None]:
     saved: list[tuple[Any, str, Callable[..., Any]]] = []
 
     def refusing(name: str) -> Callable[..., Any]:
+        also = " (torch.random.fork_rng does when it ends)" if name.startswith("set_rng_state") else ""
+
         def call(*args: Any, **kwargs: Any) -> Any:
-            raise _refusal(f"calls torch.{name}()" + (" (torch.random.fork_rng does when it ends)" if name.startswith("set_rng_state") else ""))
+            raise _refusal(f"calls torch.{name}(){also}")
 
         return call
 
