@@ -647,6 +647,14 @@ def test_cli_plan_json(mlp_run, capsys, tmp_path):
     assert plan.model == "bert-tiny" and plan.batch_size == 4 and plan.num_recomputed > 0 and plan.num_recomputed == summary["num_recomputed"]
 
 
+def test_cli_plan_plots_the_graph_the_plan_runs(mlp_run):
+    # The plotted timeline is the plan's own: with its lean variants and moved updates.
+    _, result = mlp_run
+    plan = result["plan"]
+    assert plan.lean_ops and plan.updates_in_backward
+    assert result["final"].peak_bytes == plan.predicted_peak_bytes
+
+
 def test_cli_plan_refuses_profile_of_another_batch_size(mlp_run, tmp_path):
     out, _ = mlp_run
     with pytest.raises(PlanError, match="not of bert-tiny with batch size 2 \\(sgd\\): its batch size differs"):

@@ -105,7 +105,8 @@ def plan_command(
         meta={"budget": str(budget), "device": prof.device},
         lean_ops=lean_ops,
     )
-    final = evaluate(index, plan.dropped(index), node_seconds)
+    planned = plan.index_for(index)  # the graph the plan runs: its lean variants and moved updates
+    final = evaluate(planned, plan.dropped(planned), node_seconds, plan.policy)
     files["plan"] = plan.to_json(out / "plan.json")
     files["recomputed"] = write_recomputed_csv(plan, out / "recomputed.csv")
     files["plot"] = plot_plan_memory(
