@@ -205,7 +205,9 @@ def build_hf(spec: str, batch_size: int, *, seed: int = 0, device: str | torch.d
     else:
         raise WorkloadError(f"{model_type} has no causal-LM, masked-LM, seq2seq, image- or sequence-classification head to train")
     # "eager" attention: plain aten ops on every device (see remat.models._build_bert).
-    kwargs: dict[str, Any] = {"attn_implementation": "eager"}
+    # Mixture-of-experts layers as batched matmuls: the default grouped matmul's shape
+    # function accepts only bfloat16, so a float32 model cannot be traced with it.
+    kwargs: dict[str, Any] = {"attn_implementation": "eager", "experts_implementation": "batched_mm"}
     if kind in ("image", "classify"):
         # Set up front: otherwise the first forward writes it into the config, inside the step.
         kwargs["problem_type"] = "single_label_classification"

@@ -104,8 +104,29 @@ def _step(model, opt, batch):
 
 
 def test_data_dependent_control_flow_is_refused_with_a_reason():
-    with pytest.raises(CaptureError, match="data-dependent"):
+    # The error names the model's line that branched, not a line inside torch.
+    with pytest.raises(CaptureError, match=r"data-dependent.*, at test_capture\.py, line \d+: if y\.sum\(\) > 0:"):
         capture(_step, _Branchy(), None, torch.randn(2, 4))
+
+
+class _GroupedExperts(torch.nn.Module):
+    """Two experts applied to the rows of their group by one grouped matmul, in float32: the
+    CPU kernel runs it, its shape function (which tracing runs) accepts only bfloat16."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(2, 8, 8))
+
+    def forward(self, x):
+        offs = torch.tensor([2, 4], dtype=torch.int32)
+        return torch.nn.functional.grouped_mm(x, self.w, offs=offs)
+
+
+def test_an_op_whose_shape_function_refuses_its_inputs_is_named():
+    model, x = _GroupedExperts(), torch.randn(4, 8)
+    _step(model, None, x)  # eager runs it
+    with pytest.raises(CaptureError, match=r"aten\._grouped_mm\.default's shape function.*refuses these inputs.*batched_mm"):
+        capture(_step, model, None, x)
 
 
 def test_bad_batches_are_refused():

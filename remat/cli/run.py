@@ -28,8 +28,9 @@ def configure_run(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--deterministic",
         action="store_true",
-        help="deterministic kernels (torch.use_deterministic_algorithms): on a GPU, some kernels (atomic adds) "
-        "differ from run to run, so eager differs from itself and --check cannot compare bitwise without it",
+        help="deterministic kernels (torch.use_deterministic_algorithms): some kernels (atomic adds on a GPU, "
+        "accumulating index_put on a CPU) differ from run to run, so eager differs from itself and --check "
+        "cannot compare bitwise without it (--check says so when it finds eager differing from itself)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -88,7 +89,7 @@ def run_one(
 
     import remat
     from remat.cli.common import UsageError, _positive, load_workload
-    from remat.measurement.check import check_against_eager, time_alternating, twin
+    from remat.measurement.check import check_against_eager, eager_differs_from_itself, time_alternating, twin
     from remat.measurement.memory import measure_step_peak
     from remat.pipeline.capture import flat_inputs, run_captured
 
@@ -116,11 +117,22 @@ def run_one(
 
     grads_match: bool | None = None
     mismatches: list[str] = []
+    eager_nondeterministic = False
     if check:
         say("checking 3 steps against eager PyTorch ...")
         result = check_against_eager(train_step, eager_model, eager_opt, spec.model, opt, step, spec.batch, steps=3, seed=seed)
         grads_match, mismatches = result.match, result.mismatches
         say(result.summary())
+        if not grads_match and not torch.are_deterministic_algorithms_enabled():
+            fresh = load_workload(model, batch_size, optimizer, device, seed, zero_grad_first=keep_grads)
+            itself = eager_differs_from_itself(train_step, fresh.model, fresh.optimizer, fresh.batch, seed)
+            if itself:
+                eager_nondeterministic = True
+                say(
+                    f"eager PyTorch differs from itself on this model ({len(itself)} mismatches between two eager steps "
+                    f"from the same state; first: {itself[0]}): a kernel is nondeterministic, so no comparison can be "
+                    "bitwise. Compare with --deterministic."
+                )
     else:
         step(spec.batch)  # the first step of a shape measures its peak
         train_step(eager_model, eager_opt, spec.batch)
@@ -176,6 +188,7 @@ def run_one(
         "lean_ops": list(plan.lean_ops) if plan else [], "lean_ops_note": plan.meta.get("lean_ops_note", "") if plan else "",
         "grads_match": grads_match,
         "mismatches": mismatches[:20],
+        "eager_nondeterministic": eager_nondeterministic,
         "compile_seconds": report.compile_seconds,
         "deterministic": deterministic,
         "losses": losses,

@@ -113,6 +113,21 @@ def check_against_eager(
     return CheckResult(match=not mismatches, steps=steps, mismatches=mismatches)
 
 
+def eager_differs_from_itself(
+    train_step: Callable[[torch.nn.Module, Any, Any], Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+    batch: Any, seed: int = 0,
+) -> list[str]:
+    """What differs between two eager steps from the same state, batch and seed: nothing,
+    unless a kernel is nondeterministic (a parallel accumulation whose order varies), in
+    which case no comparison with eager can be bitwise."""
+    (model_a, opt_a), (model_b, opt_b) = twin(model, optimizer), twin(model, optimizer)
+    torch.manual_seed(seed)
+    train_step(model_a, opt_a, batch)
+    torch.manual_seed(seed)
+    train_step(model_b, opt_b, batch)
+    return compare_state(model_a, opt_a, model_b, opt_b)
+
+
 @dataclass
 class Timing:
     a_seconds: float  # median

@@ -137,12 +137,39 @@ def _vals(node: torch.fx.Node) -> list[torch.Tensor]:
     return [t for t in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, torch.Tensor)]
 
 
+_LIBRARY_DIRS = (Path(torch.__file__).parent, Path(__file__).resolve().parents[1])  # torch's and remat's own code
+
+
+def _where_in_users_code(frames: list) -> str:
+    """', at file.py, line N: code' for the innermost frame outside torch and remat (the
+    model's or the step's line that led to the failure), or ''."""
+    for frame in reversed(frames):
+        path = Path(frame.filename).resolve()
+        if not any(path.is_relative_to(d) for d in _LIBRARY_DIRS) and not frame.filename.startswith("<"):
+            return f", at {path.name}, line {frame.lineno}: {(frame.line or '').strip()}"
+    return ""
+
+
+def _op_whose_fake_kernel_failed(e: BaseException) -> str | None:
+    """The op being run on fake tensors when `e` was raised inside its shape function
+    (FakeTensorMode's dispatch holds it as `func`), or None."""
+    tb = e.__traceback__
+    op = None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "_dispatch_impl" and code.co_filename.endswith("fake_tensor.py"):
+            op = tb.tb_frame.f_locals.get("func", op)
+        tb = tb.tb_next
+    return None if op is None else str(op)
+
+
 def explain_trace_failure(e: Exception) -> CaptureError:
     name = type(e).__name__
     first = str(e).strip().splitlines()[0] if str(e).strip() else name
     import traceback
 
     frames = traceback.extract_tb(e.__traceback__)
+    where = _where_in_users_code(frames)
     if any("grad_scaler" in frame.filename for frame in frames):
         return CaptureError(
             "train_step uses torch.amp.GradScaler, which skips the optimizer step when a gradient overflows: a "
@@ -152,24 +179,34 @@ def explain_trace_failure(e: Exception) -> CaptureError:
     data_dependent = "DataDependent" in name or "GuardOnDataDependent" in name or "data-dependent" in str(e).lower()
     in_optimizer = [f for f in frames if Path(f.filename).parent.parts[-2:] == ("torch", "optim")]
     if data_dependent and in_optimizer:
-        where = in_optimizer[-1]
+        line = in_optimizer[-1]
         return CaptureError(
             "the optimizer's update branches on a value that can change from step to step, such as its step count "
-            f"or its state (torch/optim/{Path(where.filename).name}, line {where.lineno}: {where.line}), which one "
+            f"or its state (torch/optim/{Path(line.filename).name}, line {line.lineno}: {line.line}), which one "
             "captured graph cannot hold. Use an optimizer whose update does not branch on its state (SGD, Adam, "
             "AdamW, RMSprop, Adagrad, Adamax, NAdam, Adadelta, Rprop), or train this one without remat."
         )
     if data_dependent:
         return CaptureError(
             f"train_step has data-dependent Python control flow or an op whose output shape depends "
-            f"on tensor values ({name}: {first}). Make the branch independent of tensor values "
+            f"on tensor values ({name}: {first}){where}. Make the branch independent of tensor values "
             "(e.g. use torch.where), or move it out of train_step."
         )
     if "DynamicOutputShape" in name:
         return CaptureError(
-            f"an op in train_step returns a shape that depends on tensor values ({first}); "
+            f"an op in train_step returns a shape that depends on tensor values ({first}){where}; "
             "remat needs static shapes: replace it (e.g. masked ops instead of nonzero/boolean indexing)."
         )
     if "Unsupported" in name or "NotImplemented" in name:
-        return CaptureError(f"train_step uses an op that cannot be traced on fake tensors ({name}: {first}); replace or remove it.")
-    return CaptureError(f"could not capture train_step: {name}: {first}")
+        return CaptureError(f"train_step uses an op that cannot be traced on fake tensors ({name}: {first}){where}; replace or remove it.")
+    op = _op_whose_fake_kernel_failed(e)
+    if op is not None:
+        hint = (
+            " For a Hugging Face mixture-of-experts layer, load the model with experts_implementation=\"batched_mm\"."
+            if "grouped_mm" in op else ""
+        )
+        return CaptureError(
+            f"{op}'s shape function, which remat traces with, refuses these inputs ({name}: {first}){where}, "
+            f"though eager PyTorch may run them: replace the op or change its inputs' dtype or layout.{hint}"
+        )
+    return CaptureError(f"could not capture train_step: {name}: {first}{where}")
