@@ -167,6 +167,14 @@ def _ema_in_place(i, m, o):
             p.mul_(0.999)
 
 
+def _dropout_schedule(i, m, o):
+    """Dropout lowered every two steps, by setting each nn.Dropout's p (a plain attribute)."""
+    if i % 2 == 1:
+        for module in m.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = max(0.0, module.p - 0.05)
+
+
 def _freeze(model):
     for name, p in model.named_parameters():
         if "embeddings" in name:
@@ -203,6 +211,38 @@ def _seeded_step(model, optimizer, batch):
     return plain_step(model, optimizer, batch)
 
 
+def _warmed_up_loss() -> Step:
+    """A loss weight warmed up from a Python counter the step keeps (a KL-weight schedule)."""
+    calls = 0
+
+    def step(model, optimizer, batch):
+        nonlocal calls
+        calls += 1
+        optimizer.zero_grad()
+        loss = model(**batch).loss * min(1.0, calls / 4)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return step
+
+
+_EMA: list[torch.Tensor] = []
+
+
+def _keep_ema(model):
+    _EMA[:] = [p.detach().clone() for p in model.parameters()]
+
+
+def _ema_inside(model, optimizer, batch):
+    """An EMA copy of the weights, kept outside the model, updated inside the step."""
+    loss = plain_step(model, optimizer, batch)
+    with torch.no_grad():
+        for e, p in zip(_EMA, model.parameters()):
+            e.mul_(0.99).add_(p, alpha=0.01)
+    return loss
+
+
 IDIOMS = [
     Idiom("learning-rate scheduler stepped every step (LambdaLR warm-up from 0)", "works",
           between=_sched(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, s / 3)))),
@@ -221,6 +261,7 @@ IDIOMS = [
     Idiom("evaluation between steps, train() forgotten", "refused", between=_hook(_evaluate(False))),
     Idiom("resuming: load_state_dict into model and optimizer after compiling", "works", between=_hook(_resume)),
     Idiom("weights changed in place between steps (decay, EMA-style)", "works", between=_hook(_ema_in_place)),
+    Idiom("dropout rate lowered between steps (nn.Dropout.p)", "works", between=_hook(_dropout_schedule)),
     Idiom("a last batch of another size", "works", other_sizes=True),
     Idiom("frozen parameters (fine-tuning a part)", "works", setup=_freeze),
     Idiom("train_step returns (loss, logits)", "works", step=_outputs),
@@ -231,6 +272,8 @@ IDIOMS = [
     Idiom("scheduler stepped inside train_step", "refused", step=_inner_scheduler()),
     Idiom("the model's own activation checkpointing (gradient_checkpointing_enable, dropout inside)", "works", setup=_checkpointing),
     Idiom("torch.manual_seed inside train_step", "refused", step=_seeded_step),
+    Idiom("a loss weight warmed up from a Python counter inside train_step", "refused", step=_warmed_up_loss()),
+    Idiom("an EMA copy of the weights updated inside train_step", "refused", step=_ema_inside, setup=_keep_ema),
 ]
 
 

@@ -8,6 +8,7 @@ re-trace that trains something else.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,7 @@ from remat.measurement.memory import measure_step_peak
 from remat.planners.plan import Plan
 from remat.planners import DEFAULT_PLANNER, make_plan
 from remat.pipeline.profiles import Profile, graph_fingerprint
+from remat.pipeline.python_state import changed_values, module_values
 from remat.pipeline.rewriter import runnable
 from remat.pipeline.simulator import simulate, simulate_schedule
 
@@ -78,6 +80,7 @@ class CompiledGraph:
     gm: torch.fx.GraphModule
     report: StepReport
     measured: bool = False
+    module_values: tuple[tuple[str, Any], ...] = ()  # the model's plain attributes it was traced with (python_state)
 
 
 def _signature(batch: Any) -> tuple[str, tuple[tuple[tuple[int, ...], torch.dtype, str], ...]]:
@@ -138,11 +141,22 @@ class RematStep:
 
     def compiled_for(self, batch: Any) -> CompiledGraph:
         """The compiled graph for this batch's shape, compiling it if it is new."""
-        sig = self._agreed("reading the batch", lambda: self._checked_signature(batch), summary=_shapes, differ="the batch's shapes and dtypes")
+        shapes = self._agreed("reading the batch", lambda: self._checked_signature(batch), summary=_shapes, differ="the batch's shapes and dtypes")
+        values = module_values(self.model)
+        sig = (shapes, values)
         cached = self._graphs.get(sig)
         if cached is not None:
             return cached
+        same_shape = [g for (s, _), g in self._graphs.items() if s == shapes]
+        if same_shape:
+            changed = changed_values(same_shape[-1].module_values, values)
+            warnings.warn(
+                f"remat: {', '.join(changed[:3])}{' and more' if len(changed) > 3 else ''} changed since the step was "
+                "compiled: the graph holds such values as constants, so the step is compiled again for them.",
+                stacklevel=3,
+            )
         compiled = self._compile(batch)
+        compiled.module_values = values
         self._structure = _signature(batch)[0]
         self._graphs[sig] = compiled
         return compiled
@@ -155,7 +169,7 @@ class RematStep:
                 f"this step was compiled for batches structured as {self._structure}, got {structure}; "
                 "compile another step for another batch structure"
             )
-        if self._graphs and sig not in self._graphs:
+        if self._graphs and all(shapes != sig for shapes, _ in self._graphs):
             self._check_dtype_device(batch, next(iter(self._graphs.values())).tg)
         return sig
 

@@ -329,3 +329,75 @@ def test_a_step_that_sets_the_generators_state_is_refused(seed_inside, message):
     with pytest.raises(CaptureError, match=message):
         remat.compile(_seeding_step(seed_inside), model, opt, batch, memory_budget=None, profile_runs=1, measure=False)
     assert setters == [torch.manual_seed, torch.random.manual_seed, torch.set_rng_state, torch.random.set_rng_state]
+
+
+class _Annealed(torch.nn.Module):
+    """A loss weight warmed up from a Python counter the forward increments."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x) * min(1.0, self.calls / 10)
+
+
+_GLOBAL_CALLS = 0
+
+
+def _counting_step(model, opt, batch):
+    global _GLOBAL_CALLS
+    _GLOBAL_CALLS += 1
+    return _step(model, opt, batch * _GLOBAL_CALLS)
+
+
+def _closure_counting_step():
+    calls = 0
+
+    def step(model, opt, batch):
+        nonlocal calls
+        calls += 1
+        return _step(model, opt, batch * calls)
+
+    return step
+
+
+@pytest.mark.parametrize(
+    "model,step,name",
+    [(_Annealed, _step, r"model\.calls \(0 -> \d\)"), (lambda: torch.nn.Linear(4, 4), _counting_step, r"global _GLOBAL_CALLS \(0 -> \d\)"),
+     (lambda: torch.nn.Linear(4, 4), _closure_counting_step(), r"calls \(from the closure\) \(0 -> \d\)")],
+)
+def test_a_step_that_changes_python_state_is_refused_and_the_state_put_back(model, step, name):
+    # Traced once, the step would repeat its first value at every call, silently.
+    m = model()
+    with pytest.raises(CaptureError, match=rf"changed Python state while it was traced: {name}\. Its Python code runs once"):
+        capture(step, m, None, torch.randn(2, 4))
+    assert _GLOBAL_CALLS == 0 and getattr(m, "calls", 0) == 0
+
+
+class _PlainAttribute(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.scale = torch.ones(4)  # not registered as a buffer
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_tensors_the_step_cannot_hold_are_named():
+    with pytest.raises(CaptureError, match=r"model\.scale is a plain tensor attribute of the model, not a registered buffer.*register_buffer"):
+        capture(_step, _PlainAttribute(), None, torch.randn(2, 4))
+    model = torch.nn.Linear(4, 4)
+    ema = torch.nn.Linear(4, 4).requires_grad_(False)
+
+    def step_with_ema(m, o, b):
+        loss = _step(m, o, b)
+        with torch.no_grad():
+            ema.weight.mul_(0.9).add_(m.weight, alpha=0.1)
+        return loss
+
+    with pytest.raises(CaptureError, match=r"uses a parameter of shape \(4, 4\) that is not the model's, its optimizer's or the batch's.*ema\.weight\.mul_"):
+        capture(step_with_ema, model, None, torch.randn(2, 4))

@@ -151,3 +151,31 @@ def test_a_step_failing_after_updates_moved_into_the_backward_pass_says_which_ch
         target.target = original
         gm.recompile()
     assert any("optimizer updates had begun" in note and "not restored" in note for note in info.value.__notes__)
+
+
+class _Tempered(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.temperature = 1.0  # a plain attribute: a constant of the traced graph
+
+    def forward(self, x):
+        return self.lin(x) / self.temperature
+
+
+def test_a_module_attribute_changed_between_steps_compiles_the_step_again():
+    torch.manual_seed(0)
+    model = _Tempered()
+    opt = torch.optim.AdamW(model.parameters())
+    step = make_train_step(lambda m, b: m(b).pow(2).mean())
+    eager_model, eager_opt = twin(model, opt)
+    batch = torch.randn(4, 8)
+    compiled = remat.compile(step, model, opt, batch, memory_budget=None)
+
+    def cool(i, m, o):
+        m.temperature = [0.5, 0.5, 0.25, 0.25][i]
+
+    with pytest.warns(UserWarning, match=r"model\.temperature \(1\.0 -> 0\.5\) changed since the step was compiled"):
+        result = check_against_eager(step, eager_model, eager_opt, model, opt, compiled, batch, steps=4, between_steps=cool)
+    assert result.match, result.mismatches
+    assert len(compiled._graphs) == 3  # 1.0, 0.5, 0.25: an unchanged value reuses its graph

@@ -63,6 +63,29 @@ def _use_deterministic_algorithms() -> None:
     torch.use_deterministic_algorithms(True)
 
 
+def _check(train_step: Any, eager_model: Any, eager_opt: Any, spec: Any, step: Any, seed: int, say: Any, fresh: Any) -> tuple[bool, list[str], bool]:
+    """--check: 3 steps against eager, bitwise; where they differ, whether eager differs from
+    itself (a nondeterministic kernel), said if so. (match, mismatches, eager differs from itself)"""
+    import torch
+
+    from remat.measurement.check import check_against_eager, eager_differs_from_itself
+
+    say("checking 3 steps against eager PyTorch ...")
+    result = check_against_eager(train_step, eager_model, eager_opt, spec.model, spec.optimizer, step, spec.batch, steps=3, seed=seed)
+    say(result.summary())
+    itself: list[str] = []
+    if not result.match and not torch.are_deterministic_algorithms_enabled():
+        again = fresh()
+        itself = eager_differs_from_itself(train_step, again.model, again.optimizer, again.batch, seed)
+    if itself:
+        say(
+            f"eager PyTorch differs from itself on this model ({len(itself)} mismatches between two eager steps "
+            f"from the same state; first: {itself[0]}): a kernel is nondeterministic, so no comparison can be "
+            "bitwise. Compare with --deterministic."
+        )
+    return result.match, result.mismatches, bool(itself)
+
+
 def run_one(
     model: str,
     batch_size: int,
@@ -89,7 +112,7 @@ def run_one(
 
     import remat
     from remat.cli.common import UsageError, _positive, load_workload
-    from remat.measurement.check import check_against_eager, eager_differs_from_itself, time_alternating, twin
+    from remat.measurement.check import time_alternating, twin
     from remat.measurement.memory import measure_step_peak
     from remat.pipeline.capture import flat_inputs, run_captured
 
@@ -119,20 +142,8 @@ def run_one(
     mismatches: list[str] = []
     eager_nondeterministic = False
     if check:
-        say("checking 3 steps against eager PyTorch ...")
-        result = check_against_eager(train_step, eager_model, eager_opt, spec.model, opt, step, spec.batch, steps=3, seed=seed)
-        grads_match, mismatches = result.match, result.mismatches
-        say(result.summary())
-        if not grads_match and not torch.are_deterministic_algorithms_enabled():
-            fresh = load_workload(model, batch_size, optimizer, device, seed, zero_grad_first=keep_grads)
-            itself = eager_differs_from_itself(train_step, fresh.model, fresh.optimizer, fresh.batch, seed)
-            if itself:
-                eager_nondeterministic = True
-                say(
-                    f"eager PyTorch differs from itself on this model ({len(itself)} mismatches between two eager steps "
-                    f"from the same state; first: {itself[0]}): a kernel is nondeterministic, so no comparison can be "
-                    "bitwise. Compare with --deterministic."
-                )
+        fresh = lambda: load_workload(model, batch_size, optimizer, device, seed, zero_grad_first=keep_grads)  # noqa: E731
+        grads_match, mismatches, eager_nondeterministic = _check(train_step, eager_model, eager_opt, spec, step, seed, say, fresh)
     else:
         step(spec.batch)  # the first step of a shape measures its peak
         train_step(eager_model, eager_opt, spec.batch)

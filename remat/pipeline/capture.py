@@ -28,6 +28,7 @@ from remat.pipeline.optimizer_state import check_first_step_state, optimizer_on,
 from remat.pipeline.markers import MARKER, RECORD_FUNCTION_OPS, marker
 from remat.pipeline.trace_checks import branched_hyperparameters, check_graph_runnable, check_no_accumulation, check_static_shapes, drop_unread_hyperparameters, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state
 from remat.pipeline.train_graph import GraphInput, InputKind, Phase, TrainGraph, TrainStep
+from remat.pipeline.python_state import no_python_state_changed
 from remat.pipeline.traced_rng import no_rng_state_set
 from remat.pipeline.user_checkpoints import plain_checkpoints
 
@@ -194,7 +195,7 @@ def _trace(
             if not new:
                 if isinstance(e, CaptureError):
                     raise
-                raise explain_trace_failure(e) from e
+                raise explain_trace_failure(e, model) from e
             sign_facts.update({name: hyperparams.sign(hyper_values[name]) for name in new})
         finally:
             model.train(was_training)
@@ -286,16 +287,18 @@ def capture(
 
     was_training = model.training
     leaves_zero_grads = False
-    gm = trace()
+    with no_python_state_changed(model, train_step):
+        gm = trace()
+        if final_grads:
+            # Gradients stay set after the step, so the next step starts with them: it must
+            # clear them before its backward (the graph computes fresh ones).
+            probe["preset_grads"] = True
+            kept = list(grad_order), list(final_grads)
+            try:
+                probe_gm = trace()
+            finally:
+                grad_order[:], final_grads[:] = kept
     if final_grads:
-        # Gradients stay set after the step, so the next step starts with them: it must
-        # clear them before its backward (the graph computes fresh ones).
-        probe["preset_grads"] = True
-        kept = list(grad_order), list(final_grads)
-        try:
-            probe_gm = trace()
-        finally:
-            grad_order[:], final_grads[:] = kept
         leaves_zero_grads = ends_with_zero_grads(gm)
         if not leaves_zero_grads:
             check_no_accumulation(probe_gm)

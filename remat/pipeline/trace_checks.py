@@ -4,9 +4,12 @@ name, what remat cannot run as eager does, and passes that drop inputs nothing r
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.errors import CaptureError
 
@@ -150,20 +153,29 @@ def _where_in_users_code(frames: list) -> str:
     return ""
 
 
-def _op_whose_fake_kernel_failed(e: BaseException) -> str | None:
-    """The op being run on fake tensors when `e` was raised inside its shape function
-    (FakeTensorMode's dispatch holds it as `func`), or None."""
+def _fake_dispatch_of(e: BaseException) -> tuple[str, list[Any]] | None:
+    """(the op, its flat arguments) being run on fake tensors when `e` was raised inside
+    FakeTensorMode's dispatch (which holds them as `func`, `args` and `kwargs`), or None."""
     tb = e.__traceback__
-    op = None
+    found = None
     while tb is not None:
-        code = tb.tb_frame.f_code
-        if code.co_name == "_dispatch_impl" and code.co_filename.endswith("fake_tensor.py"):
-            op = tb.tb_frame.f_locals.get("func", op)
+        code, local = tb.tb_frame.f_code, tb.tb_frame.f_locals
+        if code.co_name == "_dispatch_impl" and code.co_filename.endswith("fake_tensor.py") and "func" in local:
+            found = (str(local["func"]), pytree.tree_leaves((local.get("args", ()), local.get("kwargs", {}))))
         tb = tb.tb_next
-    return None if op is None else str(op)
+    return found
 
 
-def explain_trace_failure(e: Exception) -> CaptureError:
+def _plain_tensor_attribute(model: torch.nn.Module, t: torch.Tensor) -> str | None:
+    """'model.sub.name' where `t` is a module's attribute that is neither a parameter nor a buffer."""
+    for prefix, module in model.named_modules():
+        for name, value in vars(module).items():
+            if value is t:
+                return ".".join(filter(None, ("model", prefix, name)))
+    return None
+
+
+def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) -> CaptureError:
     name = type(e).__name__
     first = str(e).strip().splitlines()[0] if str(e).strip() else name
     import traceback
@@ -199,8 +211,27 @@ def explain_trace_failure(e: Exception) -> CaptureError:
         )
     if "Unsupported" in name or "NotImplemented" in name:
         return CaptureError(f"train_step uses an op that cannot be traced on fake tensors ({name}: {first}){where}; replace or remove it.")
-    op = _op_whose_fake_kernel_failed(e)
-    if op is not None:
+    dispatch = _fake_dispatch_of(e)
+    real = [a for a in dispatch[1] if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor)] if dispatch else []
+    if real:
+        t = real[0]
+        attribute = _plain_tensor_attribute(model, t) if model is not None else None
+        if attribute is not None:
+            return CaptureError(
+                f"{attribute} is a plain tensor attribute of the model, not a registered buffer, so the captured step "
+                f"cannot hold it ({dispatch[0]}){where}: register it with register_buffer(name, tensor) "
+                "(persistent=False keeps it out of the state dict)."
+            )
+        return CaptureError(
+            f"train_step uses a {'parameter' if isinstance(t, torch.nn.Parameter) else 'tensor'} of shape "
+            f"{tuple(t.shape)} that is not the model's, its optimizer's or the batch's (a global, a closure or "
+            f"another module's tensor, such as an EMA copy of the weights; {dispatch[0]}){where}. The captured "
+            "step can only use the model's parameters and buffers, the optimizer's state and the batch: register "
+            "the tensor with the model (register_buffer, or as a submodule), pass it in the batch, or do that work "
+            "between steps, outside train_step."
+        )
+    if dispatch is not None:
+        op = dispatch[0]
         hint = (
             " For a Hugging Face mixture-of-experts layer, load the model with experts_implementation=\"batched_mm\"."
             if "grouped_mm" in op else ""
