@@ -23,8 +23,11 @@ _PLAIN = (bool, int, float, str, type(None))
 
 def _module_attributes(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, str, Any]]:
     """(qualified name, module, key, value) of each plain value held as a module attribute
-    (`training` aside: train/eval mode is checked on its own)."""
+    (`training` aside: train/eval mode is checked on its own; so are a DDP wrapper's
+    settings, by pipeline.data_parallel)."""
     for prefix, module in model.named_modules():
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            continue
         for key, value in vars(module).items():
             if key != "training" and not key.startswith("__") and isinstance(value, _PLAIN):
                 yield ".".join(filter(None, ("model", prefix, key))), module, key, value
