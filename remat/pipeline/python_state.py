@@ -21,35 +21,40 @@ from remat.errors import CaptureError
 _PLAIN = (bool, int, float, str, type(None))
 
 
-def _module_attributes(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, str, Any]]:
-    """(qualified name, module, key, value) of each plain value held as a module attribute
-    (`training` aside: train/eval mode is checked on its own; so are a DDP wrapper's
-    settings, by pipeline.data_parallel)."""
+def module_attributes(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, str, Any]]:
+    """(qualified name, module, key, value) of every value a module holds as an attribute
+    (its __dict__), but for a DDP wrapper's own settings (checked by pipeline.data_parallel)."""
     for prefix, module in model.named_modules():
         if isinstance(module, torch.nn.parallel.DistributedDataParallel):
             continue
         for key, value in vars(module).items():
-            if key != "training" and not key.startswith("__") and isinstance(value, _PLAIN):
-                yield ".".join(filter(None, ("model", prefix, key))), module, key, value
+            yield ".".join(filter(None, ("model", prefix, key))), module, key, value
+
+
+def _plain_attributes(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, str, Any]]:
+    """The plain values among them (`training` aside: train/eval mode is checked on its own)."""
+    for name, module, key, value in module_attributes(model):
+        if key != "training" and not key.startswith("__") and isinstance(value, _PLAIN):
+            yield name, module, key, value
 
 
 def module_values(model: torch.nn.Module) -> tuple[tuple[str, Any], ...]:
     """The model's plain attribute values, as the graph traced with them saw them: a step is
     compiled again when one changes between steps (a temperature or a drop rate set by the
     loop), since the graph holds them as constants."""
-    return tuple((name, value) for name, _, _, value in _module_attributes(model))
+    return tuple((name, value) for name, _, _, value in _plain_attributes(model))
 
 
 def changed_values(before: tuple[tuple[str, Any], ...], now: tuple[tuple[str, Any], ...]) -> list[str]:
     """'name (old -> new)' for each value that differs (added or removed ones included)."""
-    old, new = dict(before), dict(now)
-    return [f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in {**old, **new} if old.get(k) != new.get(k) or k not in old or k not in new]
+    old, new, gone = dict(before), dict(now), object()
+    return [f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in {**old, **new} if old.get(k, gone) != new.get(k, gone)]
 
 
 def _watched(model: torch.nn.Module, train_step: Callable[..., Any]) -> dict[str, tuple[Any, str, Any]]:
     """name -> (owner, key, value): module attributes (owner a module), train_step's globals
     (owner its globals dict) and closure cells (owner the cell, key None)."""
-    out: dict[str, tuple[Any, str, Any]] = {name: (module, key, value) for name, module, key, value in _module_attributes(model)}
+    out: dict[str, tuple[Any, str, Any]] = {name: (module, key, value) for name, module, key, value in _plain_attributes(model)}
     fn = getattr(train_step, "__func__", train_step)
     code, globs = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
     if code is not None:

@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from remat.errors import CaptureError
 
 from remat.pipeline.markers import MARKER
+from remat.pipeline.python_state import module_attributes
 from remat.pipeline.train_graph import GraphInput, InputKind
 
 
@@ -168,11 +169,7 @@ def _fake_dispatch_of(e: BaseException) -> tuple[str, list[Any]] | None:
 
 def _plain_tensor_attribute(model: torch.nn.Module, t: torch.Tensor) -> str | None:
     """'model.sub.name' where `t` is a module's attribute that is neither a parameter nor a buffer."""
-    for prefix, module in model.named_modules():
-        for name, value in vars(module).items():
-            if value is t:
-                return ".".join(filter(None, ("model", prefix, name)))
-    return None
+    return next((name for name, _, _, value in module_attributes(model) if value is t), None)
 
 
 def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) -> CaptureError:
