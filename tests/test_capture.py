@@ -364,17 +364,57 @@ def _closure_counting_step():
     return step
 
 
+class _CountsInAList(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.counts = [0]
+
+    def forward(self, x):
+        self.counts[0] += 1
+        return self.lin(x) * (1 + self.counts[0])
+
+
+_LOSSES: list = []
+
+
+def _logging_step(model, opt, batch):
+    loss = _step(model, opt, batch)
+    _LOSSES.append(loss.item())  # a traced placeholder at capture, nothing at run time
+    return loss
+
+
+def _closure_dict_step():
+    state = {"seen": 0}
+
+    def step(model, opt, batch):
+        state["seen"] += 1
+        return _step(model, opt, batch * state["seen"])
+
+    return step, state
+
+
+_CLOSURE_STEP, _CLOSURE_STATE = _closure_dict_step()
+
+
 @pytest.mark.parametrize(
     "model,step,name",
     [(_Annealed, _step, r"model\.calls \(0 -> \d\)"), (lambda: torch.nn.Linear(4, 4), _counting_step, r"global _GLOBAL_CALLS \(0 -> \d\)"),
-     (lambda: torch.nn.Linear(4, 4), _closure_counting_step(), r"calls \(from the closure\) \(0 -> \d\)")],
-)
+     (lambda: torch.nn.Linear(4, 4), _closure_counting_step(), r"calls \(from the closure\) \(0 -> \d\)"),
+     (_CountsInAList, _step, r"model\.counts \(\[0\] -> \[\d\]\)"),
+     (lambda: torch.nn.Linear(4, 4), _logging_step, r"global _LOSSES \(\[\] -> \[\w+(, \w+)*\]\)"),
+     (lambda: torch.nn.Linear(4, 4), _CLOSURE_STEP, r"state \(from the closure\) \(\{'seen': 0\} -> \{'seen': \d\}\)")],
+)  # fmt: skip
 def test_a_step_that_changes_python_state_is_refused_and_the_state_put_back(model, step, name):
-    # Traced once, the step would repeat its first value at every call, silently.
+    # Traced once, the step would repeat its first value at every call, silently; a list
+    # the step logs into would hold traced placeholders.
     m = model()
+    counts = getattr(m, "counts", None)
     with pytest.raises(CaptureError, match=rf"changed Python state while it was traced: {name}\. Its Python code runs once"):
         capture(step, m, None, torch.randn(2, 4))
     assert _GLOBAL_CALLS == 0 and getattr(m, "calls", 0) == 0
+    assert _LOSSES == [] and _CLOSURE_STATE == {"seen": 0}
+    assert counts is None or (m.counts is counts and counts == [0])  # the same list, its content put back
 
 
 class _PlainAttribute(torch.nn.Module):

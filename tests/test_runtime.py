@@ -158,9 +158,10 @@ class _Tempered(torch.nn.Module):
         super().__init__()
         self.lin = torch.nn.Linear(8, 8)
         self.temperature = 1.0  # a plain attribute: a constant of the traced graph
+        self.shift = {"by": 0.0}  # and one inside a container
 
     def forward(self, x):
-        return self.lin(x) / self.temperature
+        return self.lin(x) / self.temperature + self.shift["by"]
 
 
 def test_a_module_attribute_changed_between_steps_compiles_the_step_again():
@@ -179,3 +180,11 @@ def test_a_module_attribute_changed_between_steps_compiles_the_step_again():
         result = check_against_eager(step, eager_model, eager_opt, model, opt, compiled, batch, steps=4, between_steps=cool)
     assert result.match, result.mismatches
     assert len(compiled._graphs) == 3  # 1.0, 0.5, 0.25: an unchanged value reuses its graph
+
+    def shift(i, m, o):
+        m.shift["by"] = [0.0, 0.5, 0.5][i]
+
+    with pytest.warns(UserWarning, match=r"model\.shift \(\{'by': 0\.0\} -> \{'by': 0\.5\}\) changed since the step was compiled"):
+        result = check_against_eager(step, eager_model, eager_opt, model, opt, compiled, batch, steps=3, between_steps=shift)
+    assert result.match, result.mismatches
+    assert len(compiled._graphs) == 4

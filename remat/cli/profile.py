@@ -33,6 +33,7 @@ def profile_summary(prof: Any, out_dir: Path, files: dict[str, Path]) -> dict[st
         "phase_seconds": prof.phase_seconds,
         "iteration_seconds": prof.iteration_seconds,
         "fingerprint": prof.fingerprint,
+        "repeated_blocks": prof.meta.get("repeats", []),
         "out_dir": str(out_dir),
         "files": {k: str(v) for k, v in files.items()},
     }
@@ -50,6 +51,7 @@ def run_profile(
     seed: int = 0,
     progress: bool = True,
     plot_x: str = "rank",
+    pool_repeats: bool = False,
 ) -> tuple[Any, Path, dict[str, Path]]:
     """Build, capture, profile and write the report files; (profile, out dir, files)."""
     from remat.pipeline.profiler import profile
@@ -59,7 +61,7 @@ def run_profile(
     spec, opt, tg, capture_s = build_and_capture(model, batch_size, optimizer, device, seed)
     if progress:
         _say(f"captured {model} (batch {batch_size}, {optimizer}): {len(tg.op_nodes())} nodes in {capture_s:.1f} s")
-    prof = profile(tg, spec.model, opt, spec.batch, warmup=warmup, runs=runs, device=device, progress=progress)
+    prof = profile(tg, spec.model, opt, spec.batch, warmup=warmup, runs=runs, device=device, progress=progress, pool_repeats=pool_repeats)
     prof.model, prof.batch_size, prof.optimizer = model, batch_size, optimizer
     prof.meta["seed"] = seed
     prof.meta["capture_seconds"] = capture_s
@@ -78,6 +80,10 @@ def configure_profile(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, metavar="DIR", help="output folder (default: runs/profile-<model>-b<B>)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout; tables go to stderr")
     p.add_argument("--runs", type=int, default=3, metavar="N", help="timed runs per node, after one warm-up (default: 3)")
+    p.add_argument(
+        "--pool-repeats", action="store_true",
+        help="each node's time pooled with its counterparts' in the other repeats of a repeated block (default: its own samples)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the model's weights and batch (default: 0)")
     p.add_argument("--top", type=int, default=10, metavar="K", help="largest activations to list (default: 10)")
     p.add_argument(
@@ -98,6 +104,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         runs=args.runs,
         seed=args.seed,
         plot_x=args.plot_x,
+        pool_repeats=args.pool_repeats,
     )
     wall = time.perf_counter() - t0
     console = _stderr_console() if args.json else console_for(sys.stdout)

@@ -266,6 +266,28 @@ def phase_table(profile: Profile) -> Any:
     return table
 
 
+def repeats_table(profile: Profile) -> Any | None:
+    """The repeated blocks (pipeline.repeats) and their time per repeat, or None when there are none."""
+    from rich.table import Table
+
+    blocks = profile.meta.get("repeats") or []
+    if not blocks:
+        return None
+    seconds = profile.node_seconds
+    total = profile.iteration_seconds
+    pooled = " (node times pooled over the repeats)" if profile.meta.get("pooled_repeats") else ""
+    table = Table(title=f"Repeated blocks{pooled}", title_justify="left")
+    for name in ("phase", "first node", "nodes", "repeats", "ms per repeat (mean)", "% of iteration"):
+        table.add_column(name, justify="left" if name in ("phase", "first node") else "right")
+    for b in blocks:
+        start, length, count = int(b["start"]), int(b["length"]), int(b["count"])
+        every = float(seconds[start : start + length * count].sum())
+        one = every / count
+        share = f"{100 * every / total:.1f}" if total else "-"
+        table.add_row(str(b["phase"]), profile.nodes[start].name, str(length), str(count), f"{one * 1e3:,.2f}", share)
+    return table
+
+
 def peak_table(profile: Profile) -> Any:
     """Simulated against measured, for the whole peak and for the step's own part."""
     from rich.table import Table
@@ -327,18 +349,20 @@ def activations_table(profile: Profile, top_k: int = 10) -> Any:
 
 
 def summary_tables(profile: Profile, top_k: int = 10) -> list[Any]:
-    """Time per phase, peak by role, simulated vs measured peak, largest activations."""
+    """Time per phase, repeated blocks, peak by role, simulated vs measured peak, largest activations."""
     peak_title = f"Memory at the simulated peak (node {profile.peak_rank}"
     if 0 <= profile.peak_rank < profile.num_nodes:
         node = profile.nodes[profile.peak_rank]
         peak_title += f", {node.name}, {node.phase}"
     peak_title += ")"
-    return [
+    tables = [
         phase_table(profile),
+        repeats_table(profile),
         breakdown_table(profile.peak_breakdown, profile.simulated_peak_bytes, title=peak_title),
         peak_table(profile),
         activations_table(profile, top_k),
     ]
+    return [t for t in tables if t is not None]
 
 
 def console_for(file: Any = None) -> Any:

@@ -5,7 +5,8 @@ dropped right after its last use), on *clones* of the parameters, buffers and op
 state, with the global RNG saved and restored: profiling must not train the user's
 model, nor move the RNG stream that the user's next step will draw dropout masks from.
 
-Per node: the median time over several runs after a warm-up, the bytes it allocated,
+Per node: the median time over several runs after a warm-up (or, on request, pooled with
+the same node's in the other repeats of a repeated block: pipeline.repeats), the bytes it allocated,
 the bytes the step held after it and the most it held while it ran. The step's peak is
 also measured on the compiled GraphModule itself (not the interpreter loop), and set
 beside the simulator's prediction from the static analysis (DESIGN.md, "Memory:
@@ -34,6 +35,7 @@ from remat.pipeline.cpu_strides import CORRECTED_STRIDES
 from remat.errors import CaptureError, PlanError, RematError
 from remat.gc_pause import gc_paused
 from remat.measurement.memory import _quiet_stdio, cpu_memory_events, measure_peak
+from remat.pipeline.repeats import find_repeats, pooled_medians
 from remat.pipeline.simulator import Timeline, simulate
 
 from remat.pipeline.profiles import PHASES, NodeProfile, Profile, TensorProfile, graph_fingerprint, target_name
@@ -337,8 +339,16 @@ def profile(
     device: str | torch.device | None = None,
     progress: bool = True,
     analysis: GraphAnalysis | None = None,
+    pool_repeats: bool = False,
 ) -> Profile:
     """Profile the captured iteration on clones of the model's state.
+
+    The repeated blocks (pipeline.repeats) are listed in `meta["repeats"]`. With
+    `pool_repeats`, a node's time is the median of its samples and those of its
+    counterparts in the other repeats of its block, not of its own samples alone: the
+    repeats are priced alike, each estimate resting on runs x repeats samples. Not the
+    default: the plans made from pooled times cost more, measured against held-out
+    per-node times and against held-out pooled ones alike (benchmarks/repeat_pooling.py).
 
     Leaves `model`, `optimizer` and the global RNG (CPU and CUDA) exactly as it found them.
     """
@@ -371,9 +381,13 @@ def profile(
             advance("done")
         del inputs
 
-    seconds = np.median(np.stack(times), axis=0) if times else np.zeros(runner.num_ops)
+    repeats = find_repeats(tg)
+    seconds = pooled_medians(np.stack(times), repeats) if pool_repeats else np.median(np.stack(times), axis=0)
     timeline = simulate(analysis, granularity=_CUDA_GRANULARITY if is_cuda else 1)
-    return _assemble(tg, analysis, timeline, seconds, mem, measured.peak_bytes, dev, warmup, runs)
+    prof = _assemble(tg, analysis, timeline, seconds, mem, measured.peak_bytes, dev, warmup, runs)
+    prof.meta["repeats"] = repeats.summary()
+    prof.meta["pooled_repeats"] = pool_repeats
+    return prof
 
 
 def _assemble(
