@@ -130,7 +130,10 @@ class _Watched:
         if isinstance(self.value, (list, dict, set)) and frozen(self.value) != self.frozen:
             self.value.clear()
             content = _thawed(self.frozen)
-            self.value.extend(content) if isinstance(self.value, list) else self.value.update(content)
+            if isinstance(self.value, list):
+                self.value.extend(content)
+            else:
+                self.value.update(content)
 
 
 def _watched(model: torch.nn.Module, train_step: Callable[..., Any]) -> dict[str, _Watched]:
