@@ -243,6 +243,16 @@ def _ema_inside(model, optimizer, batch):
     return loss
 
 
+_LOSSES: list[float] = []
+
+
+def _logging_step(model, optimizer, batch):
+    """The loss logged into a Python list inside the step."""
+    loss = plain_step(model, optimizer, batch)
+    _LOSSES.append(loss.item())
+    return loss
+
+
 IDIOMS = [
     Idiom("learning-rate scheduler stepped every step (LambdaLR warm-up from 0)", "works",
           between=_sched(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, s / 3)))),
@@ -274,6 +284,7 @@ IDIOMS = [
     Idiom("torch.manual_seed inside train_step", "refused", step=_seeded_step),
     Idiom("a loss weight warmed up from a Python counter inside train_step", "refused", step=_warmed_up_loss()),
     Idiom("an EMA copy of the weights updated inside train_step", "refused", step=_ema_inside, setup=_keep_ema),
+    Idiom("losses logged into a list inside train_step (losses.append(loss.item()))", "refused", step=_logging_step),
 ]
 
 
