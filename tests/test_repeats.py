@@ -55,9 +55,8 @@ def test_equal_layers_repeat_in_every_phase_and_each_node_stands_for_its_counter
     # first layer reads the input projection, it may start one repeat later).
     layer_ops = sum(1 for n in ops if tg.phase[n.name].value == "forward") // 5
     assert any(b.count >= 4 and abs(b.length - layer_ops) <= 2 for b in forward), (forward, layer_ops)
-    for blocks in (repeats.blocks,):
-        spans = sorted((b.start, b.start + b.length * b.count) for b in blocks)
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # disjoint
+    spans = sorted((b.start, b.start + b.length * b.count) for b in repeats.blocks)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # disjoint
     for rep, members in repeats.classes().items():
         assert len(members) >= 2
         for r in members:

@@ -87,9 +87,9 @@ def _plain_attributes(model: torch.nn.Module) -> Iterator[tuple[str, "_Watched"]
     for name, module, key, value in module_attributes(model):
         if key in _MODULE_TABLES or key.startswith("__"):
             continue
-        fz = frozen(value)
-        if fz is not _NOT_PLAIN:
-            yield name, _Watched(module, key, value, fz)
+        watched = _watch(module, key, value)
+        if watched is not None:
+            yield name, watched
 
 
 def module_values(model: torch.nn.Module) -> tuple[tuple[str, Any], ...]:
@@ -144,16 +144,21 @@ def _watched(model: torch.nn.Module, train_step: Callable[..., Any]) -> dict[str
     code, globs = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
     if code is not None:
         for key in code.co_names:
-            if key in globs and frozen(globs[key]) is not _NOT_PLAIN:
-                out[f"global {key}"] = _Watched(globs, key, globs[key], frozen(globs[key]))
+            if key in globs:
+                out[f"global {key}"] = _watch(globs, key, globs[key])
         for key, cell in zip(code.co_freevars, fn.__closure__ or ()):
             try:
                 value = cell.cell_contents
             except ValueError:  # an empty cell
                 continue
-            if frozen(value) is not _NOT_PLAIN:
-                out[f"{key} (from the closure)"] = _Watched(cell, key, value, frozen(value))
-    return out
+            out[f"{key} (from the closure)"] = _watch(cell, key, value)
+    return {name: w for name, w in out.items() if w is not None}
+
+
+def _watch(owner: Any, key: str, value: Any) -> _Watched | None:
+    """What to watch of `value`, or None when it is not plain."""
+    fz = frozen(value)
+    return None if fz is _NOT_PLAIN else _Watched(owner, key, value, fz)
 
 
 @contextlib.contextmanager
