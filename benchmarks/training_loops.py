@@ -16,6 +16,7 @@ import copy
 import functools
 import json
 import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -106,6 +107,12 @@ def _outputs(model, optimizer, batch):
     return out.loss, out.logits.detach()
 
 
+def _numbers_out(model, optimizer, batch):
+    """Python numbers returned for logging: the loss and the learning rate of this step."""
+    loss = plain_step(model, optimizer, batch)
+    return {"loss": loss.item(), "lr": optimizer.param_groups[0]["lr"]}
+
+
 @dataclass
 class Idiom:
     name: str
@@ -191,15 +198,30 @@ def _add_group(i, m, o):
         o.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
 
 
-def _inner_scheduler() -> Step:
-    scheds: dict[int, Any] = {}
+_INNER_SCHEDULERS: dict[int, Any] = {}
 
-    def step(model, optimizer, batch):
-        loss = plain_step(model, optimizer, batch)
-        scheds.setdefault(id(optimizer), torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)).step()
-        return loss
 
-    return step
+def _inner_scheduler_step(model, optimizer, batch):
+    """optimizer.step() then scheduler.step(), both inside the step."""
+    loss = plain_step(model, optimizer, batch)
+    _INNER_SCHEDULERS[id(optimizer)].step()
+    return loss
+
+
+def _made_before_the_loop(make: Callable[[Any], Any]):
+    """A scheduler for each side's optimizer, made before the loop (nothing to do between steps)."""
+
+    def per_side(model, opt):
+        _INNER_SCHEDULERS[id(opt)] = make(opt)
+        return lambda i, m, o: None
+
+    return per_side
+
+
+def _plateau_inside(model, optimizer, batch):
+    loss = plain_step(model, optimizer, batch)
+    _INNER_SCHEDULERS[id(optimizer)].step(loss)
+    return loss
 
 
 def _checkpointing(model):
@@ -253,6 +275,52 @@ def _logging_step(model, optimizer, batch):
     return loss
 
 
+_LOSS_SETTINGS = types.SimpleNamespace(weight=1.0)
+
+
+def _weighted_step(model, optimizer, batch):
+    """The loss scaled by a field of a settings object the loop anneals."""
+    optimizer.zero_grad()
+    loss = model(**batch).loss * _LOSS_SETTINGS.weight
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _anneal_weight(i, m, o):
+    _LOSS_SETTINGS.weight = 0.5 ** (i // 3 + 1)
+
+
+def _train_mode_first(model, optimizer, batch):
+    """The step puts the model in training mode itself, as many loops' train functions do."""
+    model.train()
+    return plain_step(model, optimizer, batch)
+
+
+def _dropout_frozen(model):
+    """Fine-tuning with some layers' dropout off: those modules kept in eval mode."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Dropout) and ".0." in name:
+            module.eval()
+
+
+def _refreeze(i, m, o):
+    m.train()
+    _dropout_frozen(m)
+
+
+class _Trainer:
+    """A trainer object whose method is the step, counting its steps."""
+
+    def __init__(self):
+        self.global_step = 0
+
+    def train_step(self, model, optimizer, batch):
+        loss = plain_step(model, optimizer, batch)
+        self.global_step += 1
+        return loss
+
+
 IDIOMS = [
     Idiom("learning-rate scheduler stepped every step (LambdaLR warm-up from 0)", "works",
           between=_sched(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, s / 3)))),
@@ -269,22 +337,31 @@ IDIOMS = [
     Idiom("zero_grad(set_to_none=False) at the end of the step", "works", step=_with(zero_at_end=True)),
     Idiom("evaluation between steps (eval(), no_grad, train())", "works", between=_hook(_evaluate(True))),
     Idiom("evaluation between steps, train() forgotten", "refused", between=_hook(_evaluate(False))),
+    Idiom("evaluation between steps, train() called first thing in train_step", "works", step=_train_mode_first, between=_hook(_evaluate(False))),
+    Idiom("some modules kept in eval mode (first layer's dropout off), set again between steps", "works", setup=_dropout_frozen, between=_hook(_refreeze)),
     Idiom("resuming: load_state_dict into model and optimizer after compiling", "works", between=_hook(_resume)),
     Idiom("weights changed in place between steps (decay, EMA-style)", "works", between=_hook(_ema_in_place)),
     Idiom("dropout rate lowered between steps (nn.Dropout.p)", "works", between=_hook(_dropout_schedule)),
     Idiom("a last batch of another size", "works", other_sizes=True),
     Idiom("frozen parameters (fine-tuning a part)", "works", setup=_freeze),
     Idiom("train_step returns (loss, logits)", "works", step=_outputs),
+    Idiom("train_step returns loss.item() and the learning rate (a LambdaLR warm-up)", "works", step=_numbers_out,
+          between=_sched(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / 3)))),
     Idiom("gradient accumulation in one step (4 micro-batches)", "works", step=_accumulate(4)),
     Idiom("gradient accumulation across calls (no zero_grad)", "refused", step=_no_zero_grad),
     Idiom("torch.amp.GradScaler", "refused", step=_grad_scaler),
     Idiom("optimizer.add_param_group after compiling", "refused", between=_hook(_add_group)),
-    Idiom("scheduler stepped inside train_step", "refused", step=_inner_scheduler()),
+    Idiom("scheduler stepped inside train_step, after optimizer.step() (StepLR)", "works", step=_inner_scheduler_step,
+          between=_made_before_the_loop(lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))),
+    Idiom("ReduceLROnPlateau stepped on the loss inside train_step", "refused", step=_plateau_inside,
+          between=_made_before_the_loop(lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o))),
     Idiom("the model's own activation checkpointing (gradient_checkpointing_enable, dropout inside)", "works", setup=_checkpointing),
     Idiom("torch.manual_seed inside train_step", "refused", step=_seeded_step),
     Idiom("a loss weight warmed up from a Python counter inside train_step", "refused", step=_warmed_up_loss()),
     Idiom("an EMA copy of the weights updated inside train_step", "refused", step=_ema_inside, setup=_keep_ema),
     Idiom("losses logged into a list inside train_step (losses.append(loss.item()))", "refused", step=_logging_step),
+    Idiom("a loss weight in a settings object, annealed between steps", "works", step=_weighted_step, between=_hook(_anneal_weight)),
+    Idiom("a trainer's method as train_step, counting steps (self.global_step += 1)", "refused", step=_Trainer().train_step),
 ]
 
 

@@ -34,7 +34,8 @@ from remat.measurement.memory import measure_step_peak
 from remat.planners.plan import Plan
 from remat.planners import DEFAULT_PLANNER, make_plan
 from remat.pipeline.profiles import Profile, graph_fingerprint
-from remat.pipeline.python_state import changed_values, module_values
+from remat.pipeline.python_state import changed_values, step_values
+from remat.pipeline.scheduler_calls import make_calls
 from remat.pipeline.rewriter import runnable
 from remat.pipeline.simulator import simulate, simulate_schedule
 
@@ -80,7 +81,7 @@ class CompiledGraph:
     gm: torch.fx.GraphModule
     report: StepReport
     measured: bool = False
-    module_values: tuple[tuple[str, Any], ...] = ()  # the model's plain attributes it was traced with (python_state)
+    step_values: tuple[tuple[str, Any], ...] = ()  # the Python values it was traced with (python_state)
 
 
 def _signature(batch: Any) -> tuple[str, tuple[tuple[tuple[int, ...], torch.dtype, str], ...]]:
@@ -142,21 +143,21 @@ class RematStep:
     def compiled_for(self, batch: Any) -> CompiledGraph:
         """The compiled graph for this batch's shape, compiling it if it is new."""
         shapes = self._agreed("reading the batch", lambda: self._checked_signature(batch), summary=_shapes, differ="the batch's shapes and dtypes")
-        values = module_values(self.model)
+        values = step_values(self.model, self.train_step)
         sig = (shapes, values)
         cached = self._graphs.get(sig)
         if cached is not None:
             return cached
         same_shape = [g for (s, _), g in self._graphs.items() if s == shapes]
         if same_shape:
-            changed = changed_values(same_shape[-1].module_values, values)
+            changed = changed_values(same_shape[-1].step_values, values)
             warnings.warn(
                 f"remat: {', '.join(changed[:3])}{' and more' if len(changed) > 3 else ''} changed since the step was "
                 "compiled: the graph holds such values as constants, so the step is compiled again for them.",
                 stacklevel=3,
             )
         compiled = self._compile(batch)
-        compiled.module_values = values
+        compiled.step_values = values
         self._structure = _signature(batch)[0]
         self._graphs[sig] = compiled
         return compiled
@@ -245,6 +246,7 @@ class RematStep:
     def __call__(self, batch: Any) -> torch.Tensor:
         compiled = self.compiled_for(batch)
         self._last = compiled
+        make_calls(compiled.tg.scheduler_calls, before_update=True)  # read by this step's update, as in eager
         inputs = self._agreed("reading the step's inputs", lambda: flat_inputs(compiled.tg, self.model, self.optimizer, batch))
         if self._dp is not None:
             data_parallel.before_step(self.model)
@@ -270,6 +272,7 @@ class RematStep:
             raise
         if dp is not None:
             data_parallel.after_step(self.model, dp)
+        make_calls(compiled.tg.scheduler_calls, before_update=False)
         return result
 
 

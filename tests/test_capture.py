@@ -3,6 +3,7 @@ what cannot be captured is refused with a message that says why."""
 
 from __future__ import annotations
 
+import dataclasses
 import contextlib
 
 import pytest
@@ -397,13 +398,47 @@ def _closure_dict_step():
 _CLOSURE_STEP, _CLOSURE_STATE = _closure_dict_step()
 
 
+class _Trainer:
+    """A trainer whose method is the step, counting its steps for a warm-up."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def step(self, model, opt, batch):
+        self.steps += 1
+        return _step(model, opt, batch * min(1.0, self.steps / 10))
+
+
+_TRAINER = _Trainer()
+
+
+@dataclasses.dataclass
+class _Schedule:
+    weight: float = 1.0
+
+
+@dataclasses.dataclass
+class _Config:
+    schedule: _Schedule
+
+
+_CONFIG = _Config(_Schedule())
+
+
+def _config_step(model, opt, batch):
+    _CONFIG.schedule.weight *= 0.5  # a field of an object in a field
+    return _step(model, opt, batch * _CONFIG.schedule.weight)
+
+
 @pytest.mark.parametrize(
     "model,step,name",
     [(_Annealed, _step, r"model\.calls \(0 -> \d\)"), (lambda: torch.nn.Linear(4, 4), _counting_step, r"global _GLOBAL_CALLS \(0 -> \d\)"),
-     (lambda: torch.nn.Linear(4, 4), _closure_counting_step(), r"calls \(from the closure\) \(0 -> \d\)"),
+     (lambda: torch.nn.Linear(4, 4), _closure_counting_step(), r"calls \(from the closure of step\) \(0 -> \d\)"),
      (_CountsInAList, _step, r"model\.counts \(\[0\] -> \[\d\]\)"),
      (lambda: torch.nn.Linear(4, 4), _logging_step, r"global _LOSSES \(\[\] -> \[\w+(, \w+)*\]\)"),
-     (lambda: torch.nn.Linear(4, 4), _CLOSURE_STEP, r"state \(from the closure\) \(\{'seen': 0\} -> \{'seen': \d\}\)")],
+     (lambda: torch.nn.Linear(4, 4), _TRAINER.step, r"_Trainer\.steps \(0 -> \d\)"),
+     (lambda: torch.nn.Linear(4, 4), _config_step, r"global _CONFIG\.schedule\.weight \(1\.0 -> 0\.\d+\)"),
+     (lambda: torch.nn.Linear(4, 4), _CLOSURE_STEP, r"state \(from the closure of step\) \(\{'seen': 0\} -> \{'seen': \d\}\)")],
 )  # fmt: skip
 def test_a_step_that_changes_python_state_is_refused_and_the_state_put_back(model, step, name):
     # Traced once, the step would repeat its first value at every call, silently; a list
@@ -413,8 +448,49 @@ def test_a_step_that_changes_python_state_is_refused_and_the_state_put_back(mode
     with pytest.raises(CaptureError, match=rf"changed Python state while it was traced: {name}\. Its Python code runs once"):
         capture(step, m, None, torch.randn(2, 4))
     assert _GLOBAL_CALLS == 0 and getattr(m, "calls", 0) == 0
-    assert _LOSSES == [] and _CLOSURE_STATE == {"seen": 0}
+    assert _LOSSES == [] and _CLOSURE_STATE == {"seen": 0} and _TRAINER.steps == 0 and _CONFIG.schedule.weight == 1.0
     assert counts is None or (m.counts is counts and counts == [0])  # the same list, its content put back
+
+
+class _KeepsItsOutput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.last_output = y.detach()  # for logging: a traced placeholder, never a step's value
+        return y
+
+
+class _KeepingTrainer:
+    def step(self, model, opt, batch):
+        loss = _step(model, opt, batch)
+        self.last_losses = [loss.detach()]
+        return loss
+
+
+_LAST = None
+
+
+def _global_keeping_step(model, opt, batch):
+    global _LAST
+    loss = _step(model, opt, batch)
+    _LAST = {"loss": loss.detach()}
+    return loss
+
+
+@pytest.mark.parametrize(
+    "model,step,name",
+    [(_KeepsItsOutput, _step, r"model\.last_output"), (lambda: torch.nn.Linear(4, 4), _KeepingTrainer().step, r"_KeepingTrainer\.last_losses"),
+     (lambda: torch.nn.Linear(4, 4), _global_keeping_step, r"global _LAST")],
+)  # fmt: skip
+def test_a_tensor_the_step_keeps_in_python_state_is_refused_and_the_state_put_back(model, step, name):
+    m = model()
+    with pytest.raises(CaptureError, match=rf"kept a tensor it computed in Python state: {name}\. .* Return it from train_step"):
+        capture(step, m, None, torch.randn(2, 4))
+    assert not hasattr(m, "last_output") and _LAST is None
+    assert not hasattr(getattr(step, "__self__", None), "last_losses")
 
 
 class _PlainAttribute(torch.nn.Module):

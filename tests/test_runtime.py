@@ -4,6 +4,7 @@ what it cannot run, and leaves the model as it was when a step fails."""
 from __future__ import annotations
 
 import re
+import types
 
 import pytest
 import torch
@@ -188,3 +189,140 @@ def test_a_module_attribute_changed_between_steps_compiles_the_step_again():
         result = check_against_eager(step, eager_model, eager_opt, model, opt, compiled, batch, steps=3, between_steps=shift)
     assert result.match, result.mismatches
     assert len(compiled._graphs) == 4
+
+
+_LOSS_WEIGHT = 1.0
+_SETTINGS = types.SimpleNamespace(shift=0.0)
+
+
+def _squared(model, batch):
+    return model(batch).pow(2).mean()
+
+
+def _absolute(model, batch):
+    return model(batch).abs().mean()
+
+
+_LOSS = _squared
+
+
+def _weighted_step(model, opt, batch):
+    opt.zero_grad()
+    loss = _LOSS(model, batch + _SETTINGS.shift) * _LOSS_WEIGHT
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_a_global_a_config_field_or_a_loss_function_changed_between_steps_compiles_the_step_again():
+    # The graph holds what the step's code read as constants, and the function it called.
+    global _LOSS_WEIGHT, _LOSS
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_model, eager_opt = twin(model, opt)
+    batch = torch.randn(4, 8)
+    compiled = remat.compile(_weighted_step, model, opt, batch, memory_budget=None)
+
+    def change(i, m, o):
+        global _LOSS_WEIGHT, _LOSS
+        if i == 0:
+            _LOSS_WEIGHT = 0.5
+        elif i == 1:
+            _SETTINGS.shift = 0.25
+        elif i == 2:
+            _LOSS = _absolute
+
+    try:
+        with pytest.warns(UserWarning, match="changed since the step was compiled") as record:
+            result = check_against_eager(_weighted_step, eager_model, eager_opt, model, opt, compiled, batch, steps=4, between_steps=change)
+        assert result.match, result.mismatches
+        shown = " ".join(str(w.message) for w in record)
+        for change_shown in ("global _LOSS_WEIGHT (1.0 -> 0.5)", "global _SETTINGS.shift (0.0 -> 0.25)", "global _LOSS (_squared -> _absolute)"):
+            assert change_shown in shown, shown
+        assert len(compiled._graphs) == 4
+    finally:
+        _LOSS_WEIGHT, _LOSS, _SETTINGS.shift = 1.0, _squared, 0.0
+
+
+def _bn_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.2), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def _mse_step(model, opt, batch):
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def _train_mode_first(model, opt, batch):
+    model.train()
+    return _mse_step(model, opt, batch)
+
+
+def test_modules_kept_in_eval_mode_stay_so_and_a_step_that_sets_the_mode_itself_runs_after_evaluation():
+    batch = (torch.randn(8, 8), torch.randn(8, 1))
+
+    def bn_frozen(m):
+        m.train()
+        m[1].eval()
+
+    # A BatchNorm frozen in a model in training mode: compiling leaves its flag as it was,
+    # and the loop setting the same modes again between steps runs on.
+    model, opt = _bn_model()
+    bn_frozen(model)
+    eager_model, eager_opt = twin(model, opt)
+    compiled = remat.compile(_mse_step, model, opt, batch, memory_budget=None)
+    assert [m.training for m in model.modules()] == [True, True, False, True, True, True]
+    result = check_against_eager(_mse_step, eager_model, eager_opt, model, opt, compiled, batch, steps=3, between_steps=lambda i, m, o: bn_frozen(m))
+    assert result.match, result.mismatches
+
+    # train_step calls model.train() first: the mode the loop leaves (eval, after evaluating)
+    # does not matter, and the step leaves the model in training mode, as eager does.
+    model, opt = _bn_model()
+    eager_model, eager_opt = twin(model, opt)
+    compiled = remat.compile(_train_mode_first, model, opt, batch, memory_budget=None)
+    result = check_against_eager(_train_mode_first, eager_model, eager_opt, model, opt, compiled, batch, steps=3, between_steps=lambda i, m, o: m.eval())
+    assert result.match, result.mismatches
+    compiled(batch)
+    assert all(m.training for m in model.modules())
+
+    # Without that call, a step after evaluation is refused, as before.
+    step = remat.compile(_mse_step, model, opt, batch, memory_budget=None)
+    model.eval()
+    with pytest.raises(CaptureError, match=r"train/eval mode differs .* Call model\.train\(\) before the step"):
+        step(batch)
+
+
+def _step_returning_numbers(model, opt, batch):
+    loss = _mse_step(model, opt, batch)
+    with torch.no_grad():
+        positives = (model(batch[0]) > 0).sum()
+    return {"loss": loss.item(), "lr": opt.param_groups[0]["lr"], "positives": positives.item(), "above_one": loss.item() > 1.0}
+
+
+def test_a_step_returning_python_numbers_gives_them_back_as_eager_does_each_step():
+    # loss.item() and a learning rate read from param_groups: the numbers of this step (the
+    # rate set by the loop between steps, not the one traced), of eager's types.
+    model, opt = _bn_model()
+    batch = (torch.randn(8, 8), torch.randn(8, 1))
+    eager_model, eager_opt = twin(model, opt)
+    compiled = remat.compile(_step_returning_numbers, model, opt, batch, memory_budget=None)
+
+    def halve_lr(i, m, o):
+        o.param_groups[0]["lr"] *= 0.5
+
+    result = check_against_eager(_step_returning_numbers, eager_model, eager_opt, model, opt, compiled, batch, steps=3, between_steps=halve_lr)
+    assert result.match, result.mismatches
+    out = compiled(batch)
+    assert out["lr"] == 0.01 / 8 and type(out["lr"]) is float
+    assert type(out["loss"]) is float and type(out["positives"]) is int and type(out["above_one"]) is bool
+    with pytest.raises(CaptureError, match=r"returned tuple holding str\. Return tensors and numbers only"):
+        remat.compile(lambda m, o, b: (_mse_step(m, o, b), "done"), *twin(model, opt), batch, memory_budget=None)
+    # A number no input gives (a scheduler's get_last_lr()) would be the traced one at every step.
+    with pytest.raises(CaptureError, match=r"returned the Python number 0\.5 \(output 1\), which no tensor or optimizer setting gives"):
+        remat.compile(lambda m, o, b: (_mse_step(m, o, b), 0.5), *twin(model, opt), batch, memory_budget=None)

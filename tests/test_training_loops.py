@@ -176,19 +176,64 @@ def test_amsgrad_switched_on_is_refused():
         step(spec.batch)
 
 
-def test_scheduler_stepped_inside_train_step_is_refused():
+@pytest.mark.parametrize("kind,before_update", [("step", False), ("step", True), ("warmup-cosine", False)])
+def test_a_scheduler_stepped_inside_train_step_is_stepped_at_every_call_bitwise(kind, before_update):
+    # Stepped before optimizer.step(), the new rate is this step's; after it, the next one's.
     spec = build_model("mlp-deep", 8)
-    opt = torch.optim.SGD(spec.model.parameters(), lr=0.1)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    inner = make_train_step(spec.loss_fn)
+    opt = torch.optim.SGD(spec.model.parameters(), lr=0.1, momentum=0.9)
+    eager_model, eager_opt = twin(spec.model, opt)
+    model, o = twin(spec.model, opt)
 
-    def step_fn(model, optimizer, batch):
-        loss = inner(model, optimizer, batch)
-        sched.step()
+    def make(optimizer):
+        if kind == "step":
+            return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        warm = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=2)
+        cos = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS)
+        return torch.optim.lr_scheduler.SequentialLR(optimizer, [warm, cos], milestones=[2])
+
+    scheds = {id(eager_opt): make(eager_opt), id(o): make(o)}
+
+    def step_fn(m, optimizer, batch):
+        optimizer.zero_grad()
+        loss = spec.loss_fn(m, batch)
+        loss.backward()
+        if before_update:
+            scheds[id(optimizer)].step()
+        optimizer.step()
+        if not before_update:
+            scheds[id(optimizer)].step()
         return loss
 
-    with pytest.raises(CaptureError, match=r"train_step changed optimizer.param_groups\[0\]\['lr'\] while it ran"):
-        remat.compile(step_fn, spec.model, opt, spec.batch, profile_runs=1, measure=False)
+    step = remat.compile(step_fn, model, o, spec.batch, memory_budget=None)
+    assert [c.before_update for c in step.compiled_for(spec.batch).tg.scheduler_calls] == [before_update]
+    result = check_against_eager(step_fn, eager_model, eager_opt, model, o, step, spec.batch, steps=STEPS)
+    assert result.match, result.summary()
+    assert o.param_groups[0]["lr"] == eager_opt.param_groups[0]["lr"] != 0.1
+    assert scheds[id(o)].last_epoch == scheds[id(eager_opt)].last_epoch == STEPS
+
+
+def test_a_scheduler_stepped_on_a_metric_or_made_inside_train_step_is_refused():
+    spec = build_model("mlp-deep", 8)
+    opt = torch.optim.SGD(spec.model.parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    inner = make_train_step(spec.loss_fn)
+
+    def on_metric(model, optimizer, batch):
+        loss = inner(model, optimizer, batch)
+        plateau.step(loss)
+        return loss
+
+    with pytest.raises(CaptureError, match=r"steps a learning-rate scheduler with an argument \(ReduceLROnPlateau\.step"):
+        remat.compile(on_metric, spec.model, opt, spec.batch, profile_runs=1, measure=False)
+
+    def made_inside(model, optimizer, batch):
+        loss = inner(model, optimizer, batch)
+        torch.optim.lr_scheduler.StepLR(optimizer, 1).step()
+        return loss
+
+    with pytest.raises(CaptureError, match=r"makes a learning-rate scheduler \(StepLR\): make it once, before the loop"):
+        remat.compile(made_inside, spec.model, opt, spec.batch, profile_runs=1, measure=False)
+    assert opt.param_groups[0]["lr"] == 0.1 and "initial_lr" not in opt.param_groups[0]
 
 
 def test_tensor_learning_rate_is_refused():
@@ -277,12 +322,24 @@ def test_extra_outputs_come_back_as_eager_returns_them(form):
     assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes
 
 
-def test_a_step_returning_a_python_number_is_refused():
-    spec = build_model("mlp-deep", 8)
+def test_a_step_returning_python_numbers_runs_a_plan_bitwise_with_the_numbers_in_its_peak():
+    spec = build_model("mlp-deep", 64)
     inner = make_train_step(spec.loss_fn)
+
+    def step_fn(m, o, b):
+        loss = inner(m, o, b)
+        return loss, o.param_groups[0]["lr"], loss.item()
+
     opt = torch.optim.SGD(spec.model.parameters(), lr=0.1)
-    with pytest.raises(CaptureError, match=r"returned tuple holding float. Return tensors only"):
-        remat.compile(lambda m, o, b: (inner(m, o, b), 0.5), spec.model, opt, spec.batch, profile_runs=1, measure=False)
+    eager_model, eager_opt = twin(spec.model, opt)
+    model, o = twin(spec.model, opt)
+    step = remat.compile(step_fn, model, o, spec.batch, memory_budget=0.4, profile_runs=1)
+    assert step.report.num_recomputed > 0
+    result = check_against_eager(step_fn, eager_model, eager_opt, model, o, step, spec.batch, steps=3)
+    assert result.match, result.summary()
+    loss, lr, number = step(spec.batch)
+    assert lr == 0.1 and number == loss.item() and type(number) is float
+    assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes
 
 
 # ---------------------------------------------------------------------- accumulation

@@ -103,7 +103,11 @@ def check_against_eager(
         if spec_e != spec_r:
             mismatches.append(f"step {i + 1} returned {spec_r}, eager {spec_e}")
         for j, (x, y) in enumerate(zip(leaves_e, leaves_r)):
-            d = _diff(x.detach(), y.detach())
+            if not isinstance(x, torch.Tensor):  # a Python number the step returned
+                same = type(x) is type(y) and (x == y or (x != x and y != y))  # NaN is NaN
+                d = "" if same else f"{x!r} vs {y!r}"
+            else:
+                d = _diff(x.detach(), y.detach())
             if d:
                 mismatches.append(f"step {i + 1} {'loss' if j == 0 else f'output {j}'}: {d}")
         mismatches += [f"step {i + 1} {m}" for m in compare_state(eager_model, eager_opt, remat_model, remat_opt)]

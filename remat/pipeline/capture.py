@@ -11,6 +11,7 @@ removed before the graph is handed on."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -20,7 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
 from remat.gc_pause import gc_paused
-from remat.pipeline import data_parallel, hyperparams
+from remat.pipeline import data_parallel, hyperparams, step_outputs, train_modes
 from remat.pipeline.cpu_strides import CpuOutputStrides
 from remat.errors import CaptureError
 from remat.pipeline.optimizer_state import check_first_step_state, optimizer_on, optimizer_states
@@ -29,6 +30,7 @@ from remat.pipeline.markers import MARKER, RECORD_FUNCTION_OPS, marker
 from remat.pipeline.trace_checks import branched_hyperparameters, check_graph_runnable, check_no_accumulation, check_static_shapes, drop_unread_hyperparameters, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state
 from remat.pipeline.train_graph import GraphInput, InputKind, Phase, TrainGraph, TrainStep
 from remat.pipeline.python_state import no_python_state_changed
+from remat.pipeline.scheduler_calls import SchedulerCall, recorded_scheduler_calls
 from remat.pipeline.traced_rng import no_rng_state_set
 from remat.pipeline.user_checkpoints import plain_checkpoints
 
@@ -68,14 +70,7 @@ def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: torch.optim.O
     (a frozen parameter thawed, an optimizer flag or group changed) is refused here,
     and the hyperparameters are read from the param groups as they are now.
     """
-    training = tuple(m.training for m in model.modules())
-    if training != tg.training:
-        mode = "training" if tg.training and tg.training[0] else "eval"
-        raise CaptureError(
-            f"the model's train/eval mode differs from when the step was compiled (in {mode} mode): dropout and "
-            f"BatchNorm behave as they did then. Call model.{'train' if mode == 'training' else 'eval'}() before "
-            "the step (e.g. after evaluating), or compile a step for the other mode."
-        )
+    train_modes.check_mode(model, tg)
     if tg.data_parallel is not None:
         data_parallel.check_unchanged(model, tg.data_parallel)
     params = _unique_named(model.named_parameters())
@@ -183,10 +178,11 @@ def _check_arguments(
 
 def _trace(
     traced: Callable[..., Any], flat: list[torch.Tensor], symbols: dict[str, str], sign_facts: dict[str, int],
-    hyper_values: dict[str, float], model: torch.nn.Module, was_training: bool,
+    hyper_values: dict[str, float], model: torch.nn.Module,
 ) -> torch.fx.GraphModule:  # fmt: skip
     """make_fx of `traced`; a branch on a hyperparameter other than the known ones fixes its
     sign too (in `sign_facts`), and traces again."""
+    modes = [(m, m.training) for m in model.modules()]
     while True:
         try:
             return make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=False)(*flat)
@@ -198,7 +194,10 @@ def _trace(
                 raise explain_trace_failure(e, model) from e
             sign_facts.update({name: hyperparams.sign(hyper_values[name]) for name in new})
         finally:
-            model.train(was_training)
+            train_modes.put_back_modes(modes)
+            for module in model.modules():
+                if isinstance(module, torch.nn.RNNBase):  # its cached weight list still holds the traced ones
+                    module._init_flat_weights()
 
 
 @gc_paused()
@@ -235,6 +234,7 @@ def capture(
     # capture; the others are free symbols. `symbols` names a float a trace tripped on.
     sign_facts = {n: hyperparams.sign(v) for n, v in hyper_values.items() if hyperparams.parse_input_name(n)[1] in hyperparams.BRANCHED_KEYS}
     symbols: dict[str, str] = {}
+    recorded = _Recorded()  # filled while tracing
 
     def traced(*args: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         it = iter(args)
@@ -249,12 +249,13 @@ def capture(
             for n in trainable:
                 t_params[n].grad = torch.zeros_like(t_params[n])
             marker([t_params[n].grad for n in trainable], "preset_grads")
-        calls = {"backward": 0, "reduced": 0}
+        calls = {"backward": 0, "reduced": 0, "updates": 0}
         real_backward = torch.autograd.backward
         synced: list[bool] = []  # per forward of a DDP model: whether it syncs gradients
         backward = _marking_backward(real_backward, t_params, grad_order, calls, dp, synced)
 
         def step_pre_hook(opt, args, kwargs):  # type: ignore[no-untyped-def]
+            calls["updates"] += 1
             marker([], "optimizer_begin")
 
         mapping = {a: t_params[c] for a, c in param_alias.items()}
@@ -270,23 +271,19 @@ def capture(
                 stack.callback(handle.remove)
             torch.autograd.backward = backward
             stack.callback(setattr, torch.autograd, "backward", real_backward)
-            stack.enter_context(CpuOutputStrides())
-            stack.enter_context(plain_checkpoints())
-            stack.enter_context(no_rng_state_set())
+            stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0))
             result = train_step(model, optimizer, t_batch)
-        outputs, out_spec = _step_outputs(result)
+        outputs, out_spec, numbers = step_outputs.as_graph_outputs(result)
         if calls["backward"] == 0:
             raise CaptureError("train_step never called loss.backward(): remat captures a whole training step")
         grads = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]
         final_grads[:] = [n for n, _ in grads]
-        seen.update(output_spec=out_spec, backward_passes=calls["backward"], reduced=calls["reduced"])
+        seen.update(output_spec=out_spec, output_numbers=numbers, backward_passes=calls["backward"], reduced=calls["reduced"])
         return outputs, [g for _, g in grads]
 
     def trace() -> torch.fx.GraphModule:
-        return _trace(traced, flat, symbols, sign_facts, hyper_values, model, was_training)
+        return _trace(traced, flat, symbols, sign_facts, hyper_values, model)
 
-    was_training = model.training
-    leaves_zero_grads = False
     with no_python_state_changed(model, train_step):
         gm = trace()
         if final_grads:
@@ -298,10 +295,9 @@ def capture(
                 probe_gm = trace()
             finally:
                 grad_order[:], final_grads[:] = kept
-    if final_grads:
-        leaves_zero_grads = ends_with_zero_grads(gm)
-        if not leaves_zero_grads:
-            check_no_accumulation(probe_gm)
+    leaves_zero_grads = bool(final_grads) and ends_with_zero_grads(gm)
+    if final_grads and not leaves_zero_grads:
+        check_no_accumulation(probe_gm)
     check_static_shapes(gm)
     check_graph_runnable(gm)
     groups: list[hyperparams.GroupSpec] = []
@@ -315,12 +311,35 @@ def capture(
         dp.last_forward_synced = bool(seen["reduced"])
         tg.data_parallel = dp
         data_parallel.place_collectives(tg.gm)
-    tg.output_spec, tg.backward_passes = seen["output_spec"], seen["backward_passes"]
+    tg.output_spec, tg.output_numbers, tg.backward_passes = seen["output_spec"], seen["output_numbers"], seen["backward_passes"]
     tg.trainable = trainable
-    tg.training = tuple(m.training for m in model.modules())
+    tg.training, tg.mode_calls, tg.sets_mode_first = train_modes.traced_modes(model, recorded.mode_calls)
+    tg.scheduler_calls = tuple(recorded.scheduler_calls)
     tg.leaves_zero_grads = leaves_zero_grads
     tg.groups = groups
     return tg
+
+
+@dataclass
+class _Recorded:
+    """What train_step's Python code does that the graph cannot hold, made again at each call."""
+
+    mode_calls: list[tuple[str, bool, bool]] = field(default_factory=list)  # train_modes.recorded_mode_calls
+    scheduler_calls: list[SchedulerCall] = field(default_factory=list)  # scheduler_calls.recorded_scheduler_calls
+
+
+@contextlib.contextmanager
+def _step_patches(model: torch.nn.Module, recorded: _Recorded, updating: Callable[[], bool]) -> Iterator[None]:
+    """What runs around train_step while it is traced, besides the markers: CPU kernels'
+    real strides, the user's checkpoints as plain calls, refusing generator state set, and
+    recording train()/eval() and scheduler.step() calls."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(CpuOutputStrides())
+        stack.enter_context(plain_checkpoints())
+        stack.enter_context(no_rng_state_set())
+        stack.enter_context(train_modes.recorded_mode_calls(model, recorded.mode_calls))
+        stack.enter_context(recorded_scheduler_calls(recorded.scheduler_calls, updating))
+        yield
 
 
 def _marking_backward(
@@ -358,26 +377,6 @@ def _reduce_across_ranks(dp: data_parallel.DataParallel, t_params: dict[str, tor
     data_parallel.check_unused(dp, names)
     for n, g in zip(names, data_parallel.reduce_gradients([t_params[n].grad for n in names], dp)):
         t_params[n].grad = g
-
-
-def _step_outputs(result: Any) -> tuple[list[torch.Tensor], Any]:
-    """train_step's return value as graph outputs: its tensors, detached, and its structure.
-
-    A lone tensor is the loss; a tuple, list or dict may add other tensors (logits for
-    metrics), which come back to the caller as they were returned.
-    """
-    if isinstance(result, torch.Tensor):
-        if result.numel() != 1:
-            raise CaptureError(f"train_step must return the loss as a one-element tensor, got shape {tuple(result.shape)}")
-        return [result.detach()], None
-    leaves, out_spec = pytree.tree_flatten(result)
-    if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
-        kinds = sorted({type(t).__name__ for t in leaves if not isinstance(t, torch.Tensor)}) or ["nothing"]
-        raise CaptureError(
-            f"train_step must return the loss, or a tuple, list or dict of tensors; it returned {type(result).__name__} "
-            f"holding {', '.join(kinds)}. Return tensors only (compute Python numbers such as accuracy from them outside)."
-        )
-    return [t.detach() for t in leaves], out_spec
 
 
 def _finish(
@@ -464,7 +463,8 @@ def run_captured(
     train_step returns (the loss, or its tuple/dict of tensors).
 
     Leaves each parameter's `.grad` as the eager step would: the graph's final gradient
-    where train_step left one set, None where it cleared them.
+    where train_step left one set, None where it cleared them; and the modules' train/eval
+    flags as train_step's own train() and eval() calls leave them.
     """
     params = _unique_named(model.named_parameters())
     if tg.leaves_zero_grads:
@@ -475,9 +475,10 @@ def run_captured(
         p.grad = None
     with torch.no_grad():
         outputs, grads = gm(*inputs)
+    train_modes.make_mode_calls(model, tg)
     final = dict(zip(tg.grad_names, grads))
     for name, p in params.items():
         p.grad = final.get(name)
         if tg.leaves_zero_grads and p.grad is not None:
             p.grad._remat_zeroed = True  # type: ignore[attr-defined]  # known zero: no check at the next call
-    return outputs[0] if tg.output_spec is None else pytree.tree_unflatten(list(outputs), tg.output_spec)
+    return step_outputs.as_returned(tg, outputs)

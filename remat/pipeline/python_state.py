@@ -1,22 +1,43 @@
-"""Refuse a step that changes Python state while it runs.
+"""Python state the graph holds as constants: refused when the step changes it, and a new
+compile when the loop does.
 
 The step's Python code runs once, while it is traced; the graph holds the numbers it saw
 then as constants. A step that counts its calls in a Python number (`self.steps += 1`, a
 global counter) and computes from it (a KL weight warming up, a teacher-forcing ratio)
 would repeat its first value at every step, with no error; a list the step appends
-`loss.item()` to would hold traced placeholders. What is watched: the plain numbers,
-strings and None, and lists, tuples, dicts and sets of them (nested), held as attributes
-of the model's modules, or read by train_step as globals or from its closure. State in
-other objects (a config object's field, a counter in a class of one's own) is not seen.
+`loss.item()` to would hold traced placeholders. And a number the loop sets between steps
+(a loss weight in a global, a config field) would keep its first value in the graph.
+
+What is watched: plain numbers, strings and None, and lists, tuples, dicts and sets of
+them (nested), held
+- as attributes of the model's modules (all of them);
+- as globals or closure cells of the user's code the step runs: train_step, the functions
+  it reaches through its globals and closure, and the methods of the model's classes
+  (code outside the installed packages and the standard library; a library's code is
+  not followed);
+- as fields of the user's objects found there (a trainer whose method is train_step, a
+  config object or namespace), where that code names the field;
+- and which function a global or closure name holds (a loss function swapped between
+  steps).
+A tensor the trace leaves in one of these places (`self.last_output = y.detach()`) is
+refused too: it is a traced placeholder, and the graph stores no step's value there.
+State reached otherwise (a library object's field, an object in a list) is not seen.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import functools
+import site
+import sys
+import sysconfig
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.errors import CaptureError
 
@@ -29,6 +50,8 @@ _NOT_PLAIN = object()
 def frozen(value: Any) -> Any:
     """A hashable copy of a plain value, or of a container (list, tuple, dict, set) of plain
     values and such containers; _NOT_PLAIN for anything else (tensors, modules, objects)."""
+    if isinstance(value, _PLAIN):
+        return value
     budget = [_MOST_ITEMS]
 
     def freeze(v: Any, depth: int) -> Any:
@@ -70,33 +93,17 @@ def shown(value: Any) -> str:
 
 def module_attributes(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, str, Any]]:
     """(qualified name, module, key, value) of every value a module holds as an attribute
-    (its __dict__), but for a DDP wrapper's own settings (checked by pipeline.data_parallel)."""
+    (its __dict__, but for nn.Module's own tables and dunder names), but for a DDP wrapper's
+    own settings (checked by pipeline.data_parallel)."""
     for prefix, module in model.named_modules():
         if isinstance(module, torch.nn.parallel.DistributedDataParallel):
             continue
         for key, value in vars(module).items():
-            yield ".".join(filter(None, ("model", prefix, key))), module, key, value
+            if key not in _MODULE_TABLES and not key.startswith("__"):
+                yield f"model.{prefix}.{key}" if prefix else f"model.{key}", module, key, value
 
 
 _MODULE_TABLES = frozenset(vars(torch.nn.Module()))  # nn.Module's own: parameters, buffers, submodules, hooks
-
-
-def _plain_attributes(model: torch.nn.Module) -> Iterator[tuple[str, "_Watched"]]:
-    """The plain values and containers among them (`training` aside: train/eval mode is
-    checked on its own)."""
-    for name, module, key, value in module_attributes(model):
-        if key in _MODULE_TABLES or key.startswith("__"):
-            continue
-        watched = _watch(module, key, value)
-        if watched is not None:
-            yield name, watched
-
-
-def module_values(model: torch.nn.Module) -> tuple[tuple[str, Any], ...]:
-    """The model's plain attribute values, as the graph traced with them saw them: a step is
-    compiled again when one changes between steps (a temperature or a drop rate set by the
-    loop), since the graph holds them as constants."""
-    return tuple((name, w.frozen) for name, w in _plain_attributes(model))
 
 
 def changed_values(before: tuple[tuple[str, Any], ...], now: tuple[tuple[str, Any], ...]) -> list[str]:
@@ -105,29 +112,52 @@ def changed_values(before: tuple[tuple[str, Any], ...], now: tuple[tuple[str, An
     return [f"{k} ({shown(old.get(k))} -> {shown(new.get(k))})" for k in {**old, **new} if old.get(k, gone) != new.get(k, gone)]
 
 
+_MISSING = object()
+
+
+@dataclass
+class _Slot:
+    """Where a value is held: an attribute of a module or of a user's object, a key of a
+    function's globals, or a closure cell."""
+
+    name: str  # as an error shows it
+    owner: Any
+    key: str
+
+    def get(self) -> Any:
+        if isinstance(self.owner, dict):
+            return self.owner.get(self.key, _MISSING)
+        if isinstance(self.owner, types.CellType):
+            try:
+                return self.owner.cell_contents
+            except ValueError:  # an empty cell
+                return _MISSING
+        return vars(self.owner).get(self.key, _MISSING)
+
+    def set(self, value: Any) -> None:
+        if value is _MISSING:  # it was not there
+            if isinstance(self.owner, dict):
+                self.owner.pop(self.key, None)
+            elif not isinstance(self.owner, types.CellType):
+                vars(self.owner).pop(self.key, None)
+        elif isinstance(self.owner, dict):
+            self.owner[self.key] = value
+        elif isinstance(self.owner, types.CellType):
+            self.owner.cell_contents = value
+        else:
+            setattr(self.owner, self.key, value)
+
+
 @dataclass
 class _Watched:
-    owner: Any  # a module, train_step's globals, or a closure cell
-    key: str
+    slot: _Slot
     value: Any  # the object itself
     frozen: Any  # and what it held
 
-    def now(self) -> Any:
-        if isinstance(self.owner, dict):
-            return self.owner.get(self.key)
-        if hasattr(self.owner, "cell_contents"):
-            return self.owner.cell_contents
-        return vars(self.owner).get(self.key)
-
     def put_back(self) -> None:
-        if self.now() is not self.value:
-            if isinstance(self.owner, dict):
-                self.owner[self.key] = self.value
-            elif hasattr(self.owner, "cell_contents"):
-                self.owner.cell_contents = self.value
-            else:
-                setattr(self.owner, self.key, self.value)
-        if isinstance(self.value, (list, dict, set)) and frozen(self.value) != self.frozen:
+        if self.slot.get() is not self.value:
+            self.slot.set(self.value)
+        if isinstance(self.value, (list, dict, set)) and _snapshot(self.value) != self.frozen:
             self.value.clear()
             content = _thawed(self.frozen)
             if isinstance(self.value, list):
@@ -136,53 +166,201 @@ class _Watched:
                 self.value.update(content)
 
 
+def _slots(model: torch.nn.Module, train_step: Callable[..., Any]) -> list[tuple[_Slot, Any]]:
+    """Every slot the watch reads (see the module's docstring), with the value it holds."""
+    out = [(_Slot(name, module, key), value) for name, module, key, value in module_attributes(model)]
+    code = _user_code(model, train_step)
+    out += [(_Slot(name, owner, key), value) for name, owner, key, value in code.bindings]
+    roots = [(slot.name, value) for slot, value in out if not isinstance(value, _PLAIN + _CONTAINERS)]
+    # The object a method belongs to (a trainer), or the callable object that is the step.
+    owner = train_step if _user_class(type(train_step)) else getattr(train_step, "__self__", None)
+    if owner is not None:
+        roots.append((type(owner).__name__, owner))
+    seen: set[int] = set()
+    for name, value in roots:
+        out += _object_fields(name, value, code.names, seen, depth=0)
+    return out
+
+
 def _watched(model: torch.nn.Module, train_step: Callable[..., Any]) -> dict[str, _Watched]:
-    """Module attributes, train_step's globals and its closure cells that hold plain values
-    or containers of them."""
-    out = dict(_plain_attributes(model))
-    fn = getattr(train_step, "__func__", train_step)
-    code, globs = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
-    if code is not None:
-        for key in code.co_names:
-            if key in globs:
-                out[f"global {key}"] = _watch(globs, key, globs[key])
-        for key, cell in zip(code.co_freevars, fn.__closure__ or ()):
+    """The slots holding plain values (or the user's functions), by name."""
+    out = {}
+    for slot, value in _slots(model, train_step):
+        fz = _snapshot(value)
+        if fz is not _NOT_PLAIN:
+            out[slot.name] = _Watched(slot, value, fz)
+    return out
+
+
+def step_values(model: torch.nn.Module, train_step: Callable[..., Any]) -> tuple[tuple[str, Any], ...]:
+    """The watched values as the graph traced with them saw them: a step is compiled again
+    when one changes between steps (a temperature, a drop rate or a loss weight set by the
+    loop), since the graph holds them as constants."""
+    return tuple((name, w.frozen) for name, w in _watched(model, train_step).items())
+
+
+@dataclass
+class _UserCode:
+    names: set[str]  # every global and attribute name the code mentions
+    bindings: list[tuple[str, Any, str, Any]]  # (shown name, globals dict or closure cell, key, value)
+
+
+_LIBRARY_DIRS = tuple(
+    {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")} | {site.getusersitepackages()}
+)
+_MOST_FUNCTIONS = 500
+
+
+def _is_user_file(path: str) -> bool:
+    return not path.startswith("<") and not path.startswith(_LIBRARY_DIRS)
+
+
+def _user_function(value: Any) -> types.FunctionType | None:
+    """The Python function behind `value` (itself, a bound method's, a partial's), if the
+    user wrote it."""
+    while isinstance(value, (types.MethodType, functools.partial, staticmethod, classmethod, property)):
+        value = value.fget if isinstance(value, property) else getattr(value, "__func__", None) or value.func
+    if isinstance(value, types.FunctionType) and _is_user_file(value.__code__.co_filename):
+        return value
+    return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _user_class(cls: type) -> bool:
+    module = sys.modules.get(cls.__module__)
+    path = getattr(module, "__file__", None)
+    return cls in (argparse.Namespace, types.SimpleNamespace) or (path is not None and _is_user_file(path))
+
+
+def _user_code(model: torch.nn.Module, train_step: Callable[..., Any]) -> _UserCode:
+    """The user's functions the step runs, followed from train_step and the model's classes
+    through globals and closures."""
+    pending: list[Any] = [train_step, getattr(type(train_step), "__call__", None)]
+    classes = {c for m in model.modules() for c in type(m).__mro__}
+    pending += [f for c in classes if _user_class(c) for f in vars(c).values()]
+    step_globals = getattr(_user_function(train_step), "__globals__", None)
+    names: set[str] = set()
+    bindings: list[tuple[str, Any, str, Any]] = []
+    seen: set[int] = set()
+    while pending and len(seen) < _MOST_FUNCTIONS:
+        fn = _user_function(pending.pop())
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        mentioned = _names(fn.__code__)
+        names |= mentioned
+        globs = fn.__globals__
+        where = "" if globs is step_globals else f"{globs.get('__name__', '?')}."
+        for key in sorted(mentioned & globs.keys()):
+            bindings.append((f"global {where}{key}", globs, key, globs[key]))
+            pending.append(globs[key])
+        for key, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
             try:
                 value = cell.cell_contents
             except ValueError:  # an empty cell
                 continue
-            out[f"{key} (from the closure)"] = _watch(cell, key, value)
-    return {name: w for name, w in out.items() if w is not None}
+            bindings.append((f"{key} (from the closure of {fn.__name__})", cell, key, value))
+            pending.append(value)
+    return _UserCode(names, bindings)
 
 
-def _watch(owner: Any, key: str, value: Any) -> _Watched | None:
-    """What to watch of `value`, or None when it is not plain."""
-    fz = frozen(value)
-    return None if fz is _NOT_PLAIN else _Watched(owner, key, value, fz)
+def _names(code: types.CodeType) -> set[str]:
+    """The global and attribute names a code object and the functions nested in it mention."""
+    out = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            out |= _names(const)
+    return out
+
+
+def _object_fields(name: str, obj: Any, names: set[str], seen: set[int], depth: int) -> Iterator[tuple[_Slot, Any]]:
+    """The fields of a user's object (and of the user's objects in them) that the user's code names."""
+    if depth > 3 or id(obj) in seen or isinstance(obj, (type, torch.nn.Module, torch.Tensor)) or not _user_class(type(obj)):
+        return
+    seen.add(id(obj))
+    try:
+        fields = vars(obj)
+    except TypeError:  # __slots__
+        return
+    for key in sorted(k for k in fields if k in names):
+        yield _Slot(f"{name}.{key}", obj, key), fields[key]
+        yield from _object_fields(f"{name}.{key}", fields[key], names, seen, depth + 1)
+
+
+def _snapshot(value: Any) -> Any:
+    """What a watched value is compared by: its frozen copy, or which function it is."""
+    fn = _user_function(value) if isinstance(value, types.FunctionType) else None
+    return _FunctionRef(fn) if fn is not None else frozen(value)
+
+
+class _FunctionRef:
+    """Which function a name holds: equal only to the same function."""
+
+    def __init__(self, fn: types.FunctionType) -> None:
+        self.fn = fn
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _FunctionRef) and other.fn is self.fn
+
+    def __hash__(self) -> int:
+        return id(self.fn)
+
+    def __repr__(self) -> str:
+        return self.fn.__qualname__
 
 
 @contextlib.contextmanager
 def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., Any]) -> Iterator[None]:
     """Around the whole capture: refuse, naming them, the watched values the traces changed
-    (put back as they were, so that a refused capture leaves nothing changed)."""
+    and the tensors they left in Python state, putting everything back as it was (so that a
+    refused capture leaves nothing changed)."""
+    held = {slot.name: value for slot, value in _slots(model, train_step)}
     before = _watched(model, train_step)
     yield
+    kept = [slot for slot, value in _slots(model, train_step) if _holds_traced_tensor(value)]
+    for slot in kept:
+        if slot.name not in before:
+            slot.set(held.get(slot.name, _MISSING))
+    kept_names = {slot.name for slot in kept}
     changed = []
     for name, w in before.items():
-        now = frozen(w.now())
+        value = w.slot.get()
+        now = _snapshot(value)
         if now is not w.frozen and now != w.frozen:
-            text = shown(now) if now is not _NOT_PLAIN else _short(repr(w.now()))
-            changed.append(f"{name} ({shown(w.frozen)} -> {text})")
+            text = shown(now) if now is not _NOT_PLAIN else "deleted" if value is _MISSING else _short(repr(value))
+            if name not in kept_names:
+                changed.append(f"{name} ({shown(w.frozen)} -> {text})")
             w.put_back()
     if changed:
         raise CaptureError(
-            f"train_step changed Python state while it was traced: {', '.join(changed[:5])}"
-            + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
-            + ". Its Python code runs once, at capture, so the graph would repeat the first value at every step "
-            "(and a value kept from inside the step would be a traced placeholder, not a number). Keep such state "
-            "outside train_step and pass what the step computes from it as a tensor (in the batch, or a buffer of the "
-            "model updated between steps); to log a value, return it from train_step."
+            f"train_step changed Python state while it was traced: {_listed(changed)}. Its Python code runs once, at "
+            "capture, so the graph would repeat the first value at every step (and a value kept from inside the step "
+            "would be a traced placeholder, not a number). Keep such state outside train_step and pass what the step "
+            "computes from it as a tensor (in the batch, or a buffer of the model updated between steps); to log a "
+            "value, return it from train_step."
         )
+    if kept:
+        raise CaptureError(
+            f"train_step kept a tensor it computed in Python state: {_listed([s.name for s in kept])}. Its Python code "
+            "runs once, at capture: there the tensor is a traced placeholder, and at run time the graph computes it "
+            "but stores it nowhere, so it would never hold a step's value. Return it from train_step instead (a tuple "
+            "or dict of the loss and the tensors to keep)."
+        )
+
+
+def _holds_traced_tensor(value: Any, depth: int = 0) -> bool:
+    """Whether `value` is, or a list, tuple or dict holds, a tensor made while tracing."""
+    if isinstance(value, FakeTensor):
+        return True
+    if depth < 3 and isinstance(value, (list, tuple)) and len(value) <= _MOST_ITEMS:
+        return any(_holds_traced_tensor(v, depth + 1) for v in value)
+    if depth < 3 and isinstance(value, dict) and len(value) <= _MOST_ITEMS:
+        return any(_holds_traced_tensor(v, depth + 1) for v in value.values())
+    return False
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def _short(text: str) -> str:

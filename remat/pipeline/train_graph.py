@@ -58,8 +58,14 @@ class TrainGraph:
     has_optimizer: bool
     device: str
     output_spec: Any = None  # pytree spec of train_step's return value (None: one tensor)
+    output_numbers: dict[int, str] = field(default_factory=dict)  # output position -> 'bool', 'int' or 'float': given back as a Python number
     trainable: tuple[str, ...] = ()  # parameters that required a gradient at capture
     training: tuple[bool, ...] = ()  # module.training of every module at capture (train/eval behaviour is traced in)
+    # train()/eval() calls train_step makes, as (module name, mode), in order; `sets_mode_first`:
+    # the first is the whole model's, before any forward, so the mode the step starts in does not matter.
+    mode_calls: tuple[tuple[str, bool], ...] = ()
+    sets_mode_first: bool = False
+    scheduler_calls: tuple[Any, ...] = ()  # scheduler_calls.SchedulerCall: scheduler.step() calls made again at each call
     leaves_zero_grads: bool = False  # the step ends with zero_grad(set_to_none=False): see ends_with_zero_grads
     backward_passes: int = 1  # backward() calls per step: micro-batches accumulating gradients
     groups: list[hyperparams.GroupSpec] = field(default_factory=list)  # what the update assumes of param_groups
