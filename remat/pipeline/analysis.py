@@ -22,6 +22,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from remat.pipeline import rng_replay
 from remat.pipeline.data_parallel import aliases_its_input
 from remat.pipeline.train_graph import InputKind, Phase, TrainGraph
 
@@ -81,6 +82,9 @@ class GraphAnalysis:
     uses: list[list[int]]  # per rank: storages that node reads or writes (its inputs)
     persistent_bytes: int  # inputs and constants: held before and after the step
     phase_bounds: dict[str, tuple[int, int]]  # phase -> [first rank, last rank + 1)
+    # node name -> bytes it holds only while it runs, known from the graph: the generator
+    # state a replayed random op sets aside (rng_replay.Replay)
+    held_while_running: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_nodes(self) -> int:
@@ -278,7 +282,11 @@ def analyze(tg: TrainGraph, gm: torch.fx.GraphModule | None = None, phase: dict[
                 for i, v in enumerate(vals)
                 if v is not None
             ]
-    return _with_lifetimes(tg, tensors, node_storages, op_nodes, next(n for n in nodes if n.op == "output"), phase)
+    analysis = _with_lifetimes(tg, tensors, node_storages, op_nodes, next(n for n in nodes if n.op == "output"), phase)
+    analysis.held_while_running = {
+        n.name: rng_replay.held_bytes(n.args[1]) for n in op_nodes if isinstance(n.target, rng_replay.Replay)
+    }
+    return analysis
 
 
 def reordered_analysis(tg: TrainGraph, analysis: GraphAnalysis) -> GraphAnalysis:

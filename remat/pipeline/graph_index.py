@@ -349,9 +349,7 @@ class GraphIndex:
         """Bytes of the generator state kept for a rebuild of random op `name` to replay: saved
         before the original runs, held until its last copy (0 where it lives off the device
         measured: a CUDA generator's state is a host tensor)."""
-        if name not in self.replayable or torch.device(self.tg.device).type != "cpu":
-            return 0
-        return rng_replay.state_bytes("cpu")
+        return rng_replay.held_bytes(self.tg.device) if name in self.replayable else 0
 
     def replay_state_reserve(self, candidates: list[int]) -> int:
         """The most generator-state bytes a schedule dropping some of `candidates` holds for

@@ -39,6 +39,13 @@ def state_bytes(device: str) -> int:
     return _STATE_BYTES[kind]
 
 
+def held_bytes(device: str) -> int:
+    """Device bytes of one generator state held for replay: a state saved for a copy, or the
+    one a copy sets aside while it runs (`Replay`). The state is a host tensor, so it counts
+    only where the host is the device measured (CPU)."""
+    return state_bytes(device) if torch.device(device).type == "cpu" else 0
+
+
 @torch.library.custom_op("remat::rng_save", mutates_args=())
 def rng_save(device: str) -> torch.Tensor:
     """The state of `device`'s default generator, before a random op draws from it."""
@@ -54,7 +61,7 @@ class Replay:
     """Call target `op` with `device`'s default generator set to `state`, then set it back:
     the copy draws exactly what the original drew and the random stream is left as it was.
     One node of the rewritten graph per copy, so that the graph's steps are the schedule's
-    (the state set aside while it runs is the node's own scratch, a few KiB)."""
+    (the state set aside while it runs is held by the node alone: `held_bytes`)."""
 
     def __init__(self, op: Any) -> None:
         self.op = op

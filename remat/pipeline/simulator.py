@@ -92,9 +92,13 @@ def simulate(analysis: GraphAnalysis, granularity: int = 1, scratch: dict[str, i
     """The timeline of the graph as analysed, in its own order (no recomputation).
 
     `granularity` rounds each storage up as the allocator does (512 bytes on CUDA);
-    `scratch` adds each node's measured kernel scratch (Profile.scratch_by_node()).
+    `scratch` adds each node's measured kernel scratch (Profile.scratch_by_node()), beside
+    what the graph tells a node holds while it runs (`analysis.held_while_running`).
     """
     transient = [t for t in analysis.tensors if not t.persistent]
+    held = {**(scratch or {})}
+    for n, b in analysis.held_while_running.items():
+        held[n] = held.get(n, 0) + b
     return simulate_intervals(
         analysis.num_nodes,
         np.array([round_up(t.nbytes, granularity) for t in transient], dtype=np.int64),
@@ -102,7 +106,7 @@ def simulate(analysis: GraphAnalysis, granularity: int = 1, scratch: dict[str, i
         np.array([t.last_use for t in transient], dtype=np.int64),
         [t.role.value for t in transient],
         persistent_by_role(analysis.tensors, granularity),
-        np.array([scratch.get(n, 0) for n in analysis.node_names], dtype=np.int64) if scratch else None,
+        np.array([held.get(n, 0) for n in analysis.node_names], dtype=np.int64) if held else None,
     )
 
 
@@ -188,9 +192,19 @@ def _persistent_by_role(index: GraphIndex, granularity: int) -> dict[str, int]:
 
 
 def _scratch(index: GraphIndex, schedule: Schedule) -> np.ndarray | None:
-    """Each step's kernel scratch bytes (None where the index has none measured)."""
-    if not index.scratch:
+    """Each step's kernel scratch bytes, with the generator state a replayed copy sets aside
+    while it runs (None where there is neither)."""
+    replays = [i for i in schedule.copy_positions if schedule.steps[i].node in index.replayable]
+    if not index.scratch and not replays:
         return None
+    out = _measured_scratch(index, schedule) if index.scratch else np.zeros(len(schedule.steps), dtype=np.int64)
+    for i in replays:
+        out[i] += index.replay_state_bytes(schedule.steps[i].node)
+    return out
+
+
+def _measured_scratch(index: GraphIndex, schedule: Schedule) -> np.ndarray:
+    """Each step's kernel scratch as the profile measured it (a copy's is its original's)."""
     by_rank = index.__dict__.get("_scratch_by_rank")
     if by_rank is None or by_rank[0] is not index.scratch:
         by_rank = index.__dict__["_scratch_by_rank"] = (index.scratch, np.array([index.scratch.get(n, 0) for n in index.order], dtype=np.int64))
