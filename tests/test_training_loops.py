@@ -212,7 +212,7 @@ def test_a_scheduler_stepped_inside_train_step_is_stepped_at_every_call_bitwise(
     assert scheds[id(o)].last_epoch == scheds[id(eager_opt)].last_epoch == STEPS
 
 
-def test_a_scheduler_stepped_on_a_metric_or_made_inside_train_step_is_refused():
+def test_a_scheduler_stepped_on_a_metric_made_inside_train_step_or_before_returning_the_rate_is_refused():
     spec = build_model("mlp-deep", 8)
     opt = torch.optim.SGD(spec.model.parameters(), lr=0.1)
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
@@ -234,6 +234,17 @@ def test_a_scheduler_stepped_on_a_metric_or_made_inside_train_step_is_refused():
     with pytest.raises(CaptureError, match=r"makes a learning-rate scheduler \(StepLR\): make it once, before the loop"):
         remat.compile(made_inside, spec.model, opt, spec.batch, profile_runs=1, measure=False)
     assert opt.param_groups[0]["lr"] == 0.1 and "initial_lr" not in opt.param_groups[0]
+
+    # The rate read after scheduler.step() is the next one in eager; the graph has this step's.
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+
+    def returns_the_rate(model, optimizer, batch):
+        loss = inner(model, optimizer, batch)
+        sched.step()
+        return loss, optimizer.param_groups[0]["lr"]
+
+    with pytest.raises(CaptureError, match=r"returns a number computed from an optimizer setting \(output 1\) and steps a learning-rate scheduler after the update"):
+        remat.compile(returns_the_rate, spec.model, opt, spec.batch, profile_runs=1, measure=False)
 
 
 def test_tensor_learning_rate_is_refused():

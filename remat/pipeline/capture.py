@@ -21,7 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
 from remat.gc_pause import gc_paused
-from remat.pipeline import data_parallel, hyperparams, step_outputs, train_modes
+from remat.pipeline import data_parallel, hyperparams, scheduler_calls, step_outputs, train_modes
 from remat.pipeline.cpu_strides import CpuOutputStrides
 from remat.errors import CaptureError
 from remat.pipeline.optimizer_state import check_first_step_state, optimizer_on, optimizer_states
@@ -30,7 +30,6 @@ from remat.pipeline.markers import MARKER, RECORD_FUNCTION_OPS, marker
 from remat.pipeline.trace_checks import branched_hyperparameters, check_graph_runnable, check_no_accumulation, check_static_shapes, drop_unread_hyperparameters, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state
 from remat.pipeline.train_graph import GraphInput, InputKind, Phase, TrainGraph, TrainStep
 from remat.pipeline.python_state import no_python_state_changed
-from remat.pipeline.scheduler_calls import SchedulerCall, recorded_scheduler_calls
 from remat.pipeline.traced_rng import no_rng_state_set
 from remat.pipeline.user_checkpoints import plain_checkpoints
 
@@ -314,7 +313,7 @@ def capture(
     tg.output_spec, tg.output_numbers, tg.backward_passes = seen["output_spec"], seen["output_numbers"], seen["backward_passes"]
     tg.trainable = trainable
     tg.training, tg.mode_calls, tg.sets_mode_first = train_modes.traced_modes(model, recorded.mode_calls)
-    tg.scheduler_calls = tuple(recorded.scheduler_calls)
+    tg.scheduler_calls = scheduler_calls.checked(tg, recorded.scheduler_calls)
     tg.leaves_zero_grads = leaves_zero_grads
     tg.groups = groups
     return tg
@@ -325,7 +324,7 @@ class _Recorded:
     """What train_step's Python code does that the graph cannot hold, made again at each call."""
 
     mode_calls: list[tuple[str, bool, bool]] = field(default_factory=list)  # train_modes.recorded_mode_calls
-    scheduler_calls: list[SchedulerCall] = field(default_factory=list)  # scheduler_calls.recorded_scheduler_calls
+    scheduler_calls: list[scheduler_calls.SchedulerCall] = field(default_factory=list)  # scheduler_calls.recorded_scheduler_calls
 
 
 @contextlib.contextmanager
@@ -338,7 +337,7 @@ def _step_patches(model: torch.nn.Module, recorded: _Recorded, updating: Callabl
         stack.enter_context(plain_checkpoints())
         stack.enter_context(no_rng_state_set())
         stack.enter_context(train_modes.recorded_mode_calls(model, recorded.mode_calls))
-        stack.enter_context(recorded_scheduler_calls(recorded.scheduler_calls, updating))
+        stack.enter_context(scheduler_calls.recorded_scheduler_calls(recorded.scheduler_calls, updating))
         yield
 
 

@@ -17,15 +17,51 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+import torch
+import torch.fx
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from remat.errors import CaptureError
+from remat.pipeline.train_graph import InputKind, TrainGraph
 
 
 @dataclass(frozen=True)
 class SchedulerCall:
     scheduler: Any  # the user's scheduler object
     before_update: bool  # stepped before optimizer.step() in train_step
+
+
+def checked(tg: TrainGraph, calls: list[SchedulerCall]) -> tuple[SchedulerCall, ...]:
+    """The calls, once sure the step returns no number computed from a hyperparameter while
+    a scheduler steps after the update: in eager that number may be read after the
+    scheduler's step (the next rate), but the graph computes it from this step's rate."""
+    if any(not c.before_update for c in calls) and tg.output_numbers:
+        hyper = {n for n, i in zip(_placeholders(tg.gm), tg.inputs) if i.kind is InputKind.HYPERPARAMETER}
+        outputs = list(tg.gm.graph.output_node().args[0][0])
+        for position in tg.output_numbers:
+            if hyper & _ancestors(outputs[position]):
+                raise CaptureError(
+                    f"train_step returns a number computed from an optimizer setting (output {position}) and steps a "
+                    "learning-rate scheduler after the update: remat steps the scheduler after the graph, so the number "
+                    "would be this step's rate, where eager may read the next one. Read it from optimizer.param_groups "
+                    "(or scheduler.get_last_lr()) after train_step returns."
+                )
+    return tuple(calls)
+
+
+def _placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    seen: set[torch.fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo += n.all_input_nodes
+    return seen
 
 
 def make_calls(calls: tuple[SchedulerCall, ...], before_update: bool) -> None:
