@@ -170,7 +170,7 @@ def _slots(model: torch.nn.Module, train_step: Callable[..., Any]) -> list[tuple
     """Every slot the watch reads (see the module's docstring), with the value it holds."""
     out = [(_Slot(name, module, key), value) for name, module, key, value in module_attributes(model)]
     code = _user_code(model, train_step)
-    out += [(_Slot(name, owner, key), value) for name, owner, key, value in code.bindings]
+    out += code.bindings
     roots = [(slot.name, value) for slot, value in out if not isinstance(value, _PLAIN + _CONTAINERS)]
     # The object a method belongs to (a trainer), or the callable object that is the step.
     owner = train_step if _user_class(type(train_step)) else getattr(train_step, "__self__", None)
@@ -182,10 +182,10 @@ def _slots(model: torch.nn.Module, train_step: Callable[..., Any]) -> list[tuple
     return out
 
 
-def _watched(model: torch.nn.Module, train_step: Callable[..., Any]) -> dict[str, _Watched]:
+def _watched(slots: list[tuple[_Slot, Any]]) -> dict[str, _Watched]:
     """The slots holding plain values (or the user's functions), by name."""
     out = {}
-    for slot, value in _slots(model, train_step):
+    for slot, value in slots:
         fz = _snapshot(value)
         if fz is not _NOT_PLAIN:
             out[slot.name] = _Watched(slot, value, fz)
@@ -196,13 +196,13 @@ def step_values(model: torch.nn.Module, train_step: Callable[..., Any]) -> tuple
     """The watched values as the graph traced with them saw them: a step is compiled again
     when one changes between steps (a temperature, a drop rate or a loss weight set by the
     loop), since the graph holds them as constants."""
-    return tuple((name, w.frozen) for name, w in _watched(model, train_step).items())
+    return tuple((name, w.frozen) for name, w in _watched(_slots(model, train_step)).items())
 
 
 @dataclass
 class _UserCode:
     names: set[str]  # every global and attribute name the code mentions
-    bindings: list[tuple[str, Any, str, Any]]  # (shown name, globals dict or closure cell, key, value)
+    bindings: list[tuple[_Slot, Any]]  # the globals and closure cells it reads, with their values
 
 
 _LIBRARY_DIRS = tuple(
@@ -240,7 +240,7 @@ def _user_code(model: torch.nn.Module, train_step: Callable[..., Any]) -> _UserC
     pending += [f for c in classes if _user_class(c) for f in vars(c).values()]
     step_globals = getattr(_user_function(train_step), "__globals__", None)
     names: set[str] = set()
-    bindings: list[tuple[str, Any, str, Any]] = []
+    bindings: list[tuple[_Slot, Any]] = []
     seen: set[int] = set()
     while pending and len(seen) < _MOST_FUNCTIONS:
         fn = _user_function(pending.pop())
@@ -251,16 +251,13 @@ def _user_code(model: torch.nn.Module, train_step: Callable[..., Any]) -> _UserC
         names |= mentioned
         globs = fn.__globals__
         where = "" if globs is step_globals else f"{globs.get('__name__', '?')}."
-        for key in sorted(mentioned & globs.keys()):
-            bindings.append((f"global {where}{key}", globs, key, globs[key]))
-            pending.append(globs[key])
-        for key, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            bindings.append((f"{key} (from the closure of {fn.__name__})", cell, key, value))
-            pending.append(value)
+        slots = [_Slot(f"global {where}{key}", globs, key) for key in sorted(mentioned & globs.keys())]
+        slots += [_Slot(f"{key} (from the closure of {fn.__name__})", cell, key) for key, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ())]
+        for slot in slots:
+            value = slot.get()
+            if value is not _MISSING:  # an empty closure cell
+                bindings.append((slot, value))
+                pending.append(value)
     return _UserCode(names, bindings)
 
 
@@ -314,8 +311,9 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
     """Around the whole capture: refuse, naming them, the watched values the traces changed
     and the tensors they left in Python state, putting everything back as it was (so that a
     refused capture leaves nothing changed)."""
-    held = {slot.name: value for slot, value in _slots(model, train_step)}
-    before = _watched(model, train_step)
+    slots = _slots(model, train_step)
+    held = {slot.name: value for slot, value in slots}
+    before = _watched(slots)
     yield
     kept = [slot for slot, value in _slots(model, train_step) if _holds_traced_tensor(value)]
     for slot in kept:

@@ -17,7 +17,6 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-import torch
 import torch.fx
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
@@ -36,7 +35,8 @@ def checked(tg: TrainGraph, calls: list[SchedulerCall]) -> tuple[SchedulerCall, 
     a scheduler steps after the update: in eager that number may be read after the
     scheduler's step (the next rate), but the graph computes it from this step's rate."""
     if any(not c.before_update for c in calls) and tg.output_numbers:
-        hyper = {n for n, i in zip(_placeholders(tg.gm), tg.inputs) if i.kind is InputKind.HYPERPARAMETER}
+        placeholders = [n for n in tg.gm.graph.nodes if n.op == "placeholder"]
+        hyper = {n for n, i in zip(placeholders, tg.inputs) if i.kind is InputKind.HYPERPARAMETER}
         outputs = list(tg.gm.graph.output_node().args[0][0])
         for position in tg.output_numbers:
             if hyper & _ancestors(outputs[position]):
@@ -47,10 +47,6 @@ def checked(tg: TrainGraph, calls: list[SchedulerCall]) -> tuple[SchedulerCall, 
                     "(or scheduler.get_last_lr()) after train_step returns."
                 )
     return tuple(calls)
-
-
-def _placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
 
 def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:

@@ -28,13 +28,13 @@ def as_graph_outputs(result: Any) -> tuple[list[torch.Tensor], Any, dict[int, st
     outputs: list[torch.Tensor] = []
     numbers: dict[int, str] = {}
     for i, leaf in enumerate(leaves):
-        kind = _number_kind(leaf)
+        kind = _traced_number_kind(leaf)
         if isinstance(leaf, torch.Tensor):
             outputs.append(leaf.detach())
-        elif kind is not None and not isinstance(leaf, (bool, int, float)):
+        elif kind is not None:
             outputs.append(torch.scalar_tensor(leaf, dtype=_NUMBER_DTYPES[kind]))
             numbers[i] = kind
-        elif kind is not None:
+        elif isinstance(leaf, (bool, int, float)):
             raise CaptureError(
                 f"train_step returned the Python number {leaf!r} (output {i}), which no tensor or optimizer setting gives: "
                 "it is read once, when the step is traced, so every step would return that value (a scheduler's "
@@ -54,10 +54,10 @@ def as_graph_outputs(result: Any) -> tuple[list[torch.Tensor], Any, dict[int, st
 _NUMBER_DTYPES = {"bool": torch.bool, "int": torch.int64, "float": torch.float64}
 
 
-def _number_kind(value: Any) -> str | None:
-    """'bool', 'int' or 'float' for a Python number or its traced stand-in, else None."""
-    for kind, types_ in (("bool", (bool, torch.SymBool)), ("int", (int, torch.SymInt)), ("float", (float, torch.SymFloat))):
-        if isinstance(value, types_):
+def _traced_number_kind(value: Any) -> str | None:
+    """'bool', 'int' or 'float' for the traced stand-in of a Python number, else None."""
+    for kind, traced in (("bool", torch.SymBool), ("int", torch.SymInt), ("float", torch.SymFloat)):
+        if isinstance(value, traced):
             return kind
     return None
 
