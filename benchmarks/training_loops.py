@@ -121,6 +121,7 @@ class Idiom:
     # (step index, model, optimizer) after each step, on each side; made per side by `between`.
     between: Callable[[torch.nn.Module, Any], Callable[[int, torch.nn.Module, Any], None]] | None = None
     setup: Callable[[torch.nn.Module], Any] | None = None  # on the model before the optimizer is built
+    outside: Callable[[torch.nn.Module], list[torch.Tensor]] | None = None  # each side's tensors outside the model, compared too
     other_sizes: bool = False
 
 
@@ -249,19 +250,51 @@ def _warmed_up_loss() -> Step:
     return step
 
 
-_EMA: list[torch.Tensor] = []
+class _Ema:
+    """An EMA copy of the weights, held by the model as a plain attribute (as a Lightning
+    module holds its helpers), so that each side of the comparison has its own."""
+
+    def __init__(self, model, decay=0.99):
+        self.decay = decay
+        self.shadow = [p.detach().clone() for p in model.parameters()]
+
+    def update(self, model):
+        with torch.no_grad():
+            for e, p in zip(self.shadow, model.parameters()):
+                e.mul_(self.decay).add_(p, alpha=1 - self.decay)
 
 
 def _keep_ema(model):
-    _EMA[:] = [p.detach().clone() for p in model.parameters()]
+    model.ema = _Ema(model)
 
 
 def _ema_inside(model, optimizer, batch):
-    """An EMA copy of the weights, kept outside the model, updated inside the step."""
+    """The EMA updated inside the step, after the optimizer's."""
     loss = plain_step(model, optimizer, batch)
+    model.ema.update(model)
+    return loss
+
+
+_TEACHER: torch.nn.Module | None = None
+
+
+def _make_teacher(model):
+    """A frozen teacher (another bert-tiny) in a global, shared by both sides: read, never written."""
+    global _TEACHER
+    if _TEACHER is None:
+        _TEACHER = build_model("bert-tiny", 4, seed=7).model.eval().requires_grad_(False)
+
+
+def _distill(model, optimizer, batch):
+    """Distillation from the teacher, its soft targets added to the loss."""
+    teacher = _TEACHER
+    optimizer.zero_grad()
     with torch.no_grad():
-        for e, p in zip(_EMA, model.parameters()):
-            e.mul_(0.99).add_(p, alpha=0.01)
+        soft = teacher(**batch).logits.softmax(-1)
+    out = model(**batch)
+    loss = out.loss + torch.nn.functional.kl_div(out.logits.log_softmax(-1), soft, reduction="batchmean")
+    loss.backward()
+    optimizer.step()
     return loss
 
 
@@ -358,7 +391,9 @@ IDIOMS = [
     Idiom("the model's own activation checkpointing (gradient_checkpointing_enable, dropout inside)", "works", setup=_checkpointing),
     Idiom("torch.manual_seed inside train_step", "refused", step=_seeded_step),
     Idiom("a loss weight warmed up from a Python counter inside train_step", "refused", step=_warmed_up_loss()),
-    Idiom("an EMA copy of the weights updated inside train_step", "refused", step=_ema_inside, setup=_keep_ema),
+    Idiom("an EMA copy of the weights updated inside train_step (a helper object the model holds)", "works", step=_ema_inside,
+          setup=_keep_ema, outside=lambda m: m.ema.shadow),
+    Idiom("distillation from a frozen teacher held in a global", "works", step=_distill, setup=_make_teacher),
     Idiom("losses logged into a list inside train_step (losses.append(loss.item()))", "refused", step=_logging_step),
     Idiom("a loss weight in a settings object, annealed between steps", "works", step=_weighted_step, between=_hook(_anneal_weight)),
     Idiom("a trainer's method as train_step, counting steps (self.global_step += 1)", "refused", step=_Trainer().train_step),
@@ -395,6 +430,10 @@ def run_idiom(idiom: Idiom) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - any other failure is a bug, and reported as one
         outcome.update(outcome="WRONG", detail=f"{type(e).__name__}: {e}")
     else:
+        if idiom.outside is not None:
+            pairs = list(zip(idiom.outside(eager_model), idiom.outside(model), strict=True))
+            result.mismatches += [f"outside tensor {i} differs" for i, (a, b) in enumerate(pairs) if not torch.equal(a, b)]
+            result.match = result.match and not result.mismatches
         if result.match:
             outcome.update(outcome="works", detail=f"bitwise equal to eager over {STEPS} steps ({step.report.num_recomputed} activations recomputed)")
         else:

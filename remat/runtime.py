@@ -20,15 +20,9 @@ from remat import ranks
 from remat.pipeline import build as pipeline
 from remat.pipeline import data_parallel
 from remat.budget import parse_budget
-from remat.pipeline.capture import (
-    InputKind,
-    TrainGraph,
-    TrainStep,
-    batch_leaf_names,
-    capture,
-    flat_inputs,
-    run_captured,
-)
+from remat.pipeline.capture import capture
+from remat.pipeline.step_inputs import batch_leaf_names, flat_inputs, run_captured
+from remat.pipeline.train_graph import InputKind, TrainGraph, TrainStep
 from remat.errors import CaptureError, RematError
 from remat.measurement.memory import measure_step_peak
 from remat.planners.plan import Plan
@@ -290,13 +284,19 @@ class _ChangedOnFailure:
         self.watched = [
             (spec.name, spec.kind, t, t._version)
             for spec, t in zip(compiled.tg.inputs, inputs)
-            if spec.kind in (InputKind.PARAMETER, InputKind.OPTIMIZER_STATE, InputKind.BUFFER)
+            if spec.kind in (InputKind.PARAMETER, InputKind.OPTIMIZER_STATE, InputKind.BUFFER, InputKind.OUTSIDE)
         ]
 
     def note(self, error: Exception) -> None:
         changed = [(name, kind) for name, kind, t, version in self.watched if t._version != version]
         buffers = [name for name, kind in changed if kind is InputKind.BUFFER]
-        updated = [name for name, kind in changed if kind is not InputKind.BUFFER]
+        outside = [name for name, kind in changed if kind is InputKind.OUTSIDE]
+        updated = [name for name, kind in changed if kind in (InputKind.PARAMETER, InputKind.OPTIMIZER_STATE)]
+        if outside:
+            error.add_note(
+                f"remat: the step failed after writing {len(outside)} tensors outside the model in place (first: "
+                f"{outside[0]}); they are not restored"
+            )
         if buffers:
             error.add_note(
                 f"remat: the step failed after its forward pass had written {len(buffers)} buffers in place (first: "

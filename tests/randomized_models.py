@@ -88,6 +88,9 @@ class RandomSpec:
     schedule: bool = False  # the loop changes lr, momentum/betas and weight decay between steps
     frozen: int = 0  # every frozen-th parameter (by order) has requires_grad=False; 0: none
     clip: bool = False  # clip_grad_norm_ before the update: it reads every gradient together
+    # Tensors outside the model: the loss scaled by a 0-dim tensor in the step's closure, and
+    # an EMA of the parameters (a list the model holds as a plain attribute) updated in place.
+    outside: bool = False
 
     def input_names(self) -> list[str]:
         return [n for n, on in (("x", self.features), ("img", self.image[0]), ("ids", self.vocab)) if on]
@@ -101,6 +104,7 @@ class RandomSpec:
                  f"{f', {self.micro_batches} micro-batches' if self.micro_batches > 1 else ''}"
                  f"{', hyperparameters changed between steps' if self.schedule else ''}"
                  f"{f', every {self.frozen}th parameter frozen' if self.frozen else ''}"
+                 f"{', a scale and an EMA outside the model' if self.outside else ''}"
                  f"{', hostile ' + self.hostile if self.hostile else ''}, seed {self.seed}"]
         lines += [f"  v{len(self.input_names()) + i}: {op!r}" for i, op in enumerate(self.ops)]
         return "\n".join(lines)
@@ -337,6 +341,8 @@ def build(spec: RandomSpec) -> tuple[RandomNet, torch.optim.Optimizer, dict[str,
         if not trains:  # the loss depends on no trainable parameter: nothing to train
             for p in params:
                 p.requires_grad_(True)
+    if spec.outside:
+        model.ema = [p.detach().clone() for p in model.parameters()]
     if spec.optimizer == "adamw":
         opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
@@ -358,10 +364,12 @@ def change_hyperparameters(step: int, model: nn.Module, optimizer: torch.optim.O
 
 
 def make_train_step(spec: RandomSpec):
+    scale = torch.rand((), generator=torch.Generator().manual_seed(spec.seed)) + 0.5
+
     def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if spec.zero_grad_first:
             optimizer.zero_grad()
-        loss = model(batch)
+        loss = model(batch) * scale if spec.outside else model(batch)
         loss.backward()
         for i in range(1, spec.micro_batches):  # another pass, on a scaled batch, adding to the gradients
             part = {k: v * (1.0 + 0.5 * i) if v.is_floating_point() else v for k, v in batch.items()}
@@ -371,6 +379,10 @@ def make_train_step(spec: RandomSpec):
         if spec.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         optimizer.step()
+        if spec.outside:
+            with torch.no_grad():
+                for e, p in zip(model.ema, model.parameters()):
+                    e.lerp_(p, 0.25)
         if not spec.zero_grad_first:
             optimizer.zero_grad()
         return loss
@@ -498,6 +510,7 @@ if st is not None:
             schedule=draw(st.booleans()),
             frozen=draw(st.sampled_from([0, 0, 2, 3])),
             clip=draw(st.sampled_from([False, False, False, True])),
+            outside=draw(st.sampled_from([False, False, True])),
         )
 
     def _fits(shape: tuple[int, ...]) -> bool:
@@ -704,17 +717,24 @@ def _refused_by_the_bound(tg: remat.TrainGraph, prof: Any, budget: int) -> bool:
     return True
 
 
+def _bits(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None or not t.is_floating_point():
+        return t
+    return t.detach().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Equal bit for bit (NaN included), or both None."""
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(_bits(a), _bits(b)))
+
+
+def bitwise_equal_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+
+
 def bitwise_equal_state(model_a: nn.Module, opt_a: Any, model_b: nn.Module, opt_b: Any) -> bool:
     """Parameters, gradients, buffers and optimizer state equal bit for bit (NaN included)."""
-
-    def bits(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None or not t.is_floating_point():
-            return t
-        return t.detach().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-    def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-        return (a is None and b is None) or (a is not None and b is not None and torch.equal(bits(a), bits(b)))
-
+    same = _same
     pairs = list(zip(model_a.parameters(), model_b.parameters()))
     ok = all(same(a, b) and same(a.grad, b.grad) for a, b in pairs)
     ok = ok and all(same(a, b) for a, b in zip(model_a.buffers(), model_b.buffers()))
@@ -789,6 +809,8 @@ def check_example(spec: RandomSpec, steps: int = 3) -> Outcome:
         notes.append("trained to nan on both sides, bitwise equal")
     else:
         assert result.match, result.summary()
+    if spec.outside:
+        assert bitwise_equal_tensors(eager_model.ema, model.ema), "the EMA outside the model differs from eager's"
 
     budget = report.budget_bytes
     assert budget is not None and report.plan is not None

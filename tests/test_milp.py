@@ -13,7 +13,8 @@ from scipy.optimize import Bounds, milp
 
 from remat.pipeline.graph_index import RebuildPolicy
 from remat.pipeline.analysis import analyze
-from remat.pipeline.capture import capture, flat_inputs, run_captured
+from remat.pipeline.capture import capture
+from remat.pipeline.step_inputs import flat_inputs, run_captured
 from remat.measurement.check import check_against_eager, twin
 from remat.errors import BudgetError, PlanError
 from remat.models import build_model, make_optimizer, make_train_step

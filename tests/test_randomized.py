@@ -18,7 +18,6 @@ import dataclasses
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
 from torch import nn
 
 import remat
@@ -169,6 +168,7 @@ def test_the_generator_covers_every_op_and_aliasing() -> None:
     assert {s.loss for s in specs} == {"meansq", "mse", "ce"}
     assert {s.optimizer for s in specs} == {"sgd", "adamw"}
     assert {s.hostile for s in specs} == {None, *HOSTILE}
+    assert sum(s.outside for s in specs) >= 100  # a scale and an EMA outside the model
     # Views feeding in-place writes: the aliasing the analysis must get right.
     inplace_on_views = sum(1 for s in specs for op in s.ops if op.kind in ("slice_relu_", "slice_mul_"))
     assert inplace_on_views >= 20, inplace_on_views

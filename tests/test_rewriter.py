@@ -10,7 +10,8 @@ import torch
 
 from remat.pipeline.graph_index import RebuildPolicy
 from remat.pipeline.analysis import analyze
-from remat.pipeline.capture import capture, flat_inputs, run_captured
+from remat.pipeline.capture import capture
+from remat.pipeline.step_inputs import flat_inputs, run_captured
 from remat.measurement.check import check_against_eager, twin
 from remat.errors import PlanError
 from remat.measurement.memory import measure_peak
@@ -186,7 +187,7 @@ def test_a_replayed_copy_at_the_peak_counts_the_generator_state_it_sets_aside():
     """While a replayed dropout copy runs, it holds the generator's current state to put it
     back after (5,056 bytes on CPU). A drawn model whose tightest plan peaks at that copy was
     measured that much above its prediction; now the two are equal."""
-    from randomized_models import Op, RandomSpec, build, check_example
+    from randomized_models import Op, RandomSpec, check_example
 
     spec = RandomSpec(
         batch=2, seq=4, features=32, image=(8, 16), vocab=0,

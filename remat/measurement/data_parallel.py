@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.nn.parallel import DistributedDataParallel as DDP

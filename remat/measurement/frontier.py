@@ -135,7 +135,7 @@ def run_point(sw: Sweep, planner: str, budget: str, budget_bytes: int, fraction:
 
 def _measure(sw: Sweep, plan: Any, point: Point) -> None:
     """Run the plan: three steps bitwise against eager, one step's peak, and timing pairs."""
-    from remat.pipeline.capture import flat_inputs, run_captured
+    from remat.pipeline.step_inputs import flat_inputs, run_captured
     from remat.measurement.check import check_against_eager, time_alternating, twin
     from remat.measurement.memory import measure_step_peak
     from remat.pipeline.rewriter import runnable

@@ -28,7 +28,7 @@ from remat.pipeline.train_graph import InputKind, Phase, TrainGraph
 
 
 class Role(str, Enum):
-    PARAMETER = "parameter"  # parameters and buffers (BatchNorm running stats)
+    PARAMETER = "parameter"  # parameters and buffers (BatchNorm running stats), and tensors outside the model the step reads
     GRADIENT = "gradient"
     ACTIVATION = "activation"
     OPTIMIZER_STATE = "optimizer_state"
@@ -42,6 +42,7 @@ _INPUT_ROLE = {
     InputKind.PARAMETER: Role.PARAMETER,
     InputKind.BUFFER: Role.PARAMETER,
     InputKind.OPTIMIZER_STATE: Role.OPTIMIZER_STATE,
+    InputKind.OUTSIDE: Role.PARAMETER,
     InputKind.HYPERPARAMETER: Role.INPUT,
     InputKind.BATCH: Role.INPUT,
 }

@@ -21,98 +21,39 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
 from remat.gc_pause import gc_paused
-from remat.pipeline import data_parallel, hyperparams, scheduler_calls, step_outputs, train_modes
+from remat.pipeline import data_parallel, hyperparams, outside_tensors, scheduler_calls, step_outputs, train_modes
 from remat.pipeline.cpu_strides import CpuOutputStrides
 from remat.errors import CaptureError
 from remat.pipeline.optimizer_state import check_first_step_state, optimizer_on, optimizer_states
 
 from remat.pipeline.markers import MARKER, RECORD_FUNCTION_OPS, marker
-from remat.pipeline.trace_checks import branched_hyperparameters, check_graph_runnable, check_no_accumulation, check_static_shapes, drop_unread_hyperparameters, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state
+from remat.pipeline.trace_checks import branched_hyperparameters, check_graph_runnable, check_no_accumulation, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state
 from remat.pipeline.train_graph import GraphInput, InputKind, Phase, TrainGraph, TrainStep
 from remat.pipeline.python_state import no_python_state_changed
 from remat.pipeline.traced_rng import no_rng_state_set
 from remat.pipeline.user_checkpoints import plain_checkpoints
+from remat.pipeline.step_inputs import batch_leaf_names, check_batch, describe, unique_named
 
 
-def _unique_named(items: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, t in items:
-        if id(t) not in seen:
-            seen.add(id(t))
-            out[name] = t
-    return out
-
-
-def _check_batch(batch: Any) -> tuple[list[Any], Any]:
-    leaves, spec = pytree.tree_flatten(batch)
-    if not leaves:
-        raise CaptureError("the batch holds no tensors: pass a tensor, a tuple or a dict of tensors")
-    paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(batch)[0]]
-    for path, leaf in zip(paths, leaves):
-        if not isinstance(leaf, torch.Tensor):
-            raise CaptureError(
-                f"the batch must be a tensor, a tuple or a dict of tensors; batch{path} is a "
-                f"{type(leaf).__name__}. Move non-tensor settings into train_step or the model."
-            )
-    return leaves, spec
-
-
-def batch_leaf_names(batch: Any) -> list[str]:
-    return [f"batch{pytree.keystr(p)}" for p, _ in pytree.tree_flatten_with_path(batch)[0]]
-
-
-def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, batch: Any) -> list[torch.Tensor]:
-    """The real tensors for the graph's placeholders, in order.
-
-    Also where the loop around the step is checked: a change the graph cannot follow
-    (a frozen parameter thawed, an optimizer flag or group changed) is refused here,
-    and the hyperparameters are read from the param groups as they are now.
-    """
-    train_modes.check_mode(model, tg)
-    if tg.data_parallel is not None:
-        data_parallel.check_unchanged(model, tg.data_parallel)
-    params = _unique_named(model.named_parameters())
-    buffers = _unique_named(model.named_buffers())
-    trainable = tuple(n for n, p in params.items() if p.requires_grad)
-    if trainable != tg.trainable:
-        changed = sorted(set(trainable) ^ set(tg.trainable))
-        raise CaptureError(
-            f"requires_grad of {len(changed)} parameters changed since the step was compiled (first: {changed[0]}); "
-            "the captured graph computes gradients for the parameters that required them then. Compile a new step "
-            "(remat.compile) after freezing or unfreezing parameters."
-        )
-    if tg.has_optimizer:
-        names = {id(p): n for n, p in params.items()}
-        hyperparams.check_unchanged(optimizer, tg.groups, names)
-    # Only the state the graph reads: eager creates none for a parameter without a gradient.
-    wanted = {id(params[i.name.rsplit(".", 1)[0]]) for i in tg.inputs if i.kind is InputKind.OPTIMIZER_STATE}
-    states = optimizer_states(optimizer, params, wanted) if tg.has_optimizer else {}
-    hyper_names = [i.name for i in tg.inputs if i.kind is InputKind.HYPERPARAMETER]
-    hyper = dict(zip(hyper_names, hyperparams.values(optimizer, hyper_names))) if hyper_names else {}
-    leaves, spec = _check_batch(batch)
-    if str(spec) != tg.batch_spec:
-        raise CaptureError(
-            f"the batch has a different structure from the one captured ({spec} vs {tg.batch_spec}); "
-            "a new structure needs a new capture"
-        )
-    out: list[torch.Tensor] = []
-    for inp in tg.inputs:
-        if inp.kind is InputKind.PARAMETER:
-            out.append(params[inp.name])
-        elif inp.kind is InputKind.BUFFER:
-            out.append(buffers[inp.name])
-        elif inp.kind is InputKind.OPTIMIZER_STATE:
-            pname, key = inp.name.rsplit(".", 1)
-            out.append(states[pname][key])
-        elif inp.kind is InputKind.HYPERPARAMETER:
-            out.append(hyper[inp.name])
-    out.extend(leaves)
-    return out
-
-
-def _describe(t: torch.Tensor) -> tuple[tuple[int, ...], str, str]:
-    return tuple(t.shape), str(t.dtype).replace("torch.", ""), str(t.device)
+def _outside_the_model(
+    model: torch.nn.Module, train_step: TrainStep, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+    states: dict[str, dict[str, torch.Tensor]], batch: Any,
+) -> tuple[dict[int, list[outside_tensors.Location]], list[tuple[outside_tensors.OutsideTensor, torch.Tensor]]]:  # fmt: skip
+    """Every tensor the user's state holds, by id, with where; and those that are not the
+    model's, its optimizer's or the batch's, each with its tensor now (a graph input,
+    dropped after tracing if unread)."""
+    held = outside_tensors.find(model, train_step)
+    own = {**params, **buffers, **{f"{n}.{k}": t for n, st in states.items() for k, t in st.items()}}
+    own.update(zip(batch_leaf_names(batch), pytree.tree_leaves(batch)))
+    mine = {id(t) for t in own.values()}
+    storages = {t.untyped_storage().data_ptr(): name for name, t in own.items() if t.numel()}
+    out = []
+    for tid, locations in held.items():
+        if tid not in mine:
+            t = locations[0].get()
+            shares = storages.get(t.untyped_storage().data_ptr(), "") if t.numel() else ""
+            out.append((outside_tensors.OutsideTensor(locations[0].name, tuple(locations), shares), t))
+    return held, out
 
 
 def _graph_inputs(
@@ -120,22 +61,24 @@ def _graph_inputs(
     buffers: dict[str, torch.Tensor],
     states: dict[str, dict[str, torch.Tensor]],
     optimizer: torch.optim.Optimizer | None,
+    outside: list[tuple[outside_tensors.OutsideTensor, torch.Tensor]],
     example_batch: Any,
     leaves: list[Any],
 ) -> tuple[list[GraphInput], list[torch.Tensor], dict[str, float]]:
     """The graph's placeholders in order (parameters, buffers, optimizer state, one 0-dim
-    float64 per number of param_groups, batch leaves), their tensors, and the numbers."""
+    float64 per number of param_groups, tensors outside the model, batch leaves), their
+    tensors, and the numbers."""
     inputs: list[GraphInput] = []
     flat: list[torch.Tensor] = []
     for n, p in params.items():
-        inputs.append(GraphInput(n, InputKind.PARAMETER, *_describe(p)))
+        inputs.append(GraphInput(n, InputKind.PARAMETER, *describe(p)))
         flat.append(p)
     for n, b in buffers.items():
-        inputs.append(GraphInput(n, InputKind.BUFFER, *_describe(b)))
+        inputs.append(GraphInput(n, InputKind.BUFFER, *describe(b)))
         flat.append(b)
     for n, st in states.items():
         for key, value in st.items():
-            inputs.append(GraphInput(f"{n}.{key}", InputKind.OPTIMIZER_STATE, *_describe(value)))
+            inputs.append(GraphInput(f"{n}.{key}", InputKind.OPTIMIZER_STATE, *describe(value)))
             flat.append(value)
     hyper_values: dict[str, float] = {}
     if optimizer is not None:
@@ -146,8 +89,11 @@ def _graph_inputs(
                 hyper_values[name] = value
                 inputs.append(GraphInput(name, InputKind.HYPERPARAMETER, (), "float64", "cpu"))
                 flat.append(torch.tensor(value, dtype=torch.float64))
+    for held, t in outside:
+        inputs.append(GraphInput(held.name, InputKind.OUTSIDE, *describe(t)))
+        flat.append(t)
     for n, leaf in zip(batch_leaf_names(example_batch), leaves):
-        inputs.append(GraphInput(n, InputKind.BATCH, *_describe(leaf)))
+        inputs.append(GraphInput(n, InputKind.BATCH, *describe(leaf)))
         flat.append(leaf)
     return inputs, flat, hyper_values
 
@@ -160,9 +106,9 @@ def _check_arguments(
         raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise CaptureError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
-    leaves, spec = _check_batch(example_batch)
-    params = _unique_named(model.named_parameters())
-    buffers = _unique_named(model.named_buffers())
+    leaves, spec = check_batch(example_batch)
+    params = unique_named(model.named_parameters())
+    buffers = unique_named(model.named_buffers())
     if not params:
         raise CaptureError("the model has no parameters: there is nothing to train")
     trainable = tuple(n for n, p in params.items() if p.requires_grad)
@@ -221,7 +167,8 @@ def capture(
     param_alias = {a: real_to_name[id(p)] for a, p in model.named_parameters(remove_duplicate=False)}
     buffer_alias = {a: buffer_to_name[id(b)] for a, b in model.named_buffers(remove_duplicate=False)}
 
-    inputs, flat, hyper_values = _graph_inputs(params, buffers, states, optimizer, example_batch, leaves)
+    held, outside = _outside_the_model(model, train_step, params, buffers, states, example_batch)
+    inputs, flat, hyper_values = _graph_inputs(params, buffers, states, optimizer, outside, example_batch, leaves)
     hyper_names = list(hyper_values)
 
     state_keys = [(n, list(st)) for n, st in states.items()]
@@ -241,6 +188,7 @@ def capture(
         t_buffers = {n: next(it) for n in buffers}
         t_states = {n: {k: next(it) for k in keys} for n, keys in state_keys}
         t_hyper = {n: next(it) for n in hyper_names}
+        t_outside = [next(it) for _ in outside]
         t_batch = pytree.tree_unflatten(list(it), spec)
         for n, p in t_params.items():
             p.requires_grad_(n in trainable)
@@ -271,7 +219,9 @@ def capture(
             torch.autograd.backward = backward
             stack.callback(setattr, torch.autograd, "backward", real_backward)
             stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0))
+            stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
             result = train_step(model, optimizer, t_batch)
+            outside_tensors.check_no_gradient([held for held, _ in outside], t_outside)
         outputs, out_spec, numbers = step_outputs.as_graph_outputs(result)
         if calls["backward"] == 0:
             raise CaptureError("train_step never called loss.backward(): remat captures a whole training step")
@@ -302,14 +252,13 @@ def capture(
     groups: list[hyperparams.GroupSpec] = []
     if optimizer is not None:
         inputs = drop_unread_new_state(gm, inputs, optimizer, params, had_state)
-        inputs = drop_unread_hyperparameters(gm, inputs)
         check_first_step_state(optimizer, had_state, {id(params[n]) for n in grad_order})
         groups = hyperparams.group_specs(optimizer, real_to_name, sign_facts)
+    inputs = drop_unread_inputs(gm, inputs)
     tg = _finish(gm, inputs, grad_order, final_grads, str(spec), optimizer is not None, device)
+    tg.outside = outside_tensors.read_by_graph(inputs, [held for held, _ in outside], device)
     if dp is not None:
-        dp.last_forward_synced = bool(seen["reduced"])
-        tg.data_parallel = dp
-        data_parallel.place_collectives(tg.gm)
+        data_parallel.attach(tg, dp, synced_last=bool(seen["reduced"]))
     tg.output_spec, tg.output_numbers, tg.backward_passes = seen["output_spec"], seen["output_numbers"], seen["backward_passes"]
     tg.trainable = trainable
     tg.training, tg.mode_calls, tg.sets_mode_first = train_modes.traced_modes(model, recorded.mode_calls)
@@ -437,47 +386,3 @@ def _finish(
         has_optimizer=has_optimizer,
         device=device,
     )
-
-
-def _check_grads_are_zero(params: dict[str, torch.Tensor]) -> None:
-    """A step that adds its gradients to the zeros the previous one left must not find other
-    gradients there (an eager backward since): eager would add to them."""
-    for name, p in params.items():
-        g = p.grad
-        if g is not None and not getattr(g, "_remat_zeroed", False) and bool(g.any()):
-            raise CaptureError(
-                f"{name} holds a nonzero gradient from outside the step; the step adds its gradients to what it finds "
-                "(it ends with zero_grad(set_to_none=False)), which the captured graph does not. Call "
-                "optimizer.zero_grad() before the step."
-            )
-
-
-def run_captured(
-    tg: TrainGraph,
-    gm: torch.fx.GraphModule,
-    model: torch.nn.Module,
-    inputs: list[torch.Tensor],
-) -> Any:
-    """Run one step of `gm` (the captured graph or a rewrite of it) in place; returns what
-    train_step returns (the loss, or its tuple/dict of tensors).
-
-    Leaves each parameter's `.grad` as the eager step would: the graph's final gradient
-    where train_step left one set, None where it cleared them; and the modules' train/eval
-    flags as train_step's own train() and eval() calls leave them.
-    """
-    params = _unique_named(model.named_parameters())
-    if tg.leaves_zero_grads:
-        _check_grads_are_zero(params)
-    # The step clears the previous gradients before its backward (checked at capture), or
-    # adds to the zeros the last step left; drop them now rather than hold them through the step.
-    for p in params.values():
-        p.grad = None
-    with torch.no_grad():
-        outputs, grads = gm(*inputs)
-    train_modes.make_mode_calls(model, tg)
-    final = dict(zip(tg.grad_names, grads))
-    for name, p in params.items():
-        p.grad = final.get(name)
-        if tg.leaves_zero_grads and p.grad is not None:
-            p.grad._remat_zeroed = True  # type: ignore[attr-defined]  # known zero: no check at the next call
-    return step_outputs.as_returned(tg, outputs)

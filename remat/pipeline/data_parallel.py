@@ -147,6 +147,13 @@ def before_step(model: torch.nn.Module) -> None:
         ddp._sync_buffers()
 
 
+def attach(tg: Any, dp: DataParallel, synced_last: bool) -> None:
+    """A captured TrainGraph of a DDP model: its data-parallel facts on it, its collectives placed."""
+    dp.last_forward_synced = synced_last
+    tg.data_parallel = dp
+    place_collectives(tg.gm)
+
+
 def after_step(model: torch.nn.Module, dp: DataParallel) -> None:
     """What DDP's forward leaves for the next one: whether buffers are broadcast then."""
     model.require_forward_param_sync = dp.last_forward_synced  # type: ignore[union-attr]

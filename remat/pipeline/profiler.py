@@ -29,7 +29,7 @@ import torch.fx
 from torch.fx.node import map_arg
 
 from remat.pipeline.analysis import ROLES, GraphAnalysis, Role, analyze
-from remat.pipeline.capture import flat_inputs
+from remat.pipeline.step_inputs import flat_inputs
 from remat.pipeline.train_graph import InputKind, TrainGraph
 from remat.pipeline.cpu_strides import CORRECTED_STRIDES
 from remat.errors import CaptureError, PlanError, RematError
@@ -280,11 +280,12 @@ def _memory_run_cuda(runner: _NodeRunner, inputs: list[torch.Tensor], device: to
 
 
 def _profiling_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: Any, batch: Any) -> list[torch.Tensor]:
-    """Clones of everything the step mutates (parameters, buffers, optimizer state); the batch as is."""
+    """Clones of everything the step may mutate (parameters, buffers, optimizer state, tensors
+    outside the model such as an EMA copy); the batch as is."""
     real = flat_inputs(tg, model, optimizer, batch)
     out: list[torch.Tensor] = []
     for inp, t in zip(tg.inputs, real):
-        if inp.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.OPTIMIZER_STATE):
+        if inp.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.OPTIMIZER_STATE, InputKind.OUTSIDE):
             out.append(t.detach().clone())
         else:
             out.append(t)

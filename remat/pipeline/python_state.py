@@ -8,15 +8,19 @@ would repeat its first value at every step, with no error; a list the step appen
 `loss.item()` to would hold traced placeholders. And a number the loop sets between steps
 (a loss weight in a global, a config field) would keep its first value in the graph.
 
-What is watched: plain numbers, strings and None, and lists, tuples, dicts and sets of
-them (nested), held
+What is watched: plain numbers, strings and None, tensors (by shape, dtype and device:
+the graph reads them at each call, see outside_tensors), and lists, tuples, dicts and
+sets of them (nested), held
 - as attributes of the model's modules (all of them);
 - as globals or closure cells of the user's code the step runs: train_step, the functions
-  it reaches through its globals and closure, and the methods of the model's classes
-  (code outside the installed packages and the standard library; a library's code is
-  not followed);
+  it reaches through its globals and closure, and the methods of the model's classes and
+  of the user's objects held there (code outside the installed packages and the standard
+  library; a library's code is not followed);
 - as fields of the user's objects found there (a trainer whose method is train_step, a
-  config object or namespace), where that code names the field;
+  config object or namespace, an EMA helper), where that code or the object's own
+  methods name the field;
+- as attributes of another module held in those places (a teacher), and its modules'
+  train/eval flags;
 - and which function a global or closure name holds (a loss function swapped between
   steps).
 A tensor the trace leaves in one of these places (`self.last_output = y.detach()`) is
@@ -47,9 +51,27 @@ _MOST_ITEMS = 10_000  # larger containers are not watched (each capture and step
 _NOT_PLAIN = object()
 
 
+@dataclass(frozen=True)
+class TensorSignature:
+    """A tensor as the watch compares it: the graph reads a tensor held in Python state
+    (pipeline.outside_tensors) at every call, but was traced for its shape, dtype and device."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorSignature:
+        return cls(tuple(t.shape), str(t.dtype).replace("torch.", ""), str(t.device))
+
+    def __repr__(self) -> str:
+        return f"tensor{list(self.shape)} {self.dtype}"
+
+
 def frozen(value: Any) -> Any:
     """A hashable copy of a plain value, or of a container (list, tuple, dict, set) of plain
-    values and such containers; _NOT_PLAIN for anything else (tensors, modules, objects)."""
+    values, tensors (their signatures) and such containers; a tensor's signature; _NOT_PLAIN
+    for anything else (modules, objects)."""
     if isinstance(value, _PLAIN):
         return value
     budget = [_MOST_ITEMS]
@@ -57,6 +79,8 @@ def frozen(value: Any) -> Any:
     def freeze(v: Any, depth: int) -> Any:
         if isinstance(v, _PLAIN):
             return v
+        if isinstance(v, torch.Tensor):
+            return TensorSignature.of(v)
         if not isinstance(v, _CONTAINERS) or depth > 8 or len(v) > budget[0]:
             raise _Skip
         budget[0] -= len(v)
@@ -91,16 +115,16 @@ def shown(value: Any) -> str:
     return _short(repr(_thawed(value)))
 
 
-def module_attributes(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, str, Any]]:
+def module_attributes(model: torch.nn.Module, name: str = "model", skip: frozenset[int] = frozenset()) -> Iterator[tuple[str, torch.nn.Module, str, Any]]:
     """(qualified name, module, key, value) of every value a module holds as an attribute
     (its __dict__, but for nn.Module's own tables and dunder names), but for a DDP wrapper's
-    own settings (checked by pipeline.data_parallel)."""
+    own settings (checked by pipeline.data_parallel) and the modules in `skip` (by id)."""
     for prefix, module in model.named_modules():
-        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel) or id(module) in skip:
             continue
         for key, value in vars(module).items():
             if key not in _MODULE_TABLES and not key.startswith("__"):
-                yield f"model.{prefix}.{key}" if prefix else f"model.{key}", module, key, value
+                yield f"{name}.{prefix}.{key}" if prefix else f"{name}.{key}", module, key, value
 
 
 _MODULE_TABLES = frozenset(vars(torch.nn.Module()))  # nn.Module's own: parameters, buffers, submodules, hooks
@@ -112,11 +136,11 @@ def changed_values(before: tuple[tuple[str, Any], ...], now: tuple[tuple[str, An
     return [f"{k} ({shown(old.get(k))} -> {shown(new.get(k))})" for k in {**old, **new} if old.get(k, gone) != new.get(k, gone)]
 
 
-_MISSING = object()
+MISSING = object()
 
 
 @dataclass
-class _Slot:
+class Slot:
     """Where a value is held: an attribute of a module or of a user's object, a key of a
     function's globals, or a closure cell."""
 
@@ -126,16 +150,16 @@ class _Slot:
 
     def get(self) -> Any:
         if isinstance(self.owner, dict):
-            return self.owner.get(self.key, _MISSING)
+            return self.owner.get(self.key, MISSING)
         if isinstance(self.owner, types.CellType):
             try:
                 return self.owner.cell_contents
             except ValueError:  # an empty cell
-                return _MISSING
-        return vars(self.owner).get(self.key, _MISSING)
+                return MISSING
+        return vars(self.owner).get(self.key, MISSING)
 
     def set(self, value: Any) -> None:
-        if value is _MISSING:  # it was not there
+        if value is MISSING:  # it was not there
             if isinstance(self.owner, dict):
                 self.owner.pop(self.key, None)
             elif not isinstance(self.owner, types.CellType):
@@ -150,25 +174,25 @@ class _Slot:
 
 @dataclass
 class _Watched:
-    slot: _Slot
+    slot: Slot
     value: Any  # the object itself
     frozen: Any  # and what it held
+    content: Any = None  # a copy of a container's items (the tensors in it themselves), to put back
 
     def put_back(self) -> None:
         if self.slot.get() is not self.value:
             self.slot.set(self.value)
         if isinstance(self.value, (list, dict, set)) and _snapshot(self.value) != self.frozen:
             self.value.clear()
-            content = _thawed(self.frozen)
             if isinstance(self.value, list):
-                self.value.extend(content)
+                self.value.extend(self.content)
             else:
-                self.value.update(content)
+                self.value.update(self.content)
 
 
-def _slots(model: torch.nn.Module, train_step: Callable[..., Any]) -> list[tuple[_Slot, Any]]:
+def state_slots(model: torch.nn.Module, train_step: Callable[..., Any]) -> list[tuple[Slot, Any]]:
     """Every slot the watch reads (see the module's docstring), with the value it holds."""
-    out = [(_Slot(name, module, key), value) for name, module, key, value in module_attributes(model)]
+    out = [(Slot(name, module, key), value) for name, module, key, value in module_attributes(model)]
     code = _user_code(model, train_step)
     out += code.bindings
     roots = [(slot.name, value) for slot, value in out if not isinstance(value, _PLAIN + _CONTAINERS)]
@@ -179,30 +203,50 @@ def _slots(model: torch.nn.Module, train_step: Callable[..., Any]) -> list[tuple
     seen: set[int] = set()
     for name, value in roots:
         out += _object_fields(name, value, code.names, seen, depth=0)
+    # Another module the step runs (a teacher, an EMA copy of the model): its attributes and
+    # train/eval flags, which its forward is traced with as the model's are.
+    model_modules = frozenset(id(m) for m in model.modules())
+    for slot, value in list(out):
+        if isinstance(value, torch.nn.Module) and id(value) not in model_modules and id(value) not in seen:
+            seen.add(id(value))
+            out += [(Slot(n, m, k), v) for n, m, k, v in module_attributes(value, slot.name, model_modules)]
+            out += [
+                (Slot(f"{slot.name}.{prefix}.training" if prefix else f"{slot.name}.training", m, "training"), m.training)
+                for prefix, m in value.named_modules() if id(m) not in model_modules
+            ]
     return out
 
 
-def _watched(slots: list[tuple[_Slot, Any]]) -> dict[str, _Watched]:
+def _watched(slots: list[tuple[Slot, Any]]) -> dict[str, _Watched]:
     """The slots holding plain values (or the user's functions), by name."""
     out = {}
     for slot, value in slots:
         fz = _snapshot(value)
         if fz is not _NOT_PLAIN:
-            out[slot.name] = _Watched(slot, value, fz)
+            out[slot.name] = _Watched(slot, value, fz, _copied(value))
     return out
+
+
+def _copied(value: Any) -> Any:
+    """A container copied through its nested containers (for `frozen` values: bounded)."""
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, _CONTAINERS):
+        return type(value)(_copied(v) for v in value)
+    return value
 
 
 def step_values(model: torch.nn.Module, train_step: Callable[..., Any]) -> tuple[tuple[str, Any], ...]:
     """The watched values as the graph traced with them saw them: a step is compiled again
     when one changes between steps (a temperature, a drop rate or a loss weight set by the
     loop), since the graph holds them as constants."""
-    return tuple((name, w.frozen) for name, w in _watched(_slots(model, train_step)).items())
+    return tuple((name, w.frozen) for name, w in _watched(state_slots(model, train_step)).items())
 
 
 @dataclass
 class _UserCode:
     names: set[str]  # every global and attribute name the code mentions
-    bindings: list[tuple[_Slot, Any]]  # the globals and closure cells it reads, with their values
+    bindings: list[tuple[Slot, Any]]  # the globals and closure cells it reads, with their values
 
 
 _LIBRARY_DIRS = tuple(
@@ -235,12 +279,10 @@ def _user_class(cls: type) -> bool:
 def _user_code(model: torch.nn.Module, train_step: Callable[..., Any]) -> _UserCode:
     """The user's functions the step runs, followed from train_step and the model's classes
     through globals and closures."""
-    pending: list[Any] = [train_step, getattr(type(train_step), "__call__", None)]
-    classes = {c for m in model.modules() for c in type(m).__mro__}
-    pending += [f for c in classes if _user_class(c) for f in vars(c).values()]
+    pending: list[Any] = [train_step, getattr(type(train_step), "__call__", None), *_methods(model)]
     step_globals = getattr(_user_function(train_step), "__globals__", None)
     names: set[str] = set()
-    bindings: list[tuple[_Slot, Any]] = []
+    bindings: list[tuple[Slot, Any]] = []
     seen: set[int] = set()
     while pending and len(seen) < _MOST_FUNCTIONS:
         fn = _user_function(pending.pop())
@@ -251,14 +293,30 @@ def _user_code(model: torch.nn.Module, train_step: Callable[..., Any]) -> _UserC
         names |= mentioned
         globs = fn.__globals__
         where = "" if globs is step_globals else f"{globs.get('__name__', '?')}."
-        slots = [_Slot(f"global {where}{key}", globs, key) for key in sorted(mentioned & globs.keys())]
-        slots += [_Slot(f"{key} (from the closure of {fn.__name__})", cell, key) for key, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ())]
+        slots = [Slot(f"global {where}{key}", globs, key) for key in sorted(mentioned & globs.keys())]
+        slots += [Slot(f"{key} (from the closure of {fn.__name__})", cell, key) for key, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ())]
         for slot in slots:
             value = slot.get()
-            if value is not _MISSING:  # an empty closure cell
+            if value is not MISSING:  # an empty closure cell
                 bindings.append((slot, value))
-                pending.append(value)
+                pending += _methods(value) if isinstance(value, torch.nn.Module) else [value, *_class_functions(type(value))]
     return _UserCode(names, bindings)
+
+
+@functools.lru_cache(maxsize=4096)
+def _class_functions(cls: type) -> tuple[Any, ...]:
+    """The functions of a user's class and its user base classes (a trainer's or EMA helper's methods)."""
+    return tuple(f for c in cls.__mro__ if _user_class(c) and c is not object for f in vars(c).values())
+
+
+@functools.lru_cache(maxsize=4096)
+def _names_in_class(cls: type) -> frozenset[str]:
+    return frozenset(n for f in _class_functions(cls) if (fn := _user_function(f)) is not None for n in _names(fn.__code__))
+
+
+def _methods(module: torch.nn.Module) -> list[Any]:
+    """The functions of the user's classes among a module's and its submodules' classes."""
+    return [f for cls in {type(m) for m in module.modules()} for f in _class_functions(cls)]
 
 
 def _names(code: types.CodeType) -> set[str]:
@@ -270,7 +328,7 @@ def _names(code: types.CodeType) -> set[str]:
     return out
 
 
-def _object_fields(name: str, obj: Any, names: set[str], seen: set[int], depth: int) -> Iterator[tuple[_Slot, Any]]:
+def _object_fields(name: str, obj: Any, names: set[str], seen: set[int], depth: int) -> Iterator[tuple[Slot, Any]]:
     """The fields of a user's object (and of the user's objects in them) that the user's code names."""
     if depth > 3 or id(obj) in seen or isinstance(obj, (type, torch.nn.Module, torch.Tensor)) or not _user_class(type(obj)):
         return
@@ -279,8 +337,9 @@ def _object_fields(name: str, obj: Any, names: set[str], seen: set[int], depth: 
         fields = vars(obj)
     except TypeError:  # __slots__
         return
+    names = names | _names_in_class(type(obj))  # what its own methods name (an EMA helper's update())
     for key in sorted(k for k in fields if k in names):
-        yield _Slot(f"{name}.{key}", obj, key), fields[key]
+        yield Slot(f"{name}.{key}", obj, key), fields[key]
         yield from _object_fields(f"{name}.{key}", fields[key], names, seen, depth + 1)
 
 
@@ -311,21 +370,21 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
     """Around the whole capture: refuse, naming them, the watched values the traces changed
     and the tensors they left in Python state, putting everything back as it was (so that a
     refused capture leaves nothing changed)."""
-    slots = _slots(model, train_step)
+    slots = state_slots(model, train_step)
     held = {slot.name: value for slot, value in slots}
     before = _watched(slots)
     yield
-    kept = [slot for slot, value in _slots(model, train_step) if _holds_traced_tensor(value)]
+    kept = [slot for slot, value in state_slots(model, train_step) if _holds_traced_tensor(value)]
     for slot in kept:
         if slot.name not in before:
-            slot.set(held.get(slot.name, _MISSING))
+            slot.set(held.get(slot.name, MISSING))
     kept_names = {slot.name for slot in kept}
     changed = []
     for name, w in before.items():
         value = w.slot.get()
         now = _snapshot(value)
         if now is not w.frozen and now != w.frozen:
-            text = shown(now) if now is not _NOT_PLAIN else "deleted" if value is _MISSING else _short(repr(value))
+            text = shown(now) if now is not _NOT_PLAIN else "deleted" if value is MISSING else _short(repr(value))
             if name not in kept_names:
                 changed.append(f"{name} ({shown(w.frozen)} -> {text})")
             w.put_back()

@@ -14,7 +14,6 @@ from torch._subclasses.fake_tensor import FakeTensor
 from remat.errors import CaptureError
 
 from remat.pipeline.markers import MARKER
-from remat.pipeline.python_state import module_attributes
 from remat.pipeline.train_graph import GraphInput, InputKind
 
 
@@ -28,13 +27,14 @@ def branched_hyperparameters(e: BaseException, symbols: dict[str, str]) -> list[
     return []
 
 
-def drop_unread_hyperparameters(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> list[GraphInput]:
+def drop_unread_inputs(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> list[GraphInput]:
     """Remove the hyperparameters the update never reads (a scheduler's initial_lr, a float
-    fixed at zero), so that only what changes the step is an input."""
+    fixed at zero) and the tensors outside the model the step does not use, so that only
+    what changes the step is an input."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     keep: list[GraphInput] = []
     for node, inp in zip(placeholders, inputs):
-        if inp.kind is InputKind.HYPERPARAMETER:
+        if inp.kind in (InputKind.HYPERPARAMETER, InputKind.OUTSIDE):
             for user in list(node.users):
                 if user.target is torch.ops.aten._local_scalar_dense.default and not user.users:
                     gm.graph.erase_node(user)
@@ -167,11 +167,6 @@ def _fake_dispatch_of(e: BaseException) -> tuple[str, list[Any]] | None:
     return found
 
 
-def _plain_tensor_attribute(model: torch.nn.Module, t: torch.Tensor) -> str | None:
-    """'model.sub.name' where `t` is a module's attribute that is neither a parameter nor a buffer."""
-    return next((name for name, _, _, value in module_attributes(model) if value is t), None)
-
-
 def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) -> CaptureError:
     name = type(e).__name__
     first = str(e).strip().splitlines()[0] if str(e).strip() else name
@@ -186,6 +181,13 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
             "torch.autocast (it needs no scaler), or without remat."
         )
     data_dependent = "DataDependent" in name or "GuardOnDataDependent" in name or "data-dependent" in str(e).lower()
+    if data_dependent and any(Path(f.filename).name == "swa_utils.py" for f in frames):
+        return CaptureError(
+            "train_step calls torch.optim.swa_utils.AveragedModel.update_parameters, which branches on how many "
+            f"steps it has averaged (n_averaged == 0){where}: one captured graph cannot hold that branch. Call it "
+            "between steps, outside train_step, or keep the average yourself inside the step "
+            "(with torch.no_grad(): for e, p in zip(ema.parameters(), model.parameters()): e.lerp_(p, 1 - decay))."
+        )
     in_optimizer = [f for f in frames if Path(f.filename).parent.parts[-2:] == ("torch", "optim")]
     if data_dependent and in_optimizer:
         line = in_optimizer[-1]
@@ -212,20 +214,13 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
     real = [a for a in dispatch[1] if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor)] if dispatch else []
     if real:
         t = real[0]
-        attribute = _plain_tensor_attribute(model, t) if model is not None else None
-        if attribute is not None:
-            return CaptureError(
-                f"{attribute} is a plain tensor attribute of the model, not a registered buffer, so the captured step "
-                f"cannot hold it ({dispatch[0]}){where}: register it with register_buffer(name, tensor) "
-                "(persistent=False keeps it out of the state dict)."
-            )
         return CaptureError(
             f"train_step uses a {'parameter' if isinstance(t, torch.nn.Parameter) else 'tensor'} of shape "
-            f"{tuple(t.shape)} that is not the model's, its optimizer's or the batch's (a global, a closure or "
-            f"another module's tensor, such as an EMA copy of the weights; {dispatch[0]}){where}. The captured "
-            "step can only use the model's parameters and buffers, the optimizer's state and the batch: register "
-            "the tensor with the model (register_buffer, or as a submodule), pass it in the batch, or do that work "
-            "between steps, outside train_step."
+            f"{tuple(t.shape)} that is not the model's, its optimizer's or the batch's, and not held where remat "
+            f"looks for tensors outside the model ({dispatch[0]}){where}. remat finds such a tensor in a global or "
+            "closure variable of the user's code, a field of the user's object, a module held there, or a list or "
+            "dict in one of those (not in an object inside a list, nor in a library's object): hold it in one of "
+            "those places, register it with the model (register_buffer, or as a submodule), or pass it in the batch."
         )
     if dispatch is not None:
         op = dispatch[0]

@@ -25,6 +25,7 @@ class InputKind(str, Enum):
     BUFFER = "buffer"
     OPTIMIZER_STATE = "optimizer_state"
     HYPERPARAMETER = "hyperparameter"  # a float of optimizer.param_groups, read at every call
+    OUTSIDE = "outside"  # a tensor the user's state holds (a teacher's weight, an EMA copy): outside_tensors
     BATCH = "batch"
 
 
@@ -65,6 +66,7 @@ class TrainGraph:
     # the first is the whole model's, before any forward, so the mode the step starts in does not matter.
     mode_calls: tuple[tuple[str, bool], ...] = ()
     sets_mode_first: bool = False
+    outside: dict[str, Any] = field(default_factory=dict)  # OUTSIDE input name -> outside_tensors.OutsideTensor, read at each call
     scheduler_calls: tuple[Any, ...] = ()  # scheduler_calls.SchedulerCall: scheduler.step() calls made again at each call
     leaves_zero_grads: bool = False  # the step ends with zero_grad(set_to_none=False): see ends_with_zero_grads
     backward_passes: int = 1  # backward() calls per step: micro-batches accumulating gradients

@@ -1,0 +1,154 @@
+"""What the captured graph takes and leaves at each call: the real tensors for its
+placeholders, read from the model, the optimizer, the user's state and the batch as they
+are now (where the loop's changes are checked), and one step run with `.grad` and the
+train/eval flags left as eager leaves them."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+import torch.utils._pytree as pytree
+
+from remat.errors import CaptureError
+from remat.pipeline import data_parallel, hyperparams, step_outputs, train_modes
+from remat.pipeline.optimizer_state import optimizer_states
+from remat.pipeline.train_graph import GraphInput, InputKind, TrainGraph
+
+
+def unique_named(items: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in items:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[name] = t
+    return out
+
+
+def check_batch(batch: Any) -> tuple[list[Any], Any]:
+    leaves, spec = pytree.tree_flatten(batch)
+    if not leaves:
+        raise CaptureError("the batch holds no tensors: pass a tensor, a tuple or a dict of tensors")
+    paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(batch)[0]]
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise CaptureError(
+                f"the batch must be a tensor, a tuple or a dict of tensors; batch{path} is a "
+                f"{type(leaf).__name__}. Move non-tensor settings into train_step or the model."
+            )
+    return leaves, spec
+
+
+def batch_leaf_names(batch: Any) -> list[str]:
+    return [f"batch{pytree.keystr(p)}" for p, _ in pytree.tree_flatten_with_path(batch)[0]]
+
+
+def describe(t: torch.Tensor) -> tuple[tuple[int, ...], str, str]:
+    return tuple(t.shape), str(t.dtype).replace("torch.", ""), str(t.device)
+
+
+def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, batch: Any) -> list[torch.Tensor]:
+    """The real tensors for the graph's placeholders, in order.
+
+    Also where the loop around the step is checked: a change the graph cannot follow
+    (a frozen parameter thawed, an optimizer flag or group changed) is refused here,
+    and the hyperparameters are read from the param groups as they are now.
+    """
+    train_modes.check_mode(model, tg)
+    if tg.data_parallel is not None:
+        data_parallel.check_unchanged(model, tg.data_parallel)
+    params = unique_named(model.named_parameters())
+    buffers = unique_named(model.named_buffers())
+    trainable = tuple(n for n, p in params.items() if p.requires_grad)
+    if trainable != tg.trainable:
+        changed = sorted(set(trainable) ^ set(tg.trainable))
+        raise CaptureError(
+            f"requires_grad of {len(changed)} parameters changed since the step was compiled (first: {changed[0]}); "
+            "the captured graph computes gradients for the parameters that required them then. Compile a new step "
+            "(remat.compile) after freezing or unfreezing parameters."
+        )
+    if tg.has_optimizer:
+        names = {id(p): n for n, p in params.items()}
+        hyperparams.check_unchanged(optimizer, tg.groups, names)
+    # Only the state the graph reads: eager creates none for a parameter without a gradient.
+    wanted = {id(params[i.name.rsplit(".", 1)[0]]) for i in tg.inputs if i.kind is InputKind.OPTIMIZER_STATE}
+    states = optimizer_states(optimizer, params, wanted) if tg.has_optimizer else {}
+    hyper_names = [i.name for i in tg.inputs if i.kind is InputKind.HYPERPARAMETER]
+    hyper = dict(zip(hyper_names, hyperparams.values(optimizer, hyper_names))) if hyper_names else {}
+    leaves, spec = check_batch(batch)
+    if str(spec) != tg.batch_spec:
+        raise CaptureError(
+            f"the batch has a different structure from the one captured ({spec} vs {tg.batch_spec}); "
+            "a new structure needs a new capture"
+        )
+    out: list[torch.Tensor] = []
+    for inp in tg.inputs:
+        if inp.kind is InputKind.PARAMETER:
+            out.append(params[inp.name])
+        elif inp.kind is InputKind.BUFFER:
+            out.append(buffers[inp.name])
+        elif inp.kind is InputKind.OPTIMIZER_STATE:
+            pname, key = inp.name.rsplit(".", 1)
+            out.append(states[pname][key])
+        elif inp.kind is InputKind.HYPERPARAMETER:
+            out.append(hyper[inp.name])
+        elif inp.kind is InputKind.OUTSIDE:
+            out.append(_outside_value(tg, inp))
+    out.extend(leaves)
+    return out
+
+
+def _outside_value(tg: TrainGraph, inp: GraphInput) -> torch.Tensor:
+    t = tg.outside[inp.name].get()
+    if describe(t) != (inp.shape, inp.dtype, inp.device):
+        shape, dtype, device = describe(t)
+        raise CaptureError(
+            f"{inp.name}, a tensor outside the model that the step reads, is now {dtype} of shape {shape} on {device}, "
+            f"but the step was compiled for {inp.dtype} of shape {inp.shape} on {inp.device}; compile a new step."
+        )
+    return t
+
+
+def _check_grads_are_zero(params: dict[str, torch.Tensor]) -> None:
+    """A step that adds its gradients to the zeros the previous one left must not find other
+    gradients there (an eager backward since): eager would add to them."""
+    for name, p in params.items():
+        g = p.grad
+        if g is not None and not getattr(g, "_remat_zeroed", False) and bool(g.any()):
+            raise CaptureError(
+                f"{name} holds a nonzero gradient from outside the step; the step adds its gradients to what it finds "
+                "(it ends with zero_grad(set_to_none=False)), which the captured graph does not. Call "
+                "optimizer.zero_grad() before the step."
+            )
+
+
+def run_captured(
+    tg: TrainGraph,
+    gm: torch.fx.GraphModule,
+    model: torch.nn.Module,
+    inputs: list[torch.Tensor],
+) -> Any:
+    """Run one step of `gm` (the captured graph or a rewrite of it) in place; returns what
+    train_step returns (the loss, or its tuple/dict of tensors).
+
+    Leaves each parameter's `.grad` as the eager step would: the graph's final gradient
+    where train_step left one set, None where it cleared them; and the modules' train/eval
+    flags as train_step's own train() and eval() calls leave them.
+    """
+    params = unique_named(model.named_parameters())
+    if tg.leaves_zero_grads:
+        _check_grads_are_zero(params)
+    # The step clears the previous gradients before its backward (checked at capture), or
+    # adds to the zeros the last step left; drop them now rather than hold them through the step.
+    for p in params.values():
+        p.grad = None
+    with torch.no_grad():
+        outputs, grads = gm(*inputs)
+    train_modes.make_mode_calls(model, tg)
+    final = dict(zip(tg.grad_names, grads))
+    for name, p in params.items():
+        p.grad = final.get(name)
+        if tg.leaves_zero_grads and p.grad is not None:
+            p.grad._remat_zeroed = True  # type: ignore[attr-defined]  # known zero: no check at the next call
+    return step_outputs.as_returned(tg, outputs)
