@@ -166,7 +166,8 @@ def check_no_gradient(outside: list[OutsideTensor], traced: list[torch.Tensor]) 
             raise CaptureError(
                 f"the step's backward computes a gradient for {held.name}, a tensor outside the model, which eager would "
                 "accumulate into its .grad: run that part under torch.no_grad() (or .detach() its output) if it is not "
-                "trained, or make it part of the model (a submodule or a parameter) if it is."
+                "trained; if it is (a GAN's discriminator with its own optimizer), make it part of the model (a submodule "
+                "or a parameter) trained by the step's optimizer: remat captures one model and one optimizer."
             )
 
 

@@ -223,7 +223,7 @@ def _watched(slots: list[tuple[Slot, Any]]) -> dict[str, _Watched]:
     for slot, value in slots:
         fz = _snapshot(value)
         if fz is not _NOT_PLAIN:
-            out[slot.name] = _Watched(slot, value, fz, _copied(value))
+            out[slot.name] = _Watched(slot, value, fz)
     return out
 
 
@@ -373,6 +373,8 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
     slots = state_slots(model, train_step)
     held = {slot.name: value for slot, value in slots}
     before = _watched(slots)
+    for w in before.values():
+        w.content = _copied(w.value)
     yield
     kept = [slot for slot, value in state_slots(model, train_step) if _holds_traced_tensor(value)]
     for slot in kept:
