@@ -228,3 +228,45 @@ def options_like_eager(batch_size: int = 8) -> dict[str, bool]:
         ours, ours_opt, _ = _wrapped("mlp", batch_size, "adamw", **options)
         out[name] = _trained_alike(eager, eager_opt, ours, ours_opt, loss_fn, [_batch("mlp", batch_size, rank, i) for i in range(3)])
     return out
+
+
+def _distilling_step(teacher: torch.nn.Module, ema: list[torch.Tensor]) -> Any:
+    """Distillation from a frozen teacher and an EMA of the weights: both outside the model."""
+
+    def train_step(model: Any, optimizer: Any, batch: Any) -> torch.Tensor:
+        with torch.no_grad():
+            soft = teacher(**batch).logits.softmax(-1)
+        out = model(**batch)
+        loss = out.loss + torch.nn.functional.kl_div(out.logits.log_softmax(-1), soft, reduction="batchmean")
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for e, p in zip(ema, model.parameters()):
+                e.lerp_(p, 0.1)
+        return loss.detach()
+
+    return train_step
+
+
+def distill_like_eager(budget: float, steps: int) -> dict[str, Any]:
+    """Eager DDP and remat with a teacher and an EMA outside the model, on the same batches."""
+    rank = dist.get_rank()
+    teacher = build_model("bert-tiny", 4, seed=7).model.eval().requires_grad_(False)
+    eager, eager_opt, _ = _wrapped("bert-tiny", 4, "adamw")
+    ours, ours_opt, _ = _wrapped("bert-tiny", 4, "adamw")
+    emas = [[p.detach().clone() for p in m.parameters()] for m in (eager, ours)]
+    batches = [_batch("bert-tiny", 4, rank, i) for i in range(steps)]
+    torch.manual_seed(7)
+    eager_losses = [_distilling_step(teacher, emas[0])(eager, eager_opt, b) for b in batches]
+    torch.manual_seed(7)
+    step = remat.compile(_distilling_step(teacher, emas[1]), ours, ours_opt, batches[0], memory_budget=budget)
+    losses = [step(b) for b in batches]
+    return {
+        "losses_equal": all(torch.equal(a, b) for a, b in zip(eager_losses, losses)),
+        "state_equal": all(torch.equal(a, b) for a, b in zip(_state(eager, eager_opt), _state(ours, ours_opt))),
+        "ema_equal": all(torch.equal(a, b) for a, b in zip(*emas)),
+        "ema_digest": _digest(emas[1]),
+        "outside_inputs": sum(1 for i in step._last.tg.inputs if i.kind.value == "outside"),
+        "num_recomputed": step.report.num_recomputed,
+    }

@@ -72,3 +72,11 @@ def test_unused_parameters_with_find_unused_keep_no_gradient():
 def test_options_that_only_change_ddps_buffers_train_the_same():
     for r in _two_ranks(ddp_workers.options_like_eager):
         assert r == {"static_graph": True, "gradient_as_bucket_view": True}, r
+
+
+def test_a_teacher_and_an_ema_outside_a_ddp_model_train_bitwise_on_every_rank():
+    results = _two_ranks(ddp_workers.distill_like_eager, 0.5, 3)
+    for rank, r in enumerate(results):
+        assert r["losses_equal"] and r["state_equal"] and r["ema_equal"], (rank, r)
+        assert r["outside_inputs"] > 0 and r["num_recomputed"] > 0, (rank, r)
+    assert results[0]["ema_digest"] == results[1]["ema_digest"]  # the averaged gradients: the same weights, the same EMA

@@ -329,3 +329,37 @@ def test_averaged_model_updated_inside_the_step_is_refused_naming_what_to_do():
 
     with pytest.raises(CaptureError, match=r"AveragedModel\.update_parameters, which branches on how many steps.*between steps"):
         remat.compile(step, model, torch.optim.SGD(model.parameters(), lr=0.1), _batch())
+
+
+class _WithPlainTensors(_Net):
+    """Plain tensor attributes (not buffers): one the forward reads, one sparse it does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mixing = torch.eye(16) * 0.5
+        self.adjacency = torch.eye(16).to_sparse()
+
+    def forward(self, x):
+        return super().forward(x @ self.mixing)
+
+
+def test_a_plain_tensor_attribute_of_the_model_is_an_input_and_an_unread_sparse_one_is_left_alone():
+    def step(m, opt, batch):
+        x, y = batch
+        opt.zero_grad()
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    torch.manual_seed(0)
+    model = _WithPlainTensors()
+    compiled = _tightest(step, model, torch.optim.SGD(model.parameters(), lr=0.1), _batch())
+    assert [i.name for i in compiled._last.tg.inputs if i.kind is InputKind.OUTSIDE] == ["model.mixing"]
+    with torch.no_grad():
+        model.mixing.mul_(2.0)  # read at the next call, as eager reads it
+    eager = copy.deepcopy(model)
+    torch.manual_seed(1)
+    expected = F.cross_entropy(eager(_batch()[0]), _batch()[1])
+    torch.manual_seed(1)
+    assert torch.equal(compiled(_batch()), expected)

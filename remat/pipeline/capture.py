@@ -1,9 +1,10 @@
 """Capture one whole training iteration (forward, backward, optimizer step) as one fx graph.
 
 The user's `train_step(model, optimizer, batch) -> loss` is traced with `make_fx` on fake
-tensors. Parameters, buffers and optimizer state are swapped for graph inputs while it
-runs, so the graph takes them as placeholders and mutates them in place, exactly as the
-eager step would. Markers (a no-op custom op) are dropped into the trace at the start of
+tensors. Parameters, buffers, optimizer state and the tensors outside the model that the
+user's state holds (`outside_tensors`) are swapped for graph inputs while it runs, so the
+graph takes them as placeholders and mutates them in place, exactly as the eager step
+would. Markers (a no-op custom op) are dropped into the trace at the start of
 `backward()`, after it, and at the start of `optimizer.step()`; they tell each node's
 phase, which node is the loss and which nodes are the parameters' gradients, and are
 removed before the graph is handed on."""
@@ -46,12 +47,13 @@ def _outside_the_model(
     own = {**params, **buffers, **{f"{n}.{k}": t for n, st in states.items() for k, t in st.items()}}
     own.update(zip(batch_leaf_names(batch), pytree.tree_leaves(batch)))
     mine = {id(t) for t in own.values()}
-    storages = {t.untyped_storage().data_ptr(): name for name, t in own.items() if t.numel()}
+    storages = {outside_tensors.storage_key(t): name for name, t in own.items()}
+    storages.pop(None, None)
     out = []
     for tid, locations in held.items():
         if tid not in mine:
             t = locations[0].get()
-            shares = storages.get(t.untyped_storage().data_ptr(), "") if t.numel() else ""
+            shares = storages.get(outside_tensors.storage_key(t), "")
             out.append((outside_tensors.OutsideTensor(locations[0].name, tuple(locations), shares), t))
     return held, out
 

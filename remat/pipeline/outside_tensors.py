@@ -184,8 +184,8 @@ def read_by_graph(inputs: list[Any], outside: list[OutsideTensor], device: str) 
                     f"the step reads {inp.name}, a tensor outside the model, on {inp.device}, while the model is on "
                     f"{device}: move it to {device} before compiling."
                 )
-            t = held.get()
-            other = held.shares or (storages.get(t.untyped_storage().data_ptr(), "") if t.numel() else "")
+            key = storage_key(held.get())
+            other = held.shares or storages.get(key, "")
             if other:
                 # The graph orders its ops by the values they read and write; a view of another input's
                 # memory would be read before or after that input's in-place update regardless.
@@ -193,7 +193,14 @@ def read_by_graph(inputs: list[Any], outside: list[OutsideTensor], device: str) 
                     f"the step reads {inp.name}, a tensor outside the model that shares its memory with {other} (a view "
                     "or a .detach() of it): use that tensor itself in the step, or hold a .clone() of it."
                 )
-            if t.numel():
-                storages[t.untyped_storage().data_ptr()] = inp.name
+            if key is not None:
+                storages[key] = inp.name
             out[inp.name] = held
     return out
+
+
+def storage_key(t: torch.Tensor) -> int | None:
+    """What tells two tensors sharing memory apart from two that do not (None: no memory of its own to share)."""
+    if t.layout is not torch.strided or t.device.type == "meta" or t.numel() == 0:
+        return None
+    return t.untyped_storage().data_ptr()
