@@ -250,6 +250,25 @@ def _warmed_up_loss() -> Step:
     return step
 
 
+_FEATURES: dict[str, torch.Tensor] = {}
+
+
+def _hook_features(model):
+    """A forward hook that stores a layer's output for the loss (a feature-matching term)."""
+    layer = model.bert.encoder.layer[0].output
+    layer.register_forward_hook(lambda module, args, out: _FEATURES.__setitem__("first", out))
+
+
+def _feature_loss_step(model, optimizer, batch):
+    """The stored features in the loss, and dropped before the step returns."""
+    optimizer.zero_grad()
+    loss = model(**batch).loss + 1e-3 * _FEATURES["first"].pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    _FEATURES.clear()
+    return loss
+
+
 class _Ema:
     """An EMA copy of the weights, held by the model as a plain attribute (as a Lightning
     module holds its helpers), so that each side of the comparison has its own."""
@@ -394,6 +413,8 @@ IDIOMS = [
     Idiom("an EMA copy of the weights updated inside train_step (a helper object the model holds)", "works", step=_ema_inside,
           setup=_keep_ema, outside=lambda m: m.ema.shadow),
     Idiom("distillation from a frozen teacher held in a global", "works", step=_distill, setup=_make_teacher),
+    Idiom("features stored by a forward hook for the loss, cleared before the step returns", "works", step=_feature_loss_step,
+          setup=_hook_features),
     Idiom("losses logged into a list inside train_step (losses.append(loss.item()))", "refused", step=_logging_step),
     Idiom("a loss weight in a settings object, annealed between steps", "works", step=_weighted_step, between=_hook(_anneal_weight)),
     Idiom("a trainer's method as train_step, counting steps (self.global_step += 1)", "refused", step=_Trainer().train_step),

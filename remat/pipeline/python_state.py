@@ -403,7 +403,8 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
             f"train_step kept a tensor it computed in Python state: {_listed([s.name for s in kept])}. Its Python code "
             "runs once, at capture: there the tensor is a traced placeholder, and at run time the graph computes it "
             "but stores it nowhere, so it would never hold a step's value. Return it from train_step instead (a tuple "
-            "or dict of the loss and the tensors to keep)."
+            "or dict of the loss and the tensors to keep), or, if nothing reads it after the step (features a forward "
+            "hook stored for the loss), drop it before train_step returns (.clear() the dict, del the attribute)."
         )
 
 
