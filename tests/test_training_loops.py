@@ -413,3 +413,47 @@ def test_each_loop_idiom_works_bitwise_or_is_refused_by_name(idiom):
     """The table in docs/RESULTS.md ("Training loops") and the README's Limits say this."""
     outcome = training_loops.run_idiom(idiom)
     assert outcome["outcome"] == idiom.expect, outcome
+
+
+def _gradient_penalty(model, opt, batch):
+    """A penalty on the input gradient (WGAN-GP, R1): differentiated twice."""
+    x, y = batch
+    opt.zero_grad()
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    loss = nn.functional.cross_entropy(out, y) + 0.1 * g.pow(2).sum(1).mean()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _adversarial(model, opt, batch):
+    """FGSM adversarial training: a backward for the batch's gradient, then a step on the perturbed batch."""
+    x, y = batch
+    opt.zero_grad()
+    x = x.clone().requires_grad_(True)
+    nn.functional.cross_entropy(model(x), y).backward()
+    x_adv = (x + 0.05 * x.grad.sign()).detach()
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(model(x_adv), y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("step_fn", [_gradient_penalty, _adversarial], ids=["gradient-penalty", "fgsm"])
+def test_steps_that_differentiate_twice_or_for_the_batch_train_bitwise_at_the_tightest_plan(step_fn):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Dropout(0.1), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batch = (torch.randn(128, 16), torch.randint(0, 10, (128,)))
+    eager_model, eager_opt = twin(model, opt)
+    profiles: dict = {}
+    try:
+        step = remat.compile(step_fn, model, opt, batch, memory_budget=0.01, profile_runs=1, profile_cache=profiles)
+    except remat.errors.BudgetError as e:
+        step = remat.compile(step_fn, model, opt, batch, memory_budget=e.reach.best, profile_runs=1, profile_cache=profiles)
+    result = check_against_eager(step_fn, eager_model, eager_opt, model, opt, step, batch, steps=4)
+    assert result.match, result.summary()
+    assert step.report.num_recomputed > 0 and step.report.measured_peak_bytes == step.report.predicted_peak_bytes
