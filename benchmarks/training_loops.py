@@ -122,6 +122,7 @@ class Idiom:
     between: Callable[[torch.nn.Module, Any], Callable[[int, torch.nn.Module, Any], None]] | None = None
     setup: Callable[[torch.nn.Module], Any] | None = None  # on the model before the optimizer is built
     outside: Callable[[torch.nn.Module], list[torch.Tensor]] | None = None  # each side's tensors outside the model, compared too
+    logged: list[float] | None = None  # a list both sides log into, eager's entry then remat's at each step: compared
     other_sizes: bool = False
 
 
@@ -321,7 +322,7 @@ _LOSSES: list[float] = []
 
 
 def _logging_step(model, optimizer, batch):
-    """The loss logged into a Python list inside the step."""
+    """The loss logged into a Python list inside the step (appended after each run)."""
     loss = plain_step(model, optimizer, batch)
     _LOSSES.append(loss.item())
     return loss
@@ -415,7 +416,7 @@ IDIOMS = [
     Idiom("distillation from a frozen teacher held in a global", "works", step=_distill, setup=_make_teacher),
     Idiom("features stored by a forward hook for the loss, cleared before the step returns", "works", step=_feature_loss_step,
           setup=_hook_features),
-    Idiom("losses logged into a list inside train_step (losses.append(loss.item()))", "refused", step=_logging_step),
+    Idiom("losses logged into a list inside train_step (losses.append(loss.item()))", "works", step=_logging_step, logged=_LOSSES),
     Idiom("a loss weight in a settings object, annealed between steps", "works", step=_weighted_step, between=_hook(_anneal_weight)),
     Idiom("a trainer's method as train_step, counting steps (self.global_step += 1)", "refused", step=_Trainer().train_step),
 ]
@@ -451,6 +452,12 @@ def run_idiom(idiom: Idiom) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - any other failure is a bug, and reported as one
         outcome.update(outcome="WRONG", detail=f"{type(e).__name__}: {e}")
     else:
+        if idiom.logged is not None:
+            eager_log, remat_log = idiom.logged[0::2], idiom.logged[1::2]
+            if eager_log != remat_log or len(remat_log) != STEPS:
+                result.mismatches.append(f"logged {remat_log}, eager {eager_log}")
+            result.match = result.match and not result.mismatches
+            idiom.logged.clear()
         if idiom.outside is not None:
             pairs = list(zip(idiom.outside(eager_model), idiom.outside(model), strict=True))
             result.mismatches += [f"outside tensor {i} differs" for i, (a, b) in enumerate(pairs) if not torch.equal(a, b)]

@@ -115,6 +115,7 @@ class RematStep:
     _graphs: dict[Any, CompiledGraph] = field(default_factory=dict)
     _structure: str | None = None
     _last: CompiledGraph | None = None
+    _logged: set[str] = field(default_factory=set)  # the slots of lists the step logs numbers to (pipeline.logged_numbers)
 
     def __post_init__(self) -> None:
         # Parse now: a bad budget is an error at compile time, not at the first step.
@@ -137,7 +138,7 @@ class RematStep:
     def compiled_for(self, batch: Any) -> CompiledGraph:
         """The compiled graph for this batch's shape, compiling it if it is new."""
         shapes = self._agreed("reading the batch", lambda: self._checked_signature(batch), summary=_shapes, differ="the batch's shapes and dtypes")
-        values = step_values(self.model, self.train_step)
+        values = step_values(self.model, self.train_step, skip=self._logged)
         sig = (shapes, values)
         cached = self._graphs.get(sig)
         if cached is not None:
@@ -151,6 +152,11 @@ class RematStep:
                 stacklevel=3,
             )
         compiled = self._compile(batch)
+        logged = {target.slot.name for target in compiled.tg.logged}
+        if not logged <= self._logged:  # the lists the step logs to change at every call: not part of the key
+            self._logged |= logged
+            values = step_values(self.model, self.train_step, skip=self._logged)
+            sig = (shapes, values)
         compiled.step_values = values
         self._structure = _signature(batch)[0]
         self._graphs[sig] = compiled

@@ -383,7 +383,19 @@ _LOSSES: list = []
 
 def _logging_step(model, opt, batch):
     loss = _step(model, opt, batch)
-    _LOSSES.append(loss.item())  # a traced placeholder at capture, nothing at run time
+    _LOSSES.append(loss.item())  # appended after each run (pipeline.logged_numbers)
+    return loss
+
+
+class _LogsInTheModel(torch.nn.Linear):
+    def __init__(self):
+        super().__init__(4, 4)
+        self.log = []  # a module's list is watched as a value, not logged to
+
+
+def _logging_into_the_model_step(model, opt, batch):
+    loss = _step(model, opt, batch)
+    model.log.append(loss.item())  # would be a traced placeholder at capture, nothing at run time
     return loss
 
 
@@ -437,7 +449,7 @@ def _config_step(model, opt, batch):
     [(_Annealed, _step, r"model\.calls \(0 -> \d\)"), (lambda: torch.nn.Linear(4, 4), _counting_step, r"global _GLOBAL_CALLS \(0 -> \d\)"),
      (lambda: torch.nn.Linear(4, 4), _closure_counting_step(), r"calls \(from the closure of step\) \(0 -> \d\)"),
      (_CountsInAList, _step, r"model\.counts \(\[0\] -> \[\d\]\)"),
-     (lambda: torch.nn.Linear(4, 4), _logging_step, r"global _LOSSES \(\[\] -> \[\w+(, \w+)*\]\)"),
+     (_LogsInTheModel, _logging_into_the_model_step, r"model\.log \(\[\] -> \[\w+(, \w+)*\]\)"),
      (lambda: torch.nn.Linear(4, 4), _TRAINER.step, r"_Trainer\.steps \(0 -> \d\)"),
      (lambda: torch.nn.Linear(4, 4), _config_step, r"global _CONFIG\.schedule\.weight \(1\.0 -> 0\.\d+\)"),
      (lambda: torch.nn.Linear(4, 4), _CLOSURE_STEP, r"state \(from the closure of step\) \(\{'seen': 0\} -> \{'seen': \d\}\)")],
@@ -506,3 +518,74 @@ def test_a_tensor_held_where_remat_does_not_look_is_refused_naming_where_it_look
 
     with pytest.raises(CaptureError, match=r"uses a tensor of shape \(4,\) that is not the model's.*not held where remat looks.*_HOLDERS\[0\]\.scale"):
         capture(step, torch.nn.Linear(4, 4), None, torch.randn(2, 4))
+
+
+def _logging_sgd_step(model, opt, batch):
+    opt.zero_grad()
+    loss = model(batch).pow(2).mean()
+    loss.backward()
+    opt.step()
+    _LOSSES.append(loss.item())
+    _LOSSES.append(opt.param_groups[0]["lr"])
+    return loss
+
+
+def test_numbers_the_step_logs_into_a_list_are_appended_at_every_call_as_eager_appends_them():
+    """`losses.append(loss.item())`: computed in the graph, appended after each run, to the
+    list the global holds then (a new one per epoch); the list is not part of the key."""
+    import remat
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    eager_model, eager_opt = twin(model, opt)
+    batch = torch.randn(32, 16)
+    step = remat.compile(_logging_sgd_step, model, opt, batch, memory_budget=1.0, profile_runs=1)
+    assert _LOSSES == []  # nothing appended while compiling
+    eager_log, remat_log = [], []
+    try:
+        for i in range(4):
+            if i == 2:
+                globals()["_LOSSES"] = []  # a new epoch's list
+                for o in (opt, eager_opt):
+                    o.param_groups[0]["lr"] = 0.05
+            _logging_sgd_step(eager_model, eager_opt, batch)
+            eager_log += _LOSSES[-2:]
+            del _LOSSES[-2:]
+            step(batch)
+            remat_log += _LOSSES[-2:]
+        assert remat_log == eager_log and _LOSSES == eager_log[4:] and len(step._graphs) == 1
+        assert [type(v) for v in remat_log] == [float] * 8 and eager_log[5] == 0.05
+    finally:
+        globals()["_LOSSES"] = []
+
+
+def _reads_its_log(model, opt, batch):
+    loss = _step(model, opt, batch)
+    _LOSSES.append(loss.item())
+    return loss * (1.0 if len(_LOSSES) < 100 else 0.5)
+
+
+def _logs_a_tensor(model, opt, batch):
+    loss = _step(model, opt, batch)
+    _LOSSES.append(loss.detach())
+    return loss
+
+
+def _trims_its_log(model, opt, batch):
+    loss = _step(model, opt, batch)
+    _LOSSES.append(loss.item())
+    _LOSSES.pop(0) if len(_LOSSES) > 10 else None
+    return loss
+
+
+@pytest.mark.parametrize(
+    "step,message",
+    [(_reads_its_log, r"reads global _LOSSES \(list\.__len__\), a list it also logs numbers to"),
+     (_logs_a_tensor, r"appends a tensor to global _LOSSES"),
+     (_trims_its_log, r"reads global _LOSSES \(list\.__len__\)")],
+)  # fmt: skip
+def test_a_log_the_trace_cannot_repeat_is_refused_and_left_as_it_was(step, message):
+    with pytest.raises(CaptureError, match=message):
+        capture(step, torch.nn.Linear(4, 4), None, torch.randn(2, 4))
+    assert _LOSSES == []

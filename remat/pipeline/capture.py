@@ -22,7 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
 from remat.gc_pause import gc_paused
-from remat.pipeline import data_parallel, hyperparams, outside_tensors, scheduler_calls, step_outputs, train_modes
+from remat.pipeline import data_parallel, hyperparams, logged_numbers, outside_tensors, scheduler_calls, step_outputs, train_modes
 from remat.pipeline.cpu_strides import CpuOutputStrides
 from remat.errors import CaptureError
 from remat.pipeline.optimizer_state import check_first_step_state, optimizer_on, optimizer_states
@@ -30,20 +30,21 @@ from remat.pipeline.optimizer_state import check_first_step_state, optimizer_on,
 from remat.pipeline.markers import MARKER, RECORD_FUNCTION_OPS, marker
 from remat.pipeline.trace_checks import branched_hyperparameters, check_graph_runnable, check_no_accumulation, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state
 from remat.pipeline.train_graph import GraphInput, InputKind, Phase, TrainGraph, TrainStep
-from remat.pipeline.python_state import no_python_state_changed
+from remat.pipeline.python_state import no_python_state_changed, state_slots
 from remat.pipeline.traced_rng import no_rng_state_set
 from remat.pipeline.user_checkpoints import plain_checkpoints
 from remat.pipeline.step_inputs import batch_leaf_names, check_batch, describe, unique_named
 
 
-def _outside_the_model(
+def _user_state(
     model: torch.nn.Module, train_step: TrainStep, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
     states: dict[str, dict[str, torch.Tensor]], batch: Any,
-) -> tuple[dict[int, list[outside_tensors.Location]], list[tuple[outside_tensors.OutsideTensor, torch.Tensor]]]:  # fmt: skip
-    """Every tensor the user's state holds, by id, with where; and those that are not the
-    model's, its optimizer's or the batch's, each with its tensor now (a graph input,
-    dropped after tracing if unread)."""
-    held = outside_tensors.find(model, train_step)
+) -> tuple[dict[int, list[outside_tensors.Location]], list[tuple[outside_tensors.OutsideTensor, torch.Tensor]], list[Any]]:  # fmt: skip
+    """What the trace swaps in the user's state: every tensor it holds, by id, with where;
+    those that are not the model's, its optimizer's or the batch's, each with its tensor now
+    (a graph input, dropped after tracing if unread); and the lists the step may log to."""
+    slots = state_slots(model, train_step)
+    held = outside_tensors.find(slots)
     own = {**params, **buffers, **{f"{n}.{k}": t for n, st in states.items() for k, t in st.items()}}
     own.update(zip(batch_leaf_names(batch), pytree.tree_leaves(batch)))
     mine = {id(t) for t in own.values()}
@@ -55,7 +56,7 @@ def _outside_the_model(
             t = locations[0].get()
             shares = storages.get(outside_tensors.storage_key(t), "")
             out.append((outside_tensors.OutsideTensor(locations[0].name, tuple(locations), shares), t))
-    return held, out
+    return held, out, logged_numbers.candidates(slots)
 
 
 def _graph_inputs(
@@ -169,7 +170,7 @@ def capture(
     param_alias = {a: real_to_name[id(p)] for a, p in model.named_parameters(remove_duplicate=False)}
     buffer_alias = {a: buffer_to_name[id(b)] for a, b in model.named_buffers(remove_duplicate=False)}
 
-    held, outside = _outside_the_model(model, train_step, params, buffers, states, example_batch)
+    held, outside, lists = _user_state(model, train_step, params, buffers, states, example_batch)
     inputs, flat, hyper_values = _graph_inputs(params, buffers, states, optimizer, outside, example_batch, leaves)
     hyper_names = list(hyper_values)
 
@@ -222,14 +223,16 @@ def capture(
             stack.callback(setattr, torch.autograd, "backward", real_backward)
             stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0))
             stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
+            recorders = stack.enter_context(logged_numbers.recording(lists))
             result = train_step(model, optimizer, t_batch)
             outside_tensors.check_no_gradient([held for held, _ in outside], t_outside)
-        outputs, out_spec, numbers = step_outputs.as_graph_outputs(result)
+        logs, logged_values = logged_numbers.logged(recorders)
+        outputs, out_spec, numbers = step_outputs.as_graph_outputs(result, logged_values)
         if calls["backward"] == 0:
             raise CaptureError("train_step never called loss.backward(): remat captures a whole training step")
         grads = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]
         final_grads[:] = [n for n, _ in grads]
-        seen.update(output_spec=out_spec, output_numbers=numbers, backward_passes=calls["backward"], reduced=calls["reduced"])
+        seen.update(output_spec=out_spec, output_numbers=numbers, backward_passes=calls["backward"], reduced=calls["reduced"], logged=logs)
         return outputs, [g for _, g in grads]
 
     def trace() -> torch.fx.GraphModule:
@@ -261,12 +264,10 @@ def capture(
     tg.outside = outside_tensors.read_by_graph(inputs, [held for held, _ in outside], device)
     if dp is not None:
         data_parallel.attach(tg, dp, synced_last=bool(seen["reduced"]))
-    tg.output_spec, tg.output_numbers, tg.backward_passes = seen["output_spec"], seen["output_numbers"], seen["backward_passes"]
-    tg.trainable = trainable
+    tg.output_spec, tg.output_numbers, tg.backward_passes, tg.logged = (seen[k] for k in ("output_spec", "output_numbers", "backward_passes", "logged"))
     tg.training, tg.mode_calls, tg.sets_mode_first = train_modes.traced_modes(model, recorded.mode_calls)
     tg.scheduler_calls = scheduler_calls.checked(tg, recorded.scheduler_calls)
-    tg.leaves_zero_grads = leaves_zero_grads
-    tg.groups = groups
+    tg.trainable, tg.leaves_zero_grads, tg.groups = trainable, leaves_zero_grads, groups
     return tg
 
 

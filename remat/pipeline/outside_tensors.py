@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from remat.errors import CaptureError
-from remat.pipeline.python_state import MISSING, Slot, state_slots
+from remat.pipeline.python_state import MISSING, Slot
 
 _MOST_ITEMS = 10_000  # a larger container is not searched
 _DEPTH = 3  # containers in containers
@@ -79,10 +79,11 @@ class OutsideTensor:
         return value
 
 
-def find(model: torch.nn.Module, train_step: Callable[..., Any]) -> dict[int, list[Location]]:
-    """Every tensor held in the Python state the step can reach, by id, with where it is held."""
+def find(slots: list[tuple[Slot, Any]]) -> dict[int, list[Location]]:
+    """Every tensor held in the Python state the step can reach (python_state.state_slots),
+    by id, with where it is held."""
     found: dict[int, list[Location]] = {}
-    for slot, value in state_slots(model, train_step):
+    for slot, value in slots:
         for path, name, t in _tensors_in(value, (), slot.name, 0):
             found.setdefault(id(t), []).append(Location(slot, path, name))
     return found

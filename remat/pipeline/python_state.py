@@ -236,11 +236,12 @@ def _copied(value: Any) -> Any:
     return value
 
 
-def step_values(model: torch.nn.Module, train_step: Callable[..., Any]) -> tuple[tuple[str, Any], ...]:
+def step_values(model: torch.nn.Module, train_step: Callable[..., Any], skip: set[str] | frozenset[str] = frozenset()) -> tuple[tuple[str, Any], ...]:
     """The watched values as the graph traced with them saw them: a step is compiled again
     when one changes between steps (a temperature, a drop rate or a loss weight set by the
-    loop), since the graph holds them as constants."""
-    return tuple((name, w.frozen) for name, w in _watched(state_slots(model, train_step)).items())
+    loop), since the graph holds them as constants. `skip`: slots left out (a list the step
+    logs numbers to, which the graph never reads)."""
+    return tuple((name, w.frozen) for name, w in _watched(state_slots(model, train_step)).items() if name not in skip)
 
 
 @dataclass
@@ -396,7 +397,7 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
             "capture, so the graph would repeat the first value at every step (and a value kept from inside the step "
             "would be a traced placeholder, not a number). Keep such state outside train_step and pass what the step "
             "computes from it as a tensor (in the batch, or a buffer of the model updated between steps); to log a "
-            "value, return it from train_step."
+            "value, return it from train_step or append it to a list of your own code (a global, not a module's)."
         )
     if kept:
         raise CaptureError(

@@ -17,9 +17,14 @@ import torch.utils._pytree as pytree
 from remat.errors import CaptureError
 from remat.pipeline.train_graph import TrainGraph
 
-def as_graph_outputs(result: Any) -> tuple[list[torch.Tensor], Any, dict[int, str]]:
+def as_graph_outputs(result: Any, logged: list[list[Any]] | None = None) -> tuple[list[torch.Tensor], Any, dict[int, str]]:
     """train_step's return value as graph outputs: its tensors (detached), its structure, and
-    which outputs stand for Python numbers (position -> 'bool', 'int' or 'float')."""
+    which outputs stand for Python numbers (position -> 'bool', 'int' or 'float'). The
+    numbers the step logged into lists (pipeline.logged_numbers), if any, follow it: the
+    structure is then `(result, logged)`."""
+    if logged:
+        as_graph_outputs(result)  # the same checks of what it returns
+        result = (result, logged)
     if isinstance(result, torch.Tensor):
         if result.numel() != 1:
             raise CaptureError(f"train_step must return the loss as a one-element tensor, got shape {tuple(result.shape)}")
@@ -63,8 +68,13 @@ def _traced_number_kind(value: Any) -> str | None:
 
 
 def as_returned(tg: TrainGraph, outputs: list[torch.Tensor]) -> Any:
-    """The graph's outputs as train_step returned them."""
+    """The graph's outputs as train_step returned them; the numbers it logged appended to their lists."""
     if tg.output_spec is None:
         return outputs[0]
     returned = [t.item() if i in tg.output_numbers else t for i, t in enumerate(outputs)]
-    return pytree.tree_unflatten(returned, tg.output_spec)
+    result = pytree.tree_unflatten(returned, tg.output_spec)
+    if tg.logged:
+        result, logged = result
+        for target, values in zip(tg.logged, logged):
+            target.append(values)
+    return result

@@ -60,6 +60,7 @@ class TrainGraph:
     device: str
     output_spec: Any = None  # pytree spec of train_step's return value (None: one tensor)
     output_numbers: dict[int, str] = field(default_factory=dict)  # output position -> 'bool', 'int' or 'float': given back as a Python number
+    logged: list[Any] = field(default_factory=list)  # logged_numbers.LoggedList: lists the step appends numbers to, after each run
     trainable: tuple[str, ...] = ()  # parameters that required a gradient at capture
     training: tuple[bool, ...] = ()  # module.training of every module at capture (train/eval behaviour is traced in)
     # train()/eval() calls train_step makes, as (module name, mode), in order; `sets_mode_first`:
