@@ -35,6 +35,15 @@ def _batch(n: int = 128):
     return torch.randn(n, 16, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
+def _cross_entropy_step(model, opt, batch):
+    x, y = batch
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def _tightest(step, model, opt, batch) -> remat.RematStep:
     """The step compiled at the smallest peak the planner reaches from one profile (which
     plans reach it depends on the node times): activations recomputed."""
@@ -319,11 +328,7 @@ def test_averaged_model_updated_inside_the_step_is_refused_naming_what_to_do():
     average = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
 
     def step(m, opt, batch):
-        x, y = batch
-        opt.zero_grad()
-        loss = F.cross_entropy(m(x), y)
-        loss.backward()
-        opt.step()
+        loss = _cross_entropy_step(m, opt, batch)
         average.update_parameters(m)
         return loss
 
@@ -344,17 +349,9 @@ class _WithPlainTensors(_Net):
 
 
 def test_a_plain_tensor_attribute_of_the_model_is_an_input_and_an_unread_sparse_one_is_left_alone():
-    def step(m, opt, batch):
-        x, y = batch
-        opt.zero_grad()
-        loss = F.cross_entropy(m(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
     torch.manual_seed(0)
     model = _WithPlainTensors()
-    compiled = _tightest(step, model, torch.optim.SGD(model.parameters(), lr=0.1), _batch())
+    compiled = _tightest(_cross_entropy_step, model, torch.optim.SGD(model.parameters(), lr=0.1), _batch())
     assert [i.name for i in compiled._last.tg.inputs if i.kind is InputKind.OUTSIDE] == ["model.mixing"]
     with torch.no_grad():
         model.mixing.mul_(2.0)  # read at the next call, as eager reads it

@@ -9,8 +9,8 @@ holds then (a new list per epoch is the one appended to), as eager appends them.
 
 What a trace cannot repeat is refused: reading a list the step also logs to (its length,
 its last values: read once, at capture), appending anything but a traced number, or
-changing the list otherwise. A list the step only reads is watched as a value, as before
-it was swapped.
+changing the list otherwise. A list the step only reads is watched as a value
+(python_state), like any other.
 """
 
 from __future__ import annotations
