@@ -246,6 +246,19 @@ def test_a_scheduler_stepped_on_a_metric_made_inside_train_step_or_before_return
     with pytest.raises(CaptureError, match=r"returns a number computed from an optimizer setting \(output 1\) and steps a learning-rate scheduler after the update"):
         remat.compile(returns_the_rate, spec.model, opt, spec.batch, profile_runs=1, measure=False)
 
+    def logs_the_rate(model, optimizer, batch):
+        loss = inner(model, optimizer, batch)
+        sched.step()
+        _RATES.append(optimizer.param_groups[0]["lr"])
+        return loss
+
+    with pytest.raises(CaptureError, match=r"logs a number computed from an optimizer setting \(into global _RATES\) and steps"):
+        remat.compile(logs_the_rate, spec.model, opt, spec.batch, profile_runs=1, measure=False)
+    assert _RATES == []
+
+
+_RATES: list[float] = []  # a log of learning rates
+
 
 def test_tensor_learning_rate_is_refused():
     spec = build_model("mlp-deep", 8)

@@ -38,10 +38,17 @@ def checked(tg: TrainGraph, calls: list[SchedulerCall]) -> tuple[SchedulerCall, 
         placeholders = [n for n in tg.gm.graph.nodes if n.op == "placeholder"]
         hyper = {n for n, i in zip(placeholders, tg.inputs) if i.kind is InputKind.HYPERPARAMETER}
         outputs = list(tg.gm.graph.output_node().args[0][0])
+        # The numbers the step logs into lists (pipeline.logged_numbers) are the last outputs, list by list.
+        logged = [target.slot.name for target in tg.logged for _ in range(target.count)]
+        first_logged = len(outputs) - len(logged)
         for position in tg.output_numbers:
             if hyper & _ancestors(outputs[position]):
+                what = (
+                    f"logs a number computed from an optimizer setting (into {logged[position - first_logged]})"
+                    if position >= first_logged else f"returns a number computed from an optimizer setting (output {position})"
+                )
                 raise CaptureError(
-                    f"train_step returns a number computed from an optimizer setting (output {position}) and steps a "
+                    f"train_step {what} and steps a "
                     "learning-rate scheduler after the update: remat steps the scheduler after the graph, so the number "
                     "would be this step's rate, where eager may read the next one. Read it from optimizer.param_groups "
                     "(or scheduler.get_last_lr()) after train_step returns."
