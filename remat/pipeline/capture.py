@@ -39,24 +39,21 @@ from remat.pipeline.step_inputs import batch_leaf_names, check_batch, describe, 
 def _user_state(
     model: torch.nn.Module, train_step: TrainStep, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
     states: dict[str, dict[str, torch.Tensor]], batch: Any,
-) -> tuple[dict[int, list[outside_tensors.Location]], list[tuple[outside_tensors.OutsideTensor, torch.Tensor]], list[Any]]:  # fmt: skip
-    """What the trace swaps in the user's state: every tensor it holds, by id, with where;
-    those that are not the model's, its optimizer's or the batch's, each with its tensor now
-    (a graph input, dropped after tracing if unread); and the lists the step may log to."""
+) -> tuple[list[Any], dict[int, list[outside_tensors.Location]], list[tuple[outside_tensors.OutsideTensor, torch.Tensor]], dict[str, torch.Tensor]]:  # fmt: skip
+    """What the trace swaps in the user's state (python_state's slots, also returned): every
+    tensor it holds, by id, with where; those that are not the model's, its optimizer's or
+    the batch's (`own`, also returned, by name), each with its tensor now (a graph input,
+    dropped after tracing if unread)."""
     slots = state_slots(model, train_step)
     held = outside_tensors.find(slots)
     own = {**params, **buffers, **{f"{n}.{k}": t for n, st in states.items() for k, t in st.items()}}
     own.update(zip(batch_leaf_names(batch), pytree.tree_leaves(batch)))
     mine = {id(t) for t in own.values()}
-    storages = {outside_tensors.storage_key(t): name for name, t in own.items()}
-    storages.pop(None, None)
     out = []
     for tid, locations in held.items():
         if tid not in mine:
-            t = locations[0].get()
-            shares = storages.get(outside_tensors.storage_key(t), "")
-            out.append((outside_tensors.OutsideTensor(locations[0].name, tuple(locations), shares), t))
-    return held, out, logged_numbers.candidates(slots)
+            out.append((outside_tensors.OutsideTensor(locations[0].name, tuple(locations)), locations[0].get()))
+    return slots, held, out, own
 
 
 def _graph_inputs(
@@ -170,7 +167,7 @@ def capture(
     param_alias = {a: real_to_name[id(p)] for a, p in model.named_parameters(remove_duplicate=False)}
     buffer_alias = {a: buffer_to_name[id(b)] for a, b in model.named_buffers(remove_duplicate=False)}
 
-    held, outside, lists = _user_state(model, train_step, params, buffers, states, example_batch)
+    slots, held, outside, own = _user_state(model, train_step, params, buffers, states, example_batch)
     inputs, flat, hyper_values = _graph_inputs(params, buffers, states, optimizer, outside, example_batch, leaves)
     hyper_names = list(hyper_values)
 
@@ -223,7 +220,7 @@ def capture(
             stack.callback(setattr, torch.autograd, "backward", real_backward)
             stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0))
             stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
-            recorders = stack.enter_context(logged_numbers.recording(lists))
+            recorders = stack.enter_context(logged_numbers.recording(logged_numbers.candidates(slots)))
             result = train_step(model, optimizer, t_batch)
             outside_tensors.check_no_gradient([held for held, _ in outside], t_outside)
         logs, logged_values = logged_numbers.logged(recorders)
@@ -238,7 +235,7 @@ def capture(
     def trace() -> torch.fx.GraphModule:
         return _trace(traced, flat, symbols, sign_facts, hyper_values, model)
 
-    with no_python_state_changed(model, train_step):
+    with no_python_state_changed(model, train_step, slots):
         gm = trace()
         if final_grads:
             # Gradients stay set after the step, so the next step starts with them: it must
@@ -261,7 +258,7 @@ def capture(
         groups = hyperparams.group_specs(optimizer, real_to_name, sign_facts)
     inputs = drop_unread_inputs(gm, inputs)
     tg = _finish(gm, inputs, grad_order, final_grads, str(spec), optimizer is not None, device)
-    tg.outside = outside_tensors.read_by_graph(inputs, [held for held, _ in outside], device)
+    tg.outside = outside_tensors.read_by_graph(inputs, [held for held, _ in outside], device, own)
     if dp is not None:
         data_parallel.attach(tg, dp, synced_last=bool(seen["reduced"]))
     tg.output_spec, tg.output_numbers, tg.backward_passes, tg.logged = (seen[k] for k in ("output_spec", "output_numbers", "backward_passes", "logged"))

@@ -26,6 +26,7 @@ import torch
 
 from remat.errors import CaptureError
 from remat.pipeline.python_state import MISSING, Slot
+from remat.pipeline.train_graph import InputKind
 
 _MOST_ITEMS = 10_000  # a larger container is not searched
 _DEPTH = 3  # containers in containers
@@ -66,7 +67,6 @@ class OutsideTensor:
 
     name: str
     locations: tuple[Location, ...]
-    shares: str = ""  # the model's, optimizer's or batch's tensor whose memory it shares (a view of a parameter)
 
     def get(self) -> torch.Tensor:
         value = self.locations[0].get()
@@ -172,31 +172,34 @@ def check_no_gradient(outside: list[OutsideTensor], traced: list[torch.Tensor]) 
             )
 
 
-def read_by_graph(inputs: list[Any], outside: list[OutsideTensor], device: str) -> dict[str, OutsideTensor]:
-    """The tensors outside the model that the graph reads (by input name), each on the step's device."""
+def read_by_graph(inputs: list[Any], outside: list[OutsideTensor], device: str, own: dict[str, torch.Tensor]) -> dict[str, OutsideTensor]:
+    """The tensors outside the model that the graph reads (by input name), each on the
+    step's device and sharing no memory with the model's, optimizer's or batch's tensors
+    (`own`, by name) nor with another of them."""
     by_name = {held.name: held for held in outside}
+    storages = {storage_key(t): name for name, t in own.items()}
+    storages.pop(None, None)
     out: dict[str, OutsideTensor] = {}
-    storages: dict[int, str] = {}
     for inp in inputs:
-        if inp.name in by_name and inp.kind.value == "outside":
-            held = by_name[inp.name]
-            if inp.device != device:
-                raise CaptureError(
-                    f"the step reads {inp.name}, a tensor outside the model, on {inp.device}, while the model is on "
-                    f"{device}: move it to {device} before compiling."
-                )
-            key = storage_key(held.get())
-            other = held.shares or storages.get(key, "")
-            if other:
-                # The graph orders its ops by the values they read and write; a view of another input's
-                # memory would be read before or after that input's in-place update regardless.
-                raise CaptureError(
-                    f"the step reads {inp.name}, a tensor outside the model that shares its memory with {other} (a view "
-                    "or a .detach() of it): use that tensor itself in the step, or hold a .clone() of it."
-                )
-            if key is not None:
-                storages[key] = inp.name
-            out[inp.name] = held
+        if inp.kind is not InputKind.OUTSIDE:
+            continue
+        held = by_name[inp.name]
+        if inp.device != device:
+            raise CaptureError(
+                f"the step reads {inp.name}, a tensor outside the model, on {inp.device}, while the model is on "
+                f"{device}: move it to {device} before compiling."
+            )
+        key = storage_key(held.get())
+        if key in storages:
+            # The graph orders its ops by the values they read and write; a view of another input's
+            # memory would be read before or after that input's in-place update regardless.
+            raise CaptureError(
+                f"the step reads {inp.name}, a tensor outside the model that shares its memory with {storages[key]} (a "
+                "view or a .detach() of it): use that tensor itself in the step, or hold a .clone() of it."
+            )
+        if key is not None:
+            storages[key] = inp.name
+        out[inp.name] = held
     return out
 
 

@@ -367,11 +367,10 @@ class _FunctionRef:
 
 
 @contextlib.contextmanager
-def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., Any]) -> Iterator[None]:
+def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., Any], slots: list[tuple[Slot, Any]]) -> Iterator[None]:
     """Around the whole capture: refuse, naming them, the watched values the traces changed
     and the tensors they left in Python state, putting everything back as it was (so that a
-    refused capture leaves nothing changed)."""
-    slots = state_slots(model, train_step)
+    refused capture leaves nothing changed). `slots`: state_slots before the capture."""
     held = {slot.name: value for slot, value in slots}
     before = _watched(slots)
     for w in before.values():
