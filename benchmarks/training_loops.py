@@ -123,6 +123,7 @@ class Idiom:
     setup: Callable[[torch.nn.Module], Any] | None = None  # on the model before the optimizer is built
     outside: Callable[[torch.nn.Module], list[torch.Tensor]] | None = None  # each side's tensors outside the model, compared too
     logged: list[float] | None = None  # a list both sides log into, eager's entry then remat's at each step: compared
+    kept: Callable[[torch.nn.Module], Any] | None = None  # each side's Python values the step keeps, compared
     other_sizes: bool = False
 
 
@@ -363,15 +364,30 @@ def _refreeze(i, m, o):
 
 
 class _Trainer:
-    """A trainer object whose method is the step, counting its steps."""
+    """A trainer object whose method is the step: it counts steps and tokens, sums the
+    losses and keeps the last one."""
 
     def __init__(self):
         self.global_step = 0
+        self.tokens_seen = 0
+        self.loss_sum = 0.0
+        self.last_loss = None
 
     def train_step(self, model, optimizer, batch):
         loss = plain_step(model, optimizer, batch)
         self.global_step += 1
+        self.tokens_seen += batch["input_ids"].numel()
+        self.loss_sum += loss.item()
+        self.last_loss = loss.item()
         return loss
+
+
+def _give_trainer(model):
+    model.trainer = _Trainer()  # each side's own, copied with its model
+
+
+def _trainer_step(model, optimizer, batch):
+    return model.trainer.train_step(model, optimizer, batch)
 
 
 IDIOMS = [
@@ -418,7 +434,8 @@ IDIOMS = [
           setup=_hook_features),
     Idiom("losses logged into a list inside train_step (losses.append(loss.item()))", "works", step=_logging_step, logged=_LOSSES),
     Idiom("a loss weight in a settings object, annealed between steps", "works", step=_weighted_step, between=_hook(_anneal_weight)),
-    Idiom("a trainer's method as train_step, counting steps (self.global_step += 1)", "refused", step=_Trainer().train_step),
+    Idiom("a trainer's method as train_step, counting steps and summing losses (self.global_step += 1, self.loss_sum += loss.item())",
+          "works", step=_trainer_step, setup=_give_trainer, kept=lambda m: vars(m.trainer)),
 ]
 
 
@@ -458,6 +475,9 @@ def run_idiom(idiom: Idiom) -> dict[str, Any]:
                 result.mismatches.append(f"logged {remat_log}, eager {eager_log}")
             result.match = result.match and not result.mismatches
             idiom.logged.clear()
+        if idiom.kept is not None and idiom.kept(eager_model) != idiom.kept(model):
+            result.mismatches.append(f"kept {idiom.kept(model)}, eager {idiom.kept(eager_model)}")
+            result.match = False
         if idiom.outside is not None:
             pairs = list(zip(idiom.outside(eager_model), idiom.outside(model), strict=True))
             result.mismatches += [f"outside tensor {i} differs" for i, (a, b) in enumerate(pairs) if not torch.equal(a, b)]

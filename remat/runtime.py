@@ -115,7 +115,7 @@ class RematStep:
     _graphs: dict[Any, CompiledGraph] = field(default_factory=dict)
     _structure: str | None = None
     _last: CompiledGraph | None = None
-    _logged: set[str] = field(default_factory=set)  # the slots of lists the step logs numbers to (pipeline.logged_numbers)
+    _unkeyed: set[str] = field(default_factory=set)  # slots the step updates and never reads (TrainGraph.state_updates)
 
     def __post_init__(self) -> None:
         # Parse now: a bad budget is an error at compile time, not at the first step.
@@ -138,7 +138,7 @@ class RematStep:
     def compiled_for(self, batch: Any) -> CompiledGraph:
         """The compiled graph for this batch's shape, compiling it if it is new."""
         shapes = self._agreed("reading the batch", lambda: self._checked_signature(batch), summary=_shapes, differ="the batch's shapes and dtypes")
-        values = step_values(self.model, self.train_step, skip=self._logged)
+        values = step_values(self.model, self.train_step, skip=self._unkeyed)
         sig = (shapes, values)
         cached = self._graphs.get(sig)
         if cached is not None:
@@ -152,10 +152,10 @@ class RematStep:
                 stacklevel=3,
             )
         compiled = self._compile(batch)
-        logged = {target.slot.name for target in compiled.tg.logged}
-        if not logged <= self._logged:  # the lists the step logs to change at every call: not part of the key
-            self._logged |= logged
-            values = step_values(self.model, self.train_step, skip=self._logged)
+        unkeyed = {update.slot.name for update in compiled.tg.state_updates if not update.keyed}
+        if not unkeyed <= self._unkeyed:  # they change at every call: not part of the key
+            self._unkeyed |= unkeyed
+            values = step_values(self.model, self.train_step, skip=self._unkeyed)
             sig = (shapes, values)
         compiled.step_values = values
         self._structure = _signature(batch)[0]

@@ -89,7 +89,9 @@ class RandomSpec:
     frozen: int = 0  # every frozen-th parameter (by order) has requires_grad=False; 0: none
     clip: bool = False  # clip_grad_norm_ before the update: it reads every gradient together
     # Tensors outside the model: the loss scaled by a 0-dim tensor in the step's closure, and
-    # an EMA of the parameters (a list the model holds as a plain attribute) updated in place.
+    # an EMA of the parameters (a list the model holds as a plain attribute) updated in place;
+    # and numbers the step keeps in a tracker object the model holds (a count, a sum of
+    # losses, the last loss, a history dict of lists logged into).
     outside: bool = False
 
     def input_names(self) -> list[str]:
@@ -104,7 +106,7 @@ class RandomSpec:
                  f"{f', {self.micro_batches} micro-batches' if self.micro_batches > 1 else ''}"
                  f"{', hyperparameters changed between steps' if self.schedule else ''}"
                  f"{f', every {self.frozen}th parameter frozen' if self.frozen else ''}"
-                 f"{', a scale and an EMA outside the model' if self.outside else ''}"
+                 f"{', a scale, an EMA and kept numbers outside the model' if self.outside else ''}"
                  f"{', hostile ' + self.hostile if self.hostile else ''}, seed {self.seed}"]
         lines += [f"  v{len(self.input_names()) + i}: {op!r}" for i, op in enumerate(self.ops)]
         return "\n".join(lines)
@@ -343,6 +345,7 @@ def build(spec: RandomSpec) -> tuple[RandomNet, torch.optim.Optimizer, dict[str,
                 p.requires_grad_(True)
     if spec.outside:
         model.ema = [p.detach().clone() for p in model.parameters()]
+        model.tracker = Tracker()
     if spec.optimizer == "adamw":
         opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
@@ -361,6 +364,16 @@ def change_hyperparameters(step: int, model: nn.Module, optimizer: torch.optim.O
             g["betas"] = (g["betas"][0] - 0.05, g["betas"][1])
         if g.get("momentum"):
             g["momentum"] = g["momentum"] * 0.9
+
+
+class Tracker:
+    """Numbers a step keeps (pipeline.kept_numbers, logged_numbers)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.loss_sum = 0.0
+        self.last_loss = None
+        self.history: dict[str, list[float]] = {"loss": []}
 
 
 def make_train_step(spec: RandomSpec):
@@ -383,6 +396,10 @@ def make_train_step(spec: RandomSpec):
             with torch.no_grad():
                 for e, p in zip(model.ema, model.parameters()):
                     e.lerp_(p, 0.25)
+            model.tracker.steps += 1
+            model.tracker.loss_sum += loss.item()
+            model.tracker.last_loss = loss.item()
+            model.tracker.history["loss"].append(loss.item())
         if not spec.zero_grad_first:
             optimizer.zero_grad()
         return loss
@@ -811,6 +828,8 @@ def check_example(spec: RandomSpec, steps: int = 3) -> Outcome:
         assert result.match, result.summary()
     if spec.outside:
         assert bitwise_equal_tensors(eager_model.ema, model.ema), "the EMA outside the model differs from eager's"
+        kept, eager_kept = repr(vars(model.tracker)), repr(vars(eager_model.tracker))  # repr: nan equals nan
+        assert kept == eager_kept and model.tracker.steps == steps, f"the numbers kept differ from eager's: {kept} against {eager_kept}"
 
     budget = report.budget_bytes
     assert budget is not None and report.plan is not None

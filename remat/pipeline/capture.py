@@ -22,7 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
 from remat.gc_pause import gc_paused
-from remat.pipeline import data_parallel, hyperparams, logged_numbers, outside_tensors, scheduler_calls, step_outputs, train_modes
+from remat.pipeline import data_parallel, hyperparams, kept_numbers, logged_numbers, outside_tensors, scheduler_calls, step_outputs, step_prints, train_modes
 from remat.pipeline.cpu_strides import CpuOutputStrides
 from remat.errors import CaptureError
 from remat.pipeline.optimizer_state import check_first_step_state, optimizer_on, optimizer_states
@@ -54,6 +54,15 @@ def _user_state(
         if tid not in mine:
             out.append((outside_tensors.OutsideTensor(locations[0].name, tuple(locations)), locations[0].get()))
     return slots, held, out, own
+
+
+def _aliases(model: torch.nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> tuple[dict[int, str], dict[str, str], dict[str, str]]:
+    """Each parameter's name by its id, and the name of the parameter and buffer each of the model's names for them (tied weights) stands for."""
+    real_to_name = {id(p): n for n, p in params.items()}
+    buffer_to_name = {id(b): n for n, b in buffers.items()}
+    param_alias = {a: real_to_name[id(p)] for a, p in model.named_parameters(remove_duplicate=False)}
+    buffer_alias = {a: buffer_to_name[id(b)] for a, b in model.named_buffers(remove_duplicate=False)}
+    return real_to_name, param_alias, buffer_alias
 
 
 def _graph_inputs(
@@ -162,20 +171,16 @@ def capture(
     had_state = {id(p) for p, st in optimizer.state.items() if st} if optimizer is not None else set()
     states = optimizer_states(optimizer, params)
 
-    real_to_name = {id(p): n for n, p in params.items()}
-    buffer_to_name = {id(b): n for n, b in buffers.items()}
-    param_alias = {a: real_to_name[id(p)] for a, p in model.named_parameters(remove_duplicate=False)}
-    buffer_alias = {a: buffer_to_name[id(b)] for a, b in model.named_buffers(remove_duplicate=False)}
+    real_to_name, param_alias, buffer_alias = _aliases(model, params, buffers)
 
     slots, held, outside, own = _user_state(model, train_step, params, buffers, states, example_batch)
     inputs, flat, hyper_values = _graph_inputs(params, buffers, states, optimizer, outside, example_batch, leaves)
-    hyper_names = list(hyper_values)
 
     state_keys = [(n, list(st)) for n, st in states.items()]
     grad_order: list[str] = []  # filled while tracing: names of the grads the "grads" marker holds
     final_grads: list[str] = []
     seen: dict[str, Any] = {}  # what the last trace saw: the return value's structure, backward() calls
-    probe = {"preset_grads": False}  # see check_no_accumulation
+    probe: dict[str, Any] = {"preset_grads": False, "numbers": [], "as_numbers": False, "unread": frozenset()}  # check_no_accumulation; kept_numbers
     # Floats the update branches on (`if weight_decay != 0`) keep their sign from the
     # capture; the others are free symbols. `symbols` names a float a trace tripped on.
     sign_facts = {n: hyperparams.sign(v) for n, v in hyper_values.items() if hyperparams.parse_input_name(n)[1] in hyperparams.BRANCHED_KEYS}
@@ -187,7 +192,7 @@ def capture(
         t_params = {n: next(it) for n in params}
         t_buffers = {n: next(it) for n in buffers}
         t_states = {n: {k: next(it) for k in keys} for n, keys in state_keys}
-        t_hyper = {n: next(it) for n in hyper_names}
+        t_hyper = {n: next(it) for n in hyper_values}
         t_outside = [next(it) for _ in outside]
         t_batch = pytree.tree_unflatten(list(it), spec)
         for n, p in t_params.items():
@@ -221,22 +226,26 @@ def capture(
             stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0))
             stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
             recorders = stack.enter_context(logged_numbers.recording(logged_numbers.candidates(slots)))
+            ended = stack.enter_context(kept_numbers.counting(probe["numbers"], probe["as_numbers"]))
+            printed = stack.enter_context(step_prints.recording())
             result = train_step(model, optimizer, t_batch)
             outside_tensors.check_no_gradient([held for held, _ in outside], t_outside)
-        logs, logged_values = logged_numbers.logged(recorders)
-        outputs, out_spec, numbers = step_outputs.as_graph_outputs(result, logged_values)
+        updates, update_values = _state_updates(recorders, ended, probe["unread"], printed)
+        outputs, out_spec, numbers = step_outputs.as_graph_outputs(result, update_values)
         if calls["backward"] == 0:
             raise CaptureError("train_step never called loss.backward(): remat captures a whole training step")
         grads = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]
         final_grads[:] = [n for n, _ in grads]
-        seen.update(output_spec=out_spec, output_numbers=numbers, backward_passes=calls["backward"], reduced=calls["reduced"], logged=logs)
+        seen.update(output_spec=out_spec, output_numbers=numbers, backward_passes=calls["backward"], reduced=calls["reduced"], state_updates=updates)
         return outputs, [g for _, g in grads]
 
     def trace() -> torch.fx.GraphModule:
         return _trace(traced, flat, symbols, sign_facts, hyper_values, model)
 
-    with no_python_state_changed(model, train_step, slots):
+    with no_python_state_changed(model, train_step, slots) as watch:
         gm = trace()
+        probe["numbers"] = watch.numbers_changed()  # traced again with those numbers counted
+        gm = kept_numbers.traced_counting(trace, probe, seen) if probe["numbers"] else gm
         if final_grads:
             # Gradients stay set after the step, so the next step starts with them: it must
             # clear them before its backward (the graph computes fresh ones).
@@ -261,11 +270,23 @@ def capture(
     tg.outside = outside_tensors.read_by_graph(inputs, [held for held, _ in outside], device, own)
     if dp is not None:
         data_parallel.attach(tg, dp, synced_last=bool(seen["reduced"]))
-    tg.output_spec, tg.output_numbers, tg.backward_passes, tg.logged = (seen[k] for k in ("output_spec", "output_numbers", "backward_passes", "logged"))
+    tg.output_spec, tg.output_numbers, tg.backward_passes, tg.state_updates = (seen[k] for k in ("output_spec", "output_numbers", "backward_passes", "state_updates"))
     tg.training, tg.mode_calls, tg.sets_mode_first = train_modes.traced_modes(model, recorded.mode_calls)
     tg.scheduler_calls = scheduler_calls.checked(tg, recorded.scheduler_calls)
     tg.trainable, tg.leaves_zero_grads, tg.groups = trainable, leaves_zero_grads, groups
     return tg
+
+
+def _state_updates(
+    recorders: Any, ended: Any, unread: frozenset[str], printed: Any
+) -> tuple[list[Any], list[list[Any]]]:
+    """What a trace did to the user's Python state, to be done again after each run
+    (TrainGraph.state_updates), with the traced values each takes from the graph."""
+    logs, logged_values = logged_numbers.logged(recorders)
+    kept, kept_values = kept_numbers.kept(ended, unread)
+    prints, printed_values = step_prints.recorded(printed)
+    # Prints first: a number the step counts up prints from the slot's number before the step.
+    return [*logs, *prints, *kept], [*logged_values, *printed_values, *kept_values]
 
 
 @dataclass

@@ -75,8 +75,12 @@ class LoggedList:
 
     slot: Slot
     count: int
+    keyed = False  # not part of the step's cache key: it grows at every call, and the graph never reads it
 
-    def append(self, values: list[Any]) -> None:
+    def where(self) -> str:
+        return f"into {self.slot.name}"
+
+    def replay(self, values: list[Any]) -> None:
         target = self.slot.get()
         if not isinstance(target, list):
             raise CaptureError(

@@ -19,23 +19,23 @@ sets of them (nested), held
 - as fields of the user's objects found there (a trainer whose method is train_step, a
   config object or namespace, an EMA helper), where that code or the object's own
   methods name the field;
+- as fields of the user's objects in a list, tuple or dict held there (callbacks), and the
+  globals and cells of the user's functions held in fields or such containers;
 - as attributes of another module held in those places (a teacher), and its modules'
   train/eval flags;
 - and which function a global or closure name holds (a loss function swapped between
   steps).
+A dict of numbers and lists of numbers under str keys held outside a module (metrics, a
+history of losses) is watched key by key, each key a slot of its own, so that the step
+may add to or log into one key (kept_numbers, logged_numbers).
 A tensor the trace leaves in one of these places (`self.last_output = y.detach()`) is
 refused too: it is a traced placeholder, and the graph stores no step's value there.
-State reached otherwise (a library object's field, an object in a list) is not seen.
+State reached otherwise (a library object's field) is not seen.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import functools
-import site
-import sys
-import sysconfig
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -44,8 +44,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.errors import CaptureError
+from remat.pipeline import user_code
 
 _PLAIN = (bool, int, float, str, type(None))
+_NUMBERS = (bool, int, float)
+_TRACED_NUMBERS = (torch.SymBool, torch.SymInt, torch.SymFloat)
 _CONTAINERS = (list, tuple, dict, set, frozenset)
 _MOST_ITEMS = 10_000  # larger containers are not watched (each capture and step compares them)
 _NOT_PLAIN = object()
@@ -142,13 +145,20 @@ MISSING = object()
 @dataclass
 class Slot:
     """Where a value is held: an attribute of a module or of a user's object, a key of a
-    function's globals, or a closure cell."""
+    function's globals, a closure cell, or a key of the dict another slot holds then."""
 
     name: str  # as an error shows it
     owner: Any
     key: str
 
+    def place(self) -> tuple[int, str]:
+        """Which place it is, whatever the path it was found by."""
+        return (id(self.owner.get()) if isinstance(self.owner, Slot) else id(self.owner), self.key)
+
     def get(self) -> Any:
+        if isinstance(self.owner, Slot):
+            held = self.owner.get()
+            return held.get(self.key, MISSING) if isinstance(held, dict) else MISSING
         if isinstance(self.owner, dict):
             return self.owner.get(self.key, MISSING)
         if isinstance(self.owner, types.CellType):
@@ -159,7 +169,9 @@ class Slot:
         return vars(self.owner).get(self.key, MISSING)
 
     def set(self, value: Any) -> None:
-        if value is MISSING:  # it was not there
+        if isinstance(self.owner, Slot):
+            Slot(self.name, self.owner.get(), self.key).set(value)
+        elif value is MISSING:  # it was not there
             if isinstance(self.owner, dict):
                 self.owner.pop(self.key, None)
             elif not isinstance(self.owner, types.CellType):
@@ -197,12 +209,20 @@ def state_slots(model: torch.nn.Module, train_step: Callable[..., Any]) -> list[
     out += code.bindings
     roots = [(slot.name, value) for slot, value in out if not isinstance(value, _PLAIN + _CONTAINERS)]
     # The object a method belongs to (a trainer), or the callable object that is the step.
-    owner = train_step if _user_class(type(train_step)) else getattr(train_step, "__self__", None)
+    owner = train_step if user_code.user_class(type(train_step)) else getattr(train_step, "__self__", None)
     if owner is not None:
         roots.append((type(owner).__name__, owner))
+    contained = [item for slot, value in out for item in _in_container(slot, value)]
+    roots += contained
     seen: set[int] = set()
-    for name, value in roots:
-        out += _object_fields(name, value, code.names, seen, depth=0)
+    fields = [f for name, value in roots for f in _object_fields(name, value, code.names, seen, depth=0)]
+    out += fields
+    # The user's functions held in those fields or containers (a callback, a closure that
+    # counts): their globals and cells too.
+    held_functions = [value for _, value in [*fields, *contained] if user_code.user_function(value) is not None]
+    if held_functions:
+        known = {slot.name for slot, _ in out}
+        out += [(slot, value) for slot, value in _user_code(model, train_step, held_functions).bindings if slot.name not in known]
     # Another module the step runs (a teacher, an EMA copy of the model): its attributes and
     # train/eval flags, which its forward is traced with as the model's are.
     model_modules = frozenset(id(m) for m in model.modules())
@@ -214,7 +234,38 @@ def state_slots(model: torch.nn.Module, train_step: Callable[..., Any]) -> list[
                 (Slot(f"{slot.name}.{prefix}.training" if prefix else f"{slot.name}.training", m, "training"), m.training)
                 for prefix, m in value.named_modules() if id(m) not in model_modules
             ]
-    return out
+    out = [item for slot, value in out for item in _items(slot, value)]
+    places: set[tuple[int, str]] = set()  # one name per place: a cell can be seen from two functions' closures
+    return [(slot, value) for slot, value in out if slot.place() not in places and not places.add(slot.place())]
+
+
+_MOST_KEYS = 64
+
+
+def _in_container(slot: Slot, value: Any) -> list[tuple[str, Any]]:
+    """The user's objects and functions in a list, tuple or dict a slot holds (callbacks), by name."""
+    if isinstance(value, (list, tuple)) and len(value) <= _MOST_KEYS:
+        items = [(f"[{i}]", v) for i, v in enumerate(value)]
+    elif isinstance(value, dict) and len(value) <= _MOST_KEYS:
+        items = [(f"[{k!r}]", v) for k, v in value.items()]
+    else:
+        return []
+    base, closure, fn = slot.name.partition(" (from the closure of ")
+    return [(f"{base}{i}{closure}{fn}", v) for i, v in items if user_code.user_class(type(v)) or user_code.user_function(v) is not None]
+
+
+def _items(slot: Slot, value: Any) -> list[tuple[Slot, Any]]:
+    """A dict of numbers (traced ones too) and lists of numbers under str keys (metrics, a history of losses)
+    held outside a module, as one slot per key: the step may count or log into one key
+    (pipeline.kept_numbers, logged_numbers) while the others are watched as values. Its
+    keys are watched through the items' names. Any other value: its own slot."""
+    if type(value) is not dict or not value or len(value) > _MOST_KEYS or isinstance(slot.owner, torch.nn.Module):
+        return [(slot, value)]
+    for k, v in value.items():
+        if type(k) is not str or not (_is_number(v) or (type(v) is list and all(_is_number(x) for x in v))):
+            return [(slot, value)]
+    base, closure, fn = slot.name.partition(" (from the closure of ")
+    return [(Slot(f"{base}[{k!r}]{closure}{fn}", slot, k), v) for k, v in value.items()]
 
 
 def _watched(slots: list[tuple[Slot, Any]]) -> dict[str, _Watched]:
@@ -244,53 +295,29 @@ def step_values(model: torch.nn.Module, train_step: Callable[..., Any], skip: se
     return tuple((name, w.frozen) for name, w in _watched(state_slots(model, train_step)).items() if name not in skip)
 
 
+_MOST_FUNCTIONS = 500
+
+
 @dataclass
 class _UserCode:
     names: set[str]  # every global and attribute name the code mentions
     bindings: list[tuple[Slot, Any]]  # the globals and closure cells it reads, with their values
 
 
-_LIBRARY_DIRS = tuple(
-    {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")} | {site.getusersitepackages()}
-)
-_MOST_FUNCTIONS = 500
-
-
-def _is_user_file(path: str) -> bool:
-    return not path.startswith("<") and not path.startswith(_LIBRARY_DIRS)
-
-
-def _user_function(value: Any) -> types.FunctionType | None:
-    """The Python function behind `value` (itself, a bound method's, a partial's), if the
-    user wrote it."""
-    while isinstance(value, (types.MethodType, functools.partial, staticmethod, classmethod, property)):
-        value = value.fget if isinstance(value, property) else getattr(value, "__func__", None) or value.func
-    if isinstance(value, types.FunctionType) and _is_user_file(value.__code__.co_filename):
-        return value
-    return None
-
-
-@functools.lru_cache(maxsize=4096)
-def _user_class(cls: type) -> bool:
-    module = sys.modules.get(cls.__module__)
-    path = getattr(module, "__file__", None)
-    return cls in (argparse.Namespace, types.SimpleNamespace) or (path is not None and _is_user_file(path))
-
-
-def _user_code(model: torch.nn.Module, train_step: Callable[..., Any]) -> _UserCode:
+def _user_code(model: torch.nn.Module, train_step: Callable[..., Any], more: list[Any] | None = None) -> _UserCode:
     """The user's functions the step runs, followed from train_step and the model's classes
-    through globals and closures."""
-    pending: list[Any] = [train_step, getattr(type(train_step), "__call__", None), *_methods(model)]
-    step_globals = getattr(_user_function(train_step), "__globals__", None)
+    (and `more` functions) through globals and closures."""
+    pending: list[Any] = [train_step, getattr(type(train_step), "__call__", None), *user_code.methods(model), *(more or [])]
+    step_globals = getattr(user_code.user_function(train_step), "__globals__", None)
     names: set[str] = set()
     bindings: list[tuple[Slot, Any]] = []
     seen: set[int] = set()
     while pending and len(seen) < _MOST_FUNCTIONS:
-        fn = _user_function(pending.pop())
+        fn = user_code.user_function(pending.pop())
         if fn is None or id(fn) in seen:
             continue
         seen.add(id(fn))
-        mentioned = _names(fn.__code__)
+        mentioned = user_code.names(fn.__code__)
         names |= mentioned
         globs = fn.__globals__
         where = "" if globs is step_globals else f"{globs.get('__name__', '?')}."
@@ -300,45 +327,20 @@ def _user_code(model: torch.nn.Module, train_step: Callable[..., Any]) -> _UserC
             value = slot.get()
             if value is not MISSING:  # an empty closure cell
                 bindings.append((slot, value))
-                pending += _methods(value) if isinstance(value, torch.nn.Module) else [value, *_class_functions(type(value))]
+                pending += user_code.methods(value) if isinstance(value, torch.nn.Module) else [value, *user_code.class_functions(type(value))]
     return _UserCode(names, bindings)
-
-
-@functools.lru_cache(maxsize=4096)
-def _class_functions(cls: type) -> tuple[Any, ...]:
-    """The functions of a user's class and its user base classes (a trainer's or EMA helper's methods)."""
-    return tuple(f for c in cls.__mro__ if _user_class(c) and c is not object for f in vars(c).values())
-
-
-@functools.lru_cache(maxsize=4096)
-def _names_in_class(cls: type) -> frozenset[str]:
-    return frozenset(n for f in _class_functions(cls) if (fn := _user_function(f)) is not None for n in _names(fn.__code__))
-
-
-def _methods(module: torch.nn.Module) -> list[Any]:
-    """The functions of the user's classes among a module's and its submodules' classes."""
-    return [f for cls in {type(m) for m in module.modules()} for f in _class_functions(cls)]
-
-
-def _names(code: types.CodeType) -> set[str]:
-    """The global and attribute names a code object and the functions nested in it mention."""
-    out = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            out |= _names(const)
-    return out
 
 
 def _object_fields(name: str, obj: Any, names: set[str], seen: set[int], depth: int) -> Iterator[tuple[Slot, Any]]:
     """The fields of a user's object (and of the user's objects in them) that the user's code names."""
-    if depth > 3 or id(obj) in seen or isinstance(obj, (type, torch.nn.Module, torch.Tensor)) or not _user_class(type(obj)):
+    if depth > 3 or id(obj) in seen or isinstance(obj, (type, torch.nn.Module, torch.Tensor)) or not user_code.user_class(type(obj)):
         return
     seen.add(id(obj))
     try:
         fields = vars(obj)
     except TypeError:  # __slots__
         return
-    names = names | _names_in_class(type(obj))  # what its own methods name (an EMA helper's update())
+    names = names | user_code.names_in_class(type(obj))  # what its own methods name (an EMA helper's update())
     for key in sorted(k for k in fields if k in names):
         yield Slot(f"{name}.{key}", obj, key), fields[key]
         yield from _object_fields(f"{name}.{key}", fields[key], names, seen, depth + 1)
@@ -346,7 +348,7 @@ def _object_fields(name: str, obj: Any, names: set[str], seen: set[int], depth: 
 
 def _snapshot(value: Any) -> Any:
     """What a watched value is compared by: its frozen copy, or which function it is."""
-    fn = _user_function(value) if isinstance(value, types.FunctionType) else None
+    fn = user_code.user_function(value) if isinstance(value, types.FunctionType) else None
     return _FunctionRef(fn) if fn is not None else frozen(value)
 
 
@@ -366,20 +368,65 @@ class _FunctionRef:
         return self.fn.__qualname__
 
 
+@dataclass(frozen=True)
+class NumberChange:
+    """A slot a trace left holding a number (plain, or traced: `loss.item()`) other than the
+    one it held before, a number, None or nothing (MISSING)."""
+
+    slot: Slot
+    before: Any
+    after: Any
+
+
+def _is_number(value: Any) -> bool:
+    return type(value) in _NUMBERS or isinstance(value, _TRACED_NUMBERS)
+
+
+class StateWatch:
+    """The state before the capture, as no_python_state_changed watches it."""
+
+    def __init__(self, model: torch.nn.Module, train_step: Callable[..., Any], slots: list[tuple[Slot, Any]]) -> None:
+        self.model, self.train_step = model, train_step
+        self.held = {slot.name: value for slot, value in slots}
+        # A dict split by key (_items): the dict itself, and its keys, to drop those a refused trace added.
+        self.split = {slot.owner.name: (slot.owner, set(slot.owner.get())) for slot, _ in slots if isinstance(slot.owner, Slot)}
+        self.held.update({name: parent.get() for name, (parent, _) in self.split.items()})
+        self.before = _watched(slots)
+        for w in self.before.values():
+            w.content = _copied(w.value)
+
+    def numbers_changed(self) -> list[NumberChange]:
+        """The slots the traces so far left holding another number (pipeline.kept_numbers),
+        each put back."""
+        changes = []
+        for slot, value in state_slots(self.model, self.train_step):
+            w = self.before.get(slot.name)
+            before = self.held.get(slot.name, MISSING)
+            if _is_number(value) and (before is None or before is MISSING or type(before) in _NUMBERS):
+                if w is None or _snapshot(value) != w.frozen:
+                    changes.append(NumberChange(slot, before, value))
+                    slot.set(before)
+        return changes
+
+
 @contextlib.contextmanager
-def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., Any], slots: list[tuple[Slot, Any]]) -> Iterator[None]:
+def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., Any], slots: list[tuple[Slot, Any]]) -> Iterator[StateWatch]:
     """Around the whole capture: refuse, naming them, the watched values the traces changed
-    and the tensors they left in Python state, putting everything back as it was (so that a
-    refused capture leaves nothing changed). `slots`: state_slots before the capture."""
-    held = {slot.name: value for slot, value in slots}
-    before = _watched(slots)
-    for w in before.values():
-        w.content = _copied(w.value)
-    yield
-    kept = [slot for slot, value in state_slots(model, train_step) if _holds_traced_tensor(value)]
+    and the tensors (or traced numbers) they left in Python state, putting everything back
+    as it was (so that a refused capture leaves nothing changed). `slots`: state_slots
+    before the capture."""
+    watch = StateWatch(model, train_step, slots)
+    held, before = watch.held, watch.before
+    yield watch
+    # A traced number in a slot watched before is named as a change (the message says where to log it).
+    kept = [slot for slot, value in state_slots(model, train_step) if _holds_traced_value(value, slot.name not in before)]
     for slot in kept:
         if slot.name not in before:
             slot.set(held.get(slot.name, MISSING))
+    for parent, keys in watch.split.values():
+        held_now = parent.get()
+        for key in [k for k in held_now if k not in keys] if isinstance(held_now, dict) else []:
+            del held_now[key]
     kept_names = {slot.name for slot in kept}
     changed = []
     for name, w in before.items():
@@ -400,22 +447,23 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
         )
     if kept:
         raise CaptureError(
-            f"train_step kept a tensor it computed in Python state: {_listed([s.name for s in kept])}. Its Python code "
-            "runs once, at capture: there the tensor is a traced placeholder, and at run time the graph computes it "
-            "but stores it nowhere, so it would never hold a step's value. Return it from train_step instead (a tuple "
+            f"train_step kept a tensor (or a number computed from one) in Python state: {_listed([s.name for s in kept])}. "
+            "Its Python code runs once, at capture: there the value is a traced placeholder, and at run time the graph "
+            "computes it but stores it nowhere, so it would never hold a step's value. Return it from train_step instead (a tuple "
             "or dict of the loss and the tensors to keep), or, if nothing reads it after the step (features a forward "
             "hook stored for the loss), drop it before train_step returns (.clear() the dict, del the attribute)."
         )
 
 
-def _holds_traced_tensor(value: Any, depth: int = 0) -> bool:
-    """Whether `value` is, or a list, tuple or dict holds, a tensor made while tracing."""
-    if isinstance(value, FakeTensor):
+def _holds_traced_value(value: Any, numbers: bool, depth: int = 0) -> bool:
+    """Whether `value` is, or a list, tuple or dict holds, a tensor (or if `numbers`, a
+    number) made while tracing."""
+    if isinstance(value, (FakeTensor, *(_TRACED_NUMBERS if numbers else ()))):
         return True
     if depth < 3 and isinstance(value, (list, tuple)) and len(value) <= _MOST_ITEMS:
-        return any(_holds_traced_tensor(v, depth + 1) for v in value)
+        return any(_holds_traced_value(v, numbers, depth + 1) for v in value)
     if depth < 3 and isinstance(value, dict) and len(value) <= _MOST_ITEMS:
-        return any(_holds_traced_tensor(v, depth + 1) for v in value.values())
+        return any(_holds_traced_value(v, numbers, depth + 1) for v in value.values())
     return False
 
 

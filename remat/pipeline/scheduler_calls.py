@@ -38,13 +38,13 @@ def checked(tg: TrainGraph, calls: list[SchedulerCall]) -> tuple[SchedulerCall, 
         placeholders = [n for n in tg.gm.graph.nodes if n.op == "placeholder"]
         hyper = {n for n, i in zip(placeholders, tg.inputs) if i.kind is InputKind.HYPERPARAMETER}
         outputs = list(tg.gm.graph.output_node().args[0][0])
-        # The numbers the step logs into lists (pipeline.logged_numbers) are the last outputs, list by list.
-        logged = [target.slot.name for target in tg.logged for _ in range(target.count)]
+        # The numbers of the step's updates of Python state are the last outputs, update by update.
+        logged = [update.where() for update in tg.state_updates for _ in range(update.count)]
         first_logged = len(outputs) - len(logged)
         for position in tg.output_numbers:
             if hyper & _ancestors(outputs[position]):
                 what = (
-                    f"logs a number computed from an optimizer setting (into {logged[position - first_logged]})"
+                    f"logs a number computed from an optimizer setting ({logged[position - first_logged]})"
                     if position >= first_logged else f"returns a number computed from an optimizer setting (output {position})"
                 )
                 raise CaptureError(

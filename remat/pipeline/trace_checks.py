@@ -208,6 +208,13 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
             f"an op in train_step returns a shape that depends on tensor values ({first}){where}; "
             "remat needs static shapes: replace it (e.g. masked ops instead of nonzero/boolean indexing)."
         )
+    if "Sym" in first and "__format__" in first:
+        return CaptureError(
+            f"train_step formats a number it computes into text ({first}){where}: its Python code runs once, at "
+            "capture, where the number is not known. Pass the number to print or logging as an argument "
+            "(print('loss', loss.item()), log.info('loss %.4f', loss.item())), which remat makes again after each "
+            "step with its value, or return it from train_step and format it there."
+        )
     if "Unsupported" in name or "NotImplemented" in name:
         return CaptureError(f"train_step uses an op that cannot be traced on fake tensors ({name}: {first}){where}; replace or remove it.")
     dispatch = _fake_dispatch_of(e)
@@ -218,8 +225,8 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
             f"train_step uses a {'parameter' if isinstance(t, torch.nn.Parameter) else 'tensor'} of shape "
             f"{tuple(t.shape)} that is not the model's, its optimizer's or the batch's, and not held where remat "
             f"looks for tensors outside the model ({dispatch[0]}){where}. remat finds such a tensor in a global or "
-            "closure variable of the user's code, a field of the user's object, a module held there, or a list or "
-            "dict in one of those (not in an object inside a list, nor in a library's object): hold it in one of "
+            "closure variable of the user's code, a field of the user's object (one in a list or dict too), a module "
+            "held there, or a list or dict in one of those (not in a library's object): hold it in one of "
             "those places, register it with the model (register_buffer, or as a submodule), or pass it in the batch."
         )
     if dispatch is not None:

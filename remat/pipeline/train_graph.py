@@ -60,7 +60,10 @@ class TrainGraph:
     device: str
     output_spec: Any = None  # pytree spec of train_step's return value (None: one tensor)
     output_numbers: dict[int, str] = field(default_factory=dict)  # output position -> 'bool', 'int' or 'float': given back as a Python number
-    logged: list[Any] = field(default_factory=list)  # logged_numbers.LoggedList: lists the step appends numbers to, after each run
+    # What the step does to the user's Python state, done again after each run on the graph's
+    # last outputs: lists it appends numbers to (logged_numbers.LoggedList), numbers it adds
+    # to or sets (kept_numbers.KeptNumber), what it prints or logs (step_prints.PrintCall).
+    state_updates: list[Any] = field(default_factory=list)
     trainable: tuple[str, ...] = ()  # parameters that required a gradient at capture
     training: tuple[bool, ...] = ()  # module.training of every module at capture (train/eval behaviour is traced in)
     # train()/eval() calls train_step makes, as (module name, mode), in order; `sets_mode_first`:

@@ -1,0 +1,375 @@
+"""Numbers a step keeps in the user's Python state (a step count, tokens seen, a sum of
+losses, the last loss): done again after every run, from one compiled graph, as eager
+does them; a step that also uses such a number is refused, naming it."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import remat
+from remat.errors import BudgetError, CaptureError
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 48)
+        self.b = torch.nn.Linear(48, 10)
+        self.drop = torch.nn.Dropout(0.2)
+
+    def forward(self, x):
+        return self.b(self.drop(torch.tanh(self.a(x))))
+
+
+def _batch(seed: int, n: int = 64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 16, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def _loss(model, x, y):
+    return F.cross_entropy(model(x), y)
+
+
+_GLOBAL_STEPS = 0
+
+
+class _Trainer:
+    """Counts in every way the runtime does again: an int and a float added to (constants,
+    a batch size, `loss.item()` twice per step, a subtraction), a value set from None, a
+    field the step creates, a global and a closure cell."""
+
+    def __init__(self) -> None:
+        self.global_step = 0
+        self.samples = 0
+        self.loss_sum = 0.0
+        self.budget_left = 100
+        self.last_loss = None
+        self.micro = 0
+
+        calls = 0
+
+        def count() -> None:
+            nonlocal calls
+            calls += 1
+
+        self.count = count
+        self.calls = lambda: calls
+
+    def train_step(self, model, opt, batch):
+        global _GLOBAL_STEPS
+        x, y = batch
+        opt.zero_grad()
+        for xs, ys in zip(x.chunk(2), y.chunk(2)):  # two micro-batches: two additions per step
+            loss = _loss(model, xs, ys)
+            loss.backward()
+            self.micro += 1
+            self.loss_sum += loss.item()
+        opt.step()
+        self.global_step += 1
+        self.samples = self.samples + x.shape[0]
+        self.budget_left -= 1
+        self.last_loss = loss.item()
+        self.done_once = True  # a field the step creates
+        _GLOBAL_STEPS += 1
+        self.count()
+        return loss
+
+
+def _state(trainer: _Trainer) -> dict:
+    return {**{k: v for k, v in vars(trainer).items() if k not in ("count", "calls")}, "calls": trainer.calls()}
+
+
+def _tightest(step, model, opt, batch) -> remat.RematStep:
+    profiles: dict = {}
+    try:
+        return remat.compile(step, model, opt, batch, memory_budget=0.01, profile_runs=1, profile_cache=profiles)
+    except BudgetError as e:
+        return remat.compile(step, model, opt, batch, memory_budget=e.reach.best, profile_runs=1, profile_cache=profiles)
+
+
+def test_numbers_a_trainer_keeps_are_done_again_at_every_step_as_eager_does_them():
+    global _GLOBAL_STEPS
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    eager_model, eager_opt = copy.deepcopy((model, opt))
+    eager, mine = _Trainer(), _Trainer()
+    _GLOBAL_STEPS = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no compile again once the None and the missing field hold numbers
+        compiled = _tightest(mine.train_step, model, opt, _batch(0))
+        assert _state(mine) == _state(_Trainer()) and _GLOBAL_STEPS == 0  # compiling changes none of it
+        for i in range(4):
+            if i == 2:  # the loop resets a count between steps: the next step adds to what is there then
+                eager.loss_sum = mine.loss_sum = 0.0
+            torch.manual_seed(i)
+            loss_e = eager.train_step(eager_model, eager_opt, _batch(i))
+            torch.manual_seed(i)
+            loss_r = compiled(_batch(i))
+            assert torch.equal(loss_e, loss_r), i
+            assert _state(mine) == _state(eager), (i, _state(mine), _state(eager))
+            assert [type(v) for v in _state(mine).values()] == [type(v) for v in _state(eager).values()]
+    assert _GLOBAL_STEPS == 8 and mine.global_step == 4 and mine.micro == 8 and mine.done_once is True
+    assert len(compiled._graphs) == 1
+    for pe, pr in zip(eager_model.parameters(), model.parameters()):
+        assert torch.equal(pe, pr)
+    report = compiled.report
+    assert report.num_recomputed > 0 and report.measured_peak_bytes == report.predicted_peak_bytes, report.to_dict()
+
+
+class _Uses:
+    def __init__(self) -> None:
+        self.step = 0
+        self.other = 0
+
+    def branches(self, model, opt, batch):
+        loss = _plain(model, opt, batch)
+        self.step += 1
+        if self.step % 10 == 0:  # a log every 10 steps: traced once, it would be the first step's choice
+            print("step", self.step)
+        return loss
+
+    def scales(self, model, opt, batch):
+        self.step += 1
+        return _plain(model, opt, batch, weight=min(1.0, self.step / 4))
+
+    def feeds_torch(self, model, opt, batch):
+        self.step += 1
+        return _plain(model, opt, batch, weight=torch.tensor(self.step).clamp(max=4) / 4)
+
+    def copies(self, model, opt, batch):
+        self.step += 1
+        self.other = self.step + 1
+        return _plain(model, opt, batch)
+
+
+def _plain(model, opt, batch, weight=1.0):
+    x, y = batch
+    opt.zero_grad()
+    loss = _loss(model, x, y) * weight
+    loss.backward()
+    opt.step()
+    return loss
+
+
+@pytest.mark.parametrize(
+    "method,use",
+    [("branches", r"_Uses\.step \(0 -> 1\), which it also uses \(mod\)"), ("scales", r"_Uses\.step \(0 -> 1\), which it also uses \(truediv\)"),
+     ("feeds_torch", r"_Uses\.step \(0 -> 1\), which it also uses \(len\)"), ("copies", r"_Uses\.step \(0 -> 1\), which it also uses \(assigned to _Uses\.other\)")],
+)  # fmt: skip
+def test_a_number_the_step_keeps_and_also_uses_is_refused_naming_the_use(method, use):
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    user = _Uses()
+    with pytest.raises(CaptureError, match=rf"changed Python state while it was traced: {use}\. Its Python code runs once"):
+        remat.compile(getattr(user, method), model, opt, _batch(0), memory_budget=None, profile_runs=1, measure=False)
+    assert vars(user) == {"step": 0, "other": 0}  # put back
+
+
+class _Smoothed:
+    """A running loss started from None: the step branches on `is None`, then uses the number."""
+
+    def __init__(self) -> None:
+        self.smoothed = None
+
+    def step(self, model, opt, batch):
+        loss = _plain(model, opt, batch)
+        if self.smoothed is None:
+            self.smoothed = loss.item()
+        else:
+            self.smoothed = 0.9 * self.smoothed + 0.1 * loss.item()
+        return loss
+
+
+class _FirstStepDoubled:
+    """A step that branches on `is None` alone: its graph differs once the slot holds a number."""
+
+    def __init__(self) -> None:
+        self.last = None
+
+    def step(self, model, opt, batch):
+        x, y = batch
+        opt.zero_grad()
+        loss = _loss(model, x, y) * (2.0 if self.last is None else 1.0)
+        loss.backward()
+        opt.step()
+        self.last = loss.item()
+        return loss
+
+
+def test_a_slot_that_held_none_stays_in_the_cache_key_when_the_step_depends_on_it():
+    # Its first step is traced with None; once it holds a number the step compiles again
+    # (the graph differs), and a step that then computes from the number is refused.
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_model, eager_opt = copy.deepcopy((model, opt))
+    eager, mine = _FirstStepDoubled(), _FirstStepDoubled()
+    compiled = remat.compile(mine.step, model, opt, _batch(0), memory_budget=None, profile_runs=1, measure=False)
+    for i in range(3):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.manual_seed(i)
+            loss_r = compiled(_batch(i))
+        torch.manual_seed(i)
+        assert torch.equal(eager.step(eager_model, eager_opt, _batch(i)), loss_r)
+        assert mine.last == eager.last
+        assert (i == 1) == any("_FirstStepDoubled.last (None -> " in str(w.message) for w in caught), (i, caught)
+    assert len(compiled._graphs) == 2
+    smoothed, model = _Smoothed(), _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = remat.compile(smoothed.step, model, opt, _batch(0), memory_budget=None, profile_runs=1, measure=False)
+    compiled(_batch(0))
+    assert isinstance(smoothed.smoothed, float)
+    with pytest.raises(CaptureError, match=r"_Smoothed\.smoothed \(\d\.\d+ -> a number computed in the step\), which it also uses \(rmul\)"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compiled(_batch(1))
+
+
+HISTORY: dict = {"loss": [], "lr": []}
+
+
+class _Tracker:
+    """Metrics kept by key in dicts: counts, a sum, the last loss, a key the step adds, and
+    a global history of lists logged into."""
+
+    def __init__(self) -> None:
+        self.stats = {"steps": 0, "samples": 0, "loss_sum": 0.0}
+        self.metrics = {"last": 0.0}
+
+    def step(self, model, opt, batch):
+        loss = _plain(model, opt, batch)
+        HISTORY["loss"].append(loss.item())
+        HISTORY["lr"].append(opt.param_groups[0]["lr"])
+        self.stats["steps"] += 1
+        self.stats["samples"] += batch[0].shape[0]
+        self.stats["loss_sum"] += loss.item()
+        self.metrics["last"] = loss.item()
+        self.metrics["doubled"] = 2 * loss.item()  # a key the first step adds
+        return loss
+
+
+def test_numbers_kept_and_logged_by_key_in_dicts_are_updated_as_eager_updates_them():
+    global HISTORY
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_model, eager_opt = copy.deepcopy((model, opt))
+    eager, mine = _Tracker(), _Tracker()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiled = remat.compile(mine.step, model, opt, _batch(0), memory_budget=None, profile_runs=1, measure=False)
+        assert vars(mine) == vars(_Tracker()) and HISTORY == {"loss": [], "lr": []}
+        logs = []
+        for i in range(4):
+            if i == 2:  # a new epoch: a new history dict, and a lower learning rate
+                logs.append(HISTORY)
+                HISTORY = {"loss": [], "lr": []}
+                opt.param_groups[0]["lr"] = eager_opt.param_groups[0]["lr"] = 0.05
+            torch.manual_seed(i)
+            loss_e = eager.step(eager_model, eager_opt, _batch(i))
+            torch.manual_seed(i)
+            assert torch.equal(loss_e, compiled(_batch(i)))
+            assert vars(mine) == vars(eager), (i, vars(mine), vars(eager))
+    logs.append(HISTORY)
+    for log in logs:  # eager's entry, then remat's, at each step
+        assert log["loss"][0::2] == log["loss"][1::2] and len(log["loss"]) == 4, log
+        assert log["lr"] == [log["lr"][0]] * 4, log
+    assert [log["lr"][0] for log in logs] == [0.1, 0.05]
+    assert len(compiled._graphs) == 1
+
+
+class _Refused:
+    def __init__(self) -> None:
+        self.metrics = {"last": 0.0}
+        self.hist = {"loss": [1.0]}
+
+    def keeps_a_tensor(self, model, opt, batch):
+        loss = _plain(model, opt, batch)
+        self.metrics["out"] = loss.detach()
+        return loss
+
+    def reads_its_log(self, model, opt, batch):
+        loss = _plain(model, opt, batch)
+        self.hist["loss"].append(loss.item())
+        return loss * len(self.hist["loss"])
+
+    def deletes_a_key(self, model, opt, batch):
+        loss = _plain(model, opt, batch)
+        self.metrics["last"] += loss.item()
+        del self.hist["loss"]
+        return loss
+
+
+@pytest.mark.parametrize(
+    "method,message",
+    [("keeps_a_tensor", r"kept a tensor \(or a number computed from one\) in Python state: _Refused\.metrics"),
+     ("reads_its_log", r"reads _Refused\.hist\['loss'\] \(list\.__len__\), a list it also logs numbers to"),
+     ("deletes_a_key", r"changed Python state while it was traced: _Refused\.hist\['loss'\] \(\[1\.0\] -> deleted\)")],
+)  # fmt: skip
+def test_what_a_step_does_to_a_dict_by_key_that_no_graph_repeats_is_refused_and_put_back(method, message):
+    user = _Refused()
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    metrics, hist = user.metrics, user.hist
+    with pytest.raises(CaptureError, match=message):
+        remat.compile(getattr(user, method), model, opt, _batch(0), memory_budget=None, profile_runs=1, measure=False)
+    assert user.metrics is metrics and user.hist is hist and vars(user) == vars(_Refused())
+
+
+class _Callback:
+    def __init__(self) -> None:
+        self.calls = 0
+        self.total = 0.0
+
+    def on_step(self, loss: float) -> None:
+        self.calls += 1
+        self.total += loss
+
+
+def _counting_function():
+    calls = 0
+
+    def on_step(loss: float) -> None:
+        nonlocal calls
+        calls += 1
+
+    return on_step, lambda: calls
+
+
+def _step_with(callbacks: list):
+    def step(model, opt, batch):
+        loss = _plain(model, opt, batch)
+        callbacks[0].on_step(loss.item())
+        callbacks[1](loss.item())
+        return loss
+
+    return step, callbacks[0]
+
+
+def test_callbacks_held_in_a_list_count_at_every_step():
+    # Objects and functions in a list were not watched: the counts stopped at the trace's,
+    # and the sum held a traced placeholder.
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_model, eager_opt = copy.deepcopy((model, opt))
+    sides = []
+    for _ in range(2):
+        function, calls = _counting_function()
+        sides.append((_step_with([_Callback(), function]), calls))
+    ((eager_step, eager_cb), eager_calls), ((step, cb), calls) = sides
+    compiled = remat.compile(step, model, opt, _batch(0), memory_budget=None, profile_runs=1, measure=False)
+    assert vars(cb) == {"calls": 0, "total": 0.0} and calls() == 0
+    for i in range(3):
+        torch.manual_seed(i)
+        loss_e = eager_step(eager_model, eager_opt, _batch(i))
+        torch.manual_seed(i)
+        assert torch.equal(loss_e, compiled(_batch(i)))
+        assert vars(cb) == vars(eager_cb) and calls() == eager_calls() == i + 1

@@ -1,0 +1,97 @@
+"""What a step prints or logs is printed or logged after every run with that step's values,
+as eager prints it, instead of once at capture with traced placeholders."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import remat
+from remat.errors import CaptureError
+
+_LOG = logging.getLogger("remat-test-train")
+
+
+class _Trainer:
+    def __init__(self) -> None:
+        self.step_no = 0
+        self.loss_sum = 0.0
+
+    def step(self, model, opt, batch):
+        x, y = batch
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        print("before", self.step_no, "lr", opt.param_groups[0]["lr"], "batch", tuple(x.shape))
+        self.step_no += 1
+        self.loss_sum += loss.item()
+        _LOG.info("step %d sum %.6f loss %.6f", self.step_no, self.loss_sum, loss.item())
+        _LOG.debug("not shown at INFO: %s", loss.item())
+        print(loss.detach(), {"loss": loss.item()}, sep=" | ")
+        return loss
+
+
+def _batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)
+
+
+def _run(step, model, opt, steps: int) -> list[str]:
+    """What each step printed and logged, step by step."""
+    handler_stream = io.StringIO()
+    handler = logging.StreamHandler(handler_stream)
+    _LOG.addHandler(handler)
+    _LOG.setLevel(logging.INFO)
+    out = []
+    try:
+        for i in range(steps):
+            if i == 2:  # the loop quiets the logger: the step's later logs are not made
+                _LOG.setLevel(logging.WARNING)
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                step(model, opt, _batch(i))
+            out.append(printed.getvalue() + handler_stream.getvalue())
+            handler_stream.seek(0)
+            handler_stream.truncate()
+    finally:
+        _LOG.removeHandler(handler)
+    return out
+
+
+def test_what_a_step_prints_and_logs_is_printed_after_every_run_with_its_values():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_model, eager_opt = copy.deepcopy((model, opt))
+    eager, mine = _Trainer(), _Trainer()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        compiled = remat.compile(mine.step, model, opt, _batch(0), memory_budget=None, profile_runs=1, measure=False)
+    assert printed.getvalue() == ""  # compiling prints nothing of the step's
+    expected = _run(lambda m, o, b: eager.step(m, o, b), eager_model, eager_opt, 4)
+    got = _run(lambda m, o, b: compiled(b), model, opt, 4)
+    assert got == expected
+    assert "before 1 lr 0.1 batch (32, 16)" in got[1] and "step 2 sum" in got[1] and "step 3" not in got[2]
+    assert len(compiled._graphs) == 1 and vars(mine) == vars(eager)
+
+
+def test_a_number_formatted_into_text_inside_the_step_is_refused_saying_to_pass_it_as_an_argument():
+    def step(model, opt, batch):
+        x, y = batch
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        print(f"loss {loss.item():.4f}")
+        return loss
+
+    model = torch.nn.Linear(16, 4)
+    with pytest.raises(CaptureError, match=r"formats a number it computes into text .* Pass the number to print or logging as an argument"):
+        remat.compile(step, model, torch.optim.SGD(model.parameters(), lr=0.1), _batch(0), memory_budget=None, profile_runs=1, measure=False)
