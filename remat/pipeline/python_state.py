@@ -204,15 +204,16 @@ class _Watched:
 
 def state_slots(model: torch.nn.Module, train_step: Callable[..., Any]) -> list[tuple[Slot, Any]]:
     """Every slot the watch reads (see the module's docstring), with the value it holds."""
-    out = [(Slot(name, module, key), value) for name, module, key, value in module_attributes(model)]
+    # The model's modules' attributes: one slot per (module, key), and no dict split by key.
+    own = [(Slot(name, module, key), value) for name, module, key, value in module_attributes(model)]
     code = _user_code(model, train_step)
-    out += code.bindings
-    roots = [(slot.name, value) for slot, value in out if not isinstance(value, _PLAIN + _CONTAINERS)]
+    out = list(code.bindings)
+    roots = [(slot.name, value) for slot, value in [*own, *out] if not isinstance(value, _PLAIN + _CONTAINERS)]
     # The object a method belongs to (a trainer), or the callable object that is the step.
     owner = train_step if user_code.user_class(type(train_step)) else getattr(train_step, "__self__", None)
     if owner is not None:
         roots.append((type(owner).__name__, owner))
-    contained = [item for slot, value in out for item in _in_container(slot, value)]
+    contained = [item for slot, value in [*own, *out] if isinstance(value, _CONTAINERS) for item in _in_container(slot, value)]
     roots += contained
     seen: set[int] = set()
     fields = [f for name, value in roots for f in _object_fields(name, value, code.names, seen, depth=0)]
@@ -236,7 +237,7 @@ def state_slots(model: torch.nn.Module, train_step: Callable[..., Any]) -> list[
             ]
     out = [item for slot, value in out for item in _items(slot, value)]
     places: set[tuple[int, str]] = set()  # one name per place: a cell can be seen from two functions' closures
-    return [(slot, value) for slot, value in out if slot.place() not in places and not places.add(slot.place())]
+    return own + [(slot, value) for slot, value in out if (place := slot.place()) not in places and not places.add(place)]
 
 
 _MOST_KEYS = 64
