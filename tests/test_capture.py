@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import random
 import types
+
+import numpy as np
 
 import pytest
 import torch
@@ -332,6 +335,59 @@ def test_a_step_that_sets_the_generators_state_is_refused(seed_inside, message):
     with pytest.raises(CaptureError, match=message):
         remat.compile(_seeding_step(seed_inside), model, opt, batch, memory_budget=None, profile_runs=1, measure=False)
     assert setters == [torch.manual_seed, torch.random.manual_seed, torch.set_rng_state, torch.random.set_rng_state]
+
+
+_NUMPY_RNG = None
+
+
+def _drawing_step(draw):
+    def step(model, opt, batch):
+        opt.zero_grad()
+        loss = model(batch).square().mean() * draw()  # a mixup coefficient drawn on the host
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+@pytest.mark.parametrize(
+    "draw,message",
+    [(lambda: random.random(), r"draws from Python's random module"), (lambda: np.random.beta(0.4, 0.4), r"draws from numpy's global generator"),
+     (lambda: _NUMPY_RNG.random(), r"draws from global _NUMPY_RNG"),
+     (lambda: torch.distributions.Beta(torch.tensor(0.4), torch.tensor(0.4)).sample(), r"torch\.distributions object .* validate_args=False")],
+)  # fmt: skip
+def test_a_draw_from_pythons_or_numpys_generator_in_the_step_is_refused_and_their_states_put_back(draw, message):
+    # Drawn once while tracing, it would be the same number at every step, with no error.
+    global _NUMPY_RNG
+    _NUMPY_RNG = np.random.default_rng(0)
+    states = random.getstate(), np.random.get_state()[1].copy(), _NUMPY_RNG.bit_generator.state
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(CaptureError, match=message):
+        capture(_drawing_step(draw), model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 4))
+    assert random.getstate() == states[0] and (np.random.get_state()[1] == states[1]).all()
+    assert _NUMPY_RNG.bit_generator.state == states[2]
+
+
+def test_mixup_drawn_with_torchs_generator_trains_bitwise():
+    import remat
+
+    def mixup(model, opt, batch):
+        opt.zero_grad()
+        lam = torch.distributions.Beta(torch.tensor(0.4), torch.tensor(0.4), validate_args=False).sample()
+        mixed = lam * batch + (1 - lam) * batch[torch.randperm(batch.shape[0])]
+        loss = model(mixed).square().mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_model, eager_opt = twin(model, opt)
+    step = remat.compile(mixup, model, opt, torch.randn(8, 4), memory_budget=None, profile_runs=1, measure=False)
+    result = check_against_eager(mixup, eager_model, eager_opt, model, opt, step, torch.randn(8, 4), steps=3)
+    assert result.match, result.summary()
 
 
 class _Annealed(torch.nn.Module):

@@ -31,7 +31,7 @@ from remat.pipeline.markers import MARKER, RECORD_FUNCTION_OPS, marker
 from remat.pipeline.trace_checks import branched_hyperparameters, check_graph_runnable, check_no_accumulation, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state
 from remat.pipeline.train_graph import GraphInput, InputKind, Phase, TrainGraph, TrainStep
 from remat.pipeline.python_state import no_python_state_changed, state_slots
-from remat.pipeline.traced_rng import no_rng_state_set
+from remat.pipeline.traced_rng import no_host_random_drawn, no_rng_state_set
 from remat.pipeline.user_checkpoints import plain_checkpoints
 from remat.pipeline.step_inputs import batch_leaf_names, check_batch, describe, unique_named
 
@@ -223,7 +223,7 @@ def capture(
                 stack.callback(handle.remove)
             torch.autograd.backward = backward
             stack.callback(setattr, torch.autograd, "backward", real_backward)
-            stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0))
+            stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots))
             stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
             recorders = stack.enter_context(logged_numbers.recording(logged_numbers.candidates(slots)))
             ended = stack.enter_context(kept_numbers.counting(probe["numbers"], probe["as_numbers"]))
@@ -298,14 +298,16 @@ class _Recorded:
 
 
 @contextlib.contextmanager
-def _step_patches(model: torch.nn.Module, recorded: _Recorded, updating: Callable[[], bool]) -> Iterator[None]:
+def _step_patches(model: torch.nn.Module, recorded: _Recorded, updating: Callable[[], bool], slots: list[tuple[Any, Any]]) -> Iterator[None]:
     """What runs around train_step while it is traced, besides the markers: CPU kernels'
-    real strides, the user's checkpoints as plain calls, refusing generator state set, and
-    recording train()/eval() and scheduler.step() calls."""
+    real strides, the user's checkpoints as plain calls, refusing generator state set and
+    draws from Python's or numpy's generators, and recording train()/eval() and
+    scheduler.step() calls."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(CpuOutputStrides())
         stack.enter_context(plain_checkpoints())
         stack.enter_context(no_rng_state_set())
+        stack.enter_context(no_host_random_drawn([(slot.name, value) for slot, value in slots]))
         stack.enter_context(train_modes.recorded_mode_calls(model, recorded.mode_calls))
         stack.enter_context(scheduler_calls.recorded_scheduler_calls(recorded.scheduler_calls, updating))
         yield

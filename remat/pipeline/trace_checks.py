@@ -188,6 +188,13 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
             "between steps, outside train_step, or keep the average yourself inside the step "
             "(with torch.no_grad(): for e, p in zip(ema.parameters(), model.parameters()): e.lerp_(p, 1 - decay))."
         )
+    if data_dependent and any(Path(f.filename).parent.parts[-2:] == ("torch", "distributions") for f in frames):
+        return CaptureError(
+            f"a torch.distributions object in train_step checks its arguments or samples with a Python branch on "
+            f"tensor values (validate_args){where}, which one captured graph cannot hold. Pass validate_args=False to "
+            "the distribution, or call torch.distributions.Distribution.set_default_validate_args(False) before the "
+            "step: its samples are then drawn in the graph at every step, as eager draws them."
+        )
     in_optimizer = [f for f in frames if Path(f.filename).parent.parts[-2:] == ("torch", "optim")]
     if data_dependent and in_optimizer:
         line = in_optimizer[-1]
