@@ -200,6 +200,8 @@ def build_hf(spec: str, batch_size: int, *, seed: int = 0, device: str | torch.d
         )
     for mapping, kind in _HEADS:
         class_name = getattr(modeling_auto, mapping, {}).get(model_type)
+        if isinstance(class_name, (tuple, list)):  # several heads of one kind (DeiT's with and without its teacher)
+            class_name = class_name[0] if class_name else None
         if class_name:
             break
     else:
@@ -212,18 +214,28 @@ def build_hf(spec: str, batch_size: int, *, seed: int = 0, device: str | torch.d
         # Set up front: otherwise the first forward writes it into the config, inside the step.
         kwargs["problem_type"] = "single_label_classification"
     kwargs.update(_config_overrides(fields))
-    config = transformers.AutoConfig.for_model(model_type, **kwargs)
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **kwargs)
+    except Exception as e:  # noqa: BLE001 - a field's value the config refuses
+        raise WorkloadError(f"transformers could not build a {model_type} config from these fields ({type(e).__name__}: {e})") from e
     if kind == "seq2seq" and getattr(config, "decoder_start_token_id", None) is None:
         config.decoder_start_token_id = 0  # needed to shift the labels right
     if getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = 0
     gen = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = getattr(transformers, class_name)(config)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = getattr(transformers, class_name)(config)
+        batch = _hf_batch(config, kind, batch_size, gen)
+    except Exception as e:  # noqa: BLE001 - the config's fields are the user's: say which model they broke
+        raise WorkloadError(
+            f"transformers could not build {class_name} from this config ({type(e).__name__}: {e}); check the config "
+            f"fields given after hf:{model_type}: (sizes that must divide each other, token ids within vocab_size)"
+        ) from e
     dev = torch.device(device)
     model.to(dev).train()
-    return model, {k: v.to(dev) for k, v in _hf_batch(config, kind, batch_size, gen).items()}
+    return model, {k: v.to(dev) for k, v in batch.items()}
 
 
 def _hf_batch(config: Any, kind: str, batch_size: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -234,7 +246,8 @@ def _hf_batch(config: Any, kind: str, batch_size: int, gen: torch.Generator) -> 
             "labels": torch.randint(0, config.num_labels, (batch_size,), generator=gen),
         }
     vocab = config.vocab_size
-    limit = min((v for v in (getattr(config, k, None) for k in ("max_position_embeddings", "n_positions")) if isinstance(v, int)), default=_SEQ_LEN)
+    # A limit of -1 or 0 means none (XLNet).
+    limit = min((v for v in (getattr(config, k, None) for k in ("max_position_embeddings", "n_positions")) if isinstance(v, int) and v > 0), default=_SEQ_LEN)
     seq = min(_SEQ_LEN, limit)
     ids = torch.randint(1, vocab, (batch_size, seq), generator=gen)
     if kind == "classify":

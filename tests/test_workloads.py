@@ -48,6 +48,9 @@ def test_factory_runs_bitwise_from_the_command_line(capsys, monkeypatch):
         ("gpt5", "unknown model 'gpt5'; use one of mlp"),
         ("hf:no_such_type", "has no model type 'no_such_type'"),
         ("hf:gpt2:n_layer", "config fields are key=value"),
+        # A width the heads do not divide: transformers' own error, named with the model it broke
+        ("hf:bert:num_hidden_layers=1,hidden_size=30,num_attention_heads=4", "transformers could not build BertForMaskedLM from this config"),
+        ("hf:funnel:block_sizes=1", "transformers could not build a funnel config from these fields"),
         ("no_such_module_xyz:build", "cannot import 'no_such_module_xyz' for --model no_such_module_xyz:build: ModuleNotFoundError"),
         ("examples.tiny_factory:nothing", "examples.tiny_factory has no function 'nothing'"),
     ],
@@ -75,7 +78,10 @@ def test_factory_results_are_checked(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("spec,head", [("bert:num_hidden_layers=1,hidden_size=32,num_attention_heads=2,intermediate_size=64", "MaskedLM"),
-                                       ("vit:num_hidden_layers=1,hidden_size=32,num_attention_heads=2,intermediate_size=64,image_size=32,patch_size=8", "ImageClassification")])
+                                       ("vit:num_hidden_layers=1,hidden_size=32,num_attention_heads=2,intermediate_size=64,image_size=32,patch_size=8", "ImageClassification"),
+                                       # transformers lists two image heads for DeiT (with and without its teacher): the first is built
+                                       ("xlnet:n_layer=1,d_model=32,n_head=2,d_inner=64,vocab_size=128", "LMHead"),  # no position limit (-1)
+                                       ("deit:num_hidden_layers=1,hidden_size=32,num_attention_heads=2,intermediate_size=64,image_size=32,patch_size=8", "DeiTForImageClassification")])
 def test_hf_heads_and_batches(spec, head):
     model, batch = build_hf(spec, 2)
     assert head in type(model).__name__ and model.training
