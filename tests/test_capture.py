@@ -167,11 +167,25 @@ def test_optimizer_over_foreign_tensors_is_refused():
         capture(_step, model, opt, torch.randn(2, 4))
 
 
-def test_unknown_optimizer_without_state_is_refused():
+class _OwnSGD(torch.optim.Optimizer):
+    """A user's optimizer that makes its state at its first step."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                buf = self.state[p].setdefault("buf", torch.zeros_like(p))
+                buf.mul_(0.9).add_(p.grad)
+                p.add_(buf, alpha=-group["lr"])
+
+
+def test_an_optimizer_whose_first_step_state_remat_cannot_make_is_refused():
     model = torch.nn.Linear(4, 4)
-    opt = torch.optim.RMSprop(model.parameters())
-    with pytest.raises(CaptureError, match="RMSprop has no state yet"):
-        capture(_step, model, opt, torch.randn(2, 4))
+    with pytest.raises(CaptureError, match="_OwnSGD has no state yet and remat can create the first-step state only of torch's own"):
+        capture(_step, model, _OwnSGD(model.parameters()), torch.randn(2, 4))
 
 
 def test_other_batch_structure_is_refused_at_run_time():

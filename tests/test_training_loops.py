@@ -95,15 +95,26 @@ _OTHER_OPTIMIZERS = {
 }
 
 
+@pytest.mark.parametrize("first_step", ["eager", "remat"])
 @pytest.mark.parametrize("optimizer", sorted(_OTHER_OPTIMIZERS))
-def test_other_torch_optimizers_with_state_follow_hand_set_hyperparameters_bitwise(optimizer):
-    """remat creates first-step state for SGD, Adam and AdamW only; after one eager step
-    every other torch.optim optimizer whose update does not branch on its state runs as
-    eager does, with its numbers read at every call."""
+def test_other_torch_optimizers_follow_hand_set_hyperparameters_bitwise(optimizer, first_step):
+    """Every torch.optim optimizer whose update does not branch on its state runs as eager
+    does, with its numbers read at every call: after an eager first step, or from the
+    first step on (its first-step state made by its own _init_group)."""
     spec = build_model("mlp-deep", 512)
     opt = _OTHER_OPTIMIZERS[optimizer](spec.model.parameters())
-    make_train_step(spec.loss_fn, zero_grad_first=True)(spec.model, opt, spec.batch)
+    if first_step == "eager":
+        make_train_step(spec.loss_fn, zero_grad_first=True)(spec.model, opt, spec.batch)
+    else:
+        assert not opt.state or optimizer == "adagrad"  # Adagrad makes its state in __init__
     _check_loop(spec, opt, "hand")
+
+
+def test_a_fused_optimizer_is_refused_saying_to_construct_it_unfused():
+    spec = build_model("mlp-deep", 8)
+    opt = torch.optim.Adam(spec.model.parameters(), lr=1e-3, fused=True)
+    with pytest.raises(CaptureError, match=r"runs its fused kernel \(fused=True, in torch/optim/adam.py\).* fused=False"):
+        remat.compile(make_train_step(spec.loss_fn), spec.model, opt, spec.batch, profile_runs=1, measure=False)
 
 
 def test_an_optimizer_branching_on_a_float_keeps_its_sign_and_refuses_a_change_by_name():

@@ -4,6 +4,7 @@ the optimizer pointed at the traced tensors while tracing, and state no update r
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections import defaultdict
 from typing import Iterator
 
@@ -16,7 +17,8 @@ from remat.errors import CaptureError
 def init_optimizer_state(optimizer: torch.optim.Optimizer, only: set[int] | None = None) -> None:
     """Create the state the first `step()` would create, so that every step runs one graph.
 
-    The values are exactly what the optimizer's first step makes (zeros; Adam's step 0),
+    The values are exactly what the optimizer's first step makes (zeros; Adam's step 0;
+    the others' through their own `_init_group`),
     so the captured step updates bitwise as the eager first step does. SGD's first step
     copies the gradient into a fresh momentum buffer; `0 * momentum + grad` gives the same.
     `only`: ids of the parameters to create state for (default: all).
@@ -41,12 +43,34 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer, only: set[int] | None
                 if group.get("amsgrad"):
                     state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 optimizer.state[p] = state
-            else:
+            elif not _init_by_the_optimizer(optimizer, group, p):
                 raise CaptureError(
-                    f"{type(optimizer).__name__} has no state yet and remat only knows how to "
-                    "create the first-step state of SGD, Adam and AdamW. Run one eager "
-                    "training step before capturing, or use one of those optimizers."
+                    f"{type(optimizer).__name__} has no state yet and remat can create the first-step state only of "
+                    "torch's own optimizers (through their _init_group). Run one eager training step before "
+                    "capturing, or use one of torch's optimizers."
                 )
+
+
+def _init_by_the_optimizer(optimizer: torch.optim.Optimizer, group: dict, p: torch.Tensor) -> bool:
+    """Make `p`'s first-step state with the optimizer's own `_init_group` (torch's optimizers
+    make it lazily there, at their first step: RMSprop, Adamax, NAdam, RAdam, Adadelta,
+    ASGD, Rprop, ...), given a zero gradient for the call (it reads only its shape and
+    kind); False for an optimizer without one. Every argument after `group` is a list the
+    method fills."""
+    init = getattr(optimizer, "_init_group", None)
+    if init is None or type(optimizer).__module__.split(".")[:2] != ["torch", "optim"]:
+        return False
+    names = list(inspect.signature(init).parameters)
+    if not names or names[0] != "group":
+        return False
+    one = {**group, "params": [p]}
+    saved = p.grad
+    p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
+    try:
+        init(one, *([] for _ in names[1:]))
+    finally:
+        p.grad = saved
+    return bool(optimizer.state.get(p))
 
 
 def optimizer_states(

@@ -196,6 +196,13 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
             "step: its samples are then drawn in the graph at every step, as eager draws them."
         )
     in_optimizer = [f for f in frames if Path(f.filename).parent.parts[-2:] == ("torch", "optim")]
+    if data_dependent and any("fused" in f.name for f in in_optimizer):
+        return CaptureError(
+            f"the optimizer runs its fused kernel (fused=True, in torch/optim/{Path(in_optimizer[-1].filename).name}), "
+            "which takes the learning rate and its other settings as fixed numbers, while remat reads them from "
+            "param_groups at every call (a scheduler may change them). Construct the optimizer with fused=False "
+            "(foreach=True is its multi-tensor path), or train without remat."
+        )
     if data_dependent and in_optimizer:
         line = in_optimizer[-1]
         return CaptureError(
