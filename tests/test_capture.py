@@ -182,6 +182,12 @@ class _OwnSGD(torch.optim.Optimizer):
                 p.add_(buf, alpha=-group["lr"])
 
 
+def test_a_torch_compiled_model_is_refused_saying_to_pass_the_module_before_compiling():
+    model = torch.compile(torch.nn.Linear(4, 4))
+    with pytest.raises(CaptureError, match=r"torch\.compile'd.*pass the module before torch\.compile \(its _orig_mod\)"):
+        capture(_step, model, None, torch.randn(2, 4))
+
+
 def test_an_optimizer_whose_first_step_state_remat_cannot_make_is_refused():
     model = torch.nn.Linear(4, 4)
     with pytest.raises(CaptureError, match="_OwnSGD has no state yet and remat can create the first-step state only of torch's own"):

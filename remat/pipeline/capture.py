@@ -113,6 +113,11 @@ def _check_arguments(
     """(batch leaves, batch spec, parameters, buffers, trainable names, device), or a CaptureError naming what is wrong."""
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if any(type(m).__name__ == "OptimizedModule" and hasattr(m, "_orig_mod") for m in model.modules()):
+        raise CaptureError(
+            "the model (or a submodule) is torch.compile'd, and remat traces the step itself, which it cannot do "
+            "through a compiled module: pass the module before torch.compile (its _orig_mod), in the step too"
+        )
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise CaptureError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
     leaves, spec = check_batch(example_batch)
