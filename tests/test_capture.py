@@ -314,6 +314,49 @@ def test_the_users_own_checkpoint_calls_with_dropout_train_bitwise(use_reentrant
     assert "apply" not in torch.utils.checkpoint.CheckpointFunction.__dict__  # checkpoint itself is left as it was
 
 
+class _CheckpointedFirst(torch.nn.Module):
+    """A reentrant checkpoint around the first layer, whose input (the batch) needs no grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 32)
+        self.b = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.b(torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.a(t)), x, use_reentrant=True))
+
+
+def test_a_reentrant_checkpoint_on_an_input_without_grad_leaves_the_layer_inside_untrained_as_eager_does():
+    # Eager's reentrant checkpoint is an autograd.Function: no input requires grad, so its
+    # output requires none, and `a` gets no gradient. As a plain call, `a` was trained.
+    import remat
+
+    torch.manual_seed(0)
+    model = _CheckpointedFirst()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batch = {"x": torch.randn(32, 16), "y": torch.randint(0, 4, (32,))}
+    eager_model, eager_opt = twin(model, opt)
+    step = remat.compile(_checkpointed_step, model, opt, batch, memory_budget=None, profile_runs=1, measure=False)
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True"):
+        result = check_against_eager(_checkpointed_step, eager_model, eager_opt, model, opt, step, batch, steps=2)
+    assert result.match, result.summary()
+    assert model.a.weight.grad is None and model.b.weight.grad is not None
+
+
+def _sgd_step(model, opt, batch):
+    opt.zero_grad()
+    loss = model(batch).pow(2).mean()
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_a_sparse_gradient_is_refused_naming_the_dense_option():
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=True), torch.nn.Flatten(), torch.nn.Linear(24, 4))
+    with pytest.raises(CaptureError, match=r"makes a sparse_coo tensor .* nn\.Embedding\(sparse=True\): remat plans dense tensors only"):
+        capture(_sgd_step, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randint(0, 50, (2, 3)))
+
+
 def test_a_hugging_face_model_with_gradient_checkpointing_enabled_trains_bitwise():
     import remat
 
