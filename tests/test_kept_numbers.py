@@ -373,3 +373,51 @@ def test_callbacks_held_in_a_list_count_at_every_step():
         torch.manual_seed(i)
         assert torch.equal(loss_e, compiled(_batch(i)))
         assert vars(cb) == vars(eager_cb) and calls() == eager_calls() == i + 1
+
+
+class _Router(torch.nn.Module):
+    """A mixture-of-experts layer that leaves its load-balancing loss in an attribute for
+    the step to add (and its last routing weights, for logging)."""
+
+    def __init__(self, initialised: bool) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(16, 4)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.out = torch.nn.Linear(16, 10)
+        if initialised:
+            self.aux_loss = torch.zeros(())
+            self.last_weights = torch.zeros(64, 4)
+
+    def forward(self, x):
+        weights = self.gate(x).softmax(-1)
+        self.aux_loss = (weights.mean(0) ** 2).sum() * 4
+        self.last_weights = weights.detach()
+        return self.out(sum(weights[:, i : i + 1] * torch.tanh(e(x)) for i, e in enumerate(self.experts)))
+
+
+def _moe_step(model, opt, batch):
+    x, y = batch
+    opt.zero_grad()
+    loss = _loss(model, x, y) + 0.01 * model.aux_loss
+    loss.backward()
+    opt.step()
+    return loss
+
+
+@pytest.mark.parametrize("initialised", [True, False])
+def test_tensors_a_layer_leaves_in_its_attributes_hold_each_steps_values(initialised):
+    # Before, the attribute kept its value from before the capture (or a traced placeholder) with no error.
+    torch.manual_seed(0)
+    model = _Router(initialised)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    eager_model, eager_opt = copy.deepcopy((model, opt))
+    compiled = _tightest(_moe_step, model, opt, _batch(0))
+    for i in range(3):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss_r = compiled(_batch(i))
+        assert torch.equal(_moe_step(eager_model, eager_opt, _batch(i)), loss_r)
+        assert torch.equal(model.aux_loss, eager_model.aux_loss) and torch.equal(model.last_weights, eager_model.last_weights)
+        # A field the step creates stays in the cache key: compiled again once, at the step after it first holds a tensor.
+        assert any("changed since the step was compiled" in str(w.message) for w in caught) == (i == 1 and not initialised)
+    assert compiled.report.measured_peak_bytes == compiled.report.predicted_peak_bytes

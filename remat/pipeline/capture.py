@@ -22,7 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
 from remat.gc_pause import gc_paused
-from remat.pipeline import data_parallel, hyperparams, kept_numbers, logged_numbers, outside_tensors, scheduler_calls, step_outputs, step_prints, train_modes
+from remat.pipeline import data_parallel, hyperparams, kept_numbers, kept_tensors, logged_numbers, outside_tensors, scheduler_calls, step_outputs, step_prints, train_modes
 from remat.pipeline.cpu_strides import CpuOutputStrides
 from remat.errors import CaptureError
 from remat.pipeline.optimizer_state import check_first_step_state, optimizer_on, optimizer_states
@@ -230,12 +230,10 @@ def capture(
             stack.callback(setattr, torch.autograd, "backward", real_backward)
             stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots))
             stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
-            recorders = stack.enter_context(logged_numbers.recording(logged_numbers.candidates(slots)))
-            ended = stack.enter_context(kept_numbers.counting(probe["numbers"], probe["as_numbers"]))
-            printed = stack.enter_context(step_prints.recording())
+            effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), set(map(id, args)))
             result = train_step(model, optimizer, t_batch)
             outside_tensors.check_no_gradient([held for held, _ in outside], t_outside)
-        updates, update_values = _state_updates(recorders, ended, probe["unread"], printed)
+        updates, update_values = effects.updates(probe["unread"])
         outputs, out_spec, numbers = step_outputs.as_graph_outputs(result, update_values)
         if calls["backward"] == 0:
             raise CaptureError("train_step never called loss.backward(): remat captures a whole training step")
@@ -282,16 +280,39 @@ def capture(
     return tg
 
 
-def _state_updates(
-    recorders: Any, ended: Any, unread: frozenset[str], printed: Any
-) -> tuple[list[Any], list[list[Any]]]:
-    """What a trace did to the user's Python state, to be done again after each run
-    (TrainGraph.state_updates), with the traced values each takes from the graph."""
-    logs, logged_values = logged_numbers.logged(recorders)
-    kept, kept_values = kept_numbers.kept(ended, unread)
-    prints, printed_values = step_prints.recorded(printed)
-    # Prints first: a number the step counts up prints from the slot's number before the step.
-    return [*logs, *prints, *kept], [*logged_values, *printed_values, *kept_values]
+@dataclass
+class _Effects:
+    """What the step's Python code does to the user's state while it is traced, recorded:
+    numbers logged into lists, numbers kept, prints and logs, tensors kept."""
+
+    logged: Any
+    counted: Any
+    printed: Any
+    tensors: list[tuple[Any, Any]]
+
+    @classmethod
+    def recording(
+        cls, stack: contextlib.ExitStack, slots: list[Any], probe: dict[str, Any], all_slots: Callable[[], list[Any]], inputs: set[int]
+    ) -> _Effects:
+        """Entered after the outside tensors are swapped: a tensor kept where one was is told from its placeholder."""
+        # The tensors kept are looked for once the lists and numbers are put back (it walks the state).
+        tensors = stack.enter_context(kept_tensors.setting(all_slots, inputs))
+        return cls(
+            stack.enter_context(logged_numbers.recording(logged_numbers.candidates(slots))),
+            stack.enter_context(kept_numbers.counting(probe["numbers"], probe["as_numbers"])),
+            stack.enter_context(step_prints.recording()),
+            tensors,
+        )
+
+    def updates(self, unread: frozenset[str]) -> tuple[list[Any], list[list[Any]]]:
+        """The updates to make again after each run (TrainGraph.state_updates), with the
+        traced values each takes from the graph. Prints come before the numbers kept: a
+        number the step counts up prints from the slot's number before the step."""
+        logs, logged_values = logged_numbers.logged(self.logged)
+        prints, printed_values = step_prints.recorded(self.printed)
+        kept, kept_values = kept_numbers.kept(self.counted, unread)
+        tensors = [t for t, _ in self.tensors]
+        return [*logs, *prints, *kept, *tensors], [*logged_values, *printed_values, *kept_values, *([v] for _, v in self.tensors)]
 
 
 @dataclass

@@ -103,6 +103,8 @@ class _Counted:
     __isub__ = __sub__
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):  # a protocol probed by introspection (copy, torch): absent
+            raise AttributeError(name)
         _refuse(self.change, f".{name}")
 
     def __repr__(self) -> str:  # for error messages and debuggers: not a use of the number

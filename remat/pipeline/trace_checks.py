@@ -129,7 +129,7 @@ def check_graph_runnable(gm: torch.fx.GraphModule) -> None:
     tensors), and its backward, called from a graph, will not take one.
     """
     for node in gm.graph.nodes:
-        sparse = [v for v in _vals(node) if v.layout is not torch.strided]
+        sparse = [v for v in _vals(node) if v.layout is not torch.strided] if node.op == "call_function" else []
         if sparse:
             raise CaptureError(
                 f"an op in train_step makes a {str(sparse[0].layout).replace('torch.', '')} tensor ({node.target}), such "

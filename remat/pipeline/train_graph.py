@@ -62,7 +62,8 @@ class TrainGraph:
     output_numbers: dict[int, str] = field(default_factory=dict)  # output position -> 'bool', 'int' or 'float': given back as a Python number
     # What the step does to the user's Python state, done again after each run on the graph's
     # last outputs: lists it appends numbers to (logged_numbers.LoggedList), numbers it adds
-    # to or sets (kept_numbers.KeptNumber), what it prints or logs (step_prints.PrintCall).
+    # to or sets (kept_numbers.KeptNumber), what it prints or logs (step_prints.PrintCall),
+    # tensors it leaves in the user's state (kept_tensors.KeptTensor).
     state_updates: list[Any] = field(default_factory=list)
     trainable: tuple[str, ...] = ()  # parameters that required a gradient at capture
     training: tuple[bool, ...] = ()  # module.training of every module at capture (train/eval behaviour is traced in)
