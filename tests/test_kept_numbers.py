@@ -5,6 +5,7 @@ does them; a step that also uses such a number is refused, naming it."""
 from __future__ import annotations
 
 import copy
+import time
 import warnings
 
 import pytest
@@ -421,3 +422,22 @@ def test_tensors_a_layer_leaves_in_its_attributes_hold_each_steps_values(initial
         # A field the step creates stays in the cache key: compiled again once, at the step after it first holds a tensor.
         assert any("changed since the step was compiled" in str(w.message) for w in caught) == (i == 1 and not initialised)
     assert compiled.report.measured_peak_bytes == compiled.report.predicted_peak_bytes
+
+
+class _Timed:
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def step(self, model, opt, batch):
+        start = time.perf_counter()
+        loss = _plain(model, opt, batch)
+        self.seconds = time.perf_counter() - start  # a clock: set once, it would be the trace's time at every step
+        return loss
+
+
+def test_a_number_set_from_outside_the_steps_inputs_is_refused():
+    timed, model = _Timed(), _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(CaptureError, match=r"sets _Timed\.seconds to a number that differs from one trace to the next"):
+        remat.compile(timed.step, model, opt, _batch(0), memory_budget=None, profile_runs=1, measure=False)
+    assert timed.seconds == 0.0

@@ -466,7 +466,21 @@ def _adversarial(model, opt, batch):
     return loss.detach()
 
 
-@pytest.mark.parametrize("step_fn", [_gradient_penalty, _adversarial], ids=["gradient-penalty", "fgsm"])
+def _clipped_by_hand(model, opt, batch):
+    """The parameters' gradients from torch.autograd.grad, clipped and set as .grad by the step (no backward())."""
+    x, y = batch
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(model(x), y)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params)
+    scale = torch.clamp(0.5 / (torch.sqrt(sum(g.pow(2).sum() for g in grads)) + 1e-6), max=1.0)
+    for p, g in zip(params, grads):
+        p.grad = g * scale
+    opt.step()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("step_fn", [_gradient_penalty, _adversarial, _clipped_by_hand], ids=["gradient-penalty", "fgsm", "autograd-grad"])
 def test_steps_that_differentiate_twice_or_for_the_batch_train_bitwise_at_the_tightest_plan(step_fn):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Dropout(0.1), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))

@@ -207,9 +207,8 @@ def capture(
                 t_params[n].grad = torch.zeros_like(t_params[n])
             marker([t_params[n].grad for n in trainable], "preset_grads")
         calls = {"backward": 0, "reduced": 0, "updates": 0}
-        real_backward = torch.autograd.backward
         synced: list[bool] = []  # per forward of a DDP model: whether it syncs gradients
-        backward = _marking_backward(real_backward, t_params, grad_order, calls, dp, synced)
+        passes = _marking_passes(t_params, grad_order, calls, dp, synced)
 
         def step_pre_hook(opt, args, kwargs):  # type: ignore[no-untyped-def]
             calls["updates"] += 1
@@ -226,8 +225,7 @@ def capture(
                 stack.enter_context(hyperparams.symbolic(optimizer, t_hyper, sign_facts, symbols))
                 handle = optimizer.register_step_pre_hook(step_pre_hook)
                 stack.callback(handle.remove)
-            torch.autograd.backward = backward
-            stack.callback(setattr, torch.autograd, "backward", real_backward)
+            stack.enter_context(passes)
             stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots))
             stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
             effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), set(map(id, args)))
@@ -339,12 +337,34 @@ def _step_patches(model: torch.nn.Module, recorded: _Recorded, updating: Callabl
         yield
 
 
-def _marking_backward(
-    real_backward: Callable[..., Any], t_params: dict[str, torch.Tensor], grad_order: list[str], calls: dict[str, int],
+@contextlib.contextmanager
+def _marking_passes(
+    t_params: dict[str, torch.Tensor], grad_order: list[str], calls: dict[str, int],
     dp: data_parallel.DataParallel | None, synced: list[bool],
-) -> Callable[..., None]:  # fmt: skip
+) -> Iterator[None]:  # fmt: skip
     """`torch.autograd.backward` as traced: markers around it, and for a DDP model whose last
-    forward syncs gradients, their average over the ranks."""
+    forward syncs gradients, their average over the ranks. And `torch.autograd.grad` for the
+    model's parameters without `create_graph` (the step then sets `p.grad` itself): a
+    backward pass too, marked so, its gradients those it returns for the parameters."""
+    real_backward, real_grad = torch.autograd.backward, torch.autograd.grad
+    names = {id(t): n for n, t in t_params.items()}
+
+    def grad(outputs, inputs, *a, **k):  # type: ignore[no-untyped-def]
+        seq = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        if k.get("create_graph") or not any(id(t) in names for t in seq):
+            return real_grad(outputs, inputs, *a, **k)  # a gradient penalty's, or the batch's (adversarial training)
+        if dp is not None:
+            raise CaptureError(
+                "train_step takes the gradients of a DistributedDataParallel model's parameters with torch.autograd.grad, "
+                "which DDP does not average across ranks; call loss.backward() instead"
+            )
+        calls["backward"] += 1
+        marker([outputs] if isinstance(outputs, torch.Tensor) else list(outputs), "backward_begin")
+        result = real_grad(outputs, inputs, *a, **k)
+        named = [(names[id(t)], g) for t, g in zip(seq, result) if id(t) in names and g is not None]
+        grad_order[:] = [n for n, _ in named]
+        marker([g for _, g in named], "grads")
+        return result
 
     def backward(tensors, *a, **k):  # type: ignore[no-untyped-def]
         # Several calls: micro-batches accumulating into the same gradients, then one update.
@@ -359,7 +379,11 @@ def _marking_backward(
         grad_order[:] = [n for n, _ in named]  # the last backward's: the gradients the update reads
         marker([g for _, g in named], "grads")
 
-    return backward
+    torch.autograd.backward, torch.autograd.grad = backward, grad
+    try:
+        yield
+    finally:
+        torch.autograd.backward, torch.autograd.grad = real_backward, real_grad
 
 
 def _reduce_across_ranks(dp: data_parallel.DataParallel, t_params: dict[str, torch.Tensor], calls: dict[str, int]) -> None:

@@ -127,6 +127,10 @@ def counted(value: Any) -> tuple[Slot, tuple[Any, ...]] | None:
     return (value.change.slot, value.terms[1:]) if isinstance(value, _Counted) and value.terms[0] is Term.SLOT else None
 
 
+def _same_number(a: Any, b: Any) -> bool:
+    return a == b or (a != a and b != b)  # NaN is the same NaN
+
+
 def _shown(value: Any) -> str:
     return "nothing" if value is MISSING else "a number computed in the step" if isinstance(value, _TRACED) else shown(value)
 
@@ -177,6 +181,12 @@ def kept(ended: list[tuple[NumberChange, Any]], unread: frozenset[str] = frozens
             terms = value.terms
         elif isinstance(value, _Counted):  # `self.a = self.b + 1`: a use of the other slot's number
             _refuse(value.change, f"assigned to {change.slot.name}")
+        elif type(value) in _NUMBERS and type(change.after) in _NUMBERS and not _same_number(value, change.after):
+            raise CaptureError(
+                f"train_step sets {change.slot.name} to a number that differs from one trace to the next ({change.after!r}, "
+                f"then {value!r}): it comes from outside the step's inputs (a clock, a counter of a library's object), "
+                "so the graph would set the first one at every step. Compute it outside train_step."
+            )
         elif type(value) in _NUMBERS or isinstance(value, _TRACED):
             terms = (value,)
         else:
