@@ -28,9 +28,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-import torch.fx
-
 import torch
+import torch.fx
 
 from remat.errors import CaptureError
 from remat.pipeline.python_state import MISSING, NumberChange, Slot, shown
