@@ -152,7 +152,7 @@ class RematStep:
                 stacklevel=3,
             )
         compiled = self._compile(batch)
-        unkeyed = {update.slot.name for update in compiled.tg.state_updates if not update.keyed}
+        unkeyed = {update.slot.name for update in compiled.tg.state_updates if not update.keyed} | compiled.tg.unread_lists
         if not unkeyed <= self._unkeyed:  # they change at every call: not part of the key
             self._unkeyed |= unkeyed
             values = step_values(self.model, self.train_step, skip=self._unkeyed)

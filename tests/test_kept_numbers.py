@@ -5,6 +5,7 @@ does them; a step that also uses such a number is refused, naming it."""
 from __future__ import annotations
 
 import copy
+import logging
 import time
 import warnings
 
@@ -441,3 +442,73 @@ def test_a_number_set_from_outside_the_steps_inputs_is_refused():
     with pytest.raises(CaptureError, match=r"sets _Timed\.seconds to a number that differs from one trace to the next"):
         remat.compile(timed.step, model, opt, _batch(0), memory_budget=None, profile_runs=1, measure=False)
     assert timed.seconds == 0.0
+
+
+class _HfTrainer:
+    """A trainer using all of it at once: a scheduler stepped inside, clipping, an EMA, a
+    step count, tokens, a history dict the loop also logs into, a sum, the last loss, a
+    print and a log line."""
+
+    def __init__(self, model, opt) -> None:
+        self.sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+        self.global_step = 0
+        self.tokens = 0
+        self.history = {"loss": [], "grad_norm": [], "lr": []}
+        self.stats = {"loss_sum": 0.0}
+        self.last_loss = None
+        self.ema = [p.detach().clone() for p in model.parameters()]
+
+    def train_step(self, model, opt, batch):
+        opt.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        self.sched.step()
+        with torch.no_grad():
+            for e, p in zip(self.ema, model.parameters()):
+                e.lerp_(p, 0.1)
+        self.global_step += 1
+        self.tokens += batch["input_ids"].numel()
+        self.history["loss"].append(loss.item())
+        self.history["grad_norm"].append(norm.item())
+        self.stats["loss_sum"] += loss.item()
+        self.last_loss = loss.item()
+        print("step", self.global_step, "loss", loss.item())
+        logging.getLogger("remat-test-trainer").warning("grad norm %.5f", norm.item())
+        return loss
+
+
+def test_a_trainer_using_all_of_it_on_a_transformer_trains_and_keeps_what_eager_keeps():
+    import contextlib
+    import io
+
+    from remat.models import build_model
+
+    sides = []
+    for compiled in (False, True):
+        spec = build_model("bert-tiny", 4)
+        opt = torch.optim.AdamW(spec.model.parameters(), lr=1e-3, weight_decay=0.01)
+        trainer = _HfTrainer(spec.model, opt)
+        step = remat.compile(trainer.train_step, spec.model, opt, spec.batch, memory_budget=0.5, profile_runs=1) if compiled else None
+        printed = io.StringIO()
+        handler = logging.StreamHandler(printed)
+        logging.getLogger("remat-test-trainer").addHandler(handler)
+        try:
+            with contextlib.redirect_stdout(printed), warnings.catch_warnings():
+                warnings.simplefilter("error")  # one compile: the loop's own log list is not part of the key
+                for i in range(4):
+                    torch.manual_seed(i)
+                    step(spec.batch) if compiled else trainer.train_step(spec.model, opt, spec.batch)
+                    trainer.history["lr"].append(opt.param_groups[0]["lr"])  # the loop logs into the same dict
+        finally:
+            logging.getLogger("remat-test-trainer").removeHandler(handler)
+        sides.append((spec.model, trainer, printed.getvalue(), step))
+    (eager_model, eager, eager_printed, _), (model, mine, printed, step) = sides
+    assert all(torch.equal(a, b) for a, b in zip(eager_model.parameters(), model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(eager.ema, mine.ema))
+    for key in ("global_step", "tokens", "history", "stats", "last_loss"):
+        assert getattr(mine, key) == getattr(eager, key), key
+    assert printed == eager_printed and printed.count("grad norm") == 4
+    assert len(step._graphs) == 1 and step.report.num_recomputed > 0
+    assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes

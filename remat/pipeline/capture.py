@@ -237,7 +237,7 @@ def capture(
             raise CaptureError("train_step never called loss.backward(): remat captures a whole training step")
         grads = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]
         final_grads[:] = [n for n, _ in grads]
-        seen.update(output_spec=out_spec, output_numbers=numbers, backward_passes=calls["backward"], reduced=calls["reduced"], state_updates=updates)
+        seen.update(output_spec=out_spec, output_numbers=numbers, backward_passes=calls["backward"], reduced=calls["reduced"], state_updates=updates, unread_lists=logged_numbers.unread(effects.logged))
         return outputs, [g for _, g in grads]
 
     def trace() -> torch.fx.GraphModule:
@@ -271,7 +271,8 @@ def capture(
     tg.outside = outside_tensors.read_by_graph(inputs, [held for held, _ in outside], device, own)
     if dp is not None:
         data_parallel.attach(tg, dp, synced_last=bool(seen["reduced"]))
-    tg.output_spec, tg.output_numbers, tg.backward_passes, tg.state_updates = (seen[k] for k in ("output_spec", "output_numbers", "backward_passes", "state_updates"))
+    tg.output_spec, tg.output_numbers, tg.backward_passes, tg.state_updates, tg.unread_lists = (
+        seen[k] for k in ("output_spec", "output_numbers", "backward_passes", "state_updates", "unread_lists"))
     tg.training, tg.mode_calls, tg.sets_mode_first = train_modes.traced_modes(model, recorded.mode_calls)
     tg.scheduler_calls = scheduler_calls.checked(tg, recorded.scheduler_calls)
     tg.trainable, tg.leaves_zero_grads, tg.groups = trainable, leaves_zero_grads, groups

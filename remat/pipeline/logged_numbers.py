@@ -10,7 +10,8 @@ holds then (a new list per epoch is the one appended to), as eager appends them.
 What a trace cannot repeat is refused: reading a list the step also logs to (its length,
 its last values: read once, at capture), appending anything but a traced number, or
 changing the list otherwise. A list the step only reads is watched as a value
-(python_state), like any other.
+(python_state), like any other; one it does not touch at all is left out of the step's
+cache key, so that the loop may log into it between steps.
 """
 
 from __future__ import annotations
@@ -112,6 +113,13 @@ def recording(lists: list[tuple[Slot, list[Any]]]) -> Iterator[list[tuple[Slot, 
         for slot, original, recorder in swapped:
             if slot.get() is recorder:
                 slot.set(original)
+
+
+def unread(recorders: list[tuple[Slot, _Recording]]) -> frozenset[str]:
+    """The lists the traced step neither read, appended to nor changed: the graph does not
+    depend on what they hold, so they are left out of the step's cache key (a list the loop
+    logs into beside the step's own, in the same dict)."""
+    return frozenset(slot.name for slot, r in recorders if not r.appended and r.read is None and r.changed is None)
 
 
 def logged(recorders: list[tuple[Slot, _Recording]]) -> tuple[list[LoggedList], list[list[Any]]]:

@@ -65,6 +65,7 @@ class TrainGraph:
     # to or sets (kept_numbers.KeptNumber), what it prints or logs (step_prints.PrintCall),
     # tensors it leaves in the user's state (kept_tensors.KeptTensor).
     state_updates: list[Any] = field(default_factory=list)
+    unread_lists: frozenset[str] = frozenset()  # lists of numbers in the user's state the step never reads: not in the cache key
     trainable: tuple[str, ...] = ()  # parameters that required a gradient at capture
     training: tuple[bool, ...] = ()  # module.training of every module at capture (train/eval behaviour is traced in)
     # train()/eval() calls train_step makes, as (module name, mode), in order; `sets_mode_first`:
