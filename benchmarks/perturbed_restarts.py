@@ -22,14 +22,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from planner_gap import built_on_profile  # noqa: E402
 from remat.errors import RematError  # noqa: E402
-from remat.pipeline import build as pipeline  # noqa: E402
-from remat.pipeline.capture import capture  # noqa: E402
-from remat.pipeline.profiles import Profile  # noqa: E402
 from remat.pipeline.schedule import recompute_seconds  # noqa: E402
 from remat.pipeline.simulator import simulate  # noqa: E402
 from remat.planners import make_plan  # noqa: E402
-from remat.workloads import load  # noqa: E402
 
 
 def main() -> int:
@@ -41,14 +38,7 @@ def main() -> int:
     p.add_argument("--restarts", type=int, default=4)
     p.add_argument("--spread", type=float, default=0.1, help="each node time scaled by a factor in 1 ± spread")
     args = p.parse_args()
-    spec = load(args.model, args.batch_size, "sgd")
-    tg = capture(spec.train_step, spec.model, spec.optimizer, spec.batch)
-    saved = Profile.from_json(Path(args.profile))
-
-    def built():  # type: ignore[no-untyped-def]
-        return pipeline.build_on(tg, spec.model, spec.optimizer, spec.batch, runs=1, saved_profile=saved)
-
-    first = built()
+    first, built = built_on_profile(args.model, args.batch_size, args.profile)
     true = first.node_seconds()
     base = simulate(first.analysis, scratch=first.index.scratch)
     iteration = sum(true.values())
@@ -59,7 +49,7 @@ def main() -> int:
 
     print(f"{args.model} batch {args.batch_size}: the default plan against the best of {args.restarts} plans made from node "
           f"times scaled by 1 ± {args.spread:g}, priced with the true times (% of the iteration)\n")
-    print(f"| budget | default (s) | best of the restarts | each restart | restarts' seconds |\n|---|---:|---:|---|---:|")
+    print("| budget | default (s) | best of the restarts | each restart | restarts' seconds |\n|---|---:|---:|---|---:|")
     for fraction in (float(b) for b in args.budgets.split(",")):
         budget = int(base.persistent_bytes + fraction * base.step_peak_bytes)
         try:

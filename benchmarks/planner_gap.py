@@ -16,6 +16,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -29,6 +30,21 @@ from remat.planners import make_plan  # noqa: E402
 from remat.workloads import load  # noqa: E402
 
 
+def built_on_profile(model: str, batch_size: int, profile: str | None) -> tuple[Any, Callable[[], Any]]:
+    """The model's SGD step captured and built on a saved profile (written there first if
+    the file does not exist, or measured now without one), and a function that builds it
+    again (a freshly derived index) on the same node times."""
+    spec = load(model, batch_size, "sgd")
+    tg = capture(spec.train_step, spec.model, spec.optimizer, spec.batch)
+    path = Path(profile) if profile else None
+    saved = Profile.from_json(path) if path is not None and path.exists() else None
+    built = pipeline.build_on(tg, spec.model, spec.optimizer, spec.batch, runs=1, saved_profile=saved)
+    if path is not None and saved is None:
+        built.profile.to_json(path)
+        saved = built.profile
+    return built, lambda: pipeline.build_on(tg, spec.model, spec.optimizer, spec.batch, runs=1, saved_profile=saved)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
@@ -39,13 +55,7 @@ def main() -> int:
     p.add_argument("--profile", default=None, help="saved profile to use (written there first if missing)")
     p.add_argument("--out", default=None, help="markdown file for the table")
     args = p.parse_args()
-    spec = load(args.model, args.batch_size, "sgd")
-    tg = capture(spec.train_step, spec.model, spec.optimizer, spec.batch)
-    path = Path(args.profile) if args.profile else None
-    saved = Profile.from_json(path) if path is not None and path.exists() else None
-    built = pipeline.build_on(tg, spec.model, spec.optimizer, spec.batch, runs=1, saved_profile=saved)
-    if path is not None and saved is None:
-        built.profile.to_json(path)
+    built, _ = built_on_profile(args.model, args.batch_size, args.profile)
     base = simulate(built.analysis, scratch=built.index.scratch)
     iteration = sum(built.node_seconds().values())
     planners = args.planners.split(",")
