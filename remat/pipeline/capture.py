@@ -185,7 +185,7 @@ def capture(
     grad_order: list[str] = []  # filled while tracing: names of the grads the "grads" marker holds
     final_grads: list[str] = []
     seen: dict[str, Any] = {}  # what the last trace saw: the return value's structure, backward() calls
-    probe: dict[str, Any] = {"preset_grads": False, "numbers": [], "as_numbers": False, "unread": frozenset()}  # check_no_accumulation; kept_numbers
+    probe: dict[str, Any] = {"preset_grads": False, "numbers": [], "as_numbers": False, "numbers_unread": frozenset()}  # check_no_accumulation; kept_numbers
     # Floats the update branches on (`if weight_decay != 0`) keep their sign from the
     # capture; the others are free symbols. `symbols` names a float a trace tripped on.
     sign_facts = {n: hyperparams.sign(v) for n, v in hyper_values.items() if hyperparams.parse_input_name(n)[1] in hyperparams.BRANCHED_KEYS}
@@ -231,7 +231,7 @@ def capture(
             effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), set(map(id, args)))
             result = train_step(model, optimizer, t_batch)
             outside_tensors.check_no_gradient([held for held, _ in outside], t_outside)
-        updates, update_values = effects.updates(probe["unread"])
+        updates, update_values = effects.updates(probe["numbers_unread"])
         outputs, out_spec, numbers = step_outputs.as_graph_outputs(result, update_values)
         if calls["backward"] == 0:
             raise CaptureError("train_step never called loss.backward(): remat captures a whole training step")
@@ -303,13 +303,13 @@ class _Effects:
             tensors,
         )
 
-    def updates(self, unread: frozenset[str]) -> tuple[list[Any], list[list[Any]]]:
+    def updates(self, numbers_unread: frozenset[str]) -> tuple[list[Any], list[list[Any]]]:
         """The updates to make again after each run (TrainGraph.state_updates), with the
         traced values each takes from the graph. Prints come before the numbers kept: a
         number the step counts up prints from the slot's number before the step."""
         logs, logged_values = logged_numbers.logged(self.logged)
         prints, printed_values = step_prints.recorded(self.printed)
-        kept, kept_values = kept_numbers.kept(self.counted, unread)
+        kept, kept_values = kept_numbers.kept(self.counted, numbers_unread)
         tensors = [t for t, _ in self.tensors]
         return [*logs, *prints, *kept, *tensors], [*logged_values, *printed_values, *kept_values, *([v] for _, v in self.tensors)]
 

@@ -32,10 +32,8 @@ import torch
 import torch.fx
 
 from remat.errors import CaptureError
-from remat.pipeline.python_state import MISSING, NumberChange, Slot, shown
+from remat.pipeline.python_state import MISSING, NUMBERS, TRACED_NUMBERS, NumberChange, Slot, is_number, shown
 
-_NUMBERS = (bool, int, float)
-_TRACED = (torch.SymBool, torch.SymInt, torch.SymFloat)
 
 
 class Term(enum.Enum):
@@ -85,7 +83,7 @@ class _Counted:
         self.terms = terms
 
     def _plus(self, other: Any, sign: int, op: str) -> _Counted:
-        if type(other) in _NUMBERS or isinstance(other, _TRACED):
+        if is_number(other):
             return _Counted(self.change, self.terms + (other if sign > 0 else -other,))
         _refuse(self.change, f"{op} {type(other).__name__}")
 
@@ -131,7 +129,7 @@ def _same_number(a: Any, b: Any) -> bool:
 
 
 def _shown(value: Any) -> str:
-    return "nothing" if value is MISSING else "a number computed in the step" if isinstance(value, _TRACED) else shown(value)
+    return "nothing" if value is MISSING else "a number computed in the step" if isinstance(value, TRACED_NUMBERS) else shown(value)
 
 
 def _using(op: str) -> Any:
@@ -159,7 +157,7 @@ def counting(changes: list[NumberChange], as_numbers: bool = False) -> Iterator[
     as, and the slot put back."""
     ended: list[tuple[NumberChange, Any]] = []
     for change in changes:
-        if type(change.before) in _NUMBERS or as_numbers:
+        if type(change.before) in NUMBERS or as_numbers:
             change.slot.set(_Counted(change, (Term.SLOT,)))
     try:
         yield ended
@@ -180,13 +178,13 @@ def kept(ended: list[tuple[NumberChange, Any]], unread: frozenset[str] = frozens
             terms = value.terms
         elif isinstance(value, _Counted):  # `self.a = self.b + 1`: a use of the other slot's number
             _refuse(value.change, f"assigned to {change.slot.name}")
-        elif type(value) in _NUMBERS and type(change.after) in _NUMBERS and not _same_number(value, change.after):
+        elif type(value) in NUMBERS and type(change.after) in NUMBERS and not _same_number(value, change.after):
             raise CaptureError(
                 f"train_step sets {change.slot.name} to a number that differs from one trace to the next ({change.after!r}, "
                 f"then {value!r}): it comes from outside the step's inputs (a clock, a counter of a library's object), "
                 "so the graph would set the first one at every step. Compute it outside train_step."
             )
-        elif type(value) in _NUMBERS or isinstance(value, _TRACED):
+        elif is_number(value):
             terms = (value,)
         else:
             raise CaptureError(
@@ -194,8 +192,8 @@ def kept(ended: list[tuple[NumberChange, Any]], unread: frozenset[str] = frozens
                 f"{_shown(change.after)}) the first time, and to {type(value).__name__} when traced again; remat "
                 "cannot repeat it. Keep such state outside train_step."
             )
-        traced = [t for t in terms if isinstance(t, _TRACED)]
-        terms = tuple(Term.GRAPH if isinstance(t, _TRACED) else t for t in terms)
+        traced = [t for t in terms if isinstance(t, TRACED_NUMBERS)]
+        terms = tuple(Term.GRAPH if isinstance(t, TRACED_NUMBERS) else t for t in terms)
         keyed = (change.before is None or change.before is MISSING) and change.slot.name not in unread
         numbers.append(KeptNumber(change.slot, terms, keyed))
         values.append(traced)
@@ -218,7 +216,7 @@ def traced_counting(trace: Callable[[], torch.fx.GraphModule], probe: dict[str, 
     finally:
         probe["as_numbers"] = False
     if again is not None and again.code == gm.code and _described(seen["state_updates"]) == _described(updates):
-        probe["unread"] = frozenset(u.slot.name for u in updates if isinstance(u, KeptNumber))  # for later traces
+        probe["numbers_unread"] = frozenset(u.slot.name for u in updates if isinstance(u, KeptNumber))  # for later traces
         seen["state_updates"] = [dataclasses.replace(u, keyed=False) if isinstance(u, KeptNumber) else u for u in updates]
         return gm
     return trace()  # what the step does as it is, again

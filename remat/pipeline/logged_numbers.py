@@ -23,10 +23,8 @@ from typing import Any, Iterator
 import torch
 
 from remat.errors import CaptureError
-from remat.pipeline.python_state import Slot
+from remat.pipeline.python_state import NUMBERS, TRACED_NUMBERS, Slot
 
-_NUMBERS = (bool, int, float)
-_TRACED = (torch.SymBool, torch.SymInt, torch.SymFloat)
 _READS = (
     "__getitem__", "__len__", "__iter__", "__contains__", "__reversed__", "__eq__", "__ne__", "__lt__", "__le__",
     "__gt__", "__ge__", "__add__", "__mul__", "__repr__", "__str__", "__format__", "index", "count", "copy",
@@ -97,7 +95,7 @@ def candidates(slots: list[tuple[Slot, Any]]) -> list[tuple[Slot, list[Any]]]:
     return [
         (slot, value)
         for slot, value in slots
-        if type(value) is list and not isinstance(slot.owner, torch.nn.Module) and all(type(v) in _NUMBERS for v in value)
+        if type(value) is list and not isinstance(slot.owner, torch.nn.Module) and all(type(v) in NUMBERS for v in value)
     ]
 
 
@@ -136,7 +134,7 @@ def logged(recorders: list[tuple[Slot, _Recording]]) -> tuple[list[LoggedList], 
             )
         if not recorder.appended:
             continue
-        plain = [v for v in recorder.appended if not isinstance(v, _TRACED)]
+        plain = [v for v in recorder.appended if not isinstance(v, TRACED_NUMBERS)]
         if plain:
             what = "a tensor" if isinstance(plain[0], torch.Tensor) else f"the Python value {plain[0]!r}"
             raise CaptureError(

@@ -47,8 +47,8 @@ from remat.errors import CaptureError
 from remat.pipeline import user_code
 
 _PLAIN = (bool, int, float, str, type(None))
-_NUMBERS = (bool, int, float)
-_TRACED_NUMBERS = (torch.SymBool, torch.SymInt, torch.SymFloat)
+NUMBERS = (bool, int, float)
+TRACED_NUMBERS = (torch.SymBool, torch.SymInt, torch.SymFloat)  # a number computed from tensors while tracing (`loss.item()`)
 _CONTAINERS = (list, tuple, dict, set, frozenset)
 _MOST_ITEMS = 10_000  # larger containers are not watched (each capture and step compares them)
 _NOT_PLAIN = object()
@@ -206,7 +206,8 @@ def state_slots(model: torch.nn.Module, train_step: Callable[..., Any]) -> list[
     """Every slot the watch reads (see the module's docstring), with the value it holds."""
     # The model's modules' attributes: one slot per (module, key), and no dict split by key.
     own = [(Slot(name, module, key), value) for name, module, key, value in module_attributes(model)]
-    code = _user_code(model, train_step)
+    step_globals = getattr(user_code.user_function(train_step), "__globals__", None)
+    code = _user_code([train_step, getattr(type(train_step), "__call__", None), *user_code.methods(model)], step_globals)
     out = list(code.bindings)
     roots = [(slot.name, value) for slot, value in [*own, *out] if not isinstance(value, _PLAIN + _CONTAINERS)]
     # The object a method belongs to (a trainer), or the callable object that is the step.
@@ -223,7 +224,7 @@ def state_slots(model: torch.nn.Module, train_step: Callable[..., Any]) -> list[
     held_functions = [value for _, value in [*fields, *contained] if user_code.user_function(value) is not None]
     if held_functions:
         known = {slot.name for slot, _ in out}
-        out += [(slot, value) for slot, value in _user_code(model, train_step, held_functions).bindings if slot.name not in known]
+        out += [(slot, value) for slot, value in _user_code(held_functions, step_globals).bindings if slot.name not in known]
     # Another module the step runs (a teacher, an EMA copy of the model): its attributes and
     # train/eval flags, which its forward is traced with as the model's are.
     model_modules = frozenset(id(m) for m in model.modules())
@@ -251,8 +252,7 @@ def _in_container(slot: Slot, value: Any) -> list[tuple[str, Any]]:
         items = [(f"[{k!r}]", v) for k, v in value.items()]
     else:
         return []
-    base, closure, fn = slot.name.partition(" (from the closure of ")
-    return [(f"{base}{i}{closure}{fn}", v) for i, v in items if user_code.user_class(type(v)) or user_code.user_function(v) is not None]
+    return [(_item_name(slot, i), v) for i, v in items if user_code.user_class(type(v)) or user_code.user_function(v) is not None]
 
 
 def _items(slot: Slot, value: Any) -> list[tuple[Slot, Any]]:
@@ -263,10 +263,15 @@ def _items(slot: Slot, value: Any) -> list[tuple[Slot, Any]]:
     if type(value) is not dict or not value or len(value) > _MOST_KEYS or isinstance(slot.owner, torch.nn.Module):
         return [(slot, value)]
     for k, v in value.items():
-        if type(k) is not str or not (_is_number(v) or (type(v) is list and all(_is_number(x) for x in v))):
+        if type(k) is not str or not (is_number(v) or (type(v) is list and all(is_number(x) for x in v))):
             return [(slot, value)]
+    return [(Slot(_item_name(slot, f"[{k!r}]"), slot, k), v) for k, v in value.items()]
+
+
+def _item_name(slot: Slot, index: str) -> str:
+    """`index` after the name of what the slot holds: `state['seen'] (from the closure of step)`."""
     base, closure, fn = slot.name.partition(" (from the closure of ")
-    return [(Slot(f"{base}[{k!r}]{closure}{fn}", slot, k), v) for k, v in value.items()]
+    return f"{base}{index}{closure}{fn}"
 
 
 def _watched(slots: list[tuple[Slot, Any]]) -> dict[str, _Watched]:
@@ -305,11 +310,10 @@ class _UserCode:
     bindings: list[tuple[Slot, Any]]  # the globals and closure cells it reads, with their values
 
 
-def _user_code(model: torch.nn.Module, train_step: Callable[..., Any], more: list[Any] | None = None) -> _UserCode:
-    """The user's functions the step runs, followed from train_step and the model's classes
-    (and `more` functions) through globals and closures."""
-    pending: list[Any] = [train_step, getattr(type(train_step), "__call__", None), *user_code.methods(model), *(more or [])]
-    step_globals = getattr(user_code.user_function(train_step), "__globals__", None)
+def _user_code(pending: list[Any], step_globals: dict[str, Any] | None) -> _UserCode:
+    """The user's functions the step runs, followed from `pending` (train_step and the model's
+    classes' methods, or functions held in the user's objects) through globals and closures.
+    A global is named with its module unless it is train_step's (`step_globals`)."""
     names: set[str] = set()
     bindings: list[tuple[Slot, Any]] = []
     seen: set[int] = set()
@@ -379,8 +383,9 @@ class NumberChange:
     after: Any
 
 
-def _is_number(value: Any) -> bool:
-    return type(value) in _NUMBERS or isinstance(value, _TRACED_NUMBERS)
+def is_number(value: Any) -> bool:
+    """A plain number or a traced one."""
+    return type(value) in NUMBERS or isinstance(value, TRACED_NUMBERS)
 
 
 class StateWatch:
@@ -403,7 +408,7 @@ class StateWatch:
         for slot, value in state_slots(self.model, self.train_step):
             w = self.before.get(slot.name)
             before = self.held.get(slot.name, MISSING)
-            if _is_number(value) and (before is None or before is MISSING or type(before) in _NUMBERS):
+            if is_number(value) and (before is None or before is MISSING or type(before) in NUMBERS):
                 if w is None or _snapshot(value) != w.frozen:
                     changes.append(NumberChange(slot, before, value))
                     slot.set(before)
@@ -459,7 +464,7 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
 def _holds_traced_value(value: Any, numbers: bool, depth: int = 0) -> bool:
     """Whether `value` is, or a list, tuple or dict holds, a tensor (or if `numbers`, a
     number) made while tracing."""
-    if isinstance(value, (FakeTensor, *(_TRACED_NUMBERS if numbers else ()))):
+    if isinstance(value, (FakeTensor, *(TRACED_NUMBERS if numbers else ()))):
         return True
     if depth < 3 and isinstance(value, (list, tuple)) and len(value) <= _MOST_ITEMS:
         return any(_holds_traced_value(v, numbers, depth + 1) for v in value)

@@ -29,9 +29,9 @@ import torch.utils._pytree as pytree
 
 from remat.pipeline import user_code
 from remat.pipeline.kept_numbers import Term, counted
-from remat.pipeline.python_state import Slot
+from remat.pipeline.python_state import TRACED_NUMBERS, Slot
 
-_TRACED = (torch.SymBool, torch.SymInt, torch.SymFloat, torch.Tensor)
+_TRACED = (*TRACED_NUMBERS, torch.Tensor)
 
 
 @dataclass(frozen=True)
