@@ -25,7 +25,7 @@ out = ["## Optimality: exact planner and frontier", "",
 "Every plan below was rewritten and run (`--measure`): 3 steps bitwise equal to eager (column eager-equal) and the "
 "allocator's peak against the prediction. Overheads are predicted (summed median node times of the copies, less removed "
 "forward ops), as a fraction of the profiled iteration. Budgets are fractions of the activation peak; rows where no "
-"planner has a plan are left out. CPU, SGD, `OMP_NUM_THREADS=1`, one other job on the second core; planner code of commit db8261b (the later exchange allowance changes none of these plans: re-planning BERT-base from its saved profile with the final code gives the same cost at every budget). The exact planner's 60 s per budget is shared by the four graphs planned (lean variants or not, updates moved or not): 15 s each. Each heuristic planner's gap is to the cheapest plan any planner found at that budget.", ""]
+"planner has a plan are left out. CPU, SGD, `OMP_NUM_THREADS=1`, one other job on the second core. Run again on 2026-11-24 with the default planner's fourth move (the same choice in every repeat of a layer), each on the node times of the profile saved in its folder by the run before (`--profile`, so that only the planners' code differs). The exact planner's 60 s per budget is shared by the four graphs planned (lean variants or not, updates moved or not): 15 s each. Each heuristic planner's gap is to the cheapest plan any planner found at that budget.", ""]
 for d, model, b, budgets in runs:
     p = root / d
     if not (p / "frontier.md").exists():
@@ -38,7 +38,8 @@ for d, model, b, budgets in runs:
     skipped = len(lines) - 2 - len(rows)
     it = fr["baseline_iteration_seconds"]
     out += [f"### {model}, batch {b}", "",
-            f"`remat frontier --model {model} --batch-size {b} --planners refined,mutwo,chen,milp --budgets {budgets} --measure --out docs/frontier/{d}`", "",
+            f"`remat frontier --model {model} --batch-size {b} --planners refined,mutwo,chen,milp --budgets {budgets} --measure "
+            f"--profile <a copy of docs/frontier/{d}/profile.json> --out docs/frontier/{d}`", "",
             f"Peak without recomputation {fr['baseline_peak_bytes']/2**20:,.2f} MiB (persistent {fr['persistent_bytes']/2**20:,.2f} MiB), "
             f"iteration {it*1e3:,.1f} ms (profiled). {skipped} budgets below the smallest reachable peak left out." +
             ("" if len(done) == len(fr["budgets"]) else f" Sweep incomplete: {len(done)} of {len(fr['budgets'])} budgets done."), "",
@@ -50,13 +51,15 @@ findings = """### Findings
   everywhere, kernel scratch included).
 - **The default planner (`refined`) is within 0.8% of the iteration of the cheapest plan found, at every budget from
   the floor to 1.0 on all four**: at most +0.08% on mlp-deep (0.9), +0.79% on bert-tiny (0.55, against the exact
-  planner's optimum below its reserve), +0.68% on resnet-tiny (0.75, against a proven optimum), +0.22% on BERT-base
-  batch 8 (0.7). Where the exact planner stops at its time limit, the default's plan is cheaper: BERT-base 10.2%
-  against 11.4% at 0.5 and 4.9% against 6.1% at 0.6; bert-tiny 28.1% against 30.5% at 0.4 and 14.3% against 15.0% at 0.5.
+  planner's optimum below its reserve), +0.68% on resnet-tiny (0.75, against a proven optimum), and on BERT-base
+  batch 8 it is the cheapest at every budget (before the fourth move: +0.22% at 0.7, and 10.2% and 4.9% at 0.5 and 0.6,
+  now 9.2% and 4.6%). Where the exact planner stops at its time limit, the default's plan is cheaper: BERT-base 9.2%
+  against 11.4% at 0.5, 4.6% against 6.1% at 0.6 and 2.0% against 3.5% at 0.7; bert-tiny 28.1% against 30.5% at 0.4
+  and 14.3% against 15.0% at 0.5. On mlp-deep, bert-tiny and resnet-tiny the plans are those of the run before.
 - **μ-TWO's gap** (its predicted overhead minus the cheapest, as a share of the iteration): small at loose budgets, large
   at tight ones: +131% on bert-tiny at 0.4 (its per-block set costs 4× the same set with rebuilt values shared) and
   +25 to +59% at 0.45–0.55; +8 to +14% on mlp-deep at every budget below 1.0; +4 to +7% on resnet-tiny at 0.6–0.65 and
-  0.8; +7.3 to +7.7% on BERT-base at 0.5–0.6. The default planner's local search removes it (see "The default
+  0.8; +7.6 to +8.7% on BERT-base at 0.5–0.6. The default planner's local search removes it (see "The default
   planner" below for which move finds what).
 - **The exact planner is the lower envelope where it proves optimality**: mlp-deep and resnet-tiny at every budget
   (under 1 s each); bert-tiny at 0.55 and above (optimal below its replay reserve, see below). On BERT-base batch 8

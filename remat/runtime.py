@@ -18,12 +18,12 @@ import torch.utils._pytree as pytree
 
 from remat import ranks
 from remat.pipeline import build as pipeline
-from remat.pipeline import data_parallel
+from remat.pipeline import data_parallel, read_numbers
 from remat.budget import parse_budget
 from remat.pipeline.capture import capture
 from remat.pipeline.step_inputs import batch_leaf_names, flat_inputs, run_captured
 from remat.pipeline.train_graph import InputKind, TrainGraph, TrainStep
-from remat.errors import CaptureError, RematError
+from remat.errors import BudgetError, CaptureError, RematError
 from remat.measurement.memory import measure_step_peak
 from remat.planners.plan import Plan
 from remat.planners import DEFAULT_PLANNER, make_plan
@@ -116,6 +116,9 @@ class RematStep:
     _structure: str | None = None
     _last: CompiledGraph | None = None
     _unkeyed: set[str] = field(default_factory=set)  # slots the step updates and never reads (TrainGraph.state_updates)
+    _read: set[str] = field(default_factory=set)  # floats the loop changed between steps, read at every call (read_numbers)
+    _constant: set[str] = field(default_factory=set)  # such floats the step branches on: constants of the graph
+    _signed: set[str] = field(default_factory=set)  # such floats the step compares with zero: their sign is in the key
 
     def __post_init__(self) -> None:
         # Parse now: a bad budget is an error at compile time, not at the first step.
@@ -138,29 +141,60 @@ class RematStep:
     def compiled_for(self, batch: Any) -> CompiledGraph:
         """The compiled graph for this batch's shape, compiling it if it is new."""
         shapes = self._agreed("reading the batch", lambda: self._checked_signature(batch), summary=_shapes, differ="the batch's shapes and dtypes")
-        values = step_values(self.model, self.train_step, skip=self._unkeyed)
-        sig = (shapes, values)
-        cached = self._graphs.get(sig)
+        cached = self._graphs.get((shapes, self._key_values()))
         if cached is not None:
             return cached
         same_shape = [g for (s, _), g in self._graphs.items() if s == shapes]
-        if same_shape:
-            changed = changed_values(same_shape[-1].step_values, values)
+        before = same_shape[-1].step_values if same_shape else ()
+        # Floats changed since: read at every call from now on, compiled once more, then
+        # never again for them (read_numbers).
+        last = dict(before)
+        promoted = {n for n, v in self._key_values() if type(v) is float and type(last.get(n)) is float and v != last[n]} - self._constant
+        self._read |= promoted
+        self._warn_changed(before)
+        try:
+            compiled = self._compile(batch)
+        except BudgetError:
+            if not promoted:
+                raise
+            # Their inputs add a few bytes, over a budget at the very peak: constants, as before.
+            self._read -= promoted
+            self._constant |= promoted
+            self._warn_changed(before)
+            compiled = self._compile(batch)
+        else:
+            if promoted:  # the graphs holding them as constants are never used again
+                self._graphs = {k: g for k, g in self._graphs.items() if k[0] != shapes}
+        tg = compiled.tg
+        self._unkeyed |= {update.slot.name for update in tg.state_updates if not update.keyed} | tg.unread_lists  # changed at every call
+        constant = {name for name in self._read if name not in tg.numbers and name not in tg.number_signs}  # the trace branches on them
+        self._read -= constant
+        self._constant |= constant
+        self._signed |= set(tg.number_signs)
+        compiled.step_values = self._key_values()
+        self._structure = _signature(batch)[0]
+        self._graphs[(shapes, compiled.step_values)] = compiled
+        return compiled
+
+    def _warn_changed(self, before: tuple[tuple[str, Any], ...]) -> None:
+        """Name the values, changed since the last graph of this shape was compiled, that
+        the graph about to be compiled holds as constants."""
+        if not before:
+            return
+        changed = [c for c in changed_values(before, self._key_values()) if c.split(" (")[0] not in self._read]
+        if changed:
             warnings.warn(
                 f"remat: {', '.join(changed[:3])}{' and more' if len(changed) > 3 else ''} changed since the step was "
                 "compiled: the graph holds such values as constants, so the step is compiled again for them.",
-                stacklevel=3,
+                stacklevel=4,
             )
-        compiled = self._compile(batch)
-        unkeyed = {update.slot.name for update in compiled.tg.state_updates if not update.keyed} | compiled.tg.unread_lists
-        if not unkeyed <= self._unkeyed:  # they change at every call: not part of the key
-            self._unkeyed |= unkeyed
-            values = step_values(self.model, self.train_step, skip=self._unkeyed)
-            sig = (shapes, values)
-        compiled.step_values = values
-        self._structure = _signature(batch)[0]
-        self._graphs[sig] = compiled
-        return compiled
+
+    def _key_values(self) -> tuple[tuple[str, Any], ...]:
+        """The watched values the compiled graph depends on: each value itself, but for a
+        number read at every call only whether it is a float, and its sign where the
+        graph assumes it."""
+        values = step_values(self.model, self.train_step, skip=self._unkeyed)
+        return tuple((name, read_numbers.key(value, name in self._signed)) if name in self._read else (name, value) for name, value in values)
 
     def _checked_signature(self, batch: Any) -> Any:
         """The batch's shape signature, or an error for a batch this step cannot take."""
@@ -199,8 +233,9 @@ class RematStep:
     def _compile(self, batch: Any) -> CompiledGraph:
         start = time.perf_counter()
         tg = self._agreed(
-            "capturing the step", lambda: capture(self.train_step, self.model, self.optimizer, batch), summary=graph_fingerprint, differ="the captured graph"
-        )
+            "capturing the step", lambda: capture(self.train_step, self.model, self.optimizer, batch, frozenset(self._read)),
+            summary=graph_fingerprint, differ="the captured graph",
+        )  # fmt: skip
         built = pipeline.build_on(
             tg, self.model, self.optimizer, batch, runs=self.profile_runs, progress=self.progress, profile_cache=self.profile_cache
         )

@@ -16,6 +16,8 @@ returns an `Outcome`, and raises AssertionError on anything wrong. The tests
 
 from __future__ import annotations
 
+import functools
+
 import contextlib
 import math
 import re
@@ -85,7 +87,7 @@ class RandomSpec:
     hostile: str | None = None  # a construct capture must refuse (see HOSTILE)
     seed: int = 0
     micro_batches: int = 1  # forward+backward passes per step, accumulating gradients (the batch scaled per pass)
-    schedule: bool = False  # the loop changes lr, momentum/betas and weight decay between steps
+    schedule: bool = False  # the loop changes lr, momentum/betas and weight decay between steps (with `outside`, a loss weight too)
     frozen: int = 0  # every frozen-th parameter (by order) has requires_grad=False; 0: none
     clip: bool = False  # clip_grad_norm_ before the update: it reads every gradient together
     # Tensors outside the model: the loss scaled by a 0-dim tensor in the step's closure, and
@@ -105,6 +107,7 @@ class RandomSpec:
                  f"{'' if self.zero_grad_first else ', zero_grad after step'}"
                  f"{f', {self.micro_batches} micro-batches' if self.micro_batches > 1 else ''}"
                  f"{', hyperparameters changed between steps' if self.schedule else ''}"
+                 f"{' (and a loss weight)' if self.schedule and self.outside else ''}"
                  f"{f', every {self.frozen}th parameter frozen' if self.frozen else ''}"
                  f"{', a scale, an EMA and kept numbers outside the model' if self.outside else ''}"
                  f"{', hostile ' + self.hostile if self.hostile else ''}, seed {self.seed}"]
@@ -346,6 +349,8 @@ def build(spec: RandomSpec) -> tuple[RandomNet, torch.optim.Optimizer, dict[str,
     if spec.outside:
         model.ema = [p.detach().clone() for p in model.parameters()]
         model.tracker = Tracker()
+        if spec.schedule:
+            model.loss_weight = 1.0  # a float the loop anneals: read at every call after its first change (read_numbers)
     if spec.optimizer == "adamw":
         opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
@@ -353,9 +358,14 @@ def build(spec: RandomSpec) -> tuple[RandomNet, torch.optim.Optimizer, dict[str,
     return model, opt, batch
 
 
-def change_hyperparameters(step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def change_hyperparameters(step: int, model: nn.Module, optimizer: torch.optim.Optimizer, anneal: bool = True) -> None:
     """What a loop's scheduler does between steps (a zero weight decay stays zero: the
-    update branches on it)."""
+    update branches on it), and, with `anneal`, a loss weight the model holds, where it
+    holds one (the step is compiled once more for it: the gradients the first step left
+    are then alive at its start, so a budget set at the first graph's very floor may not
+    fit the second one, as it would not in eager)."""
+    if anneal and hasattr(model, "loss_weight"):
+        model.loss_weight = 1.0 - 0.15 * (step + 1)
     for g in optimizer.param_groups:
         g["lr"] = g["lr"] * (0.5 + 0.3 * step)
         if g.get("weight_decay"):
@@ -383,6 +393,8 @@ def make_train_step(spec: RandomSpec):
         if spec.zero_grad_first:
             optimizer.zero_grad()
         loss = model(batch) * scale if spec.outside else model(batch)
+        if spec.outside and spec.schedule:
+            loss = loss * model.loss_weight
         loss.backward()
         for i in range(1, spec.micro_batches):  # another pass, on a scaled batch, adding to the gradients
             part = {k: v * (1.0 + 0.5 * i) if v.is_floating_point() else v for k, v in batch.items()}
@@ -817,7 +829,7 @@ def check_example(spec: RandomSpec, steps: int = 3) -> Outcome:
     report = step.report
     compiled = step._last
     assert compiled is not None
-    between = change_hyperparameters if spec.schedule else None
+    between = functools.partial(change_hyperparameters, anneal=kind == "ran") if spec.schedule else None
     result = check_against_eager(make_train_step(spec), eager_model, eager_opt, model, opt, step, batch, steps=steps, between_steps=between)
     if not result.match and all("nan" in m for m in result.mismatches):
         # Both sides overflowed (a chain of products trains to inf/nan): torch.equal calls
@@ -826,6 +838,14 @@ def check_example(spec: RandomSpec, steps: int = 3) -> Outcome:
         notes.append("trained to nan on both sides, bitwise equal")
     else:
         assert result.match, result.summary()
+    if between is not None and kind == "ran" and spec.outside:
+        # The annealed loss weight is read at every call: one more graph, its peak as predicted.
+        last = step._last.report
+        assert "model.loss_weight" in step._last.tg.numbers, f"the annealed loss weight is not read at every call: {step._constant}"
+        assert last.measured_peak_bytes is not None and last.budget_bytes is not None
+        assert abs(last.measured_peak_bytes - last.predicted_peak_bytes) <= max(REL_TOL * last.predicted_peak_bytes, SCRATCH_SLACK)
+        assert last.predicted_peak_bytes <= last.budget_bytes
+        notes.append("a loss weight read at every call")
     if spec.outside:
         assert bitwise_equal_tensors(eager_model.ema, model.ema), "the EMA outside the model differs from eager's"
         kept, eager_kept = repr(vars(model.tracker)), repr(vars(eager_model.tracker))  # repr: nan equals nan

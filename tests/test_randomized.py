@@ -127,6 +127,12 @@ LEAN_INTO_A_REFRESHED_VALUE = RandomSpec(
          Op("linear", (5,), (16, False)), Op("mul", (2, 6))),
 )
 MASK_INDEXING = RandomSpec(4, 4, 16, ops=(Op("linear", (0,), (16, True)), Op("relu", (1,))), hostile="mask")
+# A loss weight the loop anneals (with the hyperparameters) is read at every call after its
+# first change: one more graph, bitwise, its peak as predicted.
+ANNEALED_LOSS_WEIGHT = RandomSpec(
+    4, 8, 16, ops=(Op("linear", (0,), (32, True)), Op("gelu", (1,)), Op("linear", (2,), (16, True))), optimizer="adamw",
+    budget=0.9, schedule=True, outside=True,
+)
 
 
 @settings(
@@ -141,6 +147,7 @@ MASK_INDEXING = RandomSpec(4, 4, 16, ops=(Op("linear", (0,), (16, True)), Op("re
 @example(BN_SLICE_INPLACE)
 @example(UNUSED_PARAMETER)
 @example(MASK_INDEXING)
+@example(ANNEALED_LOSS_WEIGHT)
 @example(LEAN_INTO_A_REFRESHED_VALUE)
 @example(MSE_ON_TRANSPOSE)
 @example(LN_BACKWARD_THROUGH_TRANSPOSE)

@@ -93,6 +93,33 @@ def test_within_two_percent_of_the_proven_optimum(model, batch, fractions):
     assert proven >= 3
 
 
+def test_the_same_choice_in_every_layer_finds_plans_that_single_moves_miss(bert_tiny, monkeypatch):
+    """The moves that change one pick at a time stop at a plan that the same choice in every
+    layer beats: on this profile at 0.4, 27.4% of the iteration against 28.9% without it."""
+    from remat.planners import refined
+
+    built, base = bert_tiny
+    budget = int(base.persistent_bytes + 0.4 * base.step_peak_bytes)
+    plan = make_plan("refined", built.index, built.node_seconds(), budget)
+    assert "repeats alike" in plan.meta["refined"]["found_by"] and plan.predicted_peak_bytes <= budget
+    monkeypatch.setattr(refined, "ALIKE_SIMULATIONS", 10**9)  # the move off: no graph is small enough
+    without = make_plan("refined", built.index, built.node_seconds(), budget)
+    assert "repeats alike" not in without.meta["refined"]["found_by"]
+    assert plan.predicted_overhead_seconds < 0.97 * without.predicted_overhead_seconds
+
+
+def test_a_plan_made_alike_across_layers_runs_bitwise_equal_to_eager():
+    spec = load("bert-tiny", 16, "sgd")
+    saved = Profile.from_json(PROFILES / "bert-tiny-b16.json")  # the node times on which the move wins at 0.4
+    model, o = twin(spec.model, spec.optimizer)
+    eager_model, eager_opt = twin(spec.model, spec.optimizer)
+    step = remat.compile(spec.train_step, model, o, spec.batch, memory_budget=0.4, profile_cache={saved.fingerprint: saved})
+    assert "repeats alike" in step.report.plan.meta["refined"]["found_by"]
+    result = check_against_eager(spec.train_step, eager_model, eager_opt, model, o, step, spec.batch, steps=3)
+    assert result.match, result.summary()
+    assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes
+
+
 def test_refined_plans_run_bitwise_equal_to_eager():
     spec = build_model("bert-tiny", 4)
     opt = make_optimizer("adamw", spec.model.parameters())

@@ -13,7 +13,7 @@ from remat.cli import main as cli_main
 from remat.models import make_optimizer, make_train_step
 from remat.pipeline.capture import capture
 from remat.pipeline.profiler import profile
-from remat.pipeline.repeats import Block, Repeats, find_repeats, pooled_medians
+from remat.pipeline.repeats import Block, Repeats, find_repeats, forward_counterparts, pooled_medians
 
 
 class _Layer(nn.Module):
@@ -65,6 +65,22 @@ def test_equal_layers_repeat_in_every_phase_and_each_node_stands_for_its_counter
             val, ref = ops[r].meta.get("val"), ops[rep].meta.get("val")
             if isinstance(val, torch.Tensor):
                 assert val.shape == ref.shape and val.dtype == ref.dtype
+
+
+def test_each_forward_op_of_a_repeated_layer_has_its_counterpart_in_the_first_layer():
+    _, _, _, tg = _captured([16] * 5)
+    ops = {n.name: n for n in tg.op_nodes()}
+    rank = {n: i for i, n in enumerate(ops)}
+    counterpart = forward_counterparts(tg)
+    forward_ops = sum(1 for n in ops if tg.phase[n].value == "forward")
+    assert len(counterpart) >= 4 * forward_ops // 5  # four layers or more, each op with its counterpart
+    stand_ins = set(counterpart.values())
+    assert len(stand_ins) * 4 <= len(counterpart)  # each counterpart stands for at least four ops
+    for node, first in counterpart.items():
+        assert tg.phase[node].value == "forward" and ops[node].target == ops[first].target
+        assert rank[first] <= rank[node] and counterpart[first] == first
+    _, _, _, uneven = _captured([8, 12, 16, 20, 24])
+    assert len(forward_counterparts(uneven)) < forward_ops // 5  # a few ops at most, no layer
 
 
 def test_layers_of_different_widths_do_not_repeat():

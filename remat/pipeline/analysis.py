@@ -44,6 +44,7 @@ _INPUT_ROLE = {
     InputKind.OPTIMIZER_STATE: Role.OPTIMIZER_STATE,
     InputKind.OUTSIDE: Role.PARAMETER,
     InputKind.HYPERPARAMETER: Role.INPUT,
+    InputKind.NUMBER: Role.INPUT,
     InputKind.BATCH: Role.INPUT,
 }
 

@@ -22,7 +22,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
 from remat.gc_pause import gc_paused
-from remat.pipeline import data_parallel, hyperparams, kept_numbers, kept_tensors, logged_numbers, outside_tensors, scheduler_calls, step_outputs, step_prints, train_modes
+from remat.pipeline import (
+    data_parallel, hyperparams, kept_numbers, kept_tensors, logged_numbers, outside_tensors, read_numbers, scheduler_calls, step_outputs, step_prints,
+    train_modes,
+)
 from remat.pipeline.cpu_strides import CpuOutputStrides
 from remat.errors import CaptureError
 from remat.pipeline.optimizer_state import check_first_step_state, optimizer_on, optimizer_states
@@ -70,13 +73,14 @@ def _graph_inputs(
     buffers: dict[str, torch.Tensor],
     states: dict[str, dict[str, torch.Tensor]],
     optimizer: torch.optim.Optimizer | None,
+    numbers: dict[str, Any],
     outside: list[tuple[outside_tensors.OutsideTensor, torch.Tensor]],
     example_batch: Any,
     leaves: list[Any],
 ) -> tuple[list[GraphInput], list[torch.Tensor], dict[str, float]]:
     """The graph's placeholders in order (parameters, buffers, optimizer state, one 0-dim
-    float64 per number of param_groups, tensors outside the model, batch leaves), their
-    tensors, and the numbers."""
+    float64 per number of param_groups and per number read at every call, tensors outside
+    the model, batch leaves), their tensors, and the param groups' numbers."""
     inputs: list[GraphInput] = []
     flat: list[torch.Tensor] = []
     for n, p in params.items():
@@ -98,6 +102,9 @@ def _graph_inputs(
                 hyper_values[name] = value
                 inputs.append(GraphInput(name, InputKind.HYPERPARAMETER, (), "float64", "cpu"))
                 flat.append(torch.tensor(value, dtype=torch.float64))
+    for name, slot in numbers.items():
+        inputs.append(GraphInput(name, InputKind.NUMBER, (), "float64", "cpu"))
+        flat.append(read_numbers.value(slot))
     for held, t in outside:
         inputs.append(GraphInput(held.name, InputKind.OUTSIDE, *describe(t)))
         flat.append(t)
@@ -137,16 +144,20 @@ def _check_arguments(
 
 def _trace(
     traced: Callable[..., Any], flat: list[torch.Tensor], symbols: dict[str, str], sign_facts: dict[str, int],
-    hyper_values: dict[str, float], model: torch.nn.Module,
+    hyper_values: dict[str, float], numbers: read_numbers.Reading, model: torch.nn.Module,
 ) -> torch.fx.GraphModule:  # fmt: skip
     """make_fx of `traced`; a branch on a hyperparameter other than the known ones fixes its
-    sign too (in `sign_facts`), and traces again."""
+    sign too (in `sign_facts`), and traces again; so does a branch on a number read at
+    every call, or any other failure while some are symbols (`Reading.tripped`)."""
     modes = [(m, m.training) for m in model.modules()]
     while True:
         try:
             return make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=False)(*flat)
         except Exception as e:  # noqa: BLE001 - translated into a message a user can act on
-            new = [name for name in branched_hyperparameters(e, symbols) if name not in sign_facts]
+            branched = branched_hyperparameters(e, symbols)
+            if numbers.tripped(branched, other_failure=not any(name in hyper_values for name in branched)):
+                continue
+            new = [name for name in branched if name not in sign_facts]
             if not new:
                 if isinstance(e, CaptureError):
                     raise
@@ -161,33 +172,31 @@ def _trace(
 
 @gc_paused()
 def capture(
-    train_step: TrainStep,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    example_batch: Any,
+    train_step: TrainStep, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, example_batch: Any,
+    read_numbers_named: frozenset[str] = frozenset(),
 ) -> TrainGraph:
     """Trace one call of `train_step(model, optimizer, batch)` into a TrainGraph.
 
     The optimizer's state is created here if it is empty (see `init_optimizer_state`);
-    nothing else about the model or optimizer changes.
+    nothing else about the model or optimizer changes. `read_numbers_named`: the floats
+    (python_state slot names) to read at every call where the trace can (read_numbers).
     """
     leaves, spec, params, buffers, trainable, device = _check_arguments(model, optimizer, example_batch)
     dp = data_parallel.data_parallel_of(model)
     had_state = {id(p) for p, st in optimizer.state.items() if st} if optimizer is not None else set()
     states = optimizer_states(optimizer, params)
-
     real_to_name, param_alias, buffer_alias = _aliases(model, params, buffers)
 
     slots, held, outside, own = _user_state(model, train_step, params, buffers, states, example_batch)
-    inputs, flat, hyper_values = _graph_inputs(params, buffers, states, optimizer, outside, example_batch, leaves)
+    numbers = read_numbers.Reading.of(slots, read_numbers_named)
+    inputs, flat, hyper_values = _graph_inputs(params, buffers, states, optimizer, numbers.slots, outside, example_batch, leaves)
 
     state_keys = [(n, list(st)) for n, st in states.items()]
     grad_order: list[str] = []  # filled while tracing: names of the grads the "grads" marker holds
     final_grads: list[str] = []
     seen: dict[str, Any] = {}  # what the last trace saw: the return value's structure, backward() calls
     probe: dict[str, Any] = {"preset_grads": False, "numbers": [], "as_numbers": False, "numbers_unread": frozenset()}  # check_no_accumulation; kept_numbers
-    # Floats the update branches on (`if weight_decay != 0`) keep their sign from the
-    # capture; the others are free symbols. `symbols` names a float a trace tripped on.
+    # Floats the update branches on keep their sign; `symbols` names one a trace tripped on.
     sign_facts = {n: hyperparams.sign(v) for n, v in hyper_values.items() if hyperparams.parse_input_name(n)[1] in hyperparams.BRANCHED_KEYS}
     symbols: dict[str, str] = {}
     recorded = _Recorded()  # filled while tracing
@@ -198,6 +207,7 @@ def capture(
         t_buffers = {n: next(it) for n in buffers}
         t_states = {n: {k: next(it) for k in keys} for n, keys in state_keys}
         t_hyper = {n: next(it) for n in hyper_values}
+        t_numbers = {n: next(it) for n in numbers.slots}
         t_outside = [next(it) for _ in outside]
         t_batch = pytree.tree_unflatten(list(it), spec)
         for n, p in t_params.items():
@@ -225,6 +235,7 @@ def capture(
                 stack.enter_context(hyperparams.symbolic(optimizer, t_hyper, sign_facts, symbols))
                 handle = optimizer.register_step_pre_hook(step_pre_hook)
                 stack.callback(handle.remove)
+            stack.enter_context(numbers.traced(t_numbers, symbols))
             stack.enter_context(passes)
             stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots))
             stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
@@ -232,16 +243,16 @@ def capture(
             result = train_step(model, optimizer, t_batch)
             outside_tensors.check_no_gradient([held for held, _ in outside], t_outside)
         updates, update_values = effects.updates(probe["numbers_unread"])
-        outputs, out_spec, numbers = step_outputs.as_graph_outputs(result, update_values)
+        outputs, out_spec, returned = step_outputs.as_graph_outputs(result, update_values)
         if calls["backward"] == 0:
             raise CaptureError("train_step never called loss.backward(): remat captures a whole training step")
         grads = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]
         final_grads[:] = [n for n, _ in grads]
-        seen.update(output_spec=out_spec, output_numbers=numbers, backward_passes=calls["backward"], reduced=calls["reduced"], state_updates=updates, unread_lists=logged_numbers.unread(effects.logged))
+        seen.update(output_spec=out_spec, output_numbers=returned, backward_passes=calls["backward"], reduced=calls["reduced"], state_updates=updates, unread_lists=logged_numbers.unread(effects.logged))
         return outputs, [g for _, g in grads]
 
     def trace() -> torch.fx.GraphModule:
-        return _trace(traced, flat, symbols, sign_facts, hyper_values, model)
+        return _trace(traced, flat, symbols, sign_facts, hyper_values, numbers, model)
 
     with no_python_state_changed(model, train_step, slots) as watch:
         gm = trace()
@@ -269,6 +280,7 @@ def capture(
     inputs = drop_unread_inputs(gm, inputs)
     tg = _finish(gm, inputs, grad_order, final_grads, str(spec), optimizer is not None, device)
     tg.outside = outside_tensors.read_by_graph(inputs, [held for held, _ in outside], device, own)
+    numbers.attach(tg)
     if dp is not None:
         data_parallel.attach(tg, dp, synced_last=bool(seen["reduced"]))
     tg.output_spec, tg.output_numbers, tg.backward_passes, tg.state_updates, tg.unread_lists = (

@@ -16,7 +16,8 @@ that covers the most nodes is taken first, its nodes set aside, and so on.
 What the repeats are for: the profile lists them (how much of the iteration each kind of
 block takes), and on request (`profile(..., pool_repeats=True)`) prices each node with the
 timed samples of its counterparts in the other repeats too: the same kernel on the same
-shapes, after the same ops.
+shapes, after the same ops. The default planner tries the same choice of activations in
+every repeat of a forward block (`forward_counterparts`, planners.refined).
 """
 
 from __future__ import annotations
@@ -84,9 +85,12 @@ def pooled_medians(samples: np.ndarray, repeats: Repeats) -> np.ndarray:
     return out
 
 
-def find_repeats(tg: TrainGraph) -> Repeats:
-    """The repeated blocks of `tg`'s op nodes in execution order (module docstring)."""
+def find_repeats(tg: TrainGraph, forward_only: bool = False) -> Repeats:
+    """The repeated blocks of `tg`'s op nodes in execution order (module docstring); with
+    `forward_only`, of its forward op nodes only (ranks then count those)."""
     ops = tg.op_nodes()
+    if forward_only:
+        ops = [o for o in ops if tg.phase[o.name].value == "forward"]
     n = len(ops)
     signature = _signatures(ops)
     phase = np.array([_PHASES.index(tg.phase[o.name].value) for o in ops], dtype=np.int8)
@@ -113,6 +117,14 @@ def find_repeats(tg: TrainGraph) -> Repeats:
 
 
 _PHASES = ("forward", "backward", "optimizer")
+
+
+def forward_counterparts(tg: TrainGraph) -> dict[str, str]:
+    """Forward op node -> its counterpart in the first repeat of its block, for every
+    forward node in a repeated block: the same layer's op, one layer earlier or later."""
+    ops = [o for o in tg.op_nodes() if tg.phase[o.name].value == "forward"]
+    repeats = find_repeats(tg, forward_only=True)
+    return {ops[r].name: ops[int(repeats.representative[r])].name for b in repeats.blocks for r in b.ranks}
 
 
 def _candidate_periods(signature: np.ndarray, free: np.ndarray) -> list[int]:

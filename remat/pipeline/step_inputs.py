@@ -11,7 +11,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from remat.errors import CaptureError
-from remat.pipeline import data_parallel, hyperparams, step_outputs, train_modes
+from remat.pipeline import data_parallel, hyperparams, read_numbers, step_outputs, train_modes
 from remat.pipeline.optimizer_state import optimizer_states
 from remat.pipeline.train_graph import GraphInput, InputKind, TrainGraph
 
@@ -95,6 +95,8 @@ def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: torch.optim.O
             out.append(hyper[inp.name])
         elif inp.kind is InputKind.OUTSIDE:
             out.append(_outside_value(tg, inp))
+        elif inp.kind is InputKind.NUMBER:
+            out.append(read_numbers.value(tg.numbers[inp.name]))
     out.extend(leaves)
     return out
 

@@ -29,12 +29,13 @@ def branched_hyperparameters(e: BaseException, symbols: dict[str, str]) -> list[
 
 def drop_unread_inputs(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> list[GraphInput]:
     """Remove the hyperparameters the update never reads (a scheduler's initial_lr, a float
-    fixed at zero) and the tensors outside the model the step does not use, so that only
-    what changes the step is an input."""
+    fixed at zero), the tensors outside the model the step does not use, and the numbers
+    read at every call that the trace left constant, so that only what changes the step is
+    an input."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     keep: list[GraphInput] = []
     for node, inp in zip(placeholders, inputs):
-        if inp.kind in (InputKind.HYPERPARAMETER, InputKind.OUTSIDE):
+        if inp.kind in (InputKind.HYPERPARAMETER, InputKind.OUTSIDE, InputKind.NUMBER):
             for user in list(node.users):
                 if user.target is torch.ops.aten._local_scalar_dense.default and not user.users:
                     gm.graph.erase_node(user)

@@ -26,6 +26,7 @@ class InputKind(str, Enum):
     OPTIMIZER_STATE = "optimizer_state"
     HYPERPARAMETER = "hyperparameter"  # a float of optimizer.param_groups, read at every call
     OUTSIDE = "outside"  # a tensor the user's state holds (a teacher's weight, an EMA copy): outside_tensors
+    NUMBER = "number"  # a float the loop changes between steps, read from where it is held at every call: read_numbers
     BATCH = "batch"
 
 
@@ -73,6 +74,8 @@ class TrainGraph:
     mode_calls: tuple[tuple[str, bool], ...] = ()
     sets_mode_first: bool = False
     outside: dict[str, Any] = field(default_factory=dict)  # OUTSIDE input name -> outside_tensors.OutsideTensor, read at each call
+    numbers: dict[str, Any] = field(default_factory=dict)  # NUMBER input name -> the python_state.Slot it is read from at each call
+    number_signs: dict[str, int] = field(default_factory=dict)  # NUMBER input name -> its sign, where the step compares it with zero
     scheduler_calls: tuple[Any, ...] = ()  # scheduler_calls.SchedulerCall: scheduler.step() calls made again at each call
     leaves_zero_grads: bool = False  # the step ends with zero_grad(set_to_none=False): see ends_with_zero_grads
     backward_passes: int = 1  # backward() calls per step: micro-batches accumulating gradients

@@ -1,6 +1,6 @@
 """μ-TWO's plan, improved by a short local search: the default planner.
 
-μ-TWO's greedy (`mutwo`) never takes a pick back, and prices each tensor alone. Three
+μ-TWO's greedy (`mutwo`) never takes a pick back, and prices each tensor alone. Four
 moves, run once on the plan kept over every graph planned (`improve`), each checked by
 the schedule and the plan simulator as for every planner, each kept only where the plan
 still fits and costs less:
@@ -16,6 +16,17 @@ still fits and costs less:
    The costliest `EXCHANGE_PICKS` picks are tried per round, for up to `EXCHANGE_ROUNDS`
    rounds that each find a cheaper plan, and `EXCHANGE_SIMULATIONS` simulations in all
    (fewer on large graphs: `EXCHANGE_STEPS` schedule steps simulated).
+4. **Repeats alike.** Where the model repeats a block (transformer layers, a stage's
+   bottlenecks: `pipeline.repeats`), each activation of the block and its counterparts
+   in the other repeats form a class. The plan kept so far is made uniform per class:
+   a class is dropped in every repeat where the plan drops more than a share of it
+   (`ALIKE_SHARES`), else in none; the plan is filled to fit as in an exchange, picks are
+   taken back, and the cheapest such plan gets its own rounds of exchanges. A move of
+   about a dozen simulations: tried only where they are cheap (`ALIKE_STEPS`, graphs up to
+   about 15,000 nodes), so that large graphs keep their planning time. The moves
+   above change one pick at a time and stop at the first plan no single change improves;
+   the same choice in every layer is a move of many picks at once, and often the better
+   plan, since the layers cost and hold alike.
 
 Every order is fixed (ties broken by storage id), so the plan is deterministic. The plan
 records μ-TWO's cost and what each move did (`meta["refined"]`).
@@ -27,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 
 from remat.errors import PlanError
+from remat.pipeline.repeats import forward_counterparts
 from remat.pipeline.schedule import GraphIndex, RebuildPolicy
 from remat.planners import mutwo
 from remat.planners.bound import KeepOneMoreBound
@@ -39,6 +51,9 @@ FILL_ATTEMPTS = 3  # simulations while filling the excess after a pick is droppe
 EXCHANGE_FROM = 1.25  # exchange from a policy's point only within this factor of the cheapest cost
 EXCHANGE_SIMULATIONS = 24  # in all, and no more than
 EXCHANGE_STEPS = 60_000  # schedule steps simulated in all (a 30,000-node graph's simulation takes 0.1 s)
+ALIKE_SHARES = (0.5, 0.25, 0.75)  # a class is dropped in every repeat where the plan drops more than this share of it
+ALIKE_STEPS = 200_000  # schedule steps simulated before a further share is tried
+ALIKE_SIMULATIONS = 12  # tried only where ALIKE_STEPS covers this many simulations of the plan (about 15,000 nodes)
 
 
 def plan(index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, **meta) -> Plan:
@@ -50,7 +65,7 @@ def plan(index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, *
 
 
 def improve(index: GraphIndex, first: Plan, node_seconds: dict[str, float], budget_bytes: int) -> Plan:
-    """`first` (μ-TWO's plan of `index`) improved by the three moves (module docstring)."""
+    """`first` (μ-TWO's plan of `index`) improved by the four moves (module docstring)."""
     t0 = time.perf_counter()
     storage = index.analysis.storage_by_key()
     picks = frozenset(storage[r.key] for r in first.recomputed)
@@ -69,6 +84,11 @@ def improve(index: GraphIndex, first: Plan, node_seconds: dict[str, float], budg
     search.exchange_until = (search.simulations + EXCHANGE_SIMULATIONS, search.steps + EXCHANGE_STEPS)
     near = sorted((p for p in points if p.cost <= EXCHANGE_FROM * cheapest.cost), key=_Point.rank)
     best = min((search.exchange(p) for p in near), key=_Point.rank)
+    exchanged = best
+    alike = search.alike(best)
+    if alike is not None:
+        search.exchange_until = (search.simulations + EXCHANGE_SIMULATIONS, search.steps + EXCHANGE_STEPS)
+        best = min(best, search.exchange(alike), key=_Point.rank)
     record = {
         "mutwo_overhead_seconds": first.predicted_overhead_seconds,
         "mutwo_num_recomputed": first.num_recomputed,
@@ -76,7 +96,7 @@ def improve(index: GraphIndex, first: Plan, node_seconds: dict[str, float], budg
         "taken_back_overhead_seconds": cheapest.cost,  # the cheapest plan before any exchange
         "taken_back": len(picks - cheapest.dropped),
         "exchanges": search.exchanges,
-        "found_by": _found_by(first, picks, cheapest, best),
+        "found_by": _found_by(first, picks, cheapest, best, exchanged),
         "simulations": search.simulations,
         "skipped_by_keep_bound": search.skipped,
         "seconds": time.perf_counter() - t0,
@@ -96,16 +116,32 @@ def improve(index: GraphIndex, first: Plan, node_seconds: dict[str, float], budg
     )  # fmt: skip
 
 
-def _found_by(first: Plan, picks: frozenset[int], taken_back: _Point, best: _Point) -> list[str]:
+def _found_by(first: Plan, picks: frozenset[int], taken_back: _Point, best: _Point, exchanged: _Point) -> list[str]:
     """The moves that made the plan kept, after μ-TWO's greedy."""
     moves = ["mutwo"]
     if best.policy is not first.policy:
         moves.append("other rebuild policy")
     if taken_back.dropped < picks or best.dropped < picks:
         moves.append("take back")
-    if best.cost < taken_back.cost:
+    if exchanged.cost < taken_back.cost:
         moves.append("exchange")
+    if best is not exchanged:
+        moves.append("repeats alike")
     return moves
+
+
+def _counterpart_classes(index: GraphIndex) -> list[frozenset[int]]:
+    """The candidate activations grouped with their counterparts in the other repeats of
+    their block: the same output of the same op, one layer apart (classes of two or more)."""
+    counterpart = forward_counterparts(index.tg)
+    tensors = index.analysis.tensors
+    groups: dict[tuple[str, int], list[int]] = {}
+    for sid in index.candidates():
+        node = index.order[tensors[sid].created]
+        if node in counterpart:
+            outputs = index.storages[node]
+            groups.setdefault((counterpart[node], outputs.index(sid) if sid in outputs else -1), []).append(sid)
+    return [frozenset(g) for g in groups.values() if len(g) > 1]
 
 
 @dataclass(frozen=True)
@@ -188,7 +224,34 @@ class _LocalSearch:
                 return point
         return point
 
-    def _fill(self, dropped: frozenset[int], policy: RebuildPolicy, excluded: int) -> _Point | None:
+    def alike(self, point: _Point) -> _Point | None:
+        """The cheapest plan made from `point` uniform per class of counterparts, filled
+        to fit and with picks taken back (module docstring); None where none fits or the
+        graph is too large for the move."""
+        if len(point.evaluation.schedule.steps) * ALIKE_SIMULATIONS > ALIKE_STEPS:
+            return None
+        classes = _counterpart_classes(self.index)
+        best, tried, until = None, {point.dropped}, self.steps + ALIKE_STEPS
+        for share in ALIKE_SHARES:
+            if self.steps >= until:
+                break
+            dropped = set(point.dropped)
+            for members in classes:
+                if len(members & point.dropped) > share * len(members):
+                    dropped |= members
+                else:
+                    dropped -= members
+            if frozenset(dropped) in tried:
+                continue
+            tried.add(frozenset(dropped))
+            filled = self._fill(frozenset(dropped), point.policy, excluded=None)
+            if filled is not None:
+                trial = self.take_back(filled)
+                if best is None or trial.rank() < best.rank():
+                    best = trial
+        return best
+
+    def _fill(self, dropped: frozenset[int], policy: RebuildPolicy, excluded: int | None) -> _Point | None:
         """`dropped` with activations live at the simulated peak added until the plan fits, or None."""
         tensors = self.index.analysis.tensors
         for attempt in range(FILL_ATTEMPTS + 1):
