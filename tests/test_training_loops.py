@@ -92,7 +92,19 @@ _OTHER_OPTIMIZERS = {
     "adadelta": lambda ps: torch.optim.Adadelta(ps, weight_decay=1e-4),
     "rprop": lambda ps: torch.optim.Rprop(ps, lr=1e-3),
     "sgd-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
+    # ns_steps is a count its update loops over: its value is fixed, its floats read at every call
+    "muon": lambda ps: _muon(ps, weight_decay=1e-4),
 }
+
+
+def _muon(params, **kwargs) -> torch.optim.Optimizer:
+    """Muon on the matrices; the biases, which it does not take, frozen (left to another
+    optimizer, their gradients would add up across steps)."""
+    params = list(params)
+    for p in params:
+        if p.ndim != 2:
+            p.requires_grad_(False)
+    return torch.optim.Muon([p for p in params if p.ndim == 2], lr=1e-3, **kwargs)
 
 
 @pytest.mark.parametrize("first_step", ["eager", "remat"])
@@ -125,6 +137,16 @@ def test_an_optimizer_branching_on_a_float_keeps_its_sign_and_refuses_a_change_b
     step(spec.batch)
     opt.param_groups[0]["momentum"] = 0.0
     with pytest.raises(CaptureError, match=r"'momentum'\] changed from positive to 0.0; the update skips or runs a whole term"):
+        step(spec.batch)
+
+
+def test_an_optimizer_looping_over_a_count_keeps_its_value_and_refuses_a_change_by_name():
+    spec = build_model("mlp-deep", 8)
+    opt = _muon(spec.model.parameters())
+    step = remat.compile(make_train_step(spec.loss_fn), spec.model, opt, spec.batch, profile_runs=1, measure=False)
+    step(spec.batch)
+    opt.param_groups[0]["ns_steps"] = 3
+    with pytest.raises(CaptureError, match=r"\['ns_steps'\] changed from 5 to 3; the captured update depends on its value"):
         step(spec.batch)
 
 

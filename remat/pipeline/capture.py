@@ -147,8 +147,9 @@ def _trace(
     hyper_values: dict[str, float], numbers: read_numbers.Reading, model: torch.nn.Module,
 ) -> torch.fx.GraphModule:  # fmt: skip
     """make_fx of `traced`; a branch on a hyperparameter other than the known ones fixes its
-    sign too (in `sign_facts`), and traces again; so does a branch on a number read at
-    every call, or any other failure while some are symbols (`Reading.tripped`)."""
+    sign too (in `sign_facts`), and where its sign was not enough for an int, its value (a
+    count: `hyperparams.FIXED`), and traces again; so does a branch on a number read at every
+    call, or any other failure while some are symbols (`Reading.tripped`)."""
     modes = [(m, m.training) for m in model.modules()]
     while True:
         try:
@@ -158,11 +159,14 @@ def _trace(
             if numbers.tripped(branched, other_failure=not any(name in hyper_values for name in branched)):
                 continue
             new = [name for name in branched if name not in sign_facts]
-            if not new:
+            fixed = [name for name in branched if sign_facts.get(name, hyperparams.FIXED) != hyperparams.FIXED and type(hyper_values[name]) is int]
+            if not new and not fixed:
                 if isinstance(e, CaptureError):
                     raise
                 raise explain_trace_failure(e, model) from e
             sign_facts.update({name: hyperparams.sign(hyper_values[name]) for name in new})
+            if not new:
+                sign_facts.update({name: hyperparams.FIXED for name in fixed})
         finally:
             train_modes.put_back_modes(modes)
             for module in model.modules():

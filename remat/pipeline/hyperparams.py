@@ -10,8 +10,10 @@ a scalar argument, bitwise.
 
 What cannot be an input is fixed at capture and checked at every call, with an error
 that names it when it changed: flags (nesterov, amsgrad, maximize, ...), which
-parameters each group holds, and, for a float the update branches on (`if
-weight_decay != 0`, RMSprop's `if momentum > 0`), its sign: negative, zero or positive.
+parameters each group holds, for a float the update branches on (`if
+weight_decay != 0`, RMSprop's `if momentum > 0`), its sign: negative, zero or positive,
+and for a number it branches on otherwise (Muon's `ns_steps`, a count of iterations),
+its value.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from remat.errors import CaptureError
 # Floats that torch.optim's optimizers compare with zero before using them. Their sign is
 # fixed from the start; others are found when a trace trips on one.
 BRANCHED_KEYS = frozenset({"weight_decay", "momentum"})
+FIXED = 2  # in place of a sign: an int's value itself is fixed (a count the update loops over)
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class GroupSpec:
     params: tuple[str, ...]  # names of the parameters in the group, in order
     flags: tuple[tuple[str, str], ...]  # (key, repr(value)) of every non-float entry
     signs: tuple[tuple[str, int], ...]  # (float key, its sign: -1, 0, 1) where the update branches on it
+    fixed: tuple[tuple[str, float], ...] = ()  # (key, its value) where the update depends on more than the sign
 
 
 def sign(value: float) -> int:
@@ -52,15 +56,16 @@ def _is_number(value: Any) -> bool:
 
 
 def float_entries(group: dict[str, Any]) -> dict[str, float]:
-    """The group's numbers by key: "lr", and "betas[0]" for the items of a tuple of numbers."""
+    """The group's numbers by key: "lr", and "betas[0]" for the items of a tuple of numbers
+    (an int kept an int: only a count may have its value fixed, `FIXED`)."""
     out: dict[str, float] = {}
     for key, value in group.items():
         if key == "params":
             continue
         if _is_number(value):
-            out[key] = float(value)
+            out[key] = value
         elif isinstance(value, (tuple, list)) and value and all(_is_number(v) for v in value):
-            out.update({f"{key}[{i}]": float(v) for i, v in enumerate(value)})
+            out.update({f"{key}[{i}]": v for i, v in enumerate(value)})
     return out
 
 
@@ -129,6 +134,8 @@ def symbolic(
     for gi, group in enumerate(optimizer.param_groups):
         for key in float_entries(group):
             name = input_name(gi, key)
+            if sign_facts.get(name) == FIXED:
+                continue  # the group's own value, a constant of the graph
             value = tensors[name].item()
             symbols[str(value.node.expr)] = name
             if name in sign_facts:
@@ -154,8 +161,10 @@ def symbolic(
 def group_specs(optimizer: torch.optim.Optimizer, names: dict[int, str], sign_facts: dict[str, int]) -> list[GroupSpec]:
     specs = []
     for gi, group in enumerate(optimizer.param_groups):
-        signs = tuple(sorted((key, sign_facts[input_name(gi, key)]) for key in float_entries(group) if input_name(gi, key) in sign_facts))
-        specs.append(GroupSpec(tuple(names[id(p)] for p in group["params"]), _flags(group, gi), signs))
+        facts = {key: sign_facts[input_name(gi, key)] for key, value in float_entries(group).items() if input_name(gi, key) in sign_facts}
+        signs = tuple(sorted((key, fact) for key, fact in facts.items() if fact != FIXED))
+        fixed = tuple(sorted((key, float_entries(group)[key]) for key, fact in facts.items() if fact == FIXED))
+        specs.append(GroupSpec(tuple(names[id(p)] for p in group["params"]), _flags(group, gi), signs, fixed))
     return specs
 
 
@@ -182,6 +191,13 @@ def check_unchanged(optimizer: torch.optim.Optimizer, specs: list[GroupSpec], na
                 raise CaptureError(
                     f"optimizer.param_groups[{gi}][{key!r}] changed from {was} to {now} since the step was compiled; "
                     "the captured update depends on it. Compile a new step (remat.compile) after changing it."
+                )
+        for key, was in spec.fixed:
+            if floats.get(key) != was:
+                raise CaptureError(
+                    f"optimizer.param_groups[{gi}][{key!r}] changed from {was!r} to {floats.get(key, '<missing>')!r}; the "
+                    "captured update depends on its value (a count it loops over, a threshold it compares with), which the "
+                    "graph fixed. Compile a new step (remat.compile) after changing it."
                 )
         for key, was in spec.signs:
             if key not in floats:
