@@ -361,9 +361,7 @@ def build(spec: RandomSpec) -> tuple[RandomNet, torch.optim.Optimizer, dict[str,
 def change_hyperparameters(step: int, model: nn.Module, optimizer: torch.optim.Optimizer, anneal: bool = True) -> None:
     """What a loop's scheduler does between steps (a zero weight decay stays zero: the
     update branches on it), and, with `anneal`, a loss weight the model holds, where it
-    holds one (the step is compiled once more for it: the gradients the first step left
-    are then alive at its start, so a budget set at the first graph's very floor may not
-    fit the second one, as it would not in eager)."""
+    holds one (the step is then compiled once more, for it: see check_example)."""
     if anneal and hasattr(model, "loss_weight"):
         model.loss_weight = 1.0 - 0.15 * (step + 1)
     for g in optimizer.param_groups:
@@ -829,7 +827,12 @@ def check_example(spec: RandomSpec, steps: int = 3) -> Outcome:
     report = step.report
     compiled = step._last
     assert compiled is not None
-    between = functools.partial(change_hyperparameters, anneal=kind == "ran") if spec.schedule else None
+    # The loss weight is annealed where the step leaves no gradients behind (zero_grad after
+    # the update) and ran at its first budget: its second graph then starts as its first.
+    # With gradients left set, the second step starts with them alive (as eager's does) and
+    # its floor can be above a budget the first graph met.
+    annealed = kind == "ran" and not spec.zero_grad_first
+    between = functools.partial(change_hyperparameters, anneal=annealed) if spec.schedule else None
     result = check_against_eager(make_train_step(spec), eager_model, eager_opt, model, opt, step, batch, steps=steps, between_steps=between)
     if not result.match and all("nan" in m for m in result.mismatches):
         # Both sides overflowed (a chain of products trains to inf/nan): torch.equal calls
@@ -838,7 +841,7 @@ def check_example(spec: RandomSpec, steps: int = 3) -> Outcome:
         notes.append("trained to nan on both sides, bitwise equal")
     else:
         assert result.match, result.summary()
-    if between is not None and kind == "ran" and spec.outside:
+    if between is not None and annealed and spec.outside:
         # The annealed loss weight is read at every call: one more graph, its peak as predicted.
         last = step._last.report
         assert "model.loss_weight" in step._last.tg.numbers, f"the annealed loss weight is not read at every call: {step._constant}"

@@ -147,11 +147,16 @@ def test_an_ema_copy_updated_inside_the_step_is_the_users_own_tensor_bitwise_wit
     def between(i, eager, remat_trainer):
         for n, e in eager.shadow.items():
             assert torch.equal(e, remat_trainer.shadow[n]), (i, n)
-        if i == 0:  # the loop changes the decay: the graph holds it as a constant, so a new compile
+        if i == 0:  # the loop changes the decay: read at every call from then on, or a constant compiled again
             eager.decay = remat_trainer.decay = 0.8
 
-    with pytest.warns(UserWarning, match=r"_EmaTrainer\.decay \(0\.9 -> 0\.8\) changed since the step was compiled"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         _, _, compiled = _pair(make, between=between)
+    # Whether `lerp_` takes the decay as a symbol depends on what torch has loaded (its
+    # scalar argument may be specialized); either way the step follows the new decay, bitwise.
+    recompiled = any("_EmaTrainer.decay (0.9 -> 0.8) changed since the step was compiled" in str(w.message) for w in caught)
+    assert recompiled or "_EmaTrainer.decay" in compiled._read, [str(w.message) for w in caught]
     trainer, tensors, start = made[1]
     assert all(trainer.shadow[n] is t for n, t in tensors.items())  # the user's tensors, written in place
     assert not any(torch.equal(start[n], t) for n, t in tensors.items())  # and every one of them moved

@@ -131,7 +131,7 @@ MASK_INDEXING = RandomSpec(4, 4, 16, ops=(Op("linear", (0,), (16, True)), Op("re
 # first change: one more graph, bitwise, its peak as predicted.
 ANNEALED_LOSS_WEIGHT = RandomSpec(
     4, 8, 16, ops=(Op("linear", (0,), (32, True)), Op("gelu", (1,)), Op("linear", (2,), (16, True))), optimizer="adamw",
-    budget=0.9, schedule=True, outside=True,
+    budget=0.9, schedule=True, outside=True, zero_grad_first=False,
 )
 
 
