@@ -25,47 +25,43 @@ class _Settings:
 SETTINGS = _Settings()
 
 
-def _annealed_step(model, opt, batch):
-    """A masked-LM loss plus an auxiliary term whose weight the loop anneals (a KL or a
+def _step_with(loss_of):
+    """A training step on bert-tiny's masked-LM output whose loss is `loss_of(out)`."""
+
+    def step(model, opt, batch):
+        opt.zero_grad()
+        loss = loss_of(model(**batch))
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def _with_aux(out):
+    """The loss plus an auxiliary term whose weight the loop anneals (a KL or a
     load-balancing weight), as a user writes it."""
-    opt.zero_grad()
-    out = model(**batch)
-    loss = out.loss + SETTINGS.aux_weight * out.logits.float().pow(2).mean()
-    loss.backward()
-    opt.step()
-    return loss
+    return out.loss + SETTINGS.aux_weight * out.logits.float().pow(2).mean()
 
 
-def _switched_step(model, opt, batch):
+def _switched(out):
     """An auxiliary term the loop switches off with a zero weight: a branch on the sign."""
-    opt.zero_grad()
-    out = model(**batch)
-    loss = out.loss
-    if SETTINGS.aux_weight > 0:
-        loss = loss + SETTINGS.aux_weight * out.logits.float().pow(2).mean()
-    loss.backward()
-    opt.step()
-    return loss
+    return _with_aux(out) if SETTINGS.aux_weight > 0 else out.loss
 
 
-def _branching_step(model, opt, batch):
-    opt.zero_grad()
-    out = model(**batch)
-    loss = out.loss
-    if SETTINGS.threshold > 0.15:  # a branch on the float: the graph can only hold one side
-        loss = loss + out.logits.float().abs().mean()
-    loss.backward()
-    opt.step()
-    return loss
+def _branching(out):
+    # A branch on the float beyond its sign: the graph can only hold one side.
+    return out.loss + out.logits.float().abs().mean() if SETTINGS.threshold > 0.15 else out.loss
 
 
-def _as_tensor_step(model, opt, batch):
-    opt.zero_grad()
-    out = model(**batch)
-    loss = out.loss * torch.tensor(1.0 + SETTINGS.aux_weight)  # a use a symbol cannot take
-    loss.backward()
-    opt.step()
-    return loss
+def _as_tensor(out):
+    return out.loss * torch.tensor(1.0 + SETTINGS.aux_weight)  # a use a symbol cannot take
+
+
+_annealed_step = _step_with(_with_aux)
+_switched_step = _step_with(_switched)
+_branching_step = _step_with(_branching)
+_as_tensor_step = _step_with(_as_tensor)
 
 
 def _compiled(step, budget):
