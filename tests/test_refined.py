@@ -95,29 +95,86 @@ def test_within_two_percent_of_the_proven_optimum(model, batch, fractions):
 
 def test_the_same_choice_in_every_layer_finds_plans_that_single_moves_miss(bert_tiny, monkeypatch):
     """The moves that change one pick at a time stop at a plan that the same choice in every
-    layer beats: on this profile at 0.4, 27.4% of the iteration against 28.9% without it."""
+    layer beats: on this profile at 0.45, 19.1% of the iteration against 19.7% without it."""
     from remat.planners import refined
 
     built, base = bert_tiny
-    budget = int(base.persistent_bytes + 0.4 * base.step_peak_bytes)
+    budget = int(base.persistent_bytes + 0.45 * base.step_peak_bytes)
     plan = make_plan("refined", built.index, built.node_seconds(), budget)
     assert "repeats alike" in plan.meta["refined"]["found_by"] and plan.predicted_peak_bytes <= budget
     monkeypatch.setattr(refined, "ALIKE_SIMULATIONS", 10**9)  # the move off: no graph is small enough
     without = make_plan("refined", built.index, built.node_seconds(), budget)
     assert "repeats alike" not in without.meta["refined"]["found_by"]
-    assert plan.predicted_overhead_seconds < 0.97 * without.predicted_overhead_seconds
+    assert plan.predicted_overhead_seconds < 0.985 * without.predicted_overhead_seconds
 
 
 def test_a_plan_made_alike_across_layers_runs_bitwise_equal_to_eager():
     spec = load("bert-tiny", 16, "sgd")
-    saved = Profile.from_json(PROFILES / "bert-tiny-b16.json")  # the node times on which the move wins at 0.4
+    saved = Profile.from_json(PROFILES / "bert-tiny-b16.json")  # the node times on which the move wins at 0.45
     model, o = twin(spec.model, spec.optimizer)
     eager_model, eager_opt = twin(spec.model, spec.optimizer)
-    step = remat.compile(spec.train_step, model, o, spec.batch, memory_budget=0.4, profile_cache={saved.fingerprint: saved})
+    step = remat.compile(spec.train_step, model, o, spec.batch, memory_budget=0.45, profile_cache={saved.fingerprint: saved})
     assert "repeats alike" in step.report.plan.meta["refined"]["found_by"]
     result = check_against_eager(spec.train_step, eager_model, eager_opt, model, o, step, spec.batch, steps=3)
     assert result.match, result.summary()
     assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes
+
+
+def test_node_times_tied_across_layers_plan_as_cheaply_as_measured_ones():
+    """Node times equal in every repeat of a layer (as pooling or timing one layer gives) tie
+    the greedy's choices. On this profile (bert-tiny b8, AdamW) at 0.4 the search once landed
+    at 169% of the iteration on the measured times and 181% on the tied ones, where a set
+    under the shared rebuild policy costs 28%: the set taken back did not fit under that
+    policy, and filling it added activations whose held copies raised the peak. The plan
+    on the measured times runs bitwise equal to eager, its peak as predicted."""
+    import numpy as np
+
+    from remat.pipeline.repeats import find_repeats, pooled_medians
+
+    spec = load("bert-tiny", 8, "adamw")
+    saved = Profile.from_json(PROFILES.parent / "planners" / "bert-tiny-b8-adamw-profile.json")
+    model, o = twin(spec.model, spec.optimizer)
+    eager_model, eager_opt = twin(spec.model, spec.optimizer)
+    tg = capture(spec.train_step, model, o, spec.batch)
+    built = pipeline.build_on(tg, model, o, spec.batch, saved_profile=saved)
+    base = simulate(built.analysis, scratch=built.index.scratch)
+    budget = int(base.persistent_bytes + 0.4 * base.step_peak_bytes)
+    measured = built.node_seconds()
+    names = [n.name for n in tg.op_nodes()]
+    tied = dict(zip(names, pooled_medians(np.array([[measured[n] for n in names]]), find_repeats(tg)).tolist()))
+    assert tied != measured
+    costs = []
+    for seconds in (measured, tied):
+        plan = make_plan("refined", built.index, seconds, budget)
+        assert plan.predicted_peak_bytes <= budget
+        costs.append(plan.predicted_overhead_seconds / sum(seconds.values()))
+    assert max(costs) < 0.4 and abs(costs[0] - costs[1]) < 0.02, costs
+    step = remat.compile(spec.train_step, model, o, spec.batch, memory_budget=budget, profile_cache={saved.fingerprint: saved})
+    assert step.report.plan.predicted_overhead_seconds == pytest.approx(costs[0] * sum(measured.values()))
+    result = check_against_eager(spec.train_step, eager_model, eager_opt, model, o, step, spec.batch, steps=3)
+    assert result.match, result.summary()
+    assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes
+
+
+def test_the_search_stops_at_its_work_limit_with_a_plan_that_fits(bert_tiny, monkeypatch):
+    """Near the floor one simulation holds thousands of copies; the search stops after a
+    fixed amount of simulation work (deterministic, unlike a clock), keeping the best plan
+    found so far."""
+    from remat.planners import refined
+
+    built, base = bert_tiny
+    budget = int(base.persistent_bytes + 0.5 * base.step_peak_bytes)
+    full = make_plan("refined", built.index, built.node_seconds(), budget)
+    assert not full.meta["refined"]["stopped_out_of_work"]
+    one = full.meta["refined"]["work"] // full.meta["refined"]["simulations"]  # about one simulation
+    monkeypatch.setattr(refined, "SEARCH_WORK", 3 * one)
+    cut = make_plan("refined", built.index, built.node_seconds(), budget)
+    info = cut.meta["refined"]
+    assert info["stopped_out_of_work"] and info["simulations"] < full.meta["refined"]["simulations"]
+    assert cut.predicted_peak_bytes <= budget
+    assert full.predicted_overhead_seconds <= cut.predicted_overhead_seconds <= info["mutwo_overhead_seconds"]
+    again = make_plan("refined", built.index, built.node_seconds(), budget)
+    assert again.keys == cut.keys  # the same plan: the limit counts work, not seconds
 
 
 def test_refined_plans_run_bitwise_equal_to_eager():

@@ -7,12 +7,15 @@ still fits and costs less:
 
 1. **Rebuild policy.** The same drop set under the other policy (`RebuildPolicy`): the
    greedy ran under both, but each stopped at its own first fitting prefix, and a set
-   found per block can cost a quarter as much with rebuilt values shared.
+   found per block can cost a quarter as much with rebuilt values shared. Where the set
+   does not fit under the other policy, it is filled to fit (as in an exchange).
 2. **Take back** each pick the plan no longer needs, the one whose rebuild costs most
    first (a bound, `KeepOneMoreBound`, skips those whose return cannot fit).
 3. **Exchange** a costly pick for cheaper ones: drop it from the set, and while the plan
    is over the budget, add the activations live at the simulated peak that free most
    bytes per second of rebuild until their bytes cover the excess; then take back again.
+   Added activations that raise the peak (their copies held across a later peak) are
+   taken out again and passed over.
    The costliest `EXCHANGE_PICKS` picks are tried per round, for up to `EXCHANGE_ROUNDS`
    rounds that each find a cheaper plan, and `EXCHANGE_SIMULATIONS` simulations in all
    (fewer on large graphs: `EXCHANGE_STEPS` schedule steps simulated).
@@ -27,6 +30,11 @@ still fits and costs less:
    above change one pick at a time and stop at the first plan no single change improves;
    the same choice in every layer is a move of many picks at once, and often the better
    plan, since the layers cost and hold alike.
+
+The whole search stops after a fixed amount of simulation work (`SEARCH_WORK`: schedule
+steps, each rebuilt copy counted `COPY_WORK` times), the first take-back after half of it:
+near the floor a plan rebuilds thousands of copies and one simulation takes a tenth of a
+second. Work, not seconds, so that a plan does not depend on the machine's speed.
 
 Every order is fixed (ties broken by storage id), so the plan is deterministic. The plan
 records μ-TWO's cost and what each move did (`meta["refined"]`).
@@ -54,6 +62,12 @@ EXCHANGE_STEPS = 60_000  # schedule steps simulated in all (a 30,000-node graph'
 ALIKE_SHARES = (0.5, 0.25, 0.75)  # a class is dropped in every repeat where the plan drops more than this share of it
 ALIKE_STEPS = 200_000  # schedule steps simulated before a further share is tried
 ALIKE_SIMULATIONS = 12  # tried only where ALIKE_STEPS covers this many simulations of the plan (about 15,000 nodes)
+# The whole search stops after this much simulation work: schedule steps, each rebuilt copy
+# counted COPY_WORK times (building its block's closure costs that much more). About a
+# microsecond a unit on a 2-core CPU, so about 1.5 s: near the floor a simulation holds
+# thousands of copies, and the search would otherwise take its time from the plan's size.
+SEARCH_WORK = 1_500_000
+COPY_WORK = 8
 
 
 def plan(index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, **meta) -> Plan:
@@ -73,10 +87,15 @@ def improve(index: GraphIndex, first: Plan, node_seconds: dict[str, float], budg
     start = search.fitting(picks, first.policy)
     if start is None:  # μ-TWO simulated this very plan under the budget: nothing to improve from
         return first
+    # The first take-back gets half the work at most: the moves after it can gain more
+    # (the other policy alone can cut the cost by three quarters).
+    search.work_limit = SEARCH_WORK // 2
     points = [search.take_back(start)]
-    # The other policy from the set taken back, or else from μ-TWO's set, where either fits.
+    search.work_limit = SEARCH_WORK
+    # The other policy from the set taken back, or else from μ-TWO's set, where either fits,
+    # or else from the set taken back filled to fit under it.
     other = next(p for p in RebuildPolicy if p is not first.policy)
-    start = search.fitting(points[0].dropped, other) or search.fitting(picks, other)
+    start = search.fitting(points[0].dropped, other) or search.fitting(picks, other) or search.fill(points[0].dropped, other)
     if start is not None:
         points.append(search.take_back(start))
     cheapest = min(points, key=_Point.rank)
@@ -99,6 +118,8 @@ def improve(index: GraphIndex, first: Plan, node_seconds: dict[str, float], budg
         "found_by": _found_by(first, picks, cheapest, best, exchanged),
         "simulations": search.simulations,
         "skipped_by_keep_bound": search.skipped,
+        "work": search.work,
+        "stopped_out_of_work": search.out_of_work,
         "seconds": time.perf_counter() - t0,
     }
     if best.dropped == picks and best.policy is first.policy:
@@ -169,6 +190,8 @@ class _LocalSearch:
     skipped: int = 0
     exchanges: int = 0
     steps: int = 0  # schedule steps simulated
+    work: int = 0  # simulation work done (SEARCH_WORK)
+    work_limit: int = SEARCH_WORK
     exchange_until: tuple[int, int] = (0, 0)  # the simulations and steps at which exchanges stop
     _alone: dict[int, float] = field(default_factory=dict)
 
@@ -179,7 +202,12 @@ class _LocalSearch:
         self.simulations += 1
         evaluation = evaluate(self.index, dropped, self.node_seconds, policy, touches=True)
         self.steps += len(evaluation.schedule.steps)
+        self.work += len(evaluation.schedule.steps) + COPY_WORK * len(evaluation.schedule.copy_positions)
         return evaluation
+
+    @property
+    def out_of_work(self) -> bool:
+        return self.work >= self.work_limit
 
     def seconds_alone(self, sid: int) -> float:
         """Seconds to rebuild `sid` with nothing else dropped: the price the exchange ranks by."""
@@ -192,6 +220,8 @@ class _LocalSearch:
         where it still fits at no more cost."""
         bound = None
         for sid in sorted(point.dropped if among is None else among, key=lambda s: (-self.seconds_alone(s), s)):
+            if self.out_of_work:
+                break
             if bound is None:
                 bound = KeepOneMoreBound(self.index, point.evaluation.schedule, point.evaluation.timeline, point.evaluation.intervals)
             if bound(sid) > self.budget_bytes:
@@ -208,9 +238,9 @@ class _LocalSearch:
         for _ in range(EXCHANGE_ROUNDS):
             costliest = sorted(point.dropped, key=lambda s: (-self.seconds_alone(s), s))[:EXCHANGE_PICKS]
             for sid in costliest:
-                if self.simulations >= self.exchange_until[0] or self.steps >= self.exchange_until[1]:
+                if self.simulations >= self.exchange_until[0] or self.steps >= self.exchange_until[1] or self.out_of_work:
                     return point
-                filled = self._fill(point.dropped - {sid}, point.policy, excluded=sid)
+                filled = self.fill(point.dropped - {sid}, point.policy, excluded=sid)
                 if filled is None:
                     continue
                 # The picks just added first: most of the fill's excess is in them. Only an
@@ -233,7 +263,7 @@ class _LocalSearch:
         classes = _counterpart_classes(self.index)
         best, tried, until = None, {point.dropped}, self.steps + ALIKE_STEPS
         for share in ALIKE_SHARES:
-            if self.steps >= until:
+            if self.steps >= until or self.out_of_work:
                 break
             dropped = set(point.dropped)
             for members in classes:
@@ -244,17 +274,24 @@ class _LocalSearch:
             if frozenset(dropped) in tried:
                 continue
             tried.add(frozenset(dropped))
-            filled = self._fill(frozenset(dropped), point.policy, excluded=None)
+            filled = self.fill(frozenset(dropped), point.policy, excluded=None)
             if filled is not None:
                 trial = self.take_back(filled)
                 if best is None or trial.rank() < best.rank():
                     best = trial
         return best
 
-    def _fill(self, dropped: frozenset[int], policy: RebuildPolicy, excluded: int | None) -> _Point | None:
-        """`dropped` with activations live at the simulated peak added until the plan fits, or None."""
+    def fill(self, dropped: frozenset[int], policy: RebuildPolicy, excluded: int | None = None) -> _Point | None:
+        """`dropped` with activations live at the simulated peak added until the plan fits, or None.
+
+        Additions that raise the peak (their rebuilt copies held across a later peak, as
+        under the shared policy) are taken back and passed over in the next attempt."""
         tensors = self.index.analysis.tensors
+        passed_over: set[int] = set() if excluded is None else {excluded}
+        before: tuple[frozenset[int], Evaluation] | None = None
         for attempt in range(FILL_ATTEMPTS + 1):
+            if self.out_of_work:
+                return None
             try:
                 evaluation = self.evaluate(dropped, policy)
             except PlanError:
@@ -263,8 +300,11 @@ class _LocalSearch:
                 return _Point(dropped, evaluation, policy)
             if attempt == FILL_ATTEMPTS:
                 return None
+            if before is not None and evaluation.peak_bytes > before[1].peak_bytes:
+                passed_over |= dropped - before[0]
+                dropped, evaluation = before
             at = self.index.rank[evaluation.schedule.steps[evaluation.timeline.peak_rank].node]
-            live = [s for s in self._candidates if s not in dropped and s != excluded and tensors[s].created < at <= tensors[s].last_use]
+            live = [s for s in self._candidates if s not in dropped and s not in passed_over and tensors[s].created < at <= tensors[s].last_use]
             live.sort(key=lambda s: (-tensors[s].nbytes / max(self.seconds_alone(s), 1e-12), s))
             excess, added = evaluation.peak_bytes - self.budget_bytes, []
             for s in live:
@@ -274,11 +314,14 @@ class _LocalSearch:
                     break
             if not added:
                 return None
+            before = (dropped, evaluation)
             dropped = dropped | frozenset(added)
         return None
 
     def fitting(self, dropped: frozenset[int], policy: RebuildPolicy) -> _Point | None:
-        """`dropped` under `policy` where it fits, else None."""
+        """`dropped` under `policy` where it fits, else None (and None once out of work)."""
+        if self.out_of_work:
+            return None
         try:
             evaluation = self.evaluate(dropped, policy)
         except PlanError:
