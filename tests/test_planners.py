@@ -497,6 +497,23 @@ def test_keep_one_more_bound_below_simulated_peak(name, batch, policy):
     assert checked > 20 and tight > 0  # it was tried, and it is not vacuous
 
 
+def test_the_shared_greedy_gives_up_once_its_bound_stops_falling(chain, monkeypatch):
+    """`bound_patience`: prefixes in a row, simulated or only bounded, without a lower peak
+    or bound before the greedy stops. Far below what the chain can reach, its first two
+    prefixes are bounded alike (18308 bytes): with a patience of 2 the run stops there
+    instead of trying all four candidates, and still refuses the budget."""
+    from remat.planners import mutwo
+
+    checked: list[int] = []
+    original = Evaluator.check
+    monkeypatch.setattr(Evaluator, "check", lambda self, d: checked.append(len(d)) or original(self, d))
+    for patience, expected in ((None, [1, 2, 3, 4]), (2, [1, 2])):
+        checked.clear()
+        with pytest.raises(BudgetError):
+            mutwo.plan_mutwo(chain, seconds(chain), CHAIN_PERSISTENT + 1000, policy=RebuildPolicy.SHARED, bound_patience=patience)
+        assert checked == expected
+
+
 def test_evaluator_bounds_the_schedule_it_simulates(chain):
     for policy in RebuildPolicy:
         ev = Evaluator(chain, seconds(chain), CHAIN_PERSISTENT + 1000, policy=policy)

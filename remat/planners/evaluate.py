@@ -160,11 +160,12 @@ class Evaluator:
         self.bound_violations = 0  # a simulated peak below its bound: the bound is wrong (tests assert none)
         self._best_peak = self.baseline.peak_bytes
         self._skipped: list[tuple[int, frozenset[int]]] = []
+        self.last_bound = self.baseline.peak_bytes  # the lower bound of the set checked last
 
     def check(self, dropped: set[int] | frozenset[int]) -> tuple[bool, int | None, Evaluation | None]:
         """(fits?, simulated peak or None if skipped, evaluation or None)."""
         dropped = frozenset(dropped)
-        lb = self.bound(dropped, above=self.budget_bytes)
+        lb = self.last_bound = self.bound(dropped, above=self.budget_bytes)
         if self.use_bound and lb > self.budget_bytes:
             self.skipped_by_bound += 1
             self._skipped.append((lb, dropped))

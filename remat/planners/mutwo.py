@@ -224,6 +224,7 @@ def plan_mutwo(
     policy: RebuildPolicy = RebuildPolicy.PER_BLOCK,
     give_up_above_seconds: float | None = None,
     patience: int | None = None,
+    bound_patience: int | None = None,
     **meta,
 ) -> MutwoResult:
     """μ-TWO's greedy on a graph: the first pick sequence whose simulated peak fits.
@@ -237,9 +238,11 @@ def plan_mutwo(
 
     Two stops, for a run that only competes with a plan already found (see `plan`):
     `give_up_above_seconds` ends the greedy once a simulated prefix's predicted
-    overhead reaches it (more picks only add rebuilds), and `patience` once that many
+    overhead reaches it (more picks only add rebuilds), `patience` once that many
     simulated prefixes in a row have not lowered the smallest peak seen (under the
-    shared schedule, held rebuilds can make the peak rise with every further pick).
+    shared schedule, held rebuilds can make the peak rise with every further pick), and
+    `bound_patience` once that many prefixes in a row, simulated or not, have not lowered
+    the smallest of their peaks and lower bounds.
     Both are deterministic, so plans stay reproducible.
     """
     t0 = time.perf_counter()
@@ -253,9 +256,15 @@ def plan_mutwo(
     records = candidate_records(index, node_seconds)
     last: dict[str, Evaluation] = {}
     stale = {"best": baseline.peak_bytes, "since": 0}
+    low = {"best": baseline.peak_bytes, "since": 0}
 
     def fits(picks: list) -> tuple[bool, int | None]:
         ok, peak, evaluation = ev.check(set(picks))
+        seen = ev.last_bound if peak is None else peak
+        low["since"] = 0 if seen < low["best"] else low["since"] + 1
+        low["best"] = min(low["best"], seen)
+        if not ok and bound_patience is not None and low["since"] >= bound_patience:
+            raise _GiveUp
         if ok:
             assert evaluation is not None
             last["fit"] = evaluation
@@ -299,6 +308,11 @@ def plan_mutwo(
 # stops (on ResNet-152 its peak only rises after the first few hundred picks, and each
 # simulation of a large drop set takes a fraction of a second).
 SHARED_PATIENCE = 8
+# Prefixes in a row, simulated or only bounded, without a lower peak or bound, before the
+# shared-schedule greedy stops: on ResNet-152 near its floor the bound stops falling a few
+# hundred picks in and the run would go on through every candidate (over a second of
+# bounds) to find nothing; where it finds a plan, no more than a handful go by.
+SHARED_BOUND_PATIENCE = 50
 
 
 class _GiveUp(Exception):
@@ -319,7 +333,7 @@ def plan(index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, *
     rest = {k: v for k, v in meta.items() if k != "meta"}
 
     def run(policy: RebuildPolicy, cutoff: float) -> MutwoResult:
-        stops = {} if policy is RebuildPolicy.PER_BLOCK else {"give_up_above_seconds": cutoff, "patience": SHARED_PATIENCE}
+        stops = {} if policy is RebuildPolicy.PER_BLOCK else {"give_up_above_seconds": cutoff, "patience": SHARED_PATIENCE, "bound_patience": SHARED_BOUND_PATIENCE}
         return plan_mutwo(index, node_seconds, budget_bytes, policy=policy, **stops, meta=dict(meta.get("meta") or {}), **rest)
 
     competition = compete_schedules(run, lambda r: r.plan.predicted_overhead_seconds, compete=lambda r: bool(r.plan.recomputed))
