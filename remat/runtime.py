@@ -141,7 +141,8 @@ class RematStep:
     def compiled_for(self, batch: Any) -> CompiledGraph:
         """The compiled graph for this batch's shape, compiling it if it is new."""
         shapes = self._agreed("reading the batch", lambda: self._checked_signature(batch), summary=_shapes, differ="the batch's shapes and dtypes")
-        cached = self._graphs.get((shapes, self._key_values()))
+        now = self._key_values()
+        cached = self._graphs.get((shapes, now))
         if cached is not None:
             return cached
         same_shape = [g for (s, _), g in self._graphs.items() if s == shapes]
@@ -149,7 +150,7 @@ class RematStep:
         # Floats changed since: read at every call from now on, compiled once more, then
         # never again for them (read_numbers).
         last = dict(before)
-        promoted = {n for n, v in self._key_values() if type(v) is float and type(last.get(n)) is float and v != last[n]} - self._constant
+        promoted = {n for n, v in now if type(v) is float and type(last.get(n)) is float and v != last[n]} - self._constant
         self._read |= promoted
         self._warn_changed(before)
         try:

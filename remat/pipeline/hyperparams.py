@@ -136,11 +136,7 @@ def symbolic(
             name = input_name(gi, key)
             if sign_facts.get(name) == FIXED:
                 continue  # the group's own value, a constant of the graph
-            value = tensors[name].item()
-            symbols[str(value.node.expr)] = name
-            if name in sign_facts:
-                fact = sign_facts[name]
-                torch._check(value > 0 if fact > 0 else value < 0 if fact < 0 else value == 0)
+            value = traced_float(tensors[name], name, sign_facts.get(name), symbols)
             _set(group, key, value)
             placed[name] = value
     try:
@@ -156,6 +152,17 @@ def symbolic(
     finally:
         for group, values in zip(optimizer.param_groups, saved):
             group.update(values)
+
+
+def traced_float(tensor: torch.Tensor, name: str, known_sign: int | None, symbols: dict[str, str]) -> Any:
+    """While tracing: the `.item()` of a 0-dim graph input, a symbolic float, recorded in
+    `symbols` under `name` (to name a branch the trace trips on) and told its sign where
+    one is known (-1, 0, 1)."""
+    value = tensor.item()
+    symbols[str(value.node.expr)] = name
+    if known_sign is not None:
+        torch._check(value > 0 if known_sign > 0 else value < 0 if known_sign < 0 else value == 0)
+    return value
 
 
 def group_specs(optimizer: torch.optim.Optimizer, names: dict[int, str], sign_facts: dict[str, int]) -> list[GroupSpec]:

@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import torch
 
 from remat.errors import CaptureError
-from remat.pipeline.hyperparams import sign
+from remat.pipeline.hyperparams import sign, traced_float
 from remat.pipeline.python_state import Slot
 from remat.pipeline.train_graph import InputKind, TrainGraph
 
@@ -85,10 +85,7 @@ class Reading:
                 if self.signs.get(name) == 0:
                     placed[name] = saved[name]  # the zero itself, with its sign bit
                     continue
-                placed[name] = value = tensors[name].item()
-                symbols[str(value.node.expr)] = name
-                if name in self.signs:
-                    torch._check(value > 0 if self.signs[name] > 0 else value < 0)
+                placed[name] = value = traced_float(tensors[name], name, self.signs.get(name), symbols)
                 slot.set(value)
             yield
             for name, slot in self.symbolic.items():

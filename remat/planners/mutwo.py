@@ -255,15 +255,13 @@ def plan_mutwo(
         return MutwoResult(plan, GreedyResult([], [], True), [])
     records = candidate_records(index, node_seconds)
     last: dict[str, Evaluation] = {}
-    stale = {"best": baseline.peak_bytes, "since": 0}
-    low = {"best": baseline.peak_bytes, "since": 0}
+    stale = _Lowest(baseline.peak_bytes)  # simulated peaks
+    low = _Lowest(baseline.peak_bytes)  # simulated peaks and lower bounds
 
     def fits(picks: list) -> tuple[bool, int | None]:
         ok, peak, evaluation = ev.check(set(picks))
-        seen = ev.last_bound if peak is None else peak
-        low["since"] = 0 if seen < low["best"] else low["since"] + 1
-        low["best"] = min(low["best"], seen)
-        if not ok and bound_patience is not None and low["since"] >= bound_patience:
+        since_low = low.saw(ev.last_bound if peak is None else peak)
+        if not ok and bound_patience is not None and since_low >= bound_patience:
             raise _GiveUp
         if ok:
             assert evaluation is not None
@@ -271,9 +269,8 @@ def plan_mutwo(
         elif evaluation is not None:
             if give_up_above_seconds is not None and evaluation.overhead_seconds >= give_up_above_seconds:
                 raise _GiveUp
-            stale["since"] = 0 if evaluation.peak_bytes < stale["best"] else stale["since"] + 1
-            stale["best"] = min(stale["best"], evaluation.peak_bytes)
-            if patience is not None and stale["since"] >= patience:
+            since_lower = stale.saw(evaluation.peak_bytes)
+            if patience is not None and since_lower >= patience:
                 raise _GiveUp
         return ok, peak
 
@@ -313,6 +310,19 @@ SHARED_PATIENCE = 8
 # hundred picks in and the run would go on through every candidate (over a second of
 # bounds) to find nothing; where it finds a plan, no more than a handful go by.
 SHARED_BOUND_PATIENCE = 50
+
+
+@dataclass
+class _Lowest:
+    """The lowest value seen so far, and how many values in a row since have not been lower."""
+
+    best: int
+    since: int = 0
+
+    def saw(self, value: int) -> int:
+        self.since = 0 if value < self.best else self.since + 1
+        self.best = min(self.best, value)
+        return self.since
 
 
 class _GiveUp(Exception):
