@@ -676,7 +676,7 @@ class Outcome:
     notes: list[str] = field(default_factory=list)
 
 
-_BUDGET_ERROR = re.compile(r"budget of .*?\((\d+) bytes\): the smallest peak it could reach is .*?\((\d+) bytes\), from .*?without")
+_BUDGET_ERROR = re.compile(r"budget of .*?\((\d+) bytes\): the smallest peak it could reach is [^(]*\((\d+) bytes\)")
 
 
 def parse_budget_error(message: str) -> tuple[int, int]:

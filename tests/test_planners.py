@@ -230,6 +230,18 @@ def test_chain_mutwo_by_hand(chain):
     assert entry.ratio == 4096.0
 
 
+def test_a_schedule_over_its_copy_limit_is_refused_before_it_is_built_whole(chain):
+    from remat.pipeline.schedule import ScheduleTooLarge, build_schedule
+
+    dropped = {sid(chain, "sin"), sid(chain, "sin_1")}
+    full = build_schedule(chain, dropped)
+    n = len(full.copy_positions)
+    assert n > 1
+    assert build_schedule(chain, dropped, copy_limit=n).steps == full.steps
+    with pytest.raises(ScheduleTooLarge):
+        build_schedule(chain, dropped, copy_limit=n - 1)
+
+
 def test_mutwo_keeps_the_cheaper_rebuild_schedule(chain, residual):
     """The greedy runs under both rebuild policies and keeps the cheaper plan that fits."""
     ns = seconds(chain, mm=2.0, mm_1=4.0)
@@ -540,6 +552,25 @@ def test_smallest_peak_gives_a_range_when_cut_short(chain):
     msg = str(no_plan_error("mutwo", CHAIN_PERSISTENT + 1000, reach, reach.best, 4))
     assert f"{reach.best} bytes) among the plans it simulated" in msg and "none of its plans goes below" in msg
     assert f"{reach.lower} bytes" in msg
+
+
+def test_smallest_peak_stops_once_every_bound_left_is_within_its_tolerance(chain, monkeypatch):
+    """Near the floor each simulation can take half a second, for bounds a few hundred KB
+    apart: after one simulation, bounds within REACH_TOLERANCE of the best peak are left
+    unsimulated and the reach given as a range."""
+    from remat.planners import evaluate
+
+    low = {sid(chain, "mm"), sid(chain, "sin")}  # both peak at 12420 over persistent; so does their bound
+    for tolerance, expected in ((evaluate.REACH_TOLERANCE, (12420, 12420, True, 2)), (0.2, (12420, 12320, False, 1))):
+        monkeypatch.setattr(evaluate, "REACH_TOLERANCE", tolerance)
+        ev = Evaluator(chain, seconds(chain), CHAIN_PERSISTENT + 1000)
+        exact = ev.bound
+        ev.bound = lambda d, **kw: exact(d, **kw) - 100  # a looser bound, as on large graphs
+        for dropped in (low, low | {sid(chain, "mm_1")}):
+            assert ev.check(dropped)[:2] == (False, None)  # skipped by the bound
+        before = ev.simulations
+        reach = ev.smallest_peak()
+        assert (reach.best - CHAIN_PERSISTENT, reach.lower - CHAIN_PERSISTENT, reach.exact, ev.simulations - before) == expected
 
 
 # ---------------------------------------------------------------------- the interface

@@ -171,6 +171,9 @@ def test_the_search_stops_at_its_work_limit_with_a_plan_that_fits(bert_tiny, mon
     cut = make_plan("refined", built.index, built.node_seconds(), budget)
     info = cut.meta["refined"]
     assert info["stopped_out_of_work"] and info["simulations"] < full.meta["refined"]["simulations"]
+    # A simulation whose copies would pass the limit is not run: the work done passes the
+    # limit by no more than one schedule's steps that are not copies.
+    assert info["work"] <= 3 * one + len(built.index.order)
     assert cut.predicted_peak_bytes <= budget
     assert full.predicted_overhead_seconds <= cut.predicted_overhead_seconds <= info["mutwo_overhead_seconds"]
     again = make_plan("refined", built.index, built.node_seconds(), budget)

@@ -22,6 +22,7 @@ import torch.fx
 
 from remat.pipeline import op_facts, rng_replay
 from remat.pipeline.analysis import GraphAnalysis, analyze, reordered_analysis
+from remat.pipeline.spans import merge_spans
 from remat.pipeline.train_graph import Phase, TrainGraph
 from remat.pipeline.lean_ops import LeanOps, apply_lean_ops, find_lean_ops
 from remat.pipeline.update_placement import UpdatePlacement, place_updates, reorder
@@ -377,6 +378,9 @@ class GraphIndex:
                 if not owners_copied:
                     return f"{name} writes in place into a tensor that is not rebuilt with it"
         r = self.rank[name]
+        written_before, next_write = self._writes_around(name)
+        if not written_before and next_write >= before_rank:
+            return None  # no write the checks below could object to
         for a in self.reads_of_copy(name):
             for s in self.storages.get(a, []):
                 rebuilt = a in copied
@@ -389,6 +393,17 @@ class GraphIndex:
                         return f"{name} reads {a}, which {self.order[w]} changes in place before the rebuild"
         return None
 
+    def _writes_around(self, name: str) -> tuple[bool, int]:
+        """Whether another node writes in place into a storage a copy of `name` reads before
+        `name` runs, and the rank of the first such write after it (the graph's length where
+        none): what `check_copy` needs to know of most ops to pass them."""
+        cache = self.__dict__.setdefault("_writes_around_copy", {})
+        if name not in cache:
+            r = self.rank[name]
+            writes = [w for a in self.reads_of_copy(name) for s in self.storages.get(a, []) for w in self.written_by.get(s, []) if w != r]
+            cache[name] = (any(w < r for w in writes), min((w for w in writes if w > r), default=len(self.order)))
+        return cache[name]
+
     def _always_copyable(self) -> set[str]:
         """Forward ops `check_copy` passes whatever is dropped (most; the others it checks each time)."""
         if "_always_copyable_ops" not in self.__dict__:
@@ -396,7 +411,7 @@ class GraphIndex:
                 n for n in self.forward
                 if not (n in self.random and n not in self.replayable)
                 and (not self.writes[n] or self.node_map[n].target in op_facts.STATE_FREE_TWINS)
-                and all(w == self.rank[n] for a in self.reads_of_copy(n) for s in self.storages.get(a, []) for w in self.written_by.get(s, []))
+                and self._writes_around(n) == (False, len(self.order))
             }  # fmt: skip
         return self.__dict__["_always_copyable_ops"]
 
@@ -482,17 +497,3 @@ class GraphIndex:
             copied.add(c)
         return None
 
-
-def merge_spans(spans: dict[int, list[tuple[int, int]]]) -> dict[int, list[tuple[int, int]]]:
-    """Each storage's rank spans, sorted, overlapping ones merged (storages without any left out)."""
-    merged: dict[int, list[tuple[int, int]]] = {}
-    for s, xs in spans.items():
-        out: list[tuple[int, int]] = []
-        for lo, hi in sorted(xs):
-            if out and lo <= out[-1][1]:
-                out[-1] = (out[-1][0], max(out[-1][1], hi))
-            else:
-                out.append((lo, hi))
-        if out:
-            merged[s] = out
-    return merged

@@ -34,10 +34,15 @@ import numpy as np
 from remat.errors import PlanError
 from remat.pipeline.graph_index import GraphIndex, RebuildPolicy
 
-__all__ = ["ORIGINAL", "GraphIndex", "RebuildPolicy", "Schedule", "Step", "build_schedule", "recompute_seconds"]
+__all__ = ["ORIGINAL", "GraphIndex", "RebuildPolicy", "Schedule", "ScheduleTooLarge", "Step", "build_schedule", "recompute_seconds"]
 
 
 ORIGINAL = -1  # the instance number of a value computed by its original node
+
+
+class ScheduleTooLarge(PlanError):
+    """The schedule would hold more copies than the caller's `copy_limit`: a search with a
+    fixed amount of work left cannot afford to simulate it."""
 
 
 class Step(NamedTuple):
@@ -103,11 +108,15 @@ def recompute_seconds(schedule: Schedule, node_seconds: dict[str, float]) -> flo
 
 
 def build_schedule(
-    index: GraphIndex, dropped: set[int] | frozenset[int], policy: RebuildPolicy = RebuildPolicy.PER_BLOCK
+    index: GraphIndex,
+    dropped: set[int] | frozenset[int],
+    policy: RebuildPolicy = RebuildPolicy.PER_BLOCK,
+    copy_limit: int | None = None,
 ) -> Schedule:
     """The order the rewritten graph runs in when the storages in `dropped` are recomputed,
     with the blocks of `index.block_ops` and the copies later blocks share
-    (`index.block_targets` under `policy`, while `index.shared_until`)."""
+    (`index.block_targets` under `policy`, while `index.shared_until`).
+    `copy_limit`: raise ScheduleTooLarge as soon as the copies pass it."""
     dropped = frozenset(dropped)
     bad = [s for s in dropped if s not in index.activation]
     if bad:
@@ -150,6 +159,8 @@ def build_schedule(
             return None
 
         ops = index.block_ops(u, lambda a: resolve(a) is None)
+        if copy_limit is not None and len(copy_positions) + len(ops) > copy_limit:
+            raise ScheduleTooLarge(f"more than {copy_limit} copies")
         for c in ops:
             why = index.check_copy(c, block, dropped, r_u)
             if why is not None:

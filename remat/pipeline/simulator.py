@@ -123,9 +123,10 @@ class ScheduleIntervals:
     start: np.ndarray
     end: np.ndarray
     roles: list[str]
-    # Where asked for (`touches`): the rows each copy step makes or reads, and the last step
-    # that is not a copy to make or read each row (-1 for none).
-    touched_by_copy: dict[int, list[int]] | None = None
+    # Where asked for (`touches`): each (copy step, row) touch of a copy making or reading a
+    # row, as two arrays (a pair may repeat), and the last step that is not a copy to make
+    # or read each row (-1 for none).
+    copy_touches: tuple[np.ndarray, np.ndarray] | None = None
     last_plain_touch: np.ndarray | None = None
 
 
@@ -245,7 +246,8 @@ def schedule_intervals(index: GraphIndex, schedule: Schedule, granularity: int =
     source: dict[int, int] = {}  # new key -> the storage whose bytes and role it has
     value_keys: dict[tuple[str, int], list[int]] = {}  # values whose keys are not their storages'
     next_key = n_tensors
-    touched: dict[int, list[int]] = {}
+    touched_at: list[int] = []  # the copy steps' touches (`touches`): step, key
+    touched_key: list[int] = []
     no_storages: list[int] = []
     while pending:
         i = heapq.heappop(pending)
@@ -272,7 +274,9 @@ def schedule_intervals(index: GraphIndex, schedule: Schedule, granularity: int =
         if copy:
             value_keys[(step.node, step.instance)] = own
             if touches:
-                touched[i] = own + list(inherited.values())
+                touched_key.extend(own)
+                touched_key.extend(inherited.values())
+                touched_at.extend([i] * (len(own) + len(inherited)))
         elif own != sids:
             # Its readers read it on a rebuilt key: they follow the rules too.
             value_keys[(step.node, ORIGINAL)] = own
@@ -309,11 +313,13 @@ def schedule_intervals(index: GraphIndex, schedule: Schedule, granularity: int =
     new = ks >= n_tensors
     src[new] = [source[int(k)] for k in ks[new]]
     nbytes = round_up(captured.nbytes[src], granularity)
-    touched_by_copy = last_plain_touch = None
+    copy_touches = last_plain_touch = None
     if touches:
         row = np.full(n_keys, -1, dtype=np.int64)
         row[ks] = np.arange(len(ks))
-        touched_by_copy = {i: sorted({int(row[k]) for k in keys if row[k] >= 0}) for i, keys in touched.items()}
+        rows = row[np.array(touched_key, dtype=np.int64)]
+        made_rows = rows >= 0  # a key no step makes has no row
+        copy_touches = (np.array(touched_at, dtype=np.int64)[made_rows], rows[made_rows])
         plain = ~is_copy[all_pos]
         last = np.full(n_keys, -1, dtype=np.int64)
         np.maximum.at(last, all_key[plain], all_pos[plain])
@@ -323,7 +329,7 @@ def schedule_intervals(index: GraphIndex, schedule: Schedule, granularity: int =
         start=start[ks],
         end=end[ks],
         roles=captured.roles[src].tolist(),
-        touched_by_copy=touched_by_copy,
+        copy_touches=copy_touches,
         last_plain_touch=last_plain_touch,
     )
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from remat.pipeline.graph_index import merge_spans
+from remat.pipeline.spans import merge_spans
 from remat.pipeline.schedule import GraphIndex, RebuildPolicy, Schedule
 from remat.pipeline.simulator import ScheduleIntervals, Timeline, replay_state_intervals, schedule_intervals
 
@@ -302,9 +302,9 @@ class KeepOneMoreBound:
         self._last_touch = _last_forward_touch(index)
         steps = schedule.steps
         n = len(steps)
-        if made is None or made.touched_by_copy is None:
+        if made is None or made.copy_touches is None:
             made = schedule_intervals(index, schedule, touches=True)
-        assert made.touched_by_copy is not None
+        assert made.copy_touches is not None
         states = replay_state_intervals(index, schedule)
         state_row = {x: len(made.nbytes) + j for j, (*_, x) in enumerate(states)}
         assert made.last_plain_touch is not None
@@ -326,19 +326,26 @@ class KeepOneMoreBound:
         following = np.minimum.accumulate(np.where(is_copy, n, np.arange(n))[::-1])[::-1]
         self._at_rank = plain_rank[following]
         self._block = np.where(is_copy, following, -1)
-        self._rows: dict[int, set[int]] = {}  # block -> the rows its copies make or read
+        self._rows = self._rows_by_block(made.copy_touches, [(i, state_row[steps[i].node]) for i in schedule.copy_positions if steps[i].node in state_row], len(self._bytes))
         self._blocks_of: dict[int, set[int]] = {}  # storage -> the blocks copying a value on it
         for i in schedule.copy_positions:
-            node, block = steps[i].node, int(self._block[i])
-            rows = self._rows.setdefault(block, set())
-            rows.update(made.touched_by_copy[i])
-            if node in state_row:
-                rows.add(state_row[node])
-            for s in index.storages.get(node, ()):
+            block = int(self._block[i])
+            for s in index.storages.get(steps[i].node, ()):
                 self._blocks_of.setdefault(s, set()).add(block)
         self._live = timeline.during
         self._n = n
         self.persistent = int(timeline.persistent_bytes)
+
+    def _rows_by_block(self, copy_touches: tuple[np.ndarray, np.ndarray], state_touches: list[tuple[int, int]], n_rows: int) -> dict[int, np.ndarray]:
+        """Block -> the rows its copies make or read (a replayed copy: its generator state's
+        row too), each once."""
+        at, rows = copy_touches
+        if state_touches:
+            at = np.concatenate([at, np.array([i for i, _ in state_touches], dtype=np.int64)])
+            rows = np.concatenate([rows, np.array([r for _, r in state_touches], dtype=np.int64)])
+        pairs = np.unique(self._block[at] * n_rows + rows)
+        blocks, first = np.unique(pairs // n_rows, return_index=True)
+        return dict(zip(blocks.tolist(), np.split(pairs % n_rows, first[1:])))
 
     def __call__(self, storage: int) -> int:
         """The bound for the plan with `storage` (dropped in it) kept; 0 where this says nothing."""
@@ -351,7 +358,7 @@ class KeepOneMoreBound:
         if blocks:
             in_blocks = np.zeros(self._n + 2, dtype=bool)  # by block + 1 (a step outside every block: -1)
             in_blocks[np.fromiter(blocks, dtype=np.int64) + 1] = True
-            rows = np.fromiter(set().union(*(self._rows[b] for b in blocks)), dtype=np.int64)
+            rows = np.unique(np.concatenate([self._rows[b] for b in blocks]))
             weights = self._bytes[rows]
             start = self._start[rows]
             first = np.where(in_blocks[self._block[start] + 1], start, self._after[rows])

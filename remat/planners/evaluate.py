@@ -36,9 +36,11 @@ def evaluate(
     node_seconds: dict[str, float],
     policy: RebuildPolicy = RebuildPolicy.PER_BLOCK,
     touches: bool = False,
+    copy_limit: int | None = None,
 ) -> Evaluation:
-    """`touches`: keep the schedule's intervals with what each copy touches (for KeepOneMoreBound)."""
-    schedule = build_schedule(index, dropped, policy)
+    """`touches`: keep the schedule's intervals with what each copy touches (for
+    KeepOneMoreBound). `copy_limit`: build_schedule's."""
+    schedule = build_schedule(index, dropped, policy, copy_limit)
     made = schedule_intervals(index, schedule, touches=True) if touches else None
     timeline = simulate_schedule(index, schedule, made=made)
     return Evaluation(schedule, timeline, recompute_seconds(schedule, node_seconds), made)
@@ -126,6 +128,9 @@ def describe_recomputed(index: GraphIndex, dropped: set[int] | frozenset[int], o
 
 
 REFINE_SECONDS = 5.0  # how long a failed planner may spend pinning down the smallest peak it can reach
+# ... and how close it pins it: near the floor each simulation can take half a second, for
+# plans whose bounds differ by a few hundred KB of a GB.
+REACH_TOLERANCE = 0.001
 
 
 @dataclass(frozen=True)
@@ -182,16 +187,20 @@ class Evaluator:
 
         Sets skipped by the bound are simulated now, lowest bound first (smaller sets
         first among equal bounds: they are cheaper), while their bound is below the best
-        peak seen. Past `time_limit` seconds it stops and says how far it got: plans
-        that drop most activations can take seconds each to simulate.
+        peak seen. Past `time_limit` seconds, or once every bound left is within
+        `REACH_TOLERANCE` of the best peak after it simulated one set itself, it stops and
+        says how far it got: plans that drop most activations can take seconds each to
+        simulate.
         """
         best = self._best_peak
         t0 = time.perf_counter()
         pending = sorted(self._skipped, key=lambda x: (x[0], len(x[1])))
+        simulated = 0
         for lb, dropped in pending:
             if lb >= best:
                 return Reach(best, best, True)
-            if time_limit is not None and time.perf_counter() - t0 > time_limit:
+            close = simulated and lb >= best * (1 - REACH_TOLERANCE)
+            if close or (time_limit is not None and time.perf_counter() - t0 > time_limit):
                 return Reach(best, lb, False)
             if self.bound(dropped) >= best:  # the whole bound (above stopped at the cheap part)
                 continue
@@ -200,6 +209,7 @@ class Evaluator:
             except PlanError:
                 continue  # a set the schedule cannot run (picks that do not combine): no peak
             self.simulations += 1
+            simulated += 1
             if peak < lb:
                 self.bound_violations += 1
             best = min(best, peak)

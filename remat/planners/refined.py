@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 from remat.errors import PlanError
 from remat.pipeline.repeats import forward_counterparts
-from remat.pipeline.schedule import GraphIndex, RebuildPolicy
+from remat.pipeline.schedule import GraphIndex, RebuildPolicy, ScheduleTooLarge
 from remat.planners import mutwo
 from remat.planners.bound import KeepOneMoreBound
 from remat.planners.evaluate import Evaluation, assemble_plan, baseline_of, evaluate
@@ -199,8 +199,14 @@ class _LocalSearch:
         self._candidates = self.index.candidates()
 
     def evaluate(self, dropped: frozenset[int], policy: RebuildPolicy) -> Evaluation:
-        self.simulations += 1
-        evaluation = evaluate(self.index, dropped, self.node_seconds, policy, touches=True)
+        """`dropped` simulated; ScheduleTooLarge (a PlanError: no plan to the callers) where
+        its copies alone would pass the work left, which then ends the search."""
+        self.simulations += 1  # attempts, those the schedule refuses included
+        try:
+            evaluation = evaluate(self.index, dropped, self.node_seconds, policy, touches=True, copy_limit=(self.work_limit - self.work) // (1 + COPY_WORK))
+        except ScheduleTooLarge:
+            self.work = self.work_limit
+            raise
         self.steps += len(evaluation.schedule.steps)
         self.work += len(evaluation.schedule.steps) + COPY_WORK * len(evaluation.schedule.copy_positions)
         return evaluation
