@@ -98,7 +98,7 @@ class RematStep:
 
     train_step: TrainStep
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer | None
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None
     memory_budget: str | int | float | None
     planner: str = DEFAULT_PLANNER
     profile_runs: int = 3
@@ -354,7 +354,7 @@ class _ChangedOnFailure:
 def compile(  # noqa: A001 - the public name mirrors torch.compile
     train_step: TrainStep,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None,
     example_batch: Any,
     memory_budget: str | int | float | None = None,
     planner: str = DEFAULT_PLANNER,
@@ -367,6 +367,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     lean_ops: bool = True,
 ) -> RematStep:
     """Compile `train_step(model, optimizer, batch) -> loss` into a step that fits `memory_budget`.
+
+    `optimizer`: the one the step steps, or a list of those it steps (each parameter in one
+    of them: Muon for the matrices and AdamW for the rest), which train_step gets as given.
 
     `memory_budget`: a fraction in (0, 1] of the activation peak without recomputation,
     an absolute cap on the whole peak (bytes, or "6GiB"), or None for no recomputation.

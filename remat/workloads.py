@@ -24,8 +24,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from remat.errors import UsageError
+from remat.errors import CaptureError, UsageError
 from remat.models import MODEL_NAMES, OPTIMIZER_NAMES, Batch, LossFn, build_model, hf_loss, make_optimizer, make_train_step
+from remat.pipeline.optimizers import as_one
 
 
 def check_device(device: str) -> str:
@@ -147,8 +148,10 @@ def _from_factory(name: str, batch_size: int, seed: int, device: str | torch.dev
     model, opt, batch, step = made
     if not isinstance(model, nn.Module):
         raise WorkloadError(f"the factory {name} returned a {type(model).__name__} as the model, not a torch.nn.Module")
-    if opt is not None and not isinstance(opt, torch.optim.Optimizer):
-        raise WorkloadError(f"the factory {name} returned a {type(opt).__name__} as the optimizer, not a torch.optim.Optimizer or None")
+    try:
+        as_one(opt)  # one optimizer, a list of them, or None
+    except CaptureError as e:
+        raise WorkloadError(f"the factory {name} returned an optimizer remat cannot take: {e}") from None
     if not callable(step):
         raise WorkloadError(f"the factory {name} returned a {type(step).__name__} as train_step, not a function")
     return Workload(name, model, opt, batch, step, None)

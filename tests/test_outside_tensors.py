@@ -44,17 +44,18 @@ def _cross_entropy_step(model, opt, batch):
     return loss
 
 
-def _tightest(step, model, opt, batch) -> remat.RematStep:
+def _tightest(step, model, opt, batch, headroom: float = 1.0) -> remat.RematStep:
     """The step compiled at the smallest peak the planner reaches from one profile (which
-    plans reach it depends on the node times): activations recomputed."""
+    plans reach it depends on the node times), times `headroom`: activations recomputed."""
     profiles: dict = {}
     try:
         return remat.compile(step, model, opt, batch, memory_budget=0.01, profile_runs=1, profile_cache=profiles)
     except BudgetError as e:
-        return remat.compile(step, model, opt, batch, memory_budget=e.reach.best, profile_runs=1, profile_cache=profiles)
+        budget = int(e.reach.best * headroom)
+        return remat.compile(step, model, opt, batch, memory_budget=budget, profile_runs=1, profile_cache=profiles)
 
 
-def _pair(make_step, steps: int = 4, between=None):
+def _pair(make_step, steps: int = 4, between=None, headroom: float = 1.0):
     """Eager and remat side by side from equal copies, each with its own step (and outside
     state); returns the two steps' outside state after the last step and the compiled step."""
     torch.manual_seed(0)
@@ -63,7 +64,7 @@ def _pair(make_step, steps: int = 4, between=None):
     eager_model, eager_opt = copy.deepcopy((model, opt))
     eager_step, eager_state = make_step(eager_model)
     remat_step, remat_state = make_step(model)
-    compiled = _tightest(remat_step, model, opt, _batch())
+    compiled = _tightest(remat_step, model, opt, _batch(), headroom)
     for i in range(steps):
         batch = _batch()
         torch.manual_seed(i)
@@ -259,7 +260,9 @@ def test_what_the_loop_changes_outside_the_model_between_steps_is_followed_or_co
     _SETTINGS.teacher.train()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _, _, compiled = _pair(lambda m: (_weighted_distill, None), steps=4, between=between)
+        # The graphs compiled again are profiled again, and their smallest reachable peaks
+        # move with the node times (by 1% on a busy machine): some room above the first's.
+        _, _, compiled = _pair(lambda m: (_weighted_distill, None), steps=4, between=between, headroom=1.05)
     again = [str(w.message) for w in caught if "compiled again" in str(w.message)]
     assert len(again) == 2, again
     assert "global _SETTINGS.teacher.training (True -> False)" in again[0], again

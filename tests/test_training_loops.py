@@ -158,6 +158,92 @@ def test_an_optimizer_branching_on_its_step_count_is_refused_naming_the_line():
         remat.compile(make_train_step(spec.loss_fn), spec.model, opt, spec.batch, profile_runs=1, measure=False)
 
 
+def _each_step(loss_fn):
+    """A step that steps every optimizer of the list it gets."""
+
+    def step(model, optimizers, batch):
+        for o in optimizers:
+            o.zero_grad()
+        loss = loss_fn(model, batch)
+        loss.backward()
+        for o in optimizers:
+            o.step()
+        return loss
+
+    return step
+
+
+def test_several_optimizers_stepped_in_one_step_train_bitwise():
+    """Muon on the weight matrices and AdamW on the rest, passed as a list: the step gets
+    the list, each optimizer's state and learning rate are read and updated as eager does,
+    and the updates of both move into the backward pass."""
+    spec = build_model("mlp-deep", 512)
+    params = list(spec.model.parameters())
+    opts = [torch.optim.Muon([p for p in params if p.ndim == 2], lr=1e-3, weight_decay=1e-4),
+            torch.optim.AdamW([p for p in params if p.ndim != 2], lr=1e-3)]  # fmt: skip
+    step_fn = _each_step(spec.loss_fn)
+    eager_model, eager_opts = twin(spec.model, opts)
+    model, o = twin(spec.model, opts)
+
+    def between(i, m, optimizers):
+        for opt in optimizers:
+            for g in opt.param_groups:
+                g["lr"] *= 0.5
+
+    step = remat.compile(step_fn, model, o, spec.batch, memory_budget=0.85, profile_runs=1)
+    result = check_against_eager(step_fn, eager_model, eager_opts, model, o, step, spec.batch, steps=4, between_steps=between)
+    assert result.match, result.summary()
+    report = step.report
+    assert report.num_recomputed > 0 and report.measured_peak_bytes == report.predicted_peak_bytes
+    # The updates of both can move (all but the first layer's, which must follow the last
+    # backward op); whether they do depends on the predicted cost, which the node times move.
+    note = report.plan.updates_note if report.plan is not None else ""
+    assert note.startswith(f"{len(params) - 1} of {len(params)} parameter updates run in the backward pass") or "predicted no better" in note, note
+    assert all(o[k].state and len(o[k].state) == len(eager_opts[k].state) for k in range(2))
+    assert [sorted(g) for g in o[0].param_groups] == [sorted(g) for g in eager_opts[0].param_groups]  # Muon has no "foreach"
+
+
+def test_an_optimizer_stepped_but_not_passed_is_refused_saying_to_pass_a_list():
+    spec = build_model("mlp-deep", 8)
+    params = list(spec.model.parameters())
+    first, other = torch.optim.AdamW(params[:2], lr=1e-3), torch.optim.SGD(params[2:], lr=1e-2)
+    step = _each_step(spec.loss_fn)
+    with pytest.raises(CaptureError, match=r"steps a SGD \(over \d+ parameters\) that was not passed to remat.compile.*as a list \(AdamW, SGD\)"):
+        remat.compile(lambda m, opt, b: step(m, [opt, other], b), spec.model, first, spec.batch, profile_runs=1, measure=False)
+    with pytest.raises(CaptureError, match=r"a parameter of shape .* is in two of the optimizers passed \(AdamW and SGD\)"):
+        remat.compile(step, spec.model, [first, torch.optim.SGD(params[:1], lr=1e-2)], spec.batch, profile_runs=1)
+    with pytest.raises(CaptureError, match=r"optimizer must be a torch.optim.Optimizer, a list of them .* got a list of AdamW, str"):
+        remat.compile(step, spec.model, [first, "sgd"], spec.batch, profile_runs=1)
+
+
+def test_a_backward_pass_after_an_update_is_refused():
+    """Updates in turns (a GAN's discriminator, then its generator) put a backward pass
+    after an update: refused, not captured as one update phase."""
+
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.g, self.d = nn.Linear(8, 8), nn.Linear(8, 1)
+
+    model = Pair()
+    opts = [torch.optim.Adam(model.g.parameters()), torch.optim.Adam(model.d.parameters())]
+
+    def step(m, optimizers, batch):
+        opt_g, opt_d = optimizers
+        fake = m.g(batch)
+        opt_d.zero_grad()
+        m.d(fake.detach()).mean().backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        loss = -m.d(fake).mean()
+        loss.backward()
+        opt_g.step()
+        return loss
+
+    with pytest.raises(CaptureError, match="runs a backward pass after an optimizer update"):
+        remat.compile(step, model, opts, torch.randn(4, 8), profile_runs=1)
+
+
 def test_learning_rate_change_on_a_transformer_with_recomputation():
     spec = build_model("bert-tiny", 4)
     _check_loop(spec, _optimizer("adamw", spec.model.parameters()), "hand", budget=0.9)

@@ -31,11 +31,13 @@ def test_hf_model_profiles_from_the_command_line(capsys, tmp_path):
     assert summary["peak_bytes_measured"] > summary["persistent_bytes"]
 
 
-def test_factory_runs_bitwise_from_the_command_line(capsys, monkeypatch):
+@pytest.mark.parametrize("factory", ["build", "build_muon"])
+def test_factory_runs_bitwise_from_the_command_line(capsys, monkeypatch, factory):
+    """`build_muon` hands over two optimizers as a list."""
     monkeypatch.chdir(ROOT)  # the factory is found next to the user, as `python -m` would
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(ROOT))])
-    rc, out = _run(capsys, ["run", "--model", "examples.tiny_factory:build", "--batch-size", "512", "--budget", "0.75",
-                            "--check", "--json", "--pairs", "1", "--steps", "1"])
+    rc, out = _run(capsys, ["run", "--model", f"examples.tiny_factory:{factory}", "--batch-size", "512", "--budget", "0.75",
+                            "--check", "--json", "--pairs", "1", "--steps", "2"])
     assert rc == 0, out.err
     result = json.loads(out.out)
     assert result["grads_match"] is True and result["num_recomputed"] > 0

@@ -16,6 +16,8 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
+from remat.pipeline.optimizers import as_one
+
 
 @dataclass
 class CheckResult:
@@ -56,6 +58,7 @@ def compare_state(
         d = _diff(ba, bb)
         if d:
             out.append(f"buffer {name}: {d}")
+    opt_a, opt_b = as_one(opt_a), as_one(opt_b)  # one optimizer, or a list of them
     if opt_a is not None and opt_b is not None:
         pairs = zip(model_a.parameters(), model_b.parameters())
         for i, (pa, pb) in enumerate(pairs):

@@ -29,6 +29,7 @@ from remat.pipeline import (
 from remat.pipeline.cpu_strides import CpuOutputStrides
 from remat.errors import CaptureError
 from remat.pipeline.optimizer_state import check_first_step_state, optimizer_on, optimizer_states
+from remat.pipeline.optimizers import as_one, only_passed_step
 
 from remat.pipeline.markers import MARKER, RECORD_FUNCTION_OPS, marker
 from remat.pipeline.trace_checks import branched_hyperparameters, check_graph_runnable, check_no_accumulation, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state
@@ -115,7 +116,7 @@ def _graph_inputs(
 
 
 def _check_arguments(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, example_batch: Any
+    model: torch.nn.Module, optimizer: Any, example_batch: Any
 ) -> tuple[list[Any], Any, dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[str, ...], str]:
     """(batch leaves, batch spec, parameters, buffers, trainable names, device), or a CaptureError naming what is wrong."""
     if not isinstance(model, torch.nn.Module):
@@ -125,8 +126,6 @@ def _check_arguments(
             "the model (or a submodule) is torch.compile'd, and remat traces the step itself, which it cannot do "
             "through a compiled module: pass the module before torch.compile (its _orig_mod), in the step too"
         )
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise CaptureError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
     leaves, spec = check_batch(example_batch)
     params = unique_named(model.named_parameters())
     buffers = unique_named(model.named_buffers())
@@ -176,15 +175,16 @@ def _trace(
 
 @gc_paused()
 def capture(
-    train_step: TrainStep, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, example_batch: Any,
+    train_step: TrainStep, model: torch.nn.Module, optimizer: Any, example_batch: Any,
     read_numbers_named: frozenset[str] = frozenset(),
 ) -> TrainGraph:
     """Trace one call of `train_step(model, optimizer, batch)` into a TrainGraph.
 
-    The optimizer's state is created here if it is empty (see `init_optimizer_state`);
-    nothing else about the model or optimizer changes. `read_numbers_named`: the floats
-    (python_state slot names) to read at every call where the trace can (read_numbers).
-    """
+    `optimizer`: one, a list of those the step steps (pipeline.optimizers), or None; its
+    state is created here if empty (`init_optimizer_state`), and nothing else changes.
+    `read_numbers_named`: the floats (python_state slot names) to read at every call where
+    the trace can (read_numbers)."""
+    passed, optimizer = optimizer, as_one(optimizer)  # the step gets what was passed; remat reads it as one
     leaves, spec, params, buffers, trainable, device = _check_arguments(model, optimizer, example_batch)
     dp = data_parallel.data_parallel_of(model)
     had_state = {id(p) for p, st in optimizer.state.items() if st} if optimizer is not None else set()
@@ -234,6 +234,7 @@ def capture(
             stack.enter_context(stateless._reparametrize_module(model, mapping))
             if dp is not None:
                 stack.enter_context(data_parallel.traced_forward(model, synced))
+            stack.enter_context(only_passed_step(optimizer))
             if optimizer is not None:
                 stack.enter_context(optimizer_on(optimizer, real_to_name, t_params, t_states))
                 stack.enter_context(hyperparams.symbolic(optimizer, t_hyper, sign_facts, symbols))
@@ -244,7 +245,7 @@ def capture(
             stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots))
             stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
             effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), set(map(id, args)))
-            result = train_step(model, optimizer, t_batch)
+            result = train_step(model, passed, t_batch)
             outside_tensors.check_no_gradient([held for held, _ in outside], t_outside)
         updates, update_values = effects.updates(probe["numbers_unread"])
         outputs, out_spec, returned = step_outputs.as_graph_outputs(result, update_values)
@@ -366,6 +367,14 @@ def _marking_passes(
     real_backward, real_grad = torch.autograd.backward, torch.autograd.grad
     names = {id(t): n for n, t in t_params.items()}
 
+    def no_update_yet() -> None:
+        if calls["updates"]:
+            raise CaptureError(
+                "train_step runs a backward pass after an optimizer update (updates in turns, as a GAN's discriminator "
+                "then generator): remat captures steps whose updates all come after their last backward pass, so such "
+                "a step must run eagerly."
+            )
+
     def grad(outputs, inputs, *a, **k):  # type: ignore[no-untyped-def]
         seq = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
         if k.get("create_graph") or not any(id(t) in names for t in seq):
@@ -375,6 +384,7 @@ def _marking_passes(
                 "train_step takes the gradients of a DistributedDataParallel model's parameters with torch.autograd.grad, "
                 "which DDP does not average across ranks; call loss.backward() instead"
             )
+        no_update_yet()
         calls["backward"] += 1
         marker([outputs] if isinstance(outputs, torch.Tensor) else list(outputs), "backward_begin")
         result = real_grad(outputs, inputs, *a, **k)
@@ -385,6 +395,7 @@ def _marking_passes(
 
     def backward(tensors, *a, **k):  # type: ignore[no-untyped-def]
         # Several calls: micro-batches accumulating into the same gradients, then one update.
+        no_update_yet()
         calls["backward"] += 1
         roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         marker(roots, "backward_begin")

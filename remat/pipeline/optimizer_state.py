@@ -13,8 +13,9 @@ import torch.fx
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from remat.errors import CaptureError
+from remat.pipeline.optimizers import Optimizers, each
 
-def init_optimizer_state(optimizer: torch.optim.Optimizer, only: set[int] | None = None) -> None:
+def init_optimizer_state(optimizer: "torch.optim.Optimizer | Optimizers", only: set[int] | None = None) -> None:
     """Create the state the first `step()` would create, so that every step runs one graph.
 
     The values are exactly what the optimizer's first step makes (zeros; Adam's step 0;
@@ -23,6 +24,11 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer, only: set[int] | None
     copies the gradient into a fresh momentum buffer; `0 * momentum + grad` gives the same.
     `only`: ids of the parameters to create state for (default: all).
     """
+    for opt in each(optimizer):
+        _init_one(opt, only)
+
+
+def _init_one(optimizer: torch.optim.Optimizer, only: set[int] | None) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             if optimizer.state.get(p) or (only is not None and id(p) not in only):
@@ -74,7 +80,7 @@ def _init_by_the_optimizer(optimizer: torch.optim.Optimizer, group: dict, p: tor
 
 
 def optimizer_states(
-    optimizer: torch.optim.Optimizer | None, params: dict[str, torch.Tensor], only: set[int] | None = None
+    optimizer: "torch.optim.Optimizer | Optimizers | None", params: dict[str, torch.Tensor], only: set[int] | None = None
 ) -> dict[str, dict[str, torch.Tensor]]:
     if optimizer is None:
         return {}
@@ -104,14 +110,30 @@ def optimizer_states(
 
 @contextlib.contextmanager
 def optimizer_on(
+    optimizer: "torch.optim.Optimizer | Optimizers",
+    real_to_name: dict[int, str],
+    params: dict[str, torch.Tensor],
+    states: dict[str, dict[str, torch.Tensor]],
+) -> Iterator[None]:
+    """Point the optimizer (each of them) at the traced parameters and state for the duration of the trace."""
+    with contextlib.ExitStack() as stack:
+        for opt in each(optimizer):
+            stack.enter_context(_one_on(opt, real_to_name, params, states))
+        yield
+
+
+_ABSENT = object()  # a param group without a "foreach" entry
+
+
+@contextlib.contextmanager
+def _one_on(
     optimizer: torch.optim.Optimizer,
     real_to_name: dict[int, str],
     params: dict[str, torch.Tensor],
     states: dict[str, dict[str, torch.Tensor]],
 ) -> Iterator[None]:
-    """Point the optimizer at the traced parameters and state for the duration of the trace."""
     saved_state = optimizer.state
-    saved = [(g["params"], g.get("foreach")) for g in optimizer.param_groups]
+    saved = [(g["params"], g.get("foreach", _ABSENT)) for g in optimizer.param_groups]
     traced_state: defaultdict = defaultdict(dict)
     traced_name = {id(t): n for n, t in params.items()}
     for group in optimizer.param_groups:
@@ -119,7 +141,8 @@ def optimizer_on(
         # the per-parameter loop on CPU. Fake tensors may pick differently, and the two
         # round differently (Adam on CUDA, in the last bits): pin what eager picks for the
         # real parameters.
-        if group.get("foreach") is None:
+        # An optimizer without the setting (Muon) keeps its groups as they are.
+        if "foreach" in group and group["foreach"] is None:
             group["foreach"] = _default_to_fused_or_foreach(list(group["params"]), differentiable=False, use_fused=False)[1]
         group["params"] = [params[real_to_name[id(p)]] for p in group["params"]]
         for p in group["params"]:
@@ -132,15 +155,15 @@ def optimizer_on(
         optimizer.state = saved_state
         for group, (ps, foreach) in zip(optimizer.param_groups, saved):
             group["params"] = ps
-            group["foreach"] = foreach
+            if foreach is not _ABSENT:
+                group["foreach"] = foreach
 
 
-def check_first_step_state(optimizer: torch.optim.Optimizer, had_state: set[int], updated: set[int]) -> None:
+def check_first_step_state(optimizer: "torch.optim.Optimizer | Optimizers", had_state: set[int], updated: set[int]) -> None:
     """SGD's first step copies the gradient into the momentum buffer; the zero buffer remat
     creates gives the same only without dampening (`0 * m + (1 - dampening) * g`)."""
-    if not isinstance(optimizer, torch.optim.SGD):
-        return
-    for group in optimizer.param_groups:
+    groups = [g for opt in each(optimizer) if isinstance(opt, torch.optim.SGD) for g in opt.param_groups]
+    for group in groups:
         if group["momentum"] != 0 and group["dampening"] != 0:
             if any(id(p) in updated and id(p) not in had_state for p in group["params"]):
                 raise CaptureError(

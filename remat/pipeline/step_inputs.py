@@ -13,6 +13,7 @@ import torch.utils._pytree as pytree
 from remat.errors import CaptureError
 from remat.pipeline import data_parallel, hyperparams, read_numbers, step_outputs, train_modes
 from remat.pipeline.optimizer_state import optimizer_states
+from remat.pipeline.optimizers import as_one
 from remat.pipeline.train_graph import GraphInput, InputKind, TrainGraph
 
 
@@ -48,13 +49,15 @@ def describe(t: torch.Tensor) -> tuple[tuple[int, ...], str, str]:
     return tuple(t.shape), str(t.dtype).replace("torch.", ""), str(t.device)
 
 
-def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, batch: Any) -> list[torch.Tensor]:
-    """The real tensors for the graph's placeholders, in order.
+def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: Any, batch: Any) -> list[torch.Tensor]:
+    """The real tensors for the graph's placeholders, in order (`optimizer`: the step's
+    argument: one optimizer, a list of them, or None).
 
     Also where the loop around the step is checked: a change the graph cannot follow
     (a frozen parameter thawed, an optimizer flag or group changed) is refused here,
     and the hyperparameters are read from the param groups as they are now.
     """
+    optimizer = as_one(optimizer)
     train_modes.check_mode(model, tg)
     if tg.data_parallel is not None:
         data_parallel.check_unchanged(model, tg.data_parallel)

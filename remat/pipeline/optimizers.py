@@ -1,0 +1,150 @@
+"""Several optimizers stepped in one training step, read as one.
+
+A step may update its parameters with more than one optimizer: Muon for the weight
+matrices and AdamW for the rest, or one optimizer per part of the model. The user passes
+them as a list (`remat.compile(step, model, [muon, adamw], batch)`), and the step gets
+that list as its `optimizer` argument, unchanged. remat reads them through `Optimizers`,
+which offers what remat reads of one optimizer: the param groups of all of them in order,
+each parameter's state kept by the optimizer that updates it, and a step hook on each.
+Every parameter must belong to one optimizer at most.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import MutableMapping
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from remat.errors import CaptureError
+
+class Optimizers:
+    """Optimizers stepped in one step, presented as one (module docstring)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+        self._owner: dict[int, torch.optim.Optimizer] = {}
+        for opt in optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if self._owner.setdefault(id(p), opt) is not opt:
+                        raise CaptureError(
+                            f"a parameter of shape {tuple(p.shape)} is in two of the optimizers passed "
+                            f"({type(self._owner[id(p)]).__name__} and {type(opt).__name__}); give each parameter to one optimizer"
+                        )
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [group for opt in self.optimizers for group in opt.param_groups]
+
+    @property
+    def state(self) -> "_State":
+        return _State(self)
+
+    def owner(self, p: torch.Tensor) -> torch.optim.Optimizer:
+        try:
+            return self._owner[id(p)]
+        except KeyError:
+            raise KeyError(p) from None
+
+    def register_step_pre_hook(self, hook: Callable[..., Any]) -> "_Handles":
+        return _Handles([opt.register_step_pre_hook(hook) for opt in self.optimizers])
+
+
+class _State(MutableMapping):
+    """The optimizers' state dicts as one mapping: each parameter's in its owner's."""
+
+    def __init__(self, optimizers: Optimizers):
+        self._of = optimizers
+
+    def __getitem__(self, p: torch.Tensor) -> Any:
+        return self._of.owner(p).state[p]
+
+    def __setitem__(self, p: torch.Tensor, value: Any) -> None:
+        self._of.owner(p).state[p] = value
+
+    def __delitem__(self, p: torch.Tensor) -> None:
+        del self._of.owner(p).state[p]
+
+    def __contains__(self, p: object) -> bool:
+        owner = self._of._owner.get(id(p))
+        return owner is not None and p in owner.state
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (p for opt in self._of.optimizers for p in list(opt.state))
+
+    def __len__(self) -> int:
+        return sum(len(opt.state) for opt in self._of.optimizers)
+
+    def get(self, p: Any, default: Any = None) -> Any:
+        owner = self._of._owner.get(id(p))  # not self[p]: a torch optimizer's state is a defaultdict
+        return default if owner is None else owner.state.get(p, default)
+
+
+class _Handles:
+    def __init__(self, handles: list[Any]):
+        self._handles = handles
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def as_one(optimizer: Any) -> "torch.optim.Optimizer | Optimizers | None":
+    """The step's optimizer argument as remat reads it: None, one optimizer, or a list or
+    tuple of them as `Optimizers`; a CaptureError for anything else."""
+    if optimizer is None or isinstance(optimizer, (torch.optim.Optimizer, Optimizers)):
+        return optimizer
+    if isinstance(optimizer, (list, tuple)) and optimizer and all(isinstance(o, torch.optim.Optimizer) for o in optimizer):
+        if len({id(o) for o in optimizer}) != len(optimizer):
+            raise CaptureError("the same optimizer is passed twice; pass each optimizer once")
+        return optimizer[0] if len(optimizer) == 1 else Optimizers(list(optimizer))
+    raise CaptureError(
+        "optimizer must be a torch.optim.Optimizer, a list of them (one per group of parameters, all stepped in "
+        f"train_step) or None, got {_describe(optimizer)}"
+    )
+
+
+def each(optimizer: "torch.optim.Optimizer | Optimizers | None") -> list[torch.optim.Optimizer]:
+    """The torch optimizers behind what `as_one` returned."""
+    if optimizer is None:
+        return []
+    return optimizer.optimizers if isinstance(optimizer, Optimizers) else [optimizer]
+
+
+@contextlib.contextmanager
+def only_passed_step(passed: "torch.optim.Optimizer | Optimizers | None") -> Iterator[None]:
+    """While the step is traced: an optimizer stepped that was not passed is refused by name."""
+
+    def hook(opt, args, kwargs):  # type: ignore[no-untyped-def]
+        if all(opt is not o for o in each(passed)):
+            raise not_passed_error(opt, passed)
+
+    handle = register_optimizer_step_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def not_passed_error(stepped: torch.optim.Optimizer, passed: "torch.optim.Optimizer | Optimizers | None") -> CaptureError:
+    """The error for a step that steps an optimizer remat was not given: remat would neither
+    read its state and settings nor update them as the step does."""
+    n = sum(len(g["params"]) for g in stepped.param_groups)
+    listed = ", ".join(type(o).__name__ for o in [*each(passed), stepped])
+    return CaptureError(
+        f"train_step steps a {type(stepped).__name__} (over {n} parameters) that was not passed to remat.compile, so "
+        f"remat cannot read or update its state. Pass every optimizer the step steps, as a list ({listed}): "
+        "remat.compile(step, model, [opt_a, opt_b], batch); train_step then gets that list as its optimizer argument."
+    )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return f"an empty {type(value).__name__}"
+        kinds = sorted({type(v).__name__ for v in value})
+        return f"a {type(value).__name__} of {', '.join(kinds)}"
+    return type(value).__name__
