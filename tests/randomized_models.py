@@ -31,6 +31,7 @@ from torch import nn
 import remat
 import remat.pipeline.build as pipeline_build
 import remat.runtime
+from remat.pipeline.optimizers import as_one
 from remat.pipeline.rng_replay import Replay
 from remat.pipeline.analysis import analyze
 from remat.pipeline.train_graph import Phase
@@ -80,7 +81,7 @@ class RandomSpec:
     ops: tuple[Op, ...] = ()
     loss: str = "meansq"  # "meansq" | "mse" | "ce"
     extra_loss: bool = False  # add the mean of every value no op reads to the loss
-    optimizer: str = "sgd"  # "sgd" (momentum 0.9) | "adamw"
+    optimizer: str = "sgd"  # "sgd" (momentum 0.9) | "adamw" | "split": SGD on matrices, AdamW on the rest, passed as a list
     zero_grad_first: bool = True
     budget: float = 0.5
     retry: float = 0.0  # where to retry a refused budget: 0 the reachable peak .. 1 the baseline
@@ -351,11 +352,22 @@ def build(spec: RandomSpec) -> tuple[RandomNet, torch.optim.Optimizer, dict[str,
         model.tracker = Tracker()
         if spec.schedule:
             model.loss_weight = 1.0  # a float the loop anneals: read at every call after its first change (read_numbers)
-    if spec.optimizer == "adamw":
-        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    return model, opt, batch
+    return model, make_optimizer(spec.optimizer, list(model.parameters())), batch
+
+
+def make_optimizer(kind: str, params: list[torch.Tensor]) -> Any:
+    """One optimizer, or for "split" a list of two (one where either part is empty)."""
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    matrices, rest = [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
+    parts = [torch.optim.SGD(matrices, lr=1e-3, momentum=0.9)] if matrices else []
+    return parts + ([torch.optim.AdamW(rest, lr=1e-3)] if rest else [])
+
+
+def each(optimizer: Any) -> list[torch.optim.Optimizer]:
+    return optimizer if isinstance(optimizer, list) else [optimizer]
 
 
 def change_hyperparameters(step: int, model: nn.Module, optimizer: torch.optim.Optimizer, anneal: bool = True) -> None:
@@ -364,7 +376,7 @@ def change_hyperparameters(step: int, model: nn.Module, optimizer: torch.optim.O
     holds one (the step is then compiled once more, for it: see check_example)."""
     if anneal and hasattr(model, "loss_weight"):
         model.loss_weight = 1.0 - 0.15 * (step + 1)
-    for g in optimizer.param_groups:
+    for g in (g for o in each(optimizer) for g in o.param_groups):
         g["lr"] = g["lr"] * (0.5 + 0.3 * step)
         if g.get("weight_decay"):
             g["weight_decay"] = g["weight_decay"] * 1.5
@@ -389,7 +401,8 @@ def make_train_step(spec: RandomSpec):
 
     def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if spec.zero_grad_first:
-            optimizer.zero_grad()
+            for o in each(optimizer):
+                o.zero_grad()
         loss = model(batch) * scale if spec.outside else model(batch)
         if spec.outside and spec.schedule:
             loss = loss * model.loss_weight
@@ -401,7 +414,8 @@ def make_train_step(spec: RandomSpec):
             loss = loss + more.detach()
         if spec.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        optimizer.step()
+        for o in each(optimizer):
+            o.step()
         if spec.outside:
             with torch.no_grad():
                 for e, p in zip(model.ema, model.parameters()):
@@ -411,7 +425,8 @@ def make_train_step(spec: RandomSpec):
             model.tracker.last_loss = loss.item()
             model.tracker.history["loss"].append(loss.item())
         if not spec.zero_grad_first:
-            optimizer.zero_grad()
+            for o in each(optimizer):
+                o.zero_grad()
         return loss
 
     return train_step
@@ -527,7 +542,7 @@ if st is not None:
             ops=tuple(ops),
             loss=loss,
             extra_loss=draw(st.booleans()),
-            optimizer=draw(st.sampled_from(["sgd", "adamw"])),
+            optimizer=draw(st.sampled_from(["sgd", "adamw", "split"])),
             zero_grad_first=draw(st.booleans()),
             budget=draw(st.one_of(st.sampled_from([0.5, 1.0, 0.1]), st.floats(0.02, 1.0))),
             retry=draw(st.sampled_from([0.0, 0.5, 0.2, 0.8])),
@@ -765,6 +780,7 @@ def bitwise_equal_state(model_a: nn.Module, opt_a: Any, model_b: nn.Module, opt_
     pairs = list(zip(model_a.parameters(), model_b.parameters()))
     ok = all(same(a, b) and same(a.grad, b.grad) for a, b in pairs)
     ok = ok and all(same(a, b) for a, b in zip(model_a.buffers(), model_b.buffers()))
+    opt_a, opt_b = as_one(opt_a), as_one(opt_b)
     for a, b in pairs:
         sa, sb = opt_a.state.get(a, {}), opt_b.state.get(b, {})
         ok = ok and set(sa) == set(sb) and all(same(sa[k], sb[k]) for k in sa)

@@ -22,6 +22,7 @@ from torch import nn
 
 import remat
 from remat.pipeline.graph_index import RebuildPolicy
+from remat.pipeline.optimizers import as_one
 from remat.measurement.check import check_against_eager, twin
 from remat.errors import BudgetError, CaptureError
 from remat.pipeline.simulator import simulate
@@ -173,7 +174,7 @@ def test_the_generator_covers_every_op_and_aliasing() -> None:
     kinds = {op.kind for s in specs for op in s.ops}
     assert set(OP_KINDS) | {"embedding"} <= kinds, f"never drawn: {set(OP_KINDS) - kinds}"
     assert {s.loss for s in specs} == {"meansq", "mse", "ce"}
-    assert {s.optimizer for s in specs} == {"sgd", "adamw"}
+    assert {s.optimizer for s in specs} == {"sgd", "adamw", "split"}
     assert {s.hostile for s in specs} == {None, *HOSTILE}
     assert sum(s.outside for s in specs) >= 100  # a scale and an EMA outside the model
     # Views feeding in-place writes: the aliasing the analysis must get right.
@@ -219,16 +220,16 @@ def test_batchnorm1d_on_transposed_features_trains_bitwise() -> None:
 
 
 def test_no_optimizer_state_for_a_parameter_without_gradient() -> None:
-    for name in ("sgd", "adamw"):
+    for name in ("sgd", "adamw", "split"):
         spec = dataclasses.replace(UNUSED_PARAMETER, optimizer=name)
         model, opt, batch = build(spec)
         eager_model, eager_opt = twin(model, opt)
         step = remat.compile(make_train_step(spec), model, opt, batch, memory_budget=None, profile_runs=1)
-        unused = model.mods["m0"]
-        assert not opt.state.get(unused.weight), "remat made optimizer state that eager never makes"
+        unused, state = model.mods["m0"], as_one(opt).state
+        assert not state.get(unused.weight), "remat made optimizer state that eager never makes"
         result = check_against_eager(make_train_step(spec), eager_model, eager_opt, model, opt, step, batch, steps=2)
         assert result.match, result.summary()
-        assert not opt.state.get(unused.weight) and opt.state.get(model.mods["m1"].weight)
+        assert not state.get(unused.weight) and state.get(model.mods["m1"].weight)
 
 
 def test_boolean_mask_indexing_is_refused_at_capture() -> None:
