@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import remat
 from remat.models import build_model, make_optimizer
+from remat.pipeline.optimizers import as_one
 
 
 def _batch(model_name: str, batch_size: int, rank: int, i: int) -> Any:
@@ -26,7 +27,18 @@ def _batch(model_name: str, batch_size: int, rank: int, i: int) -> Any:
 def _wrapped(model_name: str, batch_size: int, optimizer: str, **ddp_options: Any) -> tuple[DDP, Any, Any]:
     spec = build_model(model_name, batch_size, seed=0)
     ddp = DDP(spec.model, **ddp_options)
-    return ddp, make_optimizer(optimizer, ddp.parameters()), spec.loss_fn
+    return ddp, _optimizers(optimizer, list(ddp.parameters())), spec.loss_fn
+
+
+def _optimizers(name: str, params: list[torch.Tensor]) -> Any:
+    """One optimizer, or for "sgd+adamw" a list of two: SGD on the matrices, AdamW on the rest."""
+    if name != "sgd+adamw":
+        return make_optimizer(name, params)
+    return [make_optimizer("sgd", [p for p in params if p.ndim >= 2]), make_optimizer("adamw", [p for p in params if p.ndim < 2])]
+
+
+def _each(optimizer: Any) -> list[Any]:
+    return optimizer if isinstance(optimizer, list) else [optimizer]
 
 
 def _step(loss_fn: Any, micro_batches: int) -> Any:
@@ -41,8 +53,9 @@ def _step(loss_fn: Any, micro_batches: int) -> Any:
                 loss = loss_fn(model, part) / len(parts)
                 loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
-        optimizer.step()
-        optimizer.zero_grad()
+        for o in _each(optimizer):
+            o.step()
+            o.zero_grad()
         return total
 
     return train_step
@@ -58,8 +71,9 @@ def _split(batch: Any, n: int) -> list[Any]:
 def _state(model: DDP, optimizer: Any, buffers: bool = True) -> list[torch.Tensor]:
     """Parameters, buffers (each rank's own after its last forward, as in eager DDP) and optimizer state."""
     tensors = [*model.parameters(), *(model.buffers() if buffers else ())]
+    state = as_one(optimizer).state
     for p in model.parameters():
-        tensors.extend(v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor))
+        tensors.extend(v for v in state.get(p, {}).values() if isinstance(v, torch.Tensor))
     return tensors
 
 

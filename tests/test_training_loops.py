@@ -214,6 +214,11 @@ def test_an_optimizer_stepped_but_not_passed_is_refused_saying_to_pass_a_list():
         remat.compile(step, spec.model, [first, torch.optim.SGD(params[:1], lr=1e-2)], spec.batch, profile_runs=1)
     with pytest.raises(CaptureError, match=r"optimizer must be a torch.optim.Optimizer, a list of them .* got a list of AdamW, str"):
         remat.compile(step, spec.model, [first, "sgd"], spec.batch, profile_runs=1)
+    # A change the graph cannot follow names the optimizer of the list it was made to.
+    compiled = remat.compile(step, spec.model, [first, other], spec.batch, profile_runs=1, measure=False)
+    other.param_groups[0]["nesterov"] = True
+    with pytest.raises(CaptureError, match=r"optimizer\[1\]\.param_groups\[0\]\['nesterov'\] changed from False to True"):
+        compiled(spec.batch)
 
 
 def test_a_backward_pass_after_an_update_is_refused():

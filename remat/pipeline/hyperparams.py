@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import torch
 
 from remat.errors import CaptureError
+from remat.pipeline.optimizers import group_name
 
 # Floats that torch.optim's optimizers compare with zero before using them. Their sign is
 # fixed from the start; others are found when a trace trips on one.
@@ -69,7 +70,7 @@ def float_entries(group: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def _flags(group: dict[str, Any], gi: int) -> tuple[tuple[str, str], ...]:
+def _flags(group: dict[str, Any], where: str) -> tuple[tuple[str, str], ...]:
     floats = {k.split("[")[0] for k in float_entries(group)}
     out = []
     for key, value in group.items():
@@ -77,7 +78,7 @@ def _flags(group: dict[str, Any], gi: int) -> tuple[tuple[str, str], ...]:
             continue
         if isinstance(value, torch.Tensor):
             raise CaptureError(
-                f"optimizer.param_groups[{gi}][{key!r}] is a tensor; remat reads hyperparameters as Python "
+                f"{where}[{key!r}] is a tensor; remat reads hyperparameters as Python "
                 "floats at every step. Pass a float (a scheduler may still change it between steps)."
             )
         out.append((key, repr(value)))
@@ -87,7 +88,7 @@ def _flags(group: dict[str, Any], gi: int) -> tuple[tuple[str, str], ...]:
 def check_readable(optimizer: torch.optim.Optimizer) -> None:
     """Refuse, before tracing, a param group entry remat cannot read at every call."""
     for gi, group in enumerate(optimizer.param_groups):
-        _flags(group, gi)
+        _flags(group, group_name(optimizer, gi))
 
 
 def input_name(gi: int, key: str) -> str:
@@ -145,7 +146,7 @@ def symbolic(
             gi, key = parse_input_name(name)
             if _get(optimizer.param_groups[gi], key) is not value:
                 raise CaptureError(
-                    f"train_step changed optimizer.param_groups[{gi}][{key.split('[')[0]!r}] while it ran (a learning-rate "
+                    f"train_step changed {group_name(optimizer, gi)}[{key.split('[')[0]!r}] while it ran (a learning-rate "
                     "scheduler stepped inside train_step?). Change hyperparameters between steps, outside train_step: "
                     "remat reads them at every call."
                 )
@@ -171,7 +172,7 @@ def group_specs(optimizer: torch.optim.Optimizer, names: dict[int, str], sign_fa
         facts = {key: sign_facts[input_name(gi, key)] for key, value in float_entries(group).items() if input_name(gi, key) in sign_facts}
         signs = tuple(sorted((key, fact) for key, fact in facts.items() if fact != FIXED))
         fixed = tuple(sorted((key, float_entries(group)[key]) for key, fact in facts.items() if fact == FIXED))
-        specs.append(GroupSpec(tuple(names[id(p)] for p in group["params"]), _flags(group, gi), signs, fixed))
+        specs.append(GroupSpec(tuple(names[id(p)] for p in group["params"]), _flags(group, group_name(optimizer, gi)), signs, fixed))
     return specs
 
 
@@ -184,34 +185,35 @@ def check_unchanged(optimizer: torch.optim.Optimizer, specs: list[GroupSpec], na
             "(add_param_group after remat.compile?). Compile a new step."
         )
     for gi, (group, spec) in enumerate(zip(groups, specs)):
+        where = group_name(optimizer, gi)
         params = tuple(names.get(id(p), "<not a parameter of the model>") for p in group["params"])
         if params != spec.params:
             raise CaptureError(
-                f"optimizer.param_groups[{gi}] holds other parameters than when the step was compiled; "
+                f"{where} holds other parameters than when the step was compiled; "
                 "compile a new step after changing the optimizer's parameters."
             )
-        flags = dict(_flags(group, gi))
+        flags = dict(_flags(group, where))
         floats = float_entries(group)
         for key, was in spec.flags:
             now = flags.get(key, repr(floats.get(key, "<missing>")))
             if now != was:
                 raise CaptureError(
-                    f"optimizer.param_groups[{gi}][{key!r}] changed from {was} to {now} since the step was compiled; "
+                    f"{where}[{key!r}] changed from {was} to {now} since the step was compiled; "
                     "the captured update depends on it. Compile a new step (remat.compile) after changing it."
                 )
         for key, was in spec.fixed:
             if floats.get(key) != was:
                 raise CaptureError(
-                    f"optimizer.param_groups[{gi}][{key!r}] changed from {was!r} to {floats.get(key, '<missing>')!r}; the "
+                    f"{where}[{key!r}] changed from {was!r} to {floats.get(key, '<missing>')!r}; the "
                     "captured update depends on its value (a count it loops over, a threshold it compares with), which the "
                     "graph fixed. Compile a new step (remat.compile) after changing it."
                 )
         for key, was in spec.signs:
             if key not in floats:
-                raise CaptureError(f"optimizer.param_groups[{gi}][{key!r}] is no longer a float; compile a new step.")
+                raise CaptureError(f"{where}[{key!r}] is no longer a float; compile a new step.")
             if sign(floats[key]) != was:
                 raise CaptureError(
-                    f"optimizer.param_groups[{gi}][{key!r}] changed from {_SIGN_WORDS[was]} to {floats[key]!r}; the update "
+                    f"{where}[{key!r}] changed from {_SIGN_WORDS[was]} to {floats[key]!r}; the update "
                     f"skips or runs a whole term on whether it is {_SIGN_WORDS[was]}, which the captured graph fixed. "
                     "Compile a new step (remat.compile) after changing it."
                 )
@@ -225,8 +227,8 @@ def values(optimizer: torch.optim.Optimizer, names: list[str]) -> list[torch.Ten
         try:
             value = _get(optimizer.param_groups[gi], key)
         except (KeyError, IndexError) as e:
-            raise CaptureError(f"optimizer.param_groups[{gi}] has no {key!r} any more; compile a new step") from e
+            raise CaptureError(f"{group_name(optimizer, gi)} has no {key!r} any more; compile a new step") from e
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise CaptureError(f"optimizer.param_groups[{gi}][{key!r}] is now {value!r}, not a float; compile a new step")
+            raise CaptureError(f"{group_name(optimizer, gi)}[{key!r}] is now {value!r}, not a float; compile a new step")
         out.append(torch.tensor(float(value), dtype=torch.float64))
     return out

@@ -107,6 +107,16 @@ def as_one(optimizer: Any) -> "torch.optim.Optimizer | Optimizers | None":
     )
 
 
+def group_name(optimizer: "torch.optim.Optimizer | Optimizers", gi: int) -> str:
+    """How a message names param group `gi` (numbered over all of a list's optimizers, in order)."""
+    if isinstance(optimizer, Optimizers):
+        for k, opt in enumerate(optimizer.optimizers):
+            if gi < len(opt.param_groups):
+                return f"optimizer[{k}].param_groups[{gi}]"
+            gi -= len(opt.param_groups)
+    return f"optimizer.param_groups[{gi}]"
+
+
 def each(optimizer: "torch.optim.Optimizer | Optimizers | None") -> list[torch.optim.Optimizer]:
     """The torch optimizers behind what `as_one` returned."""
     if optimizer is None:
