@@ -116,7 +116,7 @@ def _graph_inputs(
 
 
 def _check_arguments(
-    model: torch.nn.Module, optimizer: Any, example_batch: Any
+    model: torch.nn.Module, example_batch: Any
 ) -> tuple[list[Any], Any, dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[str, ...], str]:
     """(batch leaves, batch spec, parameters, buffers, trainable names, device), or a CaptureError naming what is wrong."""
     if not isinstance(model, torch.nn.Module):
@@ -185,7 +185,7 @@ def capture(
     `read_numbers_named`: the floats (python_state slot names) to read at every call where
     the trace can (read_numbers)."""
     passed, optimizer = optimizer, as_one(optimizer)  # the step gets what was passed; remat reads it as one
-    leaves, spec, params, buffers, trainable, device = _check_arguments(model, optimizer, example_batch)
+    leaves, spec, params, buffers, trainable, device = _check_arguments(model, example_batch)
     dp = data_parallel.data_parallel_of(model)
     had_state = {id(p) for p, st in optimizer.state.items() if st} if optimizer is not None else set()
     states = optimizer_states(optimizer, params)

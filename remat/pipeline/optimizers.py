@@ -20,6 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from remat.errors import CaptureError
 
+
 class Optimizers:
     """Optimizers stepped in one step, presented as one (module docstring)."""
 
@@ -43,11 +44,9 @@ class Optimizers:
     def state(self) -> "_State":
         return _State(self)
 
-    def owner(self, p: torch.Tensor) -> torch.optim.Optimizer:
-        try:
-            return self._owner[id(p)]
-        except KeyError:
-            raise KeyError(p) from None
+    def owner(self, p: Any) -> torch.optim.Optimizer | None:
+        """The optimizer that updates `p` (None: none of them)."""
+        return self._owner.get(id(p))
 
     def register_step_pre_hook(self, hook: Callable[..., Any]) -> "_Handles":
         return _Handles([opt.register_step_pre_hook(hook) for opt in self.optimizers])
@@ -59,17 +58,23 @@ class _State(MutableMapping):
     def __init__(self, optimizers: Optimizers):
         self._of = optimizers
 
+    def _owner(self, p: Any) -> torch.optim.Optimizer:
+        owner = self._of.owner(p)
+        if owner is None:
+            raise KeyError(p)
+        return owner
+
     def __getitem__(self, p: torch.Tensor) -> Any:
-        return self._of.owner(p).state[p]
+        return self._owner(p).state[p]
 
     def __setitem__(self, p: torch.Tensor, value: Any) -> None:
-        self._of.owner(p).state[p] = value
+        self._owner(p).state[p] = value
 
     def __delitem__(self, p: torch.Tensor) -> None:
-        del self._of.owner(p).state[p]
+        del self._owner(p).state[p]
 
     def __contains__(self, p: object) -> bool:
-        owner = self._of._owner.get(id(p))
+        owner = self._of.owner(p)
         return owner is not None and p in owner.state
 
     def __iter__(self) -> Iterator[torch.Tensor]:
@@ -79,7 +84,7 @@ class _State(MutableMapping):
         return sum(len(opt.state) for opt in self._of.optimizers)
 
     def get(self, p: Any, default: Any = None) -> Any:
-        owner = self._of._owner.get(id(p))  # not self[p]: a torch optimizer's state is a defaultdict
+        owner = self._of.owner(p)  # not self[p]: a torch optimizer's state is a defaultdict
         return default if owner is None else owner.state.get(p, default)
 
 
