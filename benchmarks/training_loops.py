@@ -221,6 +221,27 @@ def _made_before_the_loop(make: Callable[[Any], Any]):
     return per_side
 
 
+def _clamp_gradient(g):
+    return g.clamp(-1e-3, 1e-3)
+
+
+def _halve_gradient(p):
+    p.grad.mul_(0.5)
+
+
+def _with_gradient_hooks(model, opt):
+    """Hooks on each side's parameters (a deep copy leaves them behind): every other one's
+    gradient clamped before it is accumulated, the others' halved after."""
+    for i, p in enumerate(model.parameters()):
+        p.register_hook(_clamp_gradient) if i % 2 == 0 else p.register_post_accumulate_grad_hook(_halve_gradient)
+    return lambda i, m, o: None
+
+
+def _hook_added(i, m, o):
+    if i == 1:
+        next(m.parameters()).register_hook(_clamp_gradient)
+
+
 def _plateau_inside(model, optimizer, batch):
     loss = plain_step(model, optimizer, batch)
     _INNER_SCHEDULERS[id(optimizer)].step(loss)
@@ -429,6 +450,9 @@ IDIOMS = [
     Idiom("a loss weight warmed up from a Python counter inside train_step", "refused", step=_warmed_up_loss()),
     Idiom("an EMA copy of the weights updated inside train_step (a helper object the model holds)", "works", step=_ema_inside,
           setup=_keep_ema, outside=lambda m: m.ema.shadow),
+    Idiom("gradient hooks on the parameters (register_hook clamping, register_post_accumulate_grad_hook scaling)", "works",
+          between=_with_gradient_hooks),
+    Idiom("a gradient hook added to a parameter after compiling", "refused", between=_hook(_hook_added)),
     Idiom("distillation from a frozen teacher held in a global", "works", step=_distill, setup=_make_teacher),
     Idiom("features stored by a forward hook for the loss, cleared before the step returns", "works", step=_feature_loss_step,
           setup=_hook_features),

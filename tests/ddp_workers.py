@@ -244,6 +244,26 @@ def options_like_eager(batch_size: int = 8) -> dict[str, bool]:
     return out
 
 
+def _clamped(g: torch.Tensor) -> torch.Tensor:
+    return g.clamp(-1e-3, 1e-3)
+
+
+def _halved(p: torch.Tensor) -> None:
+    p.grad.mul_(0.5)
+
+
+def hooks_like_eager(batch_size: int = 8) -> dict[str, bool]:
+    """Gradient hooks on the parameters: each rank's gradient clamped before DDP averages
+    it, and the averaged one halved after it is accumulated, as eager DDP runs them."""
+    rank = dist.get_rank()
+    eager, eager_opt, loss_fn = _wrapped("mlp", batch_size, "adamw")
+    ours, ours_opt, _ = _wrapped("mlp", batch_size, "adamw")
+    for model in (eager, ours):
+        for i, p in enumerate(model.parameters()):
+            p.register_hook(_clamped) if i % 2 == 0 else p.register_post_accumulate_grad_hook(_halved)
+    return {"state_equal": _trained_alike(eager, eager_opt, ours, ours_opt, loss_fn, [_batch("mlp", batch_size, rank, i) for i in range(3)])}
+
+
 def _distilling_step(teacher: torch.nn.Module, ema: list[torch.Tensor]) -> Any:
     """Distillation from a frozen teacher and an EMA of the weights: both outside the model."""
 

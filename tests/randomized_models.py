@@ -96,6 +96,7 @@ class RandomSpec:
     # and numbers the step keeps in a tracker object the model holds (a count, a sum of
     # losses, the last loss, a history dict of lists logged into).
     outside: bool = False
+    hooks: bool = False  # gradient hooks on the trainable parameters: clamped before accumulation, or halved after
 
     def input_names(self) -> list[str]:
         return [n for n, on in (("x", self.features), ("img", self.image[0]), ("ids", self.vocab)) if on]
@@ -111,6 +112,7 @@ class RandomSpec:
                  f"{' (and a loss weight)' if self.schedule and self.outside else ''}"
                  f"{f', every {self.frozen}th parameter frozen' if self.frozen else ''}"
                  f"{', a scale, an EMA and kept numbers outside the model' if self.outside else ''}"
+                 f"{', gradient hooks on the parameters' if self.hooks else ''}"
                  f"{', hostile ' + self.hostile if self.hostile else ''}, seed {self.seed}"]
         lines += [f"  v{len(self.input_names()) + i}: {op!r}" for i, op in enumerate(self.ops)]
         return "\n".join(lines)
@@ -182,6 +184,10 @@ def _apply(op: Op, xs: list[torch.Tensor], mod: nn.Module | None) -> Any:
             x = x.transpose(1, 2)
             return mod(x.contiguous() if op.arg[0] else x).transpose(1, 2)
         return mod(x.contiguous() if op.arg[0] else x)
+    if k == "noise":  # a random factory op (its device a keyword of the traced call), drawn again by a copy
+        if op.arg[0] == "randint":
+            return x * torch.randint(0, 2, x.shape, device=x.device)
+        return x + 0.1 * torch.randn(x.shape, device=x.device)
     if k == "relu":
         return torch.relu(x)
     if k == "relu_":
@@ -353,6 +359,21 @@ def build(spec: RandomSpec) -> tuple[RandomNet, torch.optim.Optimizer, dict[str,
         if spec.schedule:
             model.loss_weight = 1.0  # a float the loop anneals: read at every call after its first change (read_numbers)
     return model, make_optimizer(spec.optimizer, list(model.parameters())), batch
+
+
+def _clamp_gradient(g: torch.Tensor) -> torch.Tensor:
+    return g.clamp(-0.05, 0.05)
+
+
+def _halve_gradient(p: torch.Tensor) -> None:
+    p.grad.mul_(0.5)
+
+
+def add_gradient_hooks(model: nn.Module) -> None:
+    """Every other trainable parameter's gradient clamped before it is accumulated, the
+    others' halved after. On each side after copying: a deep copy leaves hooks behind."""
+    for i, p in enumerate(p for p in model.parameters() if p.requires_grad):
+        p.register_hook(_clamp_gradient) if i % 2 == 0 else p.register_post_accumulate_grad_hook(_halve_gradient)
 
 
 def make_optimizer(kind: str, params: list[torch.Tensor]) -> Any:
@@ -553,6 +574,7 @@ if st is not None:
             frozen=draw(st.sampled_from([0, 0, 2, 3])),
             clip=draw(st.sampled_from([False, False, False, True])),
             outside=draw(st.sampled_from([False, False, True])),
+            hooks=draw(st.sampled_from([False, False, False, True])),
         )
 
     def _fits(shape: tuple[int, ...]) -> bool:
@@ -562,12 +584,14 @@ if st is not None:
     def _op(draw: Any, pool: _Pool) -> Op | None:
         kind = draw(st.sampled_from(OP_KINDS))
         p = lambda ok: draw(_pick(pool, ok))  # noqa: E731
-        if kind in ("relu", "gelu", "sigmoid", "tanh", "dropout", "layer_norm", "softmax", "transpose"):
+        if kind in ("relu", "gelu", "sigmoid", "tanh", "dropout", "noise", "layer_norm", "softmax", "transpose"):
             i = p(lambda v: kind != "transpose" or len(v.shape) >= 3)
             if i is None:
                 return None
             if kind == "dropout":
                 return Op(kind, (i,), (draw(st.sampled_from([0.1, 0.5])),))
+            if kind == "noise":
+                return Op(kind, (i,), (draw(st.sampled_from(["randn", "randint"])),))
             if kind == "softmax":
                 return Op(kind, (i,), (draw(st.sampled_from([-1, 1])),))
             return Op(kind, (i,))
@@ -662,7 +686,7 @@ if st is not None:
 OP_KINDS = (
     "linear", "relu", "add", "relu_", "gelu", "sigmoid", "tanh", "softmax", "layer_norm", "batch_norm",
     "dropout", "mul", "add_", "cat", "matmul", "bmm", "transpose", "reshape", "slice", "stride", "chunk",
-    "expand", "slice_relu_", "slice_mul_", "conv", "pool", "flatten", "to_seq",
+    "expand", "slice_relu_", "slice_mul_", "conv", "pool", "flatten", "to_seq", "noise",
 )
 
 
@@ -809,6 +833,9 @@ def check_example(spec: RandomSpec, steps: int = 3) -> Outcome:
     """
     model, opt, batch = build(spec)
     eager_model, eager_opt = twin(model, opt)
+    if spec.hooks:
+        add_gradient_hooks(model)
+        add_gradient_hooks(eager_model)
     kind = "ran"
     notes: list[str] = []
     with reuse_profiles() as cache:

@@ -74,6 +74,11 @@ def test_options_that_only_change_ddps_buffers_train_the_same():
         assert r == {"static_graph": True, "gradient_as_bucket_view": True}, r
 
 
+def test_gradient_hooks_on_the_parameters_run_as_in_eager_ddp():
+    for r in _two_ranks(ddp_workers.hooks_like_eager):
+        assert r["state_equal"], r
+
+
 def test_a_teacher_and_an_ema_outside_a_ddp_model_train_bitwise_on_every_rank():
     results = _two_ranks(ddp_workers.distill_like_eager, 0.5, 3)
     for rank, r in enumerate(results):

@@ -127,6 +127,15 @@ LEAN_INTO_A_REFRESHED_VALUE = RandomSpec(
     ops=(Op("embedding", (0,), (16,)), Op("relu_", (1,)), Op("batch_norm", (2,), (True,)), Op("relu_", (3,)), Op("relu", (4,)),
          Op("linear", (5,), (16, False)), Op("mul", (2, 6))),
 )
+# A random factory op (torch.randint(..., device=x.device)) copied into the backward pass:
+# the replay took the generator's device as its own argument, and the op's `device=`
+# keyword clashed with it ("got multiple values for argument 'device'").
+RANDOM_FACTORY_REPLAYED = RandomSpec(
+    8, 16, 32,
+    ops=(Op("linear", (0,), (64, True)), Op("noise", (1,), ("randint",)), Op("gelu", (2,)), Op("linear", (3,), (64, True)),
+         Op("tanh", (4,)), Op("linear", (5,), (16, True))),
+    optimizer="adamw", budget=0.3, hooks=True,
+)
 MASK_INDEXING = RandomSpec(4, 4, 16, ops=(Op("linear", (0,), (16, True)), Op("relu", (1,))), hostile="mask")
 # A loss weight the loop anneals (with the hyperparameters) is read at every call after its
 # first change: one more graph, bitwise, its peak as predicted.
@@ -162,6 +171,11 @@ def test_random_models_train_bitwise_like_eager_within_budget(spec: RandomSpec) 
     check_example(spec, steps=3)
 
 
+def test_a_random_factory_op_copied_into_the_backward_pass_draws_what_it_drew() -> None:
+    outcome = check_example(RANDOM_FACTORY_REPLAYED, steps=3)
+    assert outcome.replayed > 0, outcome
+
+
 def test_the_generator_covers_every_op_and_aliasing() -> None:
     specs: list[RandomSpec] = []
 
@@ -177,6 +191,7 @@ def test_the_generator_covers_every_op_and_aliasing() -> None:
     assert {s.optimizer for s in specs} == {"sgd", "adamw", "split"}
     assert {s.hostile for s in specs} == {None, *HOSTILE}
     assert sum(s.outside for s in specs) >= 100  # a scale and an EMA outside the model
+    assert sum(s.hooks for s in specs) >= 100  # gradient hooks on the parameters
     # Views feeding in-place writes: the aliasing the analysis must get right.
     inplace_on_views = sum(1 for s in specs for op in s.ops if op.kind in ("slice_relu_", "slice_mul_"))
     assert inplace_on_views >= 20, inplace_on_views

@@ -430,6 +430,29 @@ def test_frozen_parameters_get_no_gradient_and_train_bitwise():
     assert step.report.baseline_peak_bytes < full_step.report.baseline_peak_bytes
 
 
+def _halve_gradient(p: torch.Tensor) -> None:
+    p.grad.mul_(0.5)
+
+
+def test_gradient_hooks_on_the_parameters_run_in_the_graph_bitwise_with_a_plan():
+    """register_hook and register_post_accumulate_grad_hook on the parameters change the
+    gradients in eager; the graph runs without autograd, so they must be traced into it.
+    """
+    spec = _frozen_bert()
+    opt = torch.optim.AdamW([p for p in spec.model.parameters() if p.requires_grad], lr=1e-3)
+    step_fn = make_train_step(spec.loss_fn, zero_grad_first=True)
+    eager_model, eager_opt = twin(spec.model, opt)
+    model, o = twin(spec.model, opt)
+    for m in (eager_model, model):  # a deep copy leaves hooks behind: each side gets its own
+        for i, p in enumerate(p for p in m.parameters() if p.requires_grad):
+            p.register_hook(lambda g: g.clamp(-1e-3, 1e-3)) if i % 2 else p.register_post_accumulate_grad_hook(_halve_gradient)
+    step = remat.compile(step_fn, model, o, spec.batch, memory_budget=0.5, profile_runs=1)
+    result = check_against_eager(step_fn, eager_model, eager_opt, model, o, step, spec.batch, steps=3)
+    assert result.match, result.summary()
+    assert step.report.num_recomputed > 0 and step.report.plan.updates_in_backward
+    assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes
+
+
 def test_frozen_parameters_in_the_optimizer_get_no_state():
     spec = _frozen_bert()
     opt = torch.optim.SGD(spec.model.parameters(), lr=0.1, momentum=0.9)  # all parameters, some frozen

@@ -23,8 +23,8 @@ from torch.nn.utils import stateless
 
 from remat.gc_pause import gc_paused
 from remat.pipeline import (
-    data_parallel, hyperparams, kept_numbers, kept_tensors, logged_numbers, outside_tensors, read_numbers, scheduler_calls, step_outputs, step_prints,
-    train_modes,
+    data_parallel, hyperparams, kept_numbers, kept_tensors, logged_numbers, outside_tensors, param_hooks, read_numbers, scheduler_calls, step_outputs,
+    step_prints, train_modes,
 )
 from remat.pipeline.cpu_strides import CpuOutputStrides
 from remat.errors import CaptureError
@@ -216,6 +216,7 @@ def capture(
         t_batch = pytree.tree_unflatten(list(it), spec)
         for n, p in t_params.items():
             p.requires_grad_(n in trainable)
+        param_hooks.register_on(param_hooks.of(params), t_params)  # the user's gradient hooks, traced in
         if probe["preset_grads"]:
             for n in trainable:
                 t_params[n].grad = torch.zeros_like(t_params[n])
@@ -238,8 +239,7 @@ def capture(
             if optimizer is not None:
                 stack.enter_context(optimizer_on(optimizer, real_to_name, t_params, t_states))
                 stack.enter_context(hyperparams.symbolic(optimizer, t_hyper, sign_facts, symbols))
-                handle = optimizer.register_step_pre_hook(step_pre_hook)
-                stack.callback(handle.remove)
+                stack.callback(optimizer.register_step_pre_hook(step_pre_hook).remove)
             stack.enter_context(numbers.traced(t_numbers, symbols))
             stack.enter_context(passes)
             stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots))
@@ -292,7 +292,7 @@ def capture(
         seen[k] for k in ("output_spec", "output_numbers", "backward_passes", "state_updates", "unread_lists"))
     tg.training, tg.mode_calls, tg.sets_mode_first = train_modes.traced_modes(model, recorded.mode_calls)
     tg.scheduler_calls = scheduler_calls.checked(tg, recorded.scheduler_calls)
-    tg.trainable, tg.leaves_zero_grads, tg.groups = trainable, leaves_zero_grads, groups
+    tg.trainable, tg.leaves_zero_grads, tg.groups, tg.param_hooks = trainable, leaves_zero_grads, groups, param_hooks.of(params)
     return tg
 
 

@@ -44,7 +44,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.errors import CaptureError
-from remat.pipeline import user_code
+from remat.pipeline import param_hooks, user_code
 
 _PLAIN = (bool, int, float, str, type(None))
 NUMBERS = (bool, int, float)
@@ -207,7 +207,7 @@ def state_slots(model: torch.nn.Module, train_step: Callable[..., Any]) -> list[
     # The model's modules' attributes: one slot per (module, key), and no dict split by key.
     own = [(Slot(name, module, key), value) for name, module, key, value in module_attributes(model)]
     step_globals = getattr(user_code.user_function(train_step), "__globals__", None)
-    code = _user_code([train_step, getattr(type(train_step), "__call__", None), *user_code.methods(model)], step_globals)
+    code = _user_code([train_step, getattr(type(train_step), "__call__", None), *user_code.methods(model), *param_hooks.functions(model)], step_globals)
     out = list(code.bindings)
     roots = [(slot.name, value) for slot, value in [*own, *out] if not isinstance(value, _PLAIN + _CONTAINERS)]
     # The object a method belongs to (a trainer), or the callable object that is the step.

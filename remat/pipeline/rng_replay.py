@@ -67,7 +67,8 @@ class Replay:
         self.op = op
         self.__name__ = "replay_" + str(op).replace(".", "_")
 
-    def __call__(self, state: torch.Tensor, device: str, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, state: torch.Tensor, device: str, /, *args: Any, **kwargs: Any) -> Any:
+        # Positional only: a factory op's own `device=` keyword passes through to it.
         if is_fake(state):  # shape propagation: the op's outputs are all that is asked
             return self.op(*args, **kwargs)
         gen = _generator(device)

@@ -11,7 +11,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from remat.errors import CaptureError
-from remat.pipeline import data_parallel, hyperparams, read_numbers, step_outputs, train_modes
+from remat.pipeline import data_parallel, hyperparams, param_hooks, read_numbers, step_outputs, train_modes
 from remat.pipeline.optimizer_state import optimizer_states
 from remat.pipeline.optimizers import as_one
 from remat.pipeline.train_graph import GraphInput, InputKind, TrainGraph
@@ -71,6 +71,7 @@ def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: Any, batch: A
             "the captured graph computes gradients for the parameters that required them then. Compile a new step "
             "(remat.compile) after freezing or unfreezing parameters."
         )
+    param_hooks.check_unchanged(params, tg.param_hooks)
     if tg.has_optimizer:
         names = {id(p): n for n, p in params.items()}
         hyperparams.check_unchanged(optimizer, tg.groups, names)

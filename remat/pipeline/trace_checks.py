@@ -204,6 +204,18 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
             "the distribution, or call torch.distributions.Distribution.set_default_validate_args(False) before the "
             "step: its samples are then drawn in the graph at every step, as eager draws them."
         )
+    if data_dependent and any(Path(f.filename).name == "batchnorm.py" and "num_batches_tracked" in (f.line or "") for f in frames):
+        return CaptureError(
+            f"a BatchNorm layer has momentum=None (a cumulative average), whose factor 1 / num_batches_tracked is read "
+            f"from a tensor at every step{where}: a number one captured graph cannot hold. Give the layer a float "
+            "momentum (the default is 0.1), or train without remat."
+        )
+    if data_dependent and any(Path(f.filename).name == "clip_grad.py" for f in frames):
+        return CaptureError(
+            f"train_step clips gradients with error_if_nonfinite=True{where}, which raises on the norm's value: a "
+            "Python branch on tensor values that one captured graph cannot hold. Pass error_if_nonfinite=False (the "
+            "default) and check torch.isfinite on the norm clip_grad_norm_ returns, after the step."
+        )
     in_optimizer = [f for f in frames if Path(f.filename).parent.parts[-2:] == ("torch", "optim")]
     if data_dependent and any("fused" in f.name for f in in_optimizer):
         return CaptureError(
@@ -237,6 +249,14 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
             "capture, where the number is not known. Pass the number to print or logging as an argument "
             "(print('loss', loss.item()), log.info('loss %.4f', loss.item())), which remat makes again after each "
             "step with its value, or return it from train_step and format it there."
+        )
+    if isinstance(e, KeyError) and e.args and isinstance(e.args[0], FakeTensor):
+        return CaptureError(
+            f"train_step or a hook looks a tensor up in a dict keyed by the model's tensors ({name}){where}. While "
+            "tracing, remat swaps the parameters and buffers for stand-ins, which such a dict does not hold. Key it by "
+            "name (model.named_parameters()). An optimizer per parameter, stepped in a "
+            "register_post_accumulate_grad_hook, is not needed: pass one optimizer (or a list) to remat.compile and "
+            "step it in train_step; remat runs each parameter's update as soon as its gradient is final."
         )
     if "Unsupported" in name or "NotImplemented" in name:
         return CaptureError(f"train_step uses an op that cannot be traced on fake tensors ({name}: {first}){where}; replace or remove it.")

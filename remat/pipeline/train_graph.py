@@ -68,6 +68,7 @@ class TrainGraph:
     state_updates: list[Any] = field(default_factory=list)
     unread_lists: frozenset[str] = frozenset()  # lists of numbers in the user's state the step never reads: not in the cache key
     trainable: tuple[str, ...] = ()  # parameters that required a gradient at capture
+    param_hooks: dict[str, Any] = field(default_factory=dict)  # parameter name -> param_hooks.ParamHooks traced into the graph
     training: tuple[bool, ...] = ()  # module.training of every module at capture (train/eval behaviour is traced in)
     # train()/eval() calls train_step makes, as (module name, mode), in order; `sets_mode_first`:
     # the first is the whole model's, before any forward, so the mode the step starts in does not matter.
