@@ -211,8 +211,18 @@ def test_step_that_accumulates_gradients_across_calls_is_refused():
         o.step()
         return loss
 
-    with pytest.raises(CaptureError, match="does not clear them before backward"):
+    with pytest.raises(CaptureError, match=r"leaves gradients set \(weight, bias\) and does not clear them before backward"):
         capture(accumulating, model, opt, torch.randn(2, 4))
+    # A trained parameter that no optimizer holds keeps its gradient through zero_grad().
+    two = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+
+    def zero_first(m, o, b):
+        o.zero_grad()
+        return accumulating(m, o, b)
+
+    only_last = torch.optim.SGD(two[1].parameters(), lr=0.1)
+    with pytest.raises(CaptureError, match=r"gradients of 2 parameters that no optimizer holds \(first: 0.weight\).*Freeze them"):
+        capture(zero_first, two, only_last, torch.randn(2, 4))
     # Clearing in place (set_to_none=False) before backward is a fresh start too.
     def clears_in_place(m, o, b):
         o.zero_grad(set_to_none=False)

@@ -274,7 +274,7 @@ def capture(
                 grad_order[:], final_grads[:] = kept
     leaves_zero_grads = bool(final_grads) and ends_with_zero_grads(gm)
     if final_grads and not leaves_zero_grads:
-        check_no_accumulation(probe_gm)
+        check_no_accumulation(probe_gm, {n: params[n] for n in trainable}, optimizer)
     check_static_shapes(gm)
     check_graph_runnable(gm)
     groups: list[hyperparams.GroupSpec] = []

@@ -86,24 +86,40 @@ def ends_with_zero_grads(gm: torch.fx.GraphModule) -> bool:
     return bool(grads) and all(g.target is torch.ops.aten.zero_.default for g in grads)
 
 
-def check_no_accumulation(probe_gm: torch.fx.GraphModule) -> None:
+def check_no_accumulation(probe_gm: torch.fx.GraphModule, trainable: dict[str, torch.Tensor], optimizer: Any) -> None:
     """Refuse a step that adds its gradients to those of the step before.
 
-    `probe_gm` was traced with every parameter's `.grad` already set: if train_step calls
-    zero_grad() before backward(), nothing reads those gradients (or they are zeroed in
-    place first); otherwise backward accumulates into them, which a graph computing
-    fresh gradients would silently not do.
+    `probe_gm` was traced with the `.grad` of every parameter in `trainable` (by name, in
+    the marker's order) already set: if train_step calls zero_grad() before backward(),
+    nothing reads those gradients (or they are zeroed in place first); otherwise backward
+    accumulates into them, which a graph computing fresh gradients would silently not do.
     """
     marker = next(n for n in probe_gm.graph.nodes if n.target is MARKER and n.args[1] == "preset_grads")
-    for preset in marker.args[0]:
-        users = [u for u in preset.users if u is not marker]
-        if users and users[0].target not in (torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar):
-            raise CaptureError(
-                "train_step leaves gradients set and does not clear them before backward(), so each step "
-                "would add its gradients to the previous step's (gradient accumulation across calls). "
-                "remat captures steps that start from zero gradients: call optimizer.zero_grad() (or "
-                "model.zero_grad()) in train_step before loss.backward()."
-            )
+    kept = [name for name, preset in zip(trainable, marker.args[0]) if _read_before_cleared(preset, marker)]
+    if not kept:
+        return
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]} if optimizer is not None else set()
+    unheld = [name for name in kept if id(trainable[name]) not in held]
+    named = f"{', '.join(kept[:3])}{f' and {len(kept) - 3} more' if len(kept) > 3 else ''}"
+    if unheld:
+        raise CaptureError(
+            f"train_step leaves set the gradients of {len(unheld)} parameter{'s' if len(unheld) > 1 else ''} that no "
+            f"optimizer holds (first: {unheld[0]}), so optimizer.zero_grad() does not clear them and each step would "
+            "add to them. Freeze "
+            "them (requires_grad_(False)), add them to the optimizer, or call model.zero_grad() in train_step "
+            "before loss.backward()."
+        )
+    raise CaptureError(
+        f"train_step leaves gradients set ({named}) and does not clear them before backward(), so each step "
+        "would add its gradients to the previous step's (gradient accumulation across calls). "
+        "remat captures steps that start from zero gradients: call optimizer.zero_grad() (or "
+        "model.zero_grad()) in train_step before loss.backward()."
+    )
+
+
+def _read_before_cleared(preset: torch.fx.Node, marker: torch.fx.Node) -> bool:
+    users = [u for u in preset.users if u is not marker]
+    return bool(users) and users[0].target not in (torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar)
 
 
 def check_static_shapes(gm: torch.fx.GraphModule) -> None:
