@@ -90,7 +90,7 @@ def main() -> int:
                        compile_seconds=time.perf_counter() - t0, baseline_peak_bytes=step.report.baseline_peak_bytes)
             fn = (lambda s: lambda: s(spec.batch))(step)
         fn()  # optimizer state made, first-step work done
-        rec["peak_bytes"] = persistent_bytes(model, o) + measure_step_peak(fn, "cpu", model).peak_bytes
+        rec["peak_bytes"] = persistent_bytes(model, o, spec.batch) + measure_step_peak(fn, "cpu", model).peak_bytes
         rec["fn"] = fn
         runs.append(rec)
         print(f"{name}: peak {rec['peak_bytes'] / MiB:,.1f} MiB", file=sys.stderr, flush=True)

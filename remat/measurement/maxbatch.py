@@ -207,7 +207,7 @@ def _measured_fit(
             rec.update(predicted_peak_bytes=step.report.predicted_peak_bytes, num_recomputed=step.report.num_recomputed)
             fn = lambda: step(spec.batch)  # noqa: E731
         fn()
-        peak = persistent_bytes(m, o) + measure_peak(fn, device).peak_bytes
+        peak = persistent_bytes(m, o, spec.batch) + measure_peak(fn, device).peak_bytes
         rec.update(status="ok", peak_bytes=peak, fits=peak <= cap_bytes)
     except Exception as e:  # noqa: BLE001
         rec.update(status="failed", reason=failure_reason(e), fits=False)

@@ -109,9 +109,15 @@ def measure_peak(fn: Callable[[], Any], device: str | torch.device = "cpu") -> M
     return Measured(result, peak, running)
 
 
-def persistent_bytes(model: Any, optimizer: Any) -> int:
-    """Bytes of the storages that live across steps: parameters, buffers, optimizer state."""
+def persistent_bytes(model: Any, optimizer: Any, batch: Any = None) -> int:
+    """Bytes of the storages alive before and after a step: parameters, buffers, optimizer
+    state, and the batch the step is given (held by the caller throughout), as the
+    analysis counts them (`analysis.persistent_by_role`). A run measured from its start
+    sees none of these: its peak is this plus what the run allocates."""
     import torch
+    import torch.utils._pytree as pytree
+
+    from remat.pipeline.optimizers import as_one
 
     seen: dict[Any, int] = {}
 
@@ -124,8 +130,11 @@ def persistent_bytes(model: Any, optimizer: Any) -> int:
         add(p)
     for b in model.buffers():
         add(b)
+    optimizer = as_one(optimizer)  # one, or a list of them
     if optimizer is not None:
         for state in optimizer.state.values():
             for v in state.values():
                 add(v)
+    for leaf in pytree.tree_leaves(batch):
+        add(leaf)
     return sum(seen.values())

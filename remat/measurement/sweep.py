@@ -299,7 +299,7 @@ def run_batch(
 
     # Peaks: one step each under the same tracker, state already created.
     advance(f"b={batch_size}: measure peaks")
-    _measure_peaks(eager, live, device, persistent_bytes(eager_model, eager_opt))
+    _measure_peaks(eager, live, device, persistent_bytes(eager_model, eager_opt, spec.batch))
     eager_act = eager.record.get("activation_peak_bytes")
     for x in live:
         if eager_act and x.record.get("activation_peak_bytes") is not None:
