@@ -453,6 +453,32 @@ def test_gradient_hooks_on_the_parameters_run_in_the_graph_bitwise_with_a_plan()
     assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes
 
 
+def test_a_step_zeroing_gradients_in_place_compiles_after_an_eager_step_and_trains_bitwise():
+    """After an eager step the parameters hold gradients; a step that zeroes them in place
+    (set_to_none=False) was traced with fake copies of them as constants of the graph,
+    and failed on its first run."""
+    spec = build_model("bert-tiny", 4)
+    opt = torch.optim.AdamW(spec.model.parameters(), lr=1e-3)
+
+    def step_fn(model, optimizer, batch):
+        optimizer.zero_grad(set_to_none=False)
+        loss = spec.loss_fn(model, batch)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    step_fn(spec.model, opt, spec.batch)
+    eager_model, eager_opt = twin(spec.model, opt)
+    model, o = twin(spec.model, opt)
+    for m in (eager_model, model):  # a deep copy leaves gradients behind
+        for p, q in zip(m.parameters(), spec.model.parameters()):
+            p.grad = q.grad.clone()
+    step = remat.compile(step_fn, model, o, spec.batch, memory_budget=0.5, profile_runs=1)
+    assert not [n for n in step.graph_module.graph.nodes if n.op == "get_attr"]
+    result = check_against_eager(step_fn, eager_model, eager_opt, model, o, step, spec.batch, steps=3)
+    assert result.match, result.summary()
+
+
 def test_frozen_parameters_in_the_optimizer_get_no_state():
     spec = _frozen_bert()
     opt = torch.optim.SGD(spec.model.parameters(), lr=0.1, momentum=0.9)  # all parameters, some frozen

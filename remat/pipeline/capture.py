@@ -141,6 +141,17 @@ def _check_arguments(
     return leaves, spec, params, buffers, trainable, device
 
 
+def _as_stand_ins(t_params: dict[str, torch.Tensor], trainable: tuple[str, ...]) -> None:
+    """Each traced parameter requires a gradient as its parameter does, and starts without
+    one. Made fake from a real parameter, it carries a fake copy of that one's `.grad`,
+    which the trace would hold as a constant: a step that calls zero_grad(set_to_none=False)
+    on gradients an eager step left zeroed the constant in place, and the graph then
+    wrote into it at every call."""
+    for n, p in t_params.items():
+        p.requires_grad_(n in trainable)
+        p.grad = None
+
+
 def _trace(
     traced: Callable[..., Any], flat: list[torch.Tensor], symbols: dict[str, str], sign_facts: dict[str, int],
     hyper_values: dict[str, float], numbers: read_numbers.Reading, model: torch.nn.Module,
@@ -214,8 +225,7 @@ def capture(
         t_numbers = {n: next(it) for n in numbers.slots}
         t_outside = [next(it) for _ in outside]
         t_batch = pytree.tree_unflatten(list(it), spec)
-        for n, p in t_params.items():
-            p.requires_grad_(n in trainable)
+        _as_stand_ins(t_params, trainable)
         param_hooks.register_on(param_hooks.of(params), t_params)  # the user's gradient hooks, traced in
         if probe["preset_grads"]:
             for n in trainable:
