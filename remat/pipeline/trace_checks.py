@@ -105,9 +105,8 @@ def check_no_accumulation(probe_gm: torch.fx.GraphModule, trainable: dict[str, t
         raise CaptureError(
             f"train_step leaves set the gradients of {len(unheld)} parameter{'s' if len(unheld) > 1 else ''} that no "
             f"optimizer holds (first: {unheld[0]}), so optimizer.zero_grad() does not clear them and each step would "
-            "add to them. Freeze "
-            "them (requires_grad_(False)), add them to the optimizer, or call model.zero_grad() in train_step "
-            "before loss.backward()."
+            "add to them. Freeze them (requires_grad_(False)), add them to the optimizer, or call model.zero_grad() "
+            "in train_step before loss.backward()."
         )
     raise CaptureError(
         f"train_step leaves gradients set ({named}) and does not clear them before backward(), so each step "
