@@ -15,8 +15,10 @@ Where a variant applies (each condition checked on the graph, not assumed):
   kernel of its own on the device (`out_overload`);
 - the input is made after the forward pass (a gradient), so no rebuilt copy ever reads it
   and every recomputation plan keeps the variant valid;
-- nothing reads the input's storage after the op (through any value on it), the storage is
-  not a graph output nor held by the caller, and holds exactly the result's bytes;
+- nothing reads the input's storage after the op (through any value on it), nor does the
+  op itself through another of its inputs (a transpose of it: the kernel would read
+  elements it has already written, and refuses the overlap), the storage is not a graph
+  output nor held by the caller, and holds exactly the result's bytes;
 - the input has the result's shape, dtype, strides and device, so the result is laid out as
   the op would lay it out.
 """
@@ -143,9 +145,10 @@ def find_lean_ops(tg: TrainGraph, analysis: GraphAnalysis) -> LeanOps:
                 continue
             s = root(sids[0])
             t = tensors[s]
+            read_too = {root(x) for other in node.all_input_nodes if other is not arg for x in analysis.node_storages.get(other.name, [])}
             if (
                 t.persistent or s in outputs or t.created < 0 or tg.phase[analysis.node_names[t.created]] is Phase.FORWARD
-                or last_use[s] != rank[node.name] or t.nbytes != tensors[own[0]].nbytes
+                or last_use[s] != rank[node.name] or t.nbytes != tensors[own[0]].nbytes or s in read_too
             ):  # fmt: skip
                 continue
             merged[own[0]] = s
