@@ -203,6 +203,7 @@ def capture(
     real_to_name, param_alias, buffer_alias = _aliases(model, params, buffers)
 
     slots, held, outside, own = _user_state(model, train_step, params, buffers, states, example_batch)
+    hooks = param_hooks.of(params)  # the user's gradient hooks: traced in, and checked at every call
     numbers = read_numbers.Reading.of(slots, read_numbers_named)
     inputs, flat, hyper_values = _graph_inputs(params, buffers, states, optimizer, numbers.slots, outside, example_batch, leaves)
 
@@ -226,7 +227,7 @@ def capture(
         t_outside = [next(it) for _ in outside]
         t_batch = pytree.tree_unflatten(list(it), spec)
         _as_stand_ins(t_params, trainable)
-        param_hooks.register_on(param_hooks.of(params), t_params)  # the user's gradient hooks, traced in
+        param_hooks.register_on(hooks, t_params)
         if probe["preset_grads"]:
             for n in trainable:
                 t_params[n].grad = torch.zeros_like(t_params[n])
@@ -302,7 +303,7 @@ def capture(
         seen[k] for k in ("output_spec", "output_numbers", "backward_passes", "state_updates", "unread_lists"))
     tg.training, tg.mode_calls, tg.sets_mode_first = train_modes.traced_modes(model, recorded.mode_calls)
     tg.scheduler_calls = scheduler_calls.checked(tg, recorded.scheduler_calls)
-    tg.trainable, tg.leaves_zero_grads, tg.groups, tg.param_hooks = trainable, leaves_zero_grads, groups, param_hooks.of(params)
+    tg.trainable, tg.leaves_zero_grads, tg.groups, tg.param_hooks = trainable, leaves_zero_grads, groups, hooks
     return tg
 
 

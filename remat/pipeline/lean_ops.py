@@ -145,10 +145,10 @@ def find_lean_ops(tg: TrainGraph, analysis: GraphAnalysis) -> LeanOps:
                 continue
             s = root(sids[0])
             t = tensors[s]
-            read_too = {root(x) for other in node.all_input_nodes if other is not arg for x in analysis.node_storages.get(other.name, [])}
             if (
                 t.persistent or s in outputs or t.created < 0 or tg.phase[analysis.node_names[t.created]] is Phase.FORWARD
-                or last_use[s] != rank[node.name] or t.nbytes != tensors[own[0]].nbytes or s in read_too
+                or last_use[s] != rank[node.name] or t.nbytes != tensors[own[0]].nbytes
+                or any(root(x) == s for other in node.all_input_nodes if other is not arg for x in analysis.node_storages.get(other.name, []))
             ):  # fmt: skip
                 continue
             merged[own[0]] = s
