@@ -119,6 +119,7 @@ class RematStep:
     _read: set[str] = field(default_factory=set)  # floats the loop changed between steps, read at every call (read_numbers)
     _constant: set[str] = field(default_factory=set)  # such floats the step branches on: constants of the graph
     _signed: set[str] = field(default_factory=set)  # such floats the step compares with zero: their sign is in the key
+    _ran: frozenset[Any] | None = None  # the user's code the traces ran (None before the first): the key watches what it names
 
     def __post_init__(self) -> None:
         # Parse now: a bad budget is an error at compile time, not at the first step.
@@ -167,6 +168,7 @@ class RematStep:
             if promoted:  # the graphs holding them as constants are never used again
                 self._graphs = {k: g for k, g in self._graphs.items() if k[0] != shapes}
         tg = compiled.tg
+        self._ran = (self._ran or frozenset()) | tg.code_read
         self._unkeyed |= {update.slot.name for update in tg.state_updates if not update.keyed} | tg.unread_lists  # changed at every call
         constant = {name for name in self._read if name not in tg.numbers and name not in tg.number_signs}  # the trace branches on them
         self._read -= constant
@@ -194,7 +196,7 @@ class RematStep:
         """The watched values the compiled graph depends on: each value itself, but for a
         number read at every call only whether it is a float, and its sign where the
         graph assumes it."""
-        values = step_values(self.model, self.train_step, skip=self._unkeyed)
+        values = step_values(self.model, self.train_step, skip=self._unkeyed, ran=self._ran)
         return tuple((name, read_numbers.key(value, name in self._signed)) if name in self._read else (name, value) for name, value in values)
 
     def _checked_signature(self, batch: Any) -> Any:

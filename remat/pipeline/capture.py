@@ -24,7 +24,7 @@ from torch.nn.utils import stateless
 from remat.gc_pause import gc_paused
 from remat.pipeline import (
     data_parallel, hyperparams, kept_numbers, kept_tensors, logged_numbers, outside_tensors, param_hooks, read_numbers, scheduler_calls, step_outputs,
-    step_prints, train_modes,
+    module_hooks, step_prints, train_modes, user_code,
 )
 from remat.pipeline.cpu_strides import CpuOutputStrides
 from remat.errors import CaptureError
@@ -270,19 +270,28 @@ def capture(
     def trace() -> torch.fx.GraphModule:
         return _trace(traced, flat, symbols, sign_facts, hyper_values, numbers, model)
 
-    with no_python_state_changed(model, train_step, slots) as watch:
-        gm = trace()
-        probe["numbers"] = watch.numbers_changed()  # traced again with those numbers counted
-        gm = kept_numbers.traced_counting(trace, probe, seen) if probe["numbers"] else gm
-        if final_grads:
-            # Gradients stay set after the step, so the next step starts with them: it must
-            # clear them before its backward (the graph computes fresh ones).
-            probe["preset_grads"] = True
-            kept = list(grad_order), list(final_grads)
-            try:
-                probe_gm = trace()
-            finally:
-                grad_order[:], final_grads[:] = kept
+    ran: set[Any] = set()  # the user's code the traces ran: the step reads only what it names
+    tables = module_hooks.HookTables.of(model)
+    set_up: list[tuple[torch.nn.Module, str]] = []  # a library's first-call mark (module_hooks)
+    try:
+        with user_code.recording_run(ran), no_python_state_changed(model, train_step, slots) as watch:
+            gm = trace()
+            if tables.changed():  # a library set the model up in its first call: trace as its later calls run
+                set_up = tables.added_attributes()
+                gm = _traced_as_set_up(trace, model)
+            probe["numbers"] = watch.numbers_changed(frozenset((id(m), k) for m, k in set_up))  # traced again with those numbers counted
+            gm = kept_numbers.traced_counting(trace, probe, seen) if probe["numbers"] else gm
+            if final_grads:
+                # Gradients stay set after the step, so the next step starts with them: it must
+                # clear them before its backward (the graph computes fresh ones).
+                probe["preset_grads"] = True
+                kept = list(grad_order), list(final_grads)
+                try:
+                    probe_gm = trace()
+                finally:
+                    grad_order[:], final_grads[:] = kept
+    finally:
+        tables.put_back(set_up)
     leaves_zero_grads = bool(final_grads) and ends_with_zero_grads(gm)
     if final_grads and not leaves_zero_grads:
         check_no_accumulation(probe_gm, {n: params[n] for n in trainable}, optimizer)
@@ -304,7 +313,21 @@ def capture(
     tg.training, tg.mode_calls, tg.sets_mode_first = train_modes.traced_modes(model, recorded.mode_calls)
     tg.scheduler_calls = scheduler_calls.checked(tg, recorded.scheduler_calls)
     tg.trainable, tg.leaves_zero_grads, tg.groups, tg.param_hooks = trainable, leaves_zero_grads, groups, hooks
+    tg.code_read = frozenset(ran)
     return tg
+
+
+def _traced_as_set_up(trace: Callable[[], torch.fx.GraphModule], model: torch.nn.Module) -> torch.fx.GraphModule:
+    """The step traced again with the hooks the first trace installed in place; refused if it
+    installs more (eager would then add hooks at every step, which one graph cannot repeat)."""
+    tables = module_hooks.HookTables.of(model)
+    gm = trace()
+    if tables.changed():
+        raise CaptureError(
+            f"the step adds hooks to the model at every call ({', '.join(tables.changed()[:3])}): eager would run one more "
+            "hook at each step, which one graph cannot repeat. Register hooks once, outside the step."
+        )
+    return gm
 
 
 @dataclass

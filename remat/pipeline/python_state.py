@@ -202,12 +202,14 @@ class _Watched:
                 self.value.update(self.content)
 
 
-def state_slots(model: torch.nn.Module, train_step: Callable[..., Any]) -> list[tuple[Slot, Any]]:
-    """Every slot the watch reads (see the module's docstring), with the value it holds."""
+def state_slots(model: torch.nn.Module, train_step: Callable[..., Any], ran: frozenset[types.CodeType] | None = None) -> list[tuple[Slot, Any]]:
+    """Every slot the watch reads (see the module's docstring), with the value it holds:
+    those the user's code can reach, or where `ran` is given (the user's code the traces
+    ran: user_code.recording_run), those the code that ran names."""
     # The model's modules' attributes: one slot per (module, key), and no dict split by key.
     own = [(Slot(name, module, key), value) for name, module, key, value in module_attributes(model)]
     step_globals = getattr(user_code.user_function(train_step), "__globals__", None)
-    code = _user_code([train_step, getattr(type(train_step), "__call__", None), *user_code.methods(model), *param_hooks.functions(model)], step_globals)
+    code = _user_code([train_step, getattr(type(train_step), "__call__", None), *user_code.methods(model), *param_hooks.functions(model)], step_globals, ran)
     out = list(code.bindings)
     roots = [(slot.name, value) for slot, value in [*own, *out] if not isinstance(value, _PLAIN + _CONTAINERS)]
     # The object a method belongs to (a trainer), or the callable object that is the step.
@@ -217,14 +219,14 @@ def state_slots(model: torch.nn.Module, train_step: Callable[..., Any]) -> list[
     contained = [item for slot, value in [*own, *out] if isinstance(value, _CONTAINERS) for item in _in_container(slot, value)]
     roots += contained
     seen: set[int] = set()
-    fields = [f for name, value in roots for f in _object_fields(name, value, code.names, seen, depth=0)]
+    fields = [f for name, value in roots for f in _object_fields(name, value, code.names, seen, 0, ran)]
     out += fields
     # The user's functions held in those fields or containers (a callback, a closure that
     # counts): their globals and cells too.
     held_functions = [value for _, value in [*fields, *contained] if user_code.user_function(value) is not None]
     if held_functions:
         known = {slot.name for slot, _ in out}
-        out += [(slot, value) for slot, value in _user_code(held_functions, step_globals).bindings if slot.name not in known]
+        out += [(slot, value) for slot, value in _user_code(held_functions, step_globals, ran).bindings if slot.name not in known]
     # Another module the step runs (a teacher, an EMA copy of the model): its attributes and
     # train/eval flags, which its forward is traced with as the model's are.
     model_modules = frozenset(id(m) for m in model.modules())
@@ -293,12 +295,14 @@ def _copied(value: Any) -> Any:
     return value
 
 
-def step_values(model: torch.nn.Module, train_step: Callable[..., Any], skip: set[str] | frozenset[str] = frozenset()) -> tuple[tuple[str, Any], ...]:
+def step_values(
+    model: torch.nn.Module, train_step: Callable[..., Any], skip: set[str] | frozenset[str] = frozenset(), ran: frozenset[types.CodeType] | None = None,
+) -> tuple[tuple[str, Any], ...]:
     """The watched values as the graph traced with them saw them: a step is compiled again
     when one changes between steps (a temperature, a drop rate or a loss weight set by the
     loop), since the graph holds them as constants. `skip`: slots left out (a list the step
     logs numbers to, which the graph never reads)."""
-    return tuple((name, w.frozen) for name, w in _watched(state_slots(model, train_step)).items() if name not in skip)
+    return tuple((name, w.frozen) for name, w in _watched(state_slots(model, train_step, ran)).items() if name not in skip)
 
 
 _MOST_FUNCTIONS = 500
@@ -306,11 +310,11 @@ _MOST_FUNCTIONS = 500
 
 @dataclass
 class _UserCode:
-    names: set[str]  # every global and attribute name the code mentions
+    names: set[str]  # every attribute name the code reads or writes (fields of the user's objects are watched by these)
     bindings: list[tuple[Slot, Any]]  # the globals and closure cells it reads, with their values
 
 
-def _user_code(pending: list[Any], step_globals: dict[str, Any] | None) -> _UserCode:
+def _user_code(pending: list[Any], step_globals: dict[str, Any] | None, ran: frozenset[types.CodeType] | None) -> _UserCode:
     """The user's functions the step runs, followed from `pending` (train_step and the model's
     classes' methods, or functions held in the user's objects) through globals and closures.
     A global is named with its module unless it is train_step's (`step_globals`)."""
@@ -322,11 +326,12 @@ def _user_code(pending: list[Any], step_globals: dict[str, Any] | None) -> _User
         if fn is None or id(fn) in seen:
             continue
         seen.add(id(fn))
-        mentioned = user_code.names(fn.__code__)
-        names |= mentioned
+        if ran is not None and fn.__code__ not in ran:
+            continue  # it never ran: nothing it names was read
+        names |= user_code.attribute_names(fn.__code__, ran)
         globs = fn.__globals__
         where = "" if globs is step_globals else f"{globs.get('__name__', '?')}."
-        slots = [Slot(f"global {where}{key}", globs, key) for key in sorted(mentioned & globs.keys())]
+        slots = [Slot(f"global {where}{key}", globs, key) for key in sorted(user_code.global_names(fn.__code__, ran) & globs.keys())]
         slots += [Slot(f"{key} (from the closure of {fn.__name__})", cell, key) for key, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ())]
         for slot in slots:
             value = slot.get()
@@ -336,7 +341,7 @@ def _user_code(pending: list[Any], step_globals: dict[str, Any] | None) -> _User
     return _UserCode(names, bindings)
 
 
-def _object_fields(name: str, obj: Any, names: set[str], seen: set[int], depth: int) -> Iterator[tuple[Slot, Any]]:
+def _object_fields(name: str, obj: Any, names: set[str], seen: set[int], depth: int, ran: frozenset[types.CodeType] | None) -> Iterator[tuple[Slot, Any]]:
     """The fields of a user's object (and of the user's objects in them) that the user's code names."""
     if depth > 3 or id(obj) in seen or isinstance(obj, (type, torch.nn.Module, torch.Tensor)) or not user_code.user_class(type(obj)):
         return
@@ -345,10 +350,10 @@ def _object_fields(name: str, obj: Any, names: set[str], seen: set[int], depth: 
         fields = vars(obj)
     except TypeError:  # __slots__
         return
-    names = names | user_code.names_in_class(type(obj))  # what its own methods name (an EMA helper's update())
+    names = names | user_code.names_in_class(type(obj), ran)  # what its own methods name (an EMA helper's update())
     for key in sorted(k for k in fields if k in names):
         yield Slot(f"{name}.{key}", obj, key), fields[key]
-        yield from _object_fields(f"{name}.{key}", fields[key], names, seen, depth + 1)
+        yield from _object_fields(f"{name}.{key}", fields[key], names, seen, depth + 1, ran)
 
 
 def _snapshot(value: Any) -> Any:
@@ -401,11 +406,14 @@ class StateWatch:
         for w in self.before.values():
             w.content = _copied(w.value)
 
-    def numbers_changed(self) -> list[NumberChange]:
+    def numbers_changed(self, set_up: frozenset[tuple[int, str]] = frozenset()) -> list[NumberChange]:
         """The slots the traces so far left holding another number (pipeline.kept_numbers),
-        each put back."""
+        each put back; but for the places in `set_up` (a library's first-call mark:
+        module_hooks), which capture puts back itself."""
         changes = []
         for slot, value in state_slots(self.model, self.train_step):
+            if slot.place() in set_up:
+                continue
             w = self.before.get(slot.name)
             before = self.held.get(slot.name, MISSING)
             if is_number(value) and (before is None or before is MISSING or type(before) in NUMBERS):

@@ -1,15 +1,21 @@
-"""Which code is the user's: functions and classes outside the installed packages and the
-standard library, and the names their code mentions (python_state follows these)."""
+"""Which code is the user's: functions and classes outside the installed packages, the
+standard library and remat itself, and the names their code reads (python_state follows
+these). A global is followed only where the code loads it by that name, an object's field
+only where the code reads or writes that attribute: a name the code only uses as an
+attribute (`optimizer.step()`) is no read of a global `step`."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dis
 import functools
+import os
 import site
 import sys
 import sysconfig
 import types
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -18,8 +24,13 @@ _LIBRARY_DIRS = tuple(
 )
 
 
+# remat's own code (an editable install lives outside the installed packages): never the
+# user's, so the compiled step and remat's modules are never followed.
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
 def is_user_file(path: str) -> bool:
-    return not path.startswith("<") and not path.startswith(_LIBRARY_DIRS)
+    return not path.startswith("<") and not path.startswith(_LIBRARY_DIRS) and not path.startswith(_OWN_DIR)
 
 
 def user_function(value: Any) -> types.FunctionType | None:
@@ -46,8 +57,10 @@ def class_functions(cls: type) -> tuple[Any, ...]:
 
 
 @functools.lru_cache(maxsize=4096)
-def names_in_class(cls: type) -> frozenset[str]:
-    return frozenset(n for f in class_functions(cls) if (fn := user_function(f)) is not None for n in names(fn.__code__))
+def names_in_class(cls: type, ran: frozenset[types.CodeType] | None = None) -> frozenset[str]:
+    """The attribute names its methods read or write (an EMA helper's `self.decay`); only
+    those of the methods that ran, where `ran` is given."""
+    return frozenset(n for f in class_functions(cls) if (fn := user_function(f)) is not None for n in attribute_names(fn.__code__, ran))
 
 
 def methods(module: torch.nn.Module) -> list[Any]:
@@ -55,10 +68,66 @@ def methods(module: torch.nn.Module) -> list[Any]:
     return [f for cls in {type(m) for m in module.modules()} for f in class_functions(cls)]
 
 
-def names(code: types.CodeType) -> set[str]:
-    """The global and attribute names a code object and the functions nested in it mention."""
-    out = set(code.co_names)
+_GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME", "STORE_NAME", "DELETE_NAME"})
+_ATTRIBUTE_OPS = frozenset({"LOAD_ATTR", "STORE_ATTR", "DELETE_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
+
+
+def global_names(code: types.CodeType, ran: frozenset[types.CodeType] | None = None) -> frozenset[str]:
+    """The globals a code object (and the functions, lambdas and comprehensions nested in
+    it) reads or writes by name; where `ran` is given (the code a trace ran: `recording_run`),
+    only those of the code that ran."""
+    return _read(code, ran, 0)
+
+
+def attribute_names(code: types.CodeType, ran: frozenset[types.CodeType] | None = None) -> frozenset[str]:
+    """The attribute names it reads, writes or calls (`self.decay`, `optimizer.step`), as global_names."""
+    return _read(code, ran, 1)
+
+
+def _read(code: types.CodeType, ran: frozenset[types.CodeType] | None, which: int) -> frozenset[str]:
+    if ran is not None and code not in ran:
+        return frozenset()
+    out = set(_own_names(code)[which])
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            out |= names(const)
-    return out
+            out |= _read(const, ran, which)
+    return frozenset(out)
+
+
+@functools.lru_cache(maxsize=8192)
+def _own_names(code: types.CodeType) -> tuple[frozenset[str], frozenset[str]]:
+    globals_, attributes = set(), set()
+    for ins in dis.get_instructions(code):
+        if ins.opname in _GLOBAL_OPS:
+            globals_.add(ins.argval)
+        elif ins.opname in _ATTRIBUTE_OPS:
+            attributes.add(ins.argval)
+    return frozenset(globals_), frozenset(attributes)
+
+
+@contextlib.contextmanager
+def recording_run(ran: set[types.CodeType]) -> Iterator[None]:
+    """While the block runs (a trace), every code object of the user's that starts running
+    is added to `ran`: what the trace read is what that code names, and nothing the user's
+    other code names (a training loop's counter, the compiled step held in a global)."""
+    previous = sys.getprofile()
+    user_files: dict[str, bool] = {}
+
+    def profile(frame: types.FrameType, event: str, arg: Any) -> None:
+        if event == "call":
+            code = frame.f_code
+            if code not in ran:
+                path = code.co_filename
+                mine = user_files.get(path)
+                if mine is None:
+                    mine = user_files[path] = is_user_file(path)
+                if mine:
+                    ran.add(code)
+        if previous is not None:
+            previous(frame, event, arg)
+
+    sys.setprofile(profile)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
