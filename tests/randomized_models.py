@@ -35,7 +35,7 @@ from remat.pipeline.optimizers import as_one
 from remat.pipeline.rng_replay import Replay
 from remat.pipeline.analysis import analyze
 from remat.pipeline.train_graph import Phase
-from remat.measurement.check import check_against_eager, twin
+from remat.measurement.check import check_against_eager, model_snapshot, snapshot_differences, twin
 from remat.errors import BudgetError, CaptureError
 from remat.pipeline.simulator import simulate
 
@@ -838,6 +838,7 @@ def check_example(spec: RandomSpec, steps: int = 3) -> Outcome:
         add_gradient_hooks(eager_model)
     kind = "ran"
     notes: list[str] = []
+    before = model_snapshot(model)
     with reuse_profiles() as cache:
         try:
             step = _compile(spec, model, opt, batch, spec.budget)
@@ -866,6 +867,8 @@ def check_example(spec: RandomSpec, steps: int = 3) -> Outcome:
             kind = "ran_after_refusal"
             notes.append(f"budget {budget_bytes} refused, reachable {reachable}, ran at {retry}")
     assert not spec.hostile, f"{spec.hostile} was captured without complaint"
+    changed = snapshot_differences(before, model_snapshot(model))
+    assert not changed, f"compiling changed the model: {changed[:5]}"
 
     report = step.report
     compiled = step._last

@@ -676,17 +676,28 @@ def test_a_tensor_the_step_keeps_in_python_state_is_refused_and_the_state_put_ba
 
 
 _HOLDERS = [types.SimpleNamespace(scale=torch.ones(4))]  # the user's object inside a list: searched
-_PRIOR = torch.distributions.Normal(torch.zeros(4), torch.ones(4))  # a library's object: not searched
+_PRIOR = torch.distributions.Normal(torch.zeros(4), torch.ones(4))  # a library's object in a global: its tensor fields searched
+_PRIORS = [torch.distributions.Normal(torch.zeros(4), torch.ones(4))]  # a library's object inside a list: not searched
 
 
 def test_a_tensor_held_where_remat_does_not_look_is_refused_naming_where_it_looks():
     def step(m, o, b):
+        m.zero_grad()
+        loss = (m(b) * _PRIORS[0].scale).sum()
+        loss.backward()
+        return loss
+
+    with pytest.raises(CaptureError, match=r"uses a tensor of shape \(4,\) that is not the model's.*not held where remat looks.*_PRIORS\[0\]\.scale"):
+        capture(step, torch.nn.Linear(4, 4), None, torch.randn(2, 4))
+
+    def held_by_a_library_object(m, o, b):
+        m.zero_grad()
         loss = (m(b) * _PRIOR.scale).sum()
         loss.backward()
         return loss
 
-    with pytest.raises(CaptureError, match=r"uses a tensor of shape \(4,\) that is not the model's.*not held where remat looks.*_PRIOR\.scale"):
-        capture(step, torch.nn.Linear(4, 4), None, torch.randn(2, 4))
+    tg = capture(held_by_a_library_object, torch.nn.Linear(4, 4), None, torch.randn(2, 4))
+    assert [o.locations[0].get() for o in tg.outside.values()] == [_PRIOR.scale]
 
     def held_in_a_list(m, o, b):
         m.zero_grad()

@@ -166,3 +166,48 @@ def time_alternating(run_a: Callable[[], Any], run_b: Callable[[], Any], pairs: 
             acc.append(time.perf_counter() - t)
     ratios = [b / a for a, b in zip(ta, tb)]
     return Timing(statistics.median(ta), statistics.median(tb), statistics.median(ratios), (min(ratios), max(ratios)), pairs)
+
+
+def model_snapshot(model: torch.nn.Module) -> dict[str, Any]:
+    """What compiling must leave as it found it, comparable with `==`: per module its class,
+    train/eval flag, every attribute (a tensor by identity, version and a copy of its values;
+    a plain value by value; anything else by identity), every hook table's hooks; per
+    parameter its gradient, `requires_grad` and tensor hooks; the process-wide module hooks;
+    grad mode and the CPU generator's state."""
+    import torch.nn.modules.module as module_globals
+
+    def value(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return ("tensor", id(v), v._version, v.detach().clone())
+        if isinstance(v, (bool, int, float, str, type(None))):
+            return v
+        if isinstance(v, (list, tuple)) and len(v) <= 64:
+            return (type(v), tuple(value(x) for x in v))
+        if isinstance(v, dict) and len(v) <= 256:
+            return (type(v), tuple((k if isinstance(k, (str, int)) else id(k), value(x)) for k, x in v.items()))
+        return ("object", id(v))
+
+    out: dict[str, Any] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        out[f"module {name}"] = (type(m), m.training, tuple(sorted((k, value(v)) for k, v in vars(m).items())))
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[f"parameter {name}"] = (p.requires_grad, value(p.grad), tuple(sorted(map(id, (p._backward_hooks or {}).values()))),
+                                    tuple(map(id, (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values())))
+    out["global module hooks"] = tuple(
+        (k, tuple(map(id, v.values()))) for k, v in vars(module_globals).items() if k.startswith("_global") and isinstance(v, dict)
+    )
+    out["grad mode"] = torch.is_grad_enabled()
+    out["cpu generator"] = torch.get_rng_state()
+    return out
+
+
+def snapshot_differences(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """The entries of two model_snapshot()s that differ, by name."""
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+        if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+            return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return bool(a == b)
+
+    return [k for k in {**before, **after} if k not in before or k not in after or not same(before[k], after[k])]

@@ -31,7 +31,7 @@ from remat.errors import CaptureError
 from remat.pipeline.optimizer_state import check_first_step_state, optimizer_on, optimizer_states
 from remat.pipeline.optimizers import as_one, only_passed_step
 
-from remat.pipeline.markers import MARKER, RECORD_FUNCTION_OPS, marker
+from remat.pipeline.markers import MARKER, RECORD_FUNCTION_OPS, marker, marking_passes
 from remat.pipeline.trace_checks import branched_hyperparameters, check_graph_runnable, check_no_accumulation, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state
 from remat.pipeline.train_graph import GraphInput, InputKind, Phase, TrainGraph, TrainStep
 from remat.pipeline.python_state import no_python_state_changed, state_slots
@@ -234,7 +234,7 @@ def capture(
             marker([t_params[n].grad for n in trainable], "preset_grads")
         calls = {"backward": 0, "reduced": 0, "updates": 0}
         synced: list[bool] = []  # per forward of a DDP model: whether it syncs gradients
-        passes = _marking_passes(t_params, grad_order, calls, dp, synced)
+        passes = marking_passes(t_params, grad_order, calls, dp, synced)
 
         def step_pre_hook(opt, args, kwargs):  # type: ignore[no-untyped-def]
             calls["updates"] += 1
@@ -271,27 +271,7 @@ def capture(
         return _trace(traced, flat, symbols, sign_facts, hyper_values, numbers, model)
 
     ran: set[Any] = set()  # the user's code the traces ran: the step reads only what it names
-    tables = module_hooks.HookTables.of(model)
-    set_up: list[tuple[torch.nn.Module, str]] = []  # a library's first-call mark (module_hooks)
-    try:
-        with user_code.recording_run(ran), no_python_state_changed(model, train_step, slots) as watch:
-            gm = trace()
-            if tables.changed():  # a library set the model up in its first call: trace as its later calls run
-                set_up = tables.added_attributes()
-                gm = _traced_as_set_up(trace, model)
-            probe["numbers"] = watch.numbers_changed(frozenset((id(m), k) for m, k in set_up))  # traced again with those numbers counted
-            gm = kept_numbers.traced_counting(trace, probe, seen) if probe["numbers"] else gm
-            if final_grads:
-                # Gradients stay set after the step, so the next step starts with them: it must
-                # clear them before its backward (the graph computes fresh ones).
-                probe["preset_grads"] = True
-                kept = list(grad_order), list(final_grads)
-                try:
-                    probe_gm = trace()
-                finally:
-                    grad_order[:], final_grads[:] = kept
-    finally:
-        tables.put_back(set_up)
+    gm, probe_gm = _traces(trace, model, train_step, slots, probe, seen, (grad_order, final_grads), ran)
     leaves_zero_grads = bool(final_grads) and ends_with_zero_grads(gm)
     if final_grads and not leaves_zero_grads:
         check_no_accumulation(probe_gm, {n: params[n] for n in trainable}, optimizer)
@@ -317,17 +297,39 @@ def capture(
     return tg
 
 
-def _traced_as_set_up(trace: Callable[[], torch.fx.GraphModule], model: torch.nn.Module) -> torch.fx.GraphModule:
-    """The step traced again with the hooks the first trace installed in place; refused if it
-    installs more (eager would then add hooks at every step, which one graph cannot repeat)."""
+def _traces(
+    trace: Callable[[], torch.fx.GraphModule], model: torch.nn.Module, train_step: TrainStep, slots: list[Any],
+    probe: dict[str, Any], seen: dict[str, Any], grads: tuple[list[str], list[str]], ran: set[Any],
+) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule | None]:  # fmt: skip
+    """The graph, traced as eager's later steps run (a library's first-call set-up in place:
+    module_hooks), and traced once more with the numbers the step keeps counted
+    (kept_numbers); and where gradients stay set after the step, the step traced as the next
+    one starts, with them set (for check_no_accumulation). The user's code that ran goes
+    into `ran`; Python state and the model's hook tables are left as they were."""
+    grad_order, final_grads = grads
     tables = module_hooks.HookTables.of(model)
-    gm = trace()
-    if tables.changed():
-        raise CaptureError(
-            f"the step adds hooks to the model at every call ({', '.join(tables.changed()[:3])}): eager would run one more "
-            "hook at each step, which one graph cannot repeat. Register hooks once, outside the step."
-        )
-    return gm
+    set_up: list[tuple[torch.nn.Module, str]] = []
+    probe_gm = None
+    try:
+        with user_code.recording_run(ran), no_python_state_changed(model, train_step, slots) as watch:
+            gm = trace()
+            if tables.changed():
+                set_up = tables.added_attributes()
+                gm = module_hooks.traced_as_set_up(trace, model)
+            probe["numbers"] = watch.numbers_changed(frozenset((id(m), k) for m, k in set_up))
+            gm = kept_numbers.traced_counting(trace, probe, seen) if probe["numbers"] else gm
+            if final_grads:
+                # Gradients stay set after the step, so the next step starts with them: it must
+                # clear them before its backward (the graph computes fresh ones).
+                probe["preset_grads"] = True
+                kept = list(grad_order), list(final_grads)
+                try:
+                    probe_gm = trace()
+                finally:
+                    grad_order[:], final_grads[:] = kept
+    finally:
+        tables.put_back(set_up)
+    return gm, probe_gm
 
 
 @dataclass
@@ -387,79 +389,6 @@ def _step_patches(model: torch.nn.Module, recorded: _Recorded, updating: Callabl
         stack.enter_context(train_modes.recorded_mode_calls(model, recorded.mode_calls))
         stack.enter_context(scheduler_calls.recorded_scheduler_calls(recorded.scheduler_calls, updating))
         yield
-
-
-@contextlib.contextmanager
-def _marking_passes(
-    t_params: dict[str, torch.Tensor], grad_order: list[str], calls: dict[str, int],
-    dp: data_parallel.DataParallel | None, synced: list[bool],
-) -> Iterator[None]:  # fmt: skip
-    """`torch.autograd.backward` as traced: markers around it, and for a DDP model whose last
-    forward syncs gradients, their average over the ranks. And `torch.autograd.grad` for the
-    model's parameters without `create_graph` (the step then sets `p.grad` itself): a
-    backward pass too, marked so, its gradients those it returns for the parameters."""
-    real_backward, real_grad = torch.autograd.backward, torch.autograd.grad
-    names = {id(t): n for n, t in t_params.items()}
-
-    def no_update_yet() -> None:
-        if calls["updates"]:
-            raise CaptureError(
-                "train_step runs a backward pass after an optimizer update (updates in turns, as a GAN's discriminator "
-                "then generator): remat captures steps whose updates all come after their last backward pass, so such "
-                "a step must run eagerly."
-            )
-
-    def grad(outputs, inputs, *a, **k):  # type: ignore[no-untyped-def]
-        seq = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
-        if k.get("create_graph") or not any(id(t) in names for t in seq):
-            return real_grad(outputs, inputs, *a, **k)  # a gradient penalty's, or the batch's (adversarial training)
-        if dp is not None:
-            raise CaptureError(
-                "train_step takes the gradients of a DistributedDataParallel model's parameters with torch.autograd.grad, "
-                "which DDP does not average across ranks; call loss.backward() instead"
-            )
-        no_update_yet()
-        calls["backward"] += 1
-        marker([outputs] if isinstance(outputs, torch.Tensor) else list(outputs), "backward_begin")
-        result = real_grad(outputs, inputs, *a, **k)
-        named = [(names[id(t)], g) for t, g in zip(seq, result) if id(t) in names and g is not None]
-        grad_order[:] = [n for n, _ in named]
-        marker([g for _, g in named], "grads")
-        return result
-
-    def backward(tensors, *a, **k):  # type: ignore[no-untyped-def]
-        # Several calls: micro-batches accumulating into the same gradients, then one update.
-        no_update_yet()
-        calls["backward"] += 1
-        roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        marker(roots, "backward_begin")
-        real_backward(tensors, *a, **k)
-        if dp is not None and synced and synced[-1]:
-            _reduce_across_ranks(dp, t_params, calls)
-        synced.clear()
-        named = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]
-        grad_order[:] = [n for n, _ in named]  # the last backward's: the gradients the update reads
-        marker([g for _, g in named], "grads")
-
-    torch.autograd.backward, torch.autograd.grad = backward, grad
-    try:
-        yield
-    finally:
-        torch.autograd.backward, torch.autograd.grad = real_backward, real_grad
-
-
-def _reduce_across_ranks(dp: data_parallel.DataParallel, t_params: dict[str, torch.Tensor], calls: dict[str, int]) -> None:
-    """After a backward pass that DDP would sync: each reduced parameter's gradient averaged over the ranks."""
-    calls["reduced"] += 1
-    if calls["reduced"] > 1:
-        raise CaptureError(
-            "the step syncs gradients across ranks in more than one backward pass; run all but the last micro-batch "
-            "under model.no_sync(), as DistributedDataParallel's documentation does for gradient accumulation"
-        )
-    names = [n for n in dp.reduced if t_params[n].grad is not None]
-    data_parallel.check_unused(dp, names)
-    for n, g in zip(names, data_parallel.reduce_gradients([t_params[n].grad for n in names], dp)):
-        t_params[n].grad = g
 
 
 def _finish(

@@ -19,10 +19,13 @@ and a later eager step sets itself up as it would have.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
+import torch.fx
 import torch.nn.modules.module as module_globals
+
+from remat.errors import CaptureError
 
 # Every per-module table of hooks (forward, backward, state-dict, load-state-dict).
 _TABLES = tuple(k for k in vars(torch.nn.Module()) if "hook" in k)
@@ -69,3 +72,16 @@ class HookTables:
                 table.update(items)
         for module, key in attributes:
             vars(module).pop(key, None)
+
+
+def traced_as_set_up(trace: Callable[[], torch.fx.GraphModule], model: torch.nn.Module) -> torch.fx.GraphModule:
+    """The step traced again with the hooks the first trace installed in place; refused if it
+    installs more (eager would then add hooks at every step, which one graph cannot repeat)."""
+    tables = HookTables.of(model)
+    gm = trace()
+    if tables.changed():
+        raise CaptureError(
+            f"the step adds hooks to the model at every call ({', '.join(tables.changed()[:3])}): eager would run one more "
+            "hook at each step, which one graph cannot repeat. Register hooks once, outside the step."
+        )
+    return gm

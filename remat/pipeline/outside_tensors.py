@@ -11,9 +11,12 @@ in-place write (an EMA update) reaches the user's tensor as in eager, and a tens
 changed between steps is the one the step reads. A tensor that is the model's own (a
 list of its parameters) stands for the model's placeholder instead.
 
+A library's object held in those places (a noise scheduler, an EMA helper) is looked into
+too: its fields that hold a tensor or a list, tuple or dict of tensors, and those of the
+library objects in its fields (python_state.library_tensors).
 Not followed: tensors inside tuples nested in other containers, objects inside lists, and
-objects a library holds; a step that uses one is refused at capture, naming the tensor's
-shape and the line that uses it.
+objects deeper in a library's objects; a step that uses one is refused at capture, naming
+the tensor's shape and the line that uses it.
 """
 
 from __future__ import annotations

@@ -30,7 +30,12 @@ history of losses) is watched key by key, each key a slot of its own, so that th
 may add to or log into one key (kept_numbers, logged_numbers).
 A tensor the trace leaves in one of these places (`self.last_output = y.detach()`) is
 refused too: it is a traced placeholder, and the graph stores no step's value there.
-State reached otherwise (a library object's field) is not seen.
+A library object's fields holding tensors are slots too (library_objects), but not watched;
+a library's numbers are not seen.
+
+Only what the step's traces read is watched once it has been traced: the globals the
+user's code that ran loads by name, and the fields that code reads or writes
+(user_code.recording_run; before the first trace, everything the code could read).
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.errors import CaptureError
-from remat.pipeline import param_hooks, user_code
+from remat.pipeline import library_objects, param_hooks, user_code
+from remat.pipeline.slots import MISSING, Slot
 
 _PLAIN = (bool, int, float, str, type(None))
 NUMBERS = (bool, int, float)
@@ -139,51 +145,6 @@ def changed_values(before: tuple[tuple[str, Any], ...], now: tuple[tuple[str, An
     return [f"{k} ({shown(old.get(k))} -> {shown(new.get(k))})" for k in {**old, **new} if old.get(k, gone) != new.get(k, gone)]
 
 
-MISSING = object()
-
-
-@dataclass
-class Slot:
-    """Where a value is held: an attribute of a module or of a user's object, a key of a
-    function's globals, a closure cell, or a key of the dict another slot holds then."""
-
-    name: str  # as an error shows it
-    owner: Any
-    key: str
-
-    def place(self) -> tuple[int, str]:
-        """Which place it is, whatever the path it was found by."""
-        return (id(self.owner.get()) if isinstance(self.owner, Slot) else id(self.owner), self.key)
-
-    def get(self) -> Any:
-        if isinstance(self.owner, Slot):
-            held = self.owner.get()
-            return held.get(self.key, MISSING) if isinstance(held, dict) else MISSING
-        if isinstance(self.owner, dict):
-            return self.owner.get(self.key, MISSING)
-        if isinstance(self.owner, types.CellType):
-            try:
-                return self.owner.cell_contents
-            except ValueError:  # an empty cell
-                return MISSING
-        return vars(self.owner).get(self.key, MISSING)
-
-    def set(self, value: Any) -> None:
-        if isinstance(self.owner, Slot):
-            Slot(self.name, self.owner.get(), self.key).set(value)
-        elif value is MISSING:  # it was not there
-            if isinstance(self.owner, dict):
-                self.owner.pop(self.key, None)
-            elif not isinstance(self.owner, types.CellType):
-                vars(self.owner).pop(self.key, None)
-        elif isinstance(self.owner, dict):
-            self.owner[self.key] = value
-        elif isinstance(self.owner, types.CellType):
-            self.owner.cell_contents = value
-        else:
-            setattr(self.owner, self.key, value)
-
-
 @dataclass
 class _Watched:
     slot: Slot
@@ -221,6 +182,7 @@ def state_slots(model: torch.nn.Module, train_step: Callable[..., Any], ran: fro
     seen: set[int] = set()
     fields = [f for name, value in roots for f in _object_fields(name, value, code.names, seen, 0, ran)]
     out += fields
+    out += library_objects.tensor_fields([*roots, *((slot.name, value) for slot, value in fields)])
     # The user's functions held in those fields or containers (a callback, a closure that
     # counts): their globals and cells too.
     held_functions = [value for _, value in [*fields, *contained] if user_code.user_function(value) is not None]
@@ -280,6 +242,8 @@ def _watched(slots: list[tuple[Slot, Any]]) -> dict[str, _Watched]:
     """The slots holding plain values (or the user's functions), by name."""
     out = {}
     for slot, value in slots:
+        if slot.library:
+            continue
         fz = _snapshot(value)
         if fz is not _NOT_PLAIN:
             out[slot.name] = _Watched(slot, value, fz)

@@ -284,8 +284,10 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
             f"{tuple(t.shape)} that is not the model's, its optimizer's or the batch's, and not held where remat "
             f"looks for tensors outside the model ({dispatch[0]}){where}. remat finds such a tensor in a global or "
             "closure variable of the user's code, a field of the user's object (one in a list or dict too), a module "
-            "held there, or a list or dict in one of those (not in a library's object): hold it in one of "
-            "those places, register it with the model (register_buffer, or as a submodule), or pass it in the batch."
+            "held there, a list or dict in one of those, or a field of a library's object held in one of those (two "
+            "objects deep): hold the tensor, or the library object that holds it, in one of those places (a global the "
+            "step reads, a field of your trainer), register it with the model (register_buffer, where the model's code "
+            "reads it), or pass it in the batch."
         )
     if dispatch is not None:
         op = dispatch[0]

@@ -1,0 +1,55 @@
+"""Where a value of the user's Python state lives (dynamo's `Source`): a global, a closure
+cell, an attribute of a module or object, a key of a dict another slot holds."""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any
+
+MISSING = object()
+
+
+@dataclass
+class Slot:
+    """Where a value is held: an attribute of a module or of a user's object, a key of a
+    function's globals, a closure cell, or a key of the dict another slot holds then."""
+
+    name: str  # as an error shows it
+    owner: Any
+    key: str
+    # A library object's field holding tensors (library_objects): read by the graph where
+    # it reads them, never part of the watched values (the graph's inputs check their shapes).
+    library: bool = False
+
+    def place(self) -> tuple[int, str]:
+        """Which place it is, whatever the path it was found by."""
+        return (id(self.owner.get()) if isinstance(self.owner, Slot) else id(self.owner), self.key)
+
+    def get(self) -> Any:
+        if isinstance(self.owner, Slot):
+            held = self.owner.get()
+            return held.get(self.key, MISSING) if isinstance(held, dict) else MISSING
+        if isinstance(self.owner, dict):
+            return self.owner.get(self.key, MISSING)
+        if isinstance(self.owner, types.CellType):
+            try:
+                return self.owner.cell_contents
+            except ValueError:  # an empty cell
+                return MISSING
+        return vars(self.owner).get(self.key, MISSING)
+
+    def set(self, value: Any) -> None:
+        if isinstance(self.owner, Slot):
+            Slot(self.name, self.owner.get(), self.key).set(value)
+        elif value is MISSING:  # it was not there
+            if isinstance(self.owner, dict):
+                self.owner.pop(self.key, None)
+            elif not isinstance(self.owner, types.CellType):
+                vars(self.owner).pop(self.key, None)
+        elif isinstance(self.owner, dict):
+            self.owner[self.key] = value
+        elif isinstance(self.owner, types.CellType):
+            self.owner.cell_contents = value
+        else:
+            setattr(self.owner, self.key, value)

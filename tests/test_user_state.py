@@ -1,0 +1,228 @@
+"""The user's Python state as a new user's code holds it: what the step reads is watched and
+nothing else, the model is left as compiling found it, and a library's tensors and
+first-call hooks are what eager's later steps see."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import remat
+from remat.measurement.check import model_snapshot, snapshot_differences
+
+
+def _same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _mlp(width: int = 128, depth: int = 6) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU()) for _ in range(depth)], torch.nn.Linear(width, 10))
+
+
+def _batches(n: int = 4, rows: int = 256, width: int = 128) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [{"x": torch.randn(rows, width, generator=g), "y": torch.randint(0, 10, (rows,), generator=g)} for _ in range(n)]
+
+
+class _Trainer:
+    """A trainer that keeps the compiled step on itself and counts steps in its loop."""
+
+    def __init__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], compiled: bool) -> None:
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        self.model, self.global_step, self.losses = model, 0, []
+        self.step = remat.compile(self.train_step, model, self.optimizer, batch, memory_budget=0.6) if compiled else None
+
+    def train_step(self, model, optimizer, batch):  # type: ignore[no-untyped-def]
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(batch["x"]), batch["y"])
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    def fit(self, batches: list[dict[str, torch.Tensor]]) -> None:
+        for batch in batches:
+            loss = self.step(batch) if self.step is not None else self.train_step(self.model, self.optimizer, batch)
+            self.losses.append(float(loss))
+            self.global_step += 1
+
+
+def test_a_step_kept_on_a_trainer_compiles_once_and_trains_bitwise() -> None:
+    model, batches = _mlp(), _batches()
+    eager_model = copy.deepcopy(model)
+    trainer = _Trainer(model, batches[0], compiled=True)
+    trainer.fit(batches)
+    eager = _Trainer(eager_model, batches[0], compiled=False)
+    eager.fit(batches)
+    assert len(trainer.step._graphs) == 1, "the trainer's loop counter and the step held on it are not read by the step"
+    assert trainer.step.report.num_recomputed > 0
+    assert trainer.losses == eager.losses and _same_parameters(model, eager_model)
+
+
+_SCALE = 2
+
+
+def test_a_value_the_step_reads_is_still_watched_when_others_are_not() -> None:
+    """A global the step's code loads keeps its guard: an int changed compiles the step again."""
+    global _SCALE
+    model, batches = _mlp(depth=3), _batches(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(batch["x"]) * _SCALE, batch["y"])
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    step = remat.compile(train_step, model, opt, batches[0], memory_budget=None, profile_runs=1)
+    step(batches[0])
+    _SCALE = 3
+    with pytest.warns(UserWarning, match="global _SCALE"):
+        step(batches[1])
+    assert len(step._graphs) == 2
+    _SCALE = 2
+
+
+def _llama(**config: object) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, **config))
+
+
+def _hidden_states_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+    optimizer.zero_grad()
+    out = model(input_ids=batch["ids"], labels=batch["ids"], output_hidden_states=True)
+    loss = out.loss + out.hidden_states[-2].pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def test_hooks_a_library_installs_on_first_call_train_bitwise_and_leave_the_model_as_it_was() -> None:
+    """transformers installs forward hooks the first time a model returns hidden states:
+    traced once per capture trace they were duplicated (a shifted hidden_states list)."""
+    model = _llama()
+    eager_model = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(2)
+    batches = [{"ids": torch.randint(0, 128, (8, 64), generator=g)} for _ in range(3)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-2)
+    before = model_snapshot(model)
+    step = remat.compile(_hidden_states_step, model, opt, batches[0], memory_budget=0.7, profile_runs=1)
+    assert snapshot_differences(before, model_snapshot(model)) == []
+    for batch in batches:
+        assert torch.equal(step(batch), _hidden_states_step(eager_model, eager_opt, batch))
+    assert _same_parameters(model, eager_model)
+    assert step.report.num_recomputed > 0
+    with torch.no_grad():
+        assert len(model(input_ids=batches[0]["ids"], output_hidden_states=True).hidden_states) == 3
+
+
+def test_router_logits_of_a_mixture_of_experts_train_bitwise() -> None:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                           router_aux_loss_coef=0.1)
+    model = MixtralForCausalLM._from_config(config, experts_implementation="batched_mm")
+    eager_model = copy.deepcopy(model)
+
+    def train_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+        optimizer.zero_grad()
+        out = model(input_ids=batch["ids"], labels=batch["ids"])
+        out.loss.backward()
+        optimizer.step()
+        return out.loss, out.aux_loss.detach()
+
+    g = torch.Generator().manual_seed(3)
+    batches = [{"ids": torch.randint(0, 128, (8, 64), generator=g)} for _ in range(3)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-2)
+    before = model_snapshot(model)
+    step = remat.compile(train_step, model, opt, batches[0], memory_budget=0.7, profile_runs=1)
+    assert snapshot_differences(before, model_snapshot(model)) == []
+    with torch.random.fork_rng(devices=[]):
+        torch.set_num_threads(1)  # eager's own expert-gradient index_put accumulates in parallel otherwise
+        for batch in batches:
+            (loss, aux), (eager_loss, eager_aux) = step(batch), train_step(eager_model, eager_opt, batch)
+            assert torch.equal(loss, eager_loss) and torch.equal(aux, eager_aux)
+    assert _same_parameters(model, eager_model)
+
+
+def test_a_diffusion_step_reads_the_noise_schedulers_tables_where_the_library_holds_them() -> None:
+    """The diffusers examples' step: a DDPMScheduler in a global, add_noise inside the step
+    (it indexes the scheduler's own alphas_cumprod), random noise and timesteps."""
+    diffusers = pytest.importorskip("diffusers")
+    noise_scheduler = diffusers.DDPMScheduler(num_train_timesteps=1000)
+
+    class Denoiser(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.t_embed = torch.nn.Embedding(1000, 64)
+            self.net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.SiLU(), torch.nn.Linear(256, 256), torch.nn.SiLU(), torch.nn.Linear(256, 64))
+
+        def forward(self, x, t):  # type: ignore[no-untyped-def]
+            return self.net(x + self.t_embed(t))
+
+    def train_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+        clean = batch["x"]
+        noise = torch.randn_like(clean)
+        timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (clean.shape[0],))
+        noisy = noise_scheduler.add_noise(clean, noise, timesteps)
+        loss = F.mse_loss(model(noisy, timesteps), noise)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    torch.manual_seed(0)
+    model = Denoiser()
+    eager_model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(4)
+    batches = [{"x": torch.randn(1024, 64, generator=g)} for _ in range(3)]
+    step = remat.compile(train_step, model, opt, batches[0], memory_budget=0.8, profile_runs=1)
+    assert any(name.endswith("alphas_cumprod") for name in step._last.tg.outside)
+    for batch in batches:
+        state = torch.get_rng_state()
+        loss = step(batch)
+        torch.set_rng_state(state)
+        assert torch.equal(loss, train_step(eager_model, eager_opt, batch))
+    assert _same_parameters(model, eager_model)
+    # The scheduler's table is read where it lives at every call: changed there, the step sees it.
+    noise_scheduler.alphas_cumprod.mul_(0.5)
+    state = torch.get_rng_state()
+    loss = step(batches[0])
+    torch.set_rng_state(state)
+    assert torch.equal(loss, train_step(eager_model, eager_opt, batches[0]))
+
+
+def _architectures() -> list[str]:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from architectures import ARCHITECTURES
+
+    return sorted(ARCHITECTURES)
+
+
+@pytest.mark.parametrize("name", _architectures())
+def test_compiling_leaves_every_architecture_as_it_found_it(name: str) -> None:
+    from architectures import build
+
+    from remat.models import hf_loss, make_train_step
+
+    model, batch, _ = build(name, size="tiny")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = model_snapshot(model)
+    remat.compile(make_train_step(hf_loss, zero_grad_first=True), model, opt, batch, memory_budget=None, profile_runs=1)
+    assert snapshot_differences(before, model_snapshot(model)) == []
