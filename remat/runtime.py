@@ -21,14 +21,15 @@ from remat.pipeline import build as pipeline
 from remat.pipeline import data_parallel, read_numbers
 from remat.budget import parse_budget
 from remat.pipeline.capture import capture
-from remat.pipeline.step_inputs import batch_leaf_names, flat_inputs, run_captured
+from remat.pipeline.step_inputs import ModelView, batch_leaf_names, flat_inputs, run_captured
 from remat.pipeline.train_graph import InputKind, TrainGraph, TrainStep
 from remat.errors import BudgetError, CaptureError, RematError
 from remat.measurement.memory import measure_step_peak
 from remat.planners.plan import Plan
 from remat.planners import DEFAULT_PLANNER, make_plan
 from remat.pipeline.profiles import Profile, graph_fingerprint
-from remat.pipeline.python_state import changed_values, step_values
+from remat.pipeline.guards import Guards
+from remat.pipeline.python_state import changed_values, state_slots, step_values
 from remat.pipeline.scheduler_calls import make_calls
 from remat.pipeline.rewriter import runnable
 from remat.pipeline.simulator import simulate, simulate_schedule
@@ -120,6 +121,7 @@ class RematStep:
     _constant: set[str] = field(default_factory=set)  # such floats the step branches on: constants of the graph
     _signed: set[str] = field(default_factory=set)  # such floats the step compares with zero: their sign is in the key
     _ran: frozenset[Any] | None = None  # the user's code the traces ran (None before the first): the key watches what it names
+    _hit: tuple[Any, Guards, CompiledGraph] | None = None  # the last graph found, and what its key was found from (guards)
 
     def __post_init__(self) -> None:
         # Parse now: a bad budget is an error at compile time, not at the first step.
@@ -142,10 +144,15 @@ class RematStep:
     def compiled_for(self, batch: Any) -> CompiledGraph:
         """The compiled graph for this batch's shape, compiling it if it is new."""
         shapes = self._agreed("reading the batch", lambda: self._checked_signature(batch), summary=_shapes, differ="the batch's shapes and dtypes")
-        now = self._key_values()
+        if self._hit is not None and self._hit[0] == shapes and self._hit[1].hold():
+            return self._hit[2]  # the Python state the key was found from is as it was
+        slots = state_slots(self.model, self.train_step, self._ran)
+        now = self._key_values(slots)
         cached = self._graphs.get((shapes, now))
         if cached is not None:
+            self._hit = (shapes, Guards.of(self.model, slots, self._unkeyed, self._read, self._signed), cached)
             return cached
+        self._hit = None
         same_shape = [g for (s, _), g in self._graphs.items() if s == shapes]
         before = same_shape[-1].step_values if same_shape else ()
         # Floats changed since: read at every call from now on, compiled once more, then
@@ -192,11 +199,11 @@ class RematStep:
                 stacklevel=4,
             )
 
-    def _key_values(self) -> tuple[tuple[str, Any], ...]:
+    def _key_values(self, slots: list[Any] | None = None) -> tuple[tuple[str, Any], ...]:
         """The watched values the compiled graph depends on: each value itself, but for a
         number read at every call only whether it is a float, and its sign where the
-        graph assumes it."""
-        values = step_values(self.model, self.train_step, skip=self._unkeyed, ran=self._ran)
+        graph assumes it. `slots`: python_state.state_slots, where just walked."""
+        values = step_values(self.model, self.train_step, skip=self._unkeyed, ran=self._ran, slots=slots)
         return tuple((name, read_numbers.key(value, name in self._signed)) if name in self._read else (name, value) for name, value in values)
 
     def _checked_signature(self, batch: Any) -> Any:
@@ -285,24 +292,25 @@ class RematStep:
         compiled = self.compiled_for(batch)
         self._last = compiled
         make_calls(compiled.tg.scheduler_calls, before_update=True)  # read by this step's update, as in eager
-        inputs = self._agreed("reading the step's inputs", lambda: flat_inputs(compiled.tg, self.model, self.optimizer, batch))
+        view = ModelView.of(self.model)
+        inputs = self._agreed("reading the step's inputs", lambda: flat_inputs(compiled.tg, self.model, self.optimizer, batch, view))
         if self._dp is not None:
             data_parallel.before_step(self.model)
         if self.measure and not compiled.measured:
-            measured = measure_step_peak(lambda: self._run(compiled, inputs), compiled.tg.device, self.model)
+            measured = measure_step_peak(lambda: self._run(compiled, inputs, view), compiled.tg.device, self.model)
             compiled.report.measured_peak_bytes = compiled.report.persistent_bytes + measured.peak_bytes
             if measured.reserved_peak_bytes is not None:
                 compiled.report.measured_reserved_peak_bytes = compiled.report.persistent_bytes + measured.reserved_peak_bytes
             compiled.measured = True
             return measured.result
-        return self._run(compiled, inputs)
+        return self._run(compiled, inputs, view)
 
-    def _run(self, compiled: CompiledGraph, inputs: list[torch.Tensor]) -> torch.Tensor:
+    def _run(self, compiled: CompiledGraph, inputs: list[torch.Tensor], view: ModelView) -> torch.Tensor:
         """One step; on failure, its error says what the step had already changed in place."""
         changed = _ChangedOnFailure(compiled, inputs)
         dp = compiled.tg.data_parallel
         try:
-            result = run_captured(compiled.tg, compiled.gm, self.model, inputs)
+            result = run_captured(compiled.tg, compiled.gm, self.model, inputs, view)
         except Exception as e:
             changed.note(e)
             if dp is not None:

@@ -226,3 +226,53 @@ def test_compiling_leaves_every_architecture_as_it_found_it(name: str) -> None:
     before = model_snapshot(model)
     remat.compile(make_train_step(hf_loss, zero_grad_first=True), model, opt, batch, memory_budget=None, profile_runs=1)
     assert snapshot_differences(before, model_snapshot(model)) == []
+
+
+class _Config:
+    def __init__(self) -> None:
+        self.scale, self.names = 2, ["a"]
+
+
+_CONFIG = _Config()
+_CALLBACKS: list = []
+
+
+def test_the_quick_check_at_each_call_fails_on_any_change_the_walk_would_see() -> None:
+    """Guards: while they hold, the key is the one walked; each change below is one the walk
+    would find (a value rebound, a container changed in place, an attribute added, a module
+    replaced, a float read at every call changing sign), and must send the step to walk."""
+    from remat.pipeline.guards import Guards
+    from remat.pipeline.python_state import state_slots
+
+    global _CONFIG
+    model = _mlp(width=8, depth=2)
+
+    def train_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+        return model(batch).sum() * _CONFIG.scale * len(_CONFIG.names) * len(_CALLBACKS)
+
+    def guards(read: set[str] = frozenset(), signed: set[str] = frozenset()) -> Guards:
+        return Guards.of(model, state_slots(model, train_step), set(), set(read), set(signed))
+
+    assert guards().hold()
+    changes = [
+        lambda: setattr(_CONFIG, "scale", 3),
+        lambda: _CONFIG.names.append("b"),
+        lambda: _CALLBACKS.append(_Config()),
+        lambda: setattr(model[0][0], "extra", 1),
+        lambda: model[0].__setitem__(1, torch.nn.ReLU()),
+    ]
+    for change in changes:
+        g = guards()
+        change()
+        assert not g.hold()
+    g = guards()
+    _CONFIG = _Config()  # the global rebound to another object
+    assert not g.hold()
+    _CONFIG.scale = 0.5
+    (name,) = [slot.name for slot, _ in state_slots(model, train_step) if slot.name.endswith("_CONFIG.scale")]
+    g = guards(read={name}, signed={name})
+    _CONFIG.scale = 0.25  # a float read at every call: another value, the same sign, still holds
+    assert g.hold()
+    _CONFIG.scale = -0.25
+    assert not g.hold()
+    _CONFIG, _CALLBACKS[:] = _Config(), []

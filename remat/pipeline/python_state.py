@@ -261,12 +261,14 @@ def _copied(value: Any) -> Any:
 
 def step_values(
     model: torch.nn.Module, train_step: Callable[..., Any], skip: set[str] | frozenset[str] = frozenset(), ran: frozenset[types.CodeType] | None = None,
+    slots: list[tuple[Slot, Any]] | None = None,
 ) -> tuple[tuple[str, Any], ...]:
     """The watched values as the graph traced with them saw them: a step is compiled again
     when one changes between steps (a temperature, a drop rate or a loss weight set by the
     loop), since the graph holds them as constants. `skip`: slots left out (a list the step
     logs numbers to, which the graph never reads)."""
-    return tuple((name, w.frozen) for name, w in _watched(state_slots(model, train_step, ran)).items() if name not in skip)
+    slots = state_slots(model, train_step, ran) if slots is None else slots
+    return tuple((name, w.frozen) for name, w in _watched(slots).items() if name not in skip)
 
 
 _MOST_FUNCTIONS = 500

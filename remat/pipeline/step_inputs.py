@@ -5,6 +5,7 @@ train/eval flags left as eager leaves them."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -25,6 +26,29 @@ def unique_named(items: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.T
             seen.add(id(t))
             out[name] = t
     return out
+
+
+@dataclass
+class ModelView:
+    """The model's modules, and its parameters and buffers by name (as named_parameters and
+    named_buffers name them, the first name of a tensor held twice), read in one walk of
+    its modules: a call reads them once for its checks, its inputs and its gradients."""
+
+    modules: list[torch.nn.Module]
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ModelView:
+        modules, params, buffers, seen = [], {}, {}, set()
+        for prefix, module in model.named_modules():
+            modules.append(module)
+            for table, out in ((module._parameters, params), (module._buffers, buffers)):
+                for key, t in table.items():
+                    if t is not None and id(t) not in seen:
+                        seen.add(id(t))
+                        out[f"{prefix}.{key}" if prefix else key] = t
+        return cls(modules, params, buffers)
 
 
 def check_batch(batch: Any) -> tuple[list[Any], Any]:
@@ -49,20 +73,20 @@ def describe(t: torch.Tensor) -> tuple[tuple[int, ...], str, str]:
     return tuple(t.shape), str(t.dtype).replace("torch.", ""), str(t.device)
 
 
-def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: Any, batch: Any) -> list[torch.Tensor]:
+def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: Any, batch: Any, view: ModelView | None = None) -> list[torch.Tensor]:
     """The real tensors for the graph's placeholders, in order (`optimizer`: the step's
-    argument: one optimizer, a list of them, or None).
+    argument: one optimizer, a list of them, or None; `view`: the model's, where read).
 
     Also where the loop around the step is checked: a change the graph cannot follow
     (a frozen parameter thawed, an optimizer flag or group changed) is refused here,
     and the hyperparameters are read from the param groups as they are now.
     """
     optimizer = as_one(optimizer)
-    train_modes.check_mode(model, tg)
+    view = ModelView.of(model) if view is None else view
+    train_modes.check_mode(view.modules, tg)
     if tg.data_parallel is not None:
         data_parallel.check_unchanged(model, tg.data_parallel)
-    params = unique_named(model.named_parameters())
-    buffers = unique_named(model.named_buffers())
+    params, buffers = view.params, view.buffers
     trainable = tuple(n for n, p in params.items() if p.requires_grad)
     if trainable != tg.trainable:
         changed = sorted(set(trainable) ^ set(tg.trainable))
@@ -76,7 +100,7 @@ def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: Any, batch: A
         names = {id(p): n for n, p in params.items()}
         hyperparams.check_unchanged(optimizer, tg.groups, names)
     # Only the state the graph reads: eager creates none for a parameter without a gradient.
-    wanted = {id(params[i.name.rsplit(".", 1)[0]]) for i in tg.inputs if i.kind is InputKind.OPTIMIZER_STATE}
+    wanted = {id(params[name]) for name in _state_owners(tg)}
     states = optimizer_states(optimizer, params, wanted) if tg.has_optimizer else {}
     hyper_names = [i.name for i in tg.inputs if i.kind is InputKind.HYPERPARAMETER]
     hyper = dict(zip(hyper_names, hyperparams.values(optimizer, hyper_names))) if hyper_names else {}
@@ -103,6 +127,14 @@ def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: Any, batch: A
             out.append(read_numbers.value(tg.numbers[inp.name]))
     out.extend(leaves)
     return out
+
+
+def _state_owners(tg: TrainGraph) -> tuple[str, ...]:
+    """The parameters whose optimizer state the graph reads (worked out once per graph)."""
+    known = tg.meta.get("state_owners")
+    if known is None or known[0] is not tg.inputs:
+        known = tg.meta["state_owners"] = (tg.inputs, tuple({i.name.rsplit(".", 1)[0]: None for i in tg.inputs if i.kind is InputKind.OPTIMIZER_STATE}))
+    return known[1]
 
 
 def _outside_value(tg: TrainGraph, inp: GraphInput) -> torch.Tensor:
@@ -134,6 +166,7 @@ def run_captured(
     gm: torch.fx.GraphModule,
     model: torch.nn.Module,
     inputs: list[torch.Tensor],
+    view: ModelView | None = None,
 ) -> Any:
     """Run one step of `gm` (the captured graph or a rewrite of it) in place; returns what
     train_step returns (the loss, or its tuple/dict of tensors).
@@ -142,7 +175,7 @@ def run_captured(
     where train_step left one set, None where it cleared them; and the modules' train/eval
     flags as train_step's own train() and eval() calls leave them.
     """
-    params = unique_named(model.named_parameters())
+    params = (ModelView.of(model) if view is None else view).params
     if tg.leaves_zero_grads:
         _check_grads_are_zero(params)
     # The step clears the previous gradients before its backward (checked at capture), or

@@ -20,9 +20,10 @@ from remat.errors import CaptureError
 from remat.pipeline.train_graph import TrainGraph
 
 
-def check_mode(model: torch.nn.Module, tg: TrainGraph) -> None:
-    """Refuse a step whose modules are not in the modes it was traced in (unless it sets them itself)."""
-    training = tuple(m.training for m in model.modules())
+def check_mode(modules: list[torch.nn.Module], tg: TrainGraph) -> None:
+    """Refuse a step whose modules (the model's, in order) are not in the modes it was
+    traced in (unless it sets them itself)."""
+    training = tuple(m.training for m in modules)
     if training != tg.training and not tg.sets_mode_first:
         mode = "training" if tg.training and tg.training[0] else "eval"
         raise CaptureError(

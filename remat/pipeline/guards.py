@@ -1,0 +1,117 @@
+"""The quick check at each call that the watched Python state is as a compiled graph's key
+found it.
+
+Finding the key walks the model's modules, the user's code and objects
+(python_state.state_slots): milliseconds on a large model, at every call. The walk's
+result depends only on what it read: the value in each slot, the keys of the dicts it
+looked names up in, the model's tree of modules and the items of the containers it
+looked into. `Guards` records those as identities (and sizes) and checks them again
+(dynamo's guards on object identity and dict contents, in Python): while they all hold,
+the walk would find the same slots holding the same values, so the key is the same. A
+mutable container and a tensor are frozen again (python_state.frozen) and compared, a
+float read at every call by its key (read_numbers). Where any check fails, the step walks
+again (and finds the key itself, compiling where it is new); nothing is taken on trust.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from remat.pipeline import read_numbers
+from remat.pipeline.python_state import frozen
+from remat.pipeline.slots import MISSING, Slot
+
+_IMMUTABLE = (bool, int, float, str, type(None), types.FunctionType, types.MethodType)
+_SHALLOW = 64  # a container with more items is frozen again instead of compared item by item
+
+
+@dataclass
+class Guards:
+    same_object: list[tuple[dict[str, Any], str, Any]] = field(default_factory=list)  # holder[key] is value (MISSING: absent)
+    same_cell: list[tuple[types.CellType, Any]] = field(default_factory=list)
+    same_size: list[tuple[dict[Any, Any], int]] = field(default_factory=list)  # dicts the walk looked names up in
+    same_items: list[tuple[Any, tuple[int, ...]]] = field(default_factory=list)  # containers it looked into: their items' ids
+    same_frozen: list[tuple[Slot, Any]] = field(default_factory=list)  # mutable values and tensors, frozen
+    same_key: list[tuple[Slot, bool, Any]] = field(default_factory=list)  # floats read at every call: read_numbers.key
+
+    @classmethod
+    def of(
+        cls, model: torch.nn.Module, slots: list[tuple[Slot, Any]], skip: set[str], read: set[str], signed: set[str],
+    ) -> Guards:  # fmt: skip
+        """The checks for what `slots` (python_state.state_slots, just walked) depend on:
+        `skip` are left out of the key (updated by the step at every call), `read` are
+        floats read at every call (their key only), `signed` those whose sign the graph assumes."""
+        g = cls()
+        holders: dict[int, dict[Any, Any]] = {}
+        for module in model.modules():
+            holders[id(vars(module))] = vars(module)
+            g.same_items.append((module._modules, _ids(module._modules)))
+        for slot, value in slots:
+            if slot.library:
+                continue
+            holder = _holder(slot)
+            if holder is not None:
+                holders[id(holder)] = holder
+            if slot.name in skip:
+                continue
+            if slot.name in read:
+                g.same_key.append((slot, slot.name in signed, read_numbers.key(value, slot.name in signed)))
+                continue
+            if isinstance(slot.owner, types.CellType):
+                g.same_cell.append((slot.owner, value))
+            elif holder is not None and isinstance(slot.key, str):
+                g.same_object.append((holder, slot.key, value))
+            else:
+                g.same_frozen.append((slot, frozen(value)))
+                continue
+            if isinstance(value, (list, dict)) and len(value) <= _SHALLOW:
+                g.same_items.append((value, _ids(value)))
+                g.same_frozen.append((slot, frozen(value)))
+            elif not isinstance(value, _IMMUTABLE) and (isinstance(value, (torch.Tensor, set, tuple, list, dict))):
+                g.same_frozen.append((slot, frozen(value)))
+        g.same_size = [(d, len(d)) for d in holders.values()]
+        return g
+
+    def hold(self) -> bool:
+        for holder, key, value in self.same_object:
+            if holder.get(key, MISSING) is not value:
+                return False
+        for cell, value in self.same_cell:
+            try:
+                if cell.cell_contents is not value:
+                    return False
+            except ValueError:
+                return False
+        for d, size in self.same_size:
+            if len(d) != size:
+                return False
+        for container, ids in self.same_items:
+            if _ids(container) != ids:
+                return False
+        for slot, signed, key in self.same_key:
+            if read_numbers.key(slot.get(), signed) != key:
+                return False
+        return all(frozen(slot.get()) == value for slot, value in self.same_frozen)
+
+
+def _holder(slot: Slot) -> dict[Any, Any] | None:
+    """The dict a slot's value is looked up in: a function's globals, a module's or object's
+    attributes (None: a closure cell, or a key of a dict another slot holds)."""
+    if isinstance(slot.owner, dict):
+        return slot.owner
+    if isinstance(slot.owner, (Slot, types.CellType)):
+        return None
+    try:
+        return vars(slot.owner)
+    except TypeError:
+        return None
+
+
+def _ids(container: Any) -> tuple[int, ...]:
+    if isinstance(container, dict):
+        return tuple(id(x) for kv in container.items() for x in kv)
+    return tuple(map(id, container))
