@@ -2,8 +2,8 @@
 
 For each model: the step compiled without recomputation (memory_budget=None), then, over
 many calls, the median time of each part of a call: finding the compiled graph (checking
-the watched Python state: `RematStep.compiled_for`), gathering the graph's inputs
-(`flat_inputs`), and the graph itself (`run_captured`), beside eager's whole step. Writes
+the watched Python state) and gathering the graph's inputs (measurement.call_time), the
+graph itself (`run_captured`), and the whole call, beside eager's whole step. Writes
 `call_overhead.json` under --out.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/call_overhead.py --models bert-tiny,bert --batch-size 1
@@ -13,24 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 
 import remat
+from remat.measurement.call_time import measure_call_time, median_seconds
 from remat.measurement.check import twin
 from remat.pipeline.step_inputs import flat_inputs, run_captured
 from remat.workloads import load
-
-
-def _median_seconds(fn, calls: int) -> float:  # type: ignore[no-untyped-def]
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def measure(model_name: str, batch_size: int, calls: int) -> dict[str, object]:
@@ -42,16 +32,15 @@ def measure(model_name: str, batch_size: int, calls: int) -> dict[str, object]:
     for _ in range(3):  # warm-up
         step(work.batch)
         work.train_step(eager_model, eager_opt, work.batch)
-    guards = _median_seconds(lambda: step.compiled_for(work.batch), calls)
-    gather = _median_seconds(lambda: flat_inputs(compiled.tg, step.model, step.optimizer, work.batch), calls)
-    graph = _median_seconds(lambda: run_captured(compiled.tg, compiled.gm, step.model, inputs), calls)
-    whole = _median_seconds(lambda: step(work.batch), calls)
-    eager = _median_seconds(lambda: work.train_step(eager_model, eager_opt, work.batch), calls)
+    call = measure_call_time(step, work.batch, calls)
+    graph = median_seconds(lambda: run_captured(compiled.tg, compiled.gm, step.model, inputs), calls)
+    whole = median_seconds(lambda: step(work.batch), calls)
+    eager = median_seconds(lambda: work.train_step(eager_model, eager_opt, work.batch), calls)
     return {
         "model": model_name, "batch_size": batch_size, "calls": calls,
-        "guards_ms": round(guards * 1e3, 3), "gather_inputs_ms": round(gather * 1e3, 3),
+        "guards_ms": round(call.guards_seconds * 1e3, 3), "gather_inputs_ms": round(call.inputs_seconds * 1e3, 3),
         "graph_ms": round(graph * 1e3, 3), "remat_call_ms": round(whole * 1e3, 3), "eager_step_ms": round(eager * 1e3, 3),
-        "host_added_ms": round((whole - graph) * 1e3, 3), "remat_over_eager": round(whole / eager, 3),
+        "host_ms": round(call.host_seconds * 1e3, 3), "remat_over_eager": round(whole / eager, 3),
     }
 
 

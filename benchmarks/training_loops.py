@@ -79,6 +79,16 @@ def _accumulate(k: int) -> Step:
     return step
 
 
+def _hidden_states_step(model, optimizer, batch):
+    """transformers installs forward hooks on the model the first time it is asked for hidden states."""
+    optimizer.zero_grad()
+    out = model(**batch, output_hidden_states=True)
+    loss = out.loss + out.hidden_states[-2].pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
 def _no_zero_grad(model, optimizer, batch):
     loss = model(**batch).loss
     loss.backward()
@@ -454,6 +464,8 @@ IDIOMS = [
           between=_with_gradient_hooks),
     Idiom("a gradient hook added to a parameter after compiling", "refused", between=_hook(_hook_added)),
     Idiom("distillation from a frozen teacher held in a global", "works", step=_distill, setup=_make_teacher),
+    Idiom("hidden states a library collects through forward hooks it installs on the first forward (output_hidden_states)",
+          "works", step=_hidden_states_step),
     Idiom("features stored by a forward hook for the loss, cleared before the step returns", "works", step=_feature_loss_step,
           setup=_hook_features),
     Idiom("losses logged into a list inside train_step (losses.append(loss.item()))", "works", step=_logging_step, logged=_LOSSES),

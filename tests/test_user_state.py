@@ -276,3 +276,25 @@ def test_the_quick_check_at_each_call_fails_on_any_change_the_walk_would_see() -
     _CONFIG.scale = -0.25
     assert not g.hold()
     _CONFIG, _CALLBACKS[:] = _Config(), []
+
+
+def test_the_quick_check_sees_a_field_swapped_for_another_and_a_key_added_to_a_split_dict() -> None:
+    from remat.pipeline.guards import Guards
+    from remat.pipeline.python_state import state_slots
+
+    model = _mlp(width=8, depth=1)
+    holder = _Config()
+    holder.unread = 1
+    stats = {"steps": 0}
+
+    def train_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+        return model(batch).sum() * getattr(holder, "scale") * stats["steps"]
+
+    g = Guards.of(model, state_slots(model, train_step), set(), set(), set())
+    assert g.hold()
+    del holder.unread
+    holder.late = 2  # as many fields as before, another one
+    assert not g.hold()
+    g = Guards.of(model, state_slots(model, train_step), set(), set(), set())
+    stats["seen"] = 1  # a new key of a dict of numbers, watched key by key
+    assert not g.hold()

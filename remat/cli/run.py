@@ -112,6 +112,7 @@ def run_one(
 
     import remat
     from remat.cli.common import UsageError, _positive, load_workload
+    from remat.measurement.call_time import measure_call_time
     from remat.measurement.check import time_alternating, twin
     from remat.measurement.memory import measure_step_peak
     from remat.pipeline.step_inputs import flat_inputs, run_captured
@@ -165,9 +166,8 @@ def run_one(
         losses.append(float(pytree.tree_leaves(step(spec.batch))[0]))  # the loss: first of what train_step returns
         say(f"step {i + 1}/{steps}: loss {losses[-1]:.6f}")
 
-    plan = report.plan
+    plan, base_iter = report.plan, report.profile.iteration_seconds
     predicted_overhead = plan.predicted_overhead_seconds if plan else 0.0
-    base_iter = report.profile.iteration_seconds
     return {
         "model": model,
         "batch_size": batch_size,
@@ -191,6 +191,7 @@ def run_one(
         "overhead_ratio": timing.ratio,
         "overhead_ratio_spread": list(timing.ratio_spread),
         "timing_pairs": timing.pairs,
+        **measure_call_time(step, spec.batch).fields(timing.b_seconds),
         "predicted_overhead_ratio": (base_iter + predicted_overhead) / base_iter if base_iter else None,
         "predicted_overhead_seconds": predicted_overhead,
         "num_recomputed": report.num_recomputed,

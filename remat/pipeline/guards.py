@@ -5,7 +5,7 @@ Finding the key walks the model's modules, the user's code and objects
 (python_state.state_slots): milliseconds on a large model, at every call. The walk's
 result depends only on what it read: the value in each slot, the keys of the dicts it
 looked names up in, the model's tree of modules and the items of the containers it
-looked into. `Guards` records those as identities (and sizes) and checks them again
+looked into. `Guards` records those as identities (and keys) and checks them again
 (dynamo's guards on object identity and dict contents, in Python): while they all hold,
 the walk would find the same slots holding the same values, so the key is the same. A
 mutable container and a tensor are frozen again (python_state.frozen) and compared, a
@@ -25,7 +25,8 @@ from remat.pipeline import read_numbers
 from remat.pipeline.python_state import frozen
 from remat.pipeline.slots import MISSING, Slot
 
-_IMMUTABLE = (bool, int, float, str, type(None), types.FunctionType, types.MethodType)
+_PLAIN = (bool, int, float, str, type(None))
+_CONTAINERS = (list, tuple, dict, set, frozenset)
 _SHALLOW = 64  # a container with more items is frozen again instead of compared item by item
 
 
@@ -33,7 +34,7 @@ _SHALLOW = 64  # a container with more items is frozen again instead of compared
 class Guards:
     same_object: list[tuple[dict[str, Any], str, Any]] = field(default_factory=list)  # holder[key] is value (MISSING: absent)
     same_cell: list[tuple[types.CellType, Any]] = field(default_factory=list)
-    same_size: list[tuple[dict[Any, Any], int]] = field(default_factory=list)  # dicts the walk looked names up in
+    same_keys: list[tuple[dict[Any, Any], tuple[Any, ...]]] = field(default_factory=list)  # dicts the walk looked names up in
     same_items: list[tuple[Any, tuple[int, ...]]] = field(default_factory=list)  # containers it looked into: their items' ids
     same_frozen: list[tuple[Slot, Any]] = field(default_factory=list)  # mutable values and tensors, frozen
     same_key: list[tuple[Slot, bool, Any]] = field(default_factory=list)  # floats read at every call: read_numbers.key
@@ -56,6 +57,16 @@ class Guards:
             holder = _holder(slot)
             if holder is not None:
                 holders[id(holder)] = holder
+            if isinstance(slot.owner, Slot):  # a key of a dict split by key: the dict, and where it is held
+                parent, held = slot.owner, slot.owner.get()
+                if isinstance(held, dict):
+                    holders[id(held)] = held
+                parent_holder = _holder(parent)
+                if parent_holder is not None:
+                    holders[id(parent_holder)] = parent_holder
+                    g.same_object.append((parent_holder, parent.key, held))
+                elif isinstance(parent.owner, types.CellType):
+                    g.same_cell.append((parent.owner, held))
             if slot.name in skip:
                 continue
             if slot.name in read:
@@ -68,12 +79,13 @@ class Guards:
             else:
                 g.same_frozen.append((slot, frozen(value)))
                 continue
-            if isinstance(value, (list, dict)) and len(value) <= _SHALLOW:
-                g.same_items.append((value, _ids(value)))
+            if isinstance(value, (list, dict, set)) and len(value) <= _SHALLOW:
+                g.same_items.append((value, _ids(value)))  # the same items: the same value, where they are plain
+                if not _plain_items(value):
+                    g.same_frozen.append((slot, frozen(value)))
+            elif isinstance(value, torch.Tensor) or (isinstance(value, _CONTAINERS) and not _plain_items(value)):
                 g.same_frozen.append((slot, frozen(value)))
-            elif not isinstance(value, _IMMUTABLE) and (isinstance(value, (torch.Tensor, set, tuple, list, dict))):
-                g.same_frozen.append((slot, frozen(value)))
-        g.same_size = [(d, len(d)) for d in holders.values()]
+        g.same_keys = [(d, tuple(d)) for d in holders.values()]
         return g
 
     def hold(self) -> bool:
@@ -86,8 +98,8 @@ class Guards:
                     return False
             except ValueError:
                 return False
-        for d, size in self.same_size:
-            if len(d) != size:
+        for d, keys in self.same_keys:
+            if tuple(d) != keys:
                 return False
         for container, ids in self.same_items:
             if _ids(container) != ids:
@@ -109,6 +121,13 @@ def _holder(slot: Slot) -> dict[Any, Any] | None:
         return vars(slot.owner)
     except TypeError:
         return None
+
+
+def _plain_items(container: Any) -> bool:
+    """Whether every item (every key and value of a dict) is a plain value, which cannot
+    change in place: the same items are then the same value."""
+    items = [x for kv in container.items() for x in kv] if isinstance(container, dict) else container
+    return all(isinstance(x, _PLAIN) for x in items)
 
 
 def _ids(container: Any) -> tuple[int, ...]:
