@@ -121,6 +121,7 @@ class RematStep:
     _constant: set[str] = field(default_factory=set)  # such floats the step branches on: constants of the graph
     _signed: set[str] = field(default_factory=set)  # such floats the step compares with zero: their sign is in the key
     _ran: frozenset[Any] | None = None  # the user's code the traces ran (None before the first): the key watches what it names
+    _all_code: bool = False  # a capture could not record the code it ran: watch all the step's code can reach
     _hit: tuple[Any, Guards, CompiledGraph] | None = None  # the last graph found, and what its key was found from (guards)
 
     def __post_init__(self) -> None:
@@ -175,7 +176,9 @@ class RematStep:
             if promoted:  # the graphs holding them as constants are never used again
                 self._graphs = {k: g for k, g in self._graphs.items() if k[0] != shapes}
         tg = compiled.tg
-        self._ran = (self._ran or frozenset()) | tg.code_read
+        # What the traces ran, where every capture recorded it; else all the step's code can reach.
+        self._all_code = self._all_code or tg.code_read is None
+        self._ran = None if self._all_code else (self._ran or frozenset()) | tg.code_read
         self._unkeyed |= {update.slot.name for update in tg.state_updates if not update.keyed} | tg.unread_lists  # changed at every call
         constant = {name for name in self._read if name not in tg.numbers and name not in tg.number_signs}  # the trace branches on them
         self._read -= constant

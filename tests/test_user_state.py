@@ -298,3 +298,24 @@ def test_the_quick_check_sees_a_field_swapped_for_another_and_a_key_added_to_a_s
     g = Guards.of(model, state_slots(model, train_step), set(), set(), set())
     stats["seen"] = 1  # a new key of a dict of numbers, watched key by key
     assert not g.hold()
+
+
+def test_under_a_profiler_of_the_users_the_step_watches_all_its_code_can_reach() -> None:
+    """Recording the code a trace runs needs the process's profile hook; where the user's
+    profiler holds it, it is left alone and the step falls back to the wider watch."""
+    import sys
+
+    model, batches = _mlp(), _batches(2)
+    eager_model = copy.deepcopy(model)
+    calls = []
+    sys.setprofile(lambda frame, event, arg: calls.append(event) if len(calls) < 10 else None)
+    try:
+        trainer = _Trainer(model, batches[0], compiled=True)
+    finally:
+        sys.setprofile(None)
+    assert calls and trainer.step._last.tg.code_read is None and trainer.step._ran is None
+    eager = _Trainer(eager_model, batches[0], compiled=False)
+    for batch in batches:
+        loss = trainer.step(batch)
+        assert torch.equal(loss, eager.train_step(eager_model, eager.optimizer, batch))
+    assert _same_parameters(model, eager_model)

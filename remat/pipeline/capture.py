@@ -271,7 +271,7 @@ def capture(
         return _trace(traced, flat, symbols, sign_facts, hyper_values, numbers, model)
 
     ran: set[Any] = set()  # the user's code the traces ran: the step reads only what it names
-    gm, probe_gm = _traces(trace, model, train_step, slots, probe, seen, (grad_order, final_grads), ran)
+    gm, probe_gm, recorded_run = _traces(trace, model, train_step, slots, probe, seen, (grad_order, final_grads), ran, device)
     leaves_zero_grads = bool(final_grads) and ends_with_zero_grads(gm)
     if final_grads and not leaves_zero_grads:
         check_no_accumulation(probe_gm, {n: params[n] for n in trainable}, optimizer)
@@ -293,25 +293,26 @@ def capture(
     tg.training, tg.mode_calls, tg.sets_mode_first = train_modes.traced_modes(model, recorded.mode_calls)
     tg.scheduler_calls = scheduler_calls.checked(tg, recorded.scheduler_calls)
     tg.trainable, tg.leaves_zero_grads, tg.groups, tg.param_hooks = trainable, leaves_zero_grads, groups, hooks
-    tg.code_read = frozenset(ran)
+    tg.code_read = frozenset(ran) if recorded_run else None
     return tg
 
 
 def _traces(
     trace: Callable[[], torch.fx.GraphModule], model: torch.nn.Module, train_step: TrainStep, slots: list[Any],
-    probe: dict[str, Any], seen: dict[str, Any], grads: tuple[list[str], list[str]], ran: set[Any],
-) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule | None]:  # fmt: skip
+    probe: dict[str, Any], seen: dict[str, Any], grads: tuple[list[str], list[str]], ran: set[Any], device: str,
+) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule | None, bool]:  # fmt: skip
     """The graph, traced as eager's later steps run (a library's first-call set-up in place:
     module_hooks), and traced once more with the numbers the step keeps counted
     (kept_numbers); and where gradients stay set after the step, the step traced as the next
     one starts, with them set (for check_no_accumulation). The user's code that ran goes
-    into `ran`; Python state and the model's hook tables are left as they were."""
+    into `ran`, where it could be recorded (the third value: user_code.recording_run);
+    Python state and the model's hook tables are left as they were."""
     grad_order, final_grads = grads
     tables = module_hooks.HookTables.of(model)
     set_up: list[tuple[torch.nn.Module, str]] = []
     probe_gm = None
     try:
-        with user_code.recording_run(ran), no_python_state_changed(model, train_step, slots) as watch:
+        with user_code.recording_run(ran, device) as recorded, no_python_state_changed(model, train_step, slots) as watch:
             gm = trace()
             if tables.changed():
                 set_up = tables.added_attributes()
@@ -329,7 +330,7 @@ def _traces(
                     grad_order[:], final_grads[:] = kept
     finally:
         tables.put_back(set_up)
-    return gm, probe_gm
+    return gm, probe_gm, recorded
 
 
 @dataclass

@@ -77,7 +77,9 @@ class TrainGraph:
     outside: dict[str, Any] = field(default_factory=dict)  # OUTSIDE input name -> outside_tensors.OutsideTensor, read at each call
     numbers: dict[str, Any] = field(default_factory=dict)  # NUMBER input name -> the python_state.Slot it is read from at each call
     number_signs: dict[str, int] = field(default_factory=dict)  # NUMBER input name -> its sign, where the step compares it with zero
-    code_read: frozenset[Any] = frozenset()  # the user's code objects the traces ran: python_state watches what they name
+    # The user's code objects the traces ran: python_state watches what they name (None: not
+    # recorded, user_code.recording_run; everything the step's code can reach is watched).
+    code_read: frozenset[Any] | None = None
     scheduler_calls: tuple[Any, ...] = ()  # scheduler_calls.SchedulerCall: scheduler.step() calls made again at each call
     leaves_zero_grads: bool = False  # the step ends with zero_grad(set_to_none=False): see ends_with_zero_grads
     backward_passes: int = 1  # backward() calls per step: micro-batches accumulating gradients

@@ -106,11 +106,17 @@ def _own_names(code: types.CodeType) -> tuple[frozenset[str], frozenset[str]]:
 
 
 @contextlib.contextmanager
-def recording_run(ran: set[types.CodeType]) -> Iterator[None]:
+def recording_run(ran: set[types.CodeType], device: str) -> Iterator[bool]:
     """While the block runs (a trace), every code object of the user's that starts running
     is added to `ran`: what the trace read is what that code names, and nothing the user's
-    other code names (a training loop's counter, the compiled step held in a global)."""
+    other code names (a training loop's counter, the compiled step held in a global).
+    Yields whether it records: not where a profiler of the process's own is set (it would
+    be displaced), nor for a model off the CPU, whose backward pass (and the user's hooks
+    in it) runs in autograd's device threads, which this thread's hook does not see."""
     previous = sys.getprofile()
+    if previous is not None or device != "cpu":
+        yield False
+        return
     user_files: dict[str, bool] = {}
 
     def profile(frame: types.FrameType, event: str, arg: Any) -> None:
@@ -123,11 +129,9 @@ def recording_run(ran: set[types.CodeType]) -> Iterator[None]:
                     mine = user_files[path] = is_user_file(path)
                 if mine:
                     ran.add(code)
-        if previous is not None:
-            previous(frame, event, arg)
 
     sys.setprofile(profile)
     try:
-        yield
+        yield True
     finally:
-        sys.setprofile(previous)
+        sys.setprofile(None)
