@@ -311,14 +311,21 @@ def _traces(
     tables = module_hooks.HookTables.of(model)
     set_up: list[tuple[torch.nn.Module, str]] = []
     probe_gm = None
+    recorded = [True]
+
+    def recorded_trace() -> torch.fx.GraphModule:  # a trace the graph may come from: its code recorded
+        with user_code.recording_run(ran, device) as recording:
+            recorded[0] = recorded[0] and recording
+            return trace()
+
     try:
-        with user_code.recording_run(ran, device) as recorded, no_python_state_changed(model, train_step, slots) as watch:
-            gm = trace()
+        with no_python_state_changed(model, train_step, slots) as watch:
+            gm = recorded_trace()
             if tables.changed():
                 set_up = tables.added_attributes()
-                gm = module_hooks.traced_as_set_up(trace, model)
+                gm = module_hooks.traced_as_set_up(recorded_trace, model)
             probe["numbers"] = watch.numbers_changed(frozenset((id(m), k) for m, k in set_up))
-            gm = kept_numbers.traced_counting(trace, probe, seen) if probe["numbers"] else gm
+            gm = kept_numbers.traced_counting(recorded_trace, probe, seen) if probe["numbers"] else gm
             if final_grads:
                 # Gradients stay set after the step, so the next step starts with them: it must
                 # clear them before its backward (the graph computes fresh ones).
@@ -330,7 +337,7 @@ def _traces(
                     grad_order[:], final_grads[:] = kept
     finally:
         tables.put_back(set_up)
-    return gm, probe_gm, recorded
+    return gm, probe_gm, recorded[0]
 
 
 @dataclass
