@@ -95,6 +95,20 @@ def _llama(**config: object) -> torch.nn.Module:
                                         num_attention_heads=4, num_key_value_heads=2, **config))
 
 
+def _compiled_leaving_the_model_as_it_was(train_step, model, seed: int):  # type: ignore[no-untyped-def]
+    """The step compiled at budget 0.7 (AdamW, 3 batches of token ids), an eager twin made
+    before it, and the model checked unchanged by compiling."""
+    eager_model = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    batches = [{"ids": torch.randint(0, 128, (8, 64), generator=g)} for _ in range(3)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-2)
+    before = model_snapshot(model)
+    step = remat.compile(train_step, model, opt, batches[0], memory_budget=0.7, profile_runs=1)
+    assert snapshot_differences(before, model_snapshot(model)) == []
+    return step, eager_model, eager_opt, batches
+
+
 def _hidden_states_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
     optimizer.zero_grad()
     out = model(input_ids=batch["ids"], labels=batch["ids"], output_hidden_states=True)
@@ -108,14 +122,7 @@ def test_hooks_a_library_installs_on_first_call_train_bitwise_and_leave_the_mode
     """transformers installs forward hooks the first time a model returns hidden states:
     traced once per capture trace they were duplicated (a shifted hidden_states list)."""
     model = _llama()
-    eager_model = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(2)
-    batches = [{"ids": torch.randint(0, 128, (8, 64), generator=g)} for _ in range(3)]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-2)
-    before = model_snapshot(model)
-    step = remat.compile(_hidden_states_step, model, opt, batches[0], memory_budget=0.7, profile_runs=1)
-    assert snapshot_differences(before, model_snapshot(model)) == []
+    step, eager_model, eager_opt, batches = _compiled_leaving_the_model_as_it_was(_hidden_states_step, model, seed=2)
     for batch in batches:
         assert torch.equal(step(batch), _hidden_states_step(eager_model, eager_opt, batch))
     assert _same_parameters(model, eager_model)
@@ -132,7 +139,6 @@ def test_router_logits_of_a_mixture_of_experts_train_bitwise() -> None:
                            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
                            router_aux_loss_coef=0.1)
     model = MixtralForCausalLM._from_config(config, experts_implementation="batched_mm")
-    eager_model = copy.deepcopy(model)
 
     def train_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
         optimizer.zero_grad()
@@ -141,13 +147,7 @@ def test_router_logits_of_a_mixture_of_experts_train_bitwise() -> None:
         optimizer.step()
         return out.loss, out.aux_loss.detach()
 
-    g = torch.Generator().manual_seed(3)
-    batches = [{"ids": torch.randint(0, 128, (8, 64), generator=g)} for _ in range(3)]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-2)
-    before = model_snapshot(model)
-    step = remat.compile(train_step, model, opt, batches[0], memory_budget=0.7, profile_runs=1)
-    assert snapshot_differences(before, model_snapshot(model)) == []
+    step, eager_model, eager_opt, batches = _compiled_leaving_the_model_as_it_was(train_step, model, seed=3)
     with torch.random.fork_rng(devices=[]):
         torch.set_num_threads(1)  # eager's own expert-gradient index_put accumulates in parallel otherwise
         for batch in batches:

@@ -23,7 +23,7 @@ import torch
 
 from remat.pipeline import read_numbers
 from remat.pipeline.python_state import frozen
-from remat.pipeline.slots import MISSING, Slot
+from remat.pipeline.slots import MISSING, Slot, fields_of
 
 _PLAIN = (bool, int, float, str, type(None))
 _CONTAINERS = (list, tuple, dict, set, frozenset)
@@ -117,10 +117,7 @@ def _holder(slot: Slot) -> dict[Any, Any] | None:
         return slot.owner
     if isinstance(slot.owner, (Slot, types.CellType)):
         return None
-    try:
-        return vars(slot.owner)
-    except TypeError:
-        return None
+    return fields_of(slot.owner)
 
 
 def _plain_items(container: Any) -> bool:

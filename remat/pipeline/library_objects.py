@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from remat.pipeline import user_code
-from remat.pipeline.slots import Slot
+from remat.pipeline.slots import Slot, fields_of
 
 _PLAIN = (bool, int, float, str, type(None))
 _CONTAINERS = (list, tuple, dict, set, frozenset)
@@ -35,11 +35,8 @@ def tensor_fields(roots: list[tuple[str, Any]]) -> list[tuple[Slot, Any]]:
         if depth > _LIBRARY_DEPTH or id(obj) in seen or not _is_library_object(obj):
             return
         seen.add(id(obj))
-        try:
-            fields = vars(obj)
-        except TypeError:  # __slots__
-            return
-        for key, value in list(fields.items()):
+        fields = fields_of(obj)
+        for key, value in list((fields or {}).items()):
             if not isinstance(key, str) or key.startswith("__"):
                 continue
             if _holds_tensors(value):

@@ -50,7 +50,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.errors import CaptureError
 from remat.pipeline import library_objects, param_hooks, user_code
-from remat.pipeline.slots import MISSING, Slot
+from remat.pipeline.slots import MISSING, Slot, fields_of
 
 _PLAIN = (bool, int, float, str, type(None))
 NUMBERS = (bool, int, float)
@@ -312,9 +312,8 @@ def _object_fields(name: str, obj: Any, names: set[str], seen: set[int], depth: 
     if depth > 3 or id(obj) in seen or isinstance(obj, (type, torch.nn.Module, torch.Tensor)) or not user_code.user_class(type(obj)):
         return
     seen.add(id(obj))
-    try:
-        fields = vars(obj)
-    except TypeError:  # __slots__
+    fields = fields_of(obj)
+    if fields is None:
         return
     names = names | user_code.names_in_class(type(obj), ran)  # what its own methods name (an EMA helper's update())
     for key in sorted(k for k in fields if k in names):

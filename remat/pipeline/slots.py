@@ -53,3 +53,11 @@ class Slot:
             self.owner.cell_contents = value
         else:
             setattr(self.owner, self.key, value)
+
+
+def fields_of(obj: Any) -> dict[str, Any] | None:
+    """An object's attributes (None for one with __slots__ only)."""
+    try:
+        return vars(obj)
+    except TypeError:
+        return None
