@@ -319,3 +319,22 @@ def test_under_a_profiler_of_the_users_the_step_watches_all_its_code_can_reach()
         loss = trainer.step(batch)
         assert torch.equal(loss, eager.train_step(eager_model, eager.optimizer, batch))
     assert _same_parameters(model, eager_model)
+
+
+_TEACHER = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Sequential(torch.nn.Linear(8, 8)))
+
+
+def test_the_quick_check_sees_a_submodule_of_another_module_replaced() -> None:
+    """A teacher held in a global: the walk reads its modules' attributes, so its tree counts."""
+    from remat.pipeline.guards import Guards
+    from remat.pipeline.python_state import state_slots
+
+    model = _mlp(width=8, depth=1)
+
+    def train_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+        return (model(batch) - _TEACHER(batch)).sum()
+
+    g = Guards.of(model, state_slots(model, train_step), set(), set(), set())
+    assert g.hold()
+    _TEACHER[1][0] = torch.nn.Dropout(0.1)
+    assert not g.hold()

@@ -48,12 +48,15 @@ class Guards:
         floats read at every call (their key only), `signed` those whose sign the graph assumes."""
         g = cls()
         holders: dict[int, dict[Any, Any]] = {}
+        trees: dict[int, dict[str, Any]] = {}  # each module's table of submodules, the model's and another's held in a slot
         for module in model.modules():
             holders[id(vars(module))] = vars(module)
-            g.same_items.append((module._modules, _ids(module._modules)))
+            trees[id(module._modules)] = module._modules
         for slot, value in slots:
             if slot.library:
                 continue
+            if isinstance(value, torch.nn.Module):
+                trees.update((id(m._modules), m._modules) for m in value.modules())
             holder = _holder(slot)
             if holder is not None:
                 holders[id(holder)] = holder
@@ -86,6 +89,7 @@ class Guards:
             elif isinstance(value, torch.Tensor) or (isinstance(value, _CONTAINERS) and not _plain_items(value)):
                 g.same_frozen.append((slot, frozen(value)))
         g.same_keys = [(d, tuple(d)) for d in holders.values()]
+        g.same_items += [(tree, _ids(tree)) for tree in trees.values()]
         return g
 
     def hold(self) -> bool:
