@@ -1,10 +1,10 @@
 """Host time remat adds to each call of a compiled step, apart from the graph's own time.
 
 For each model: the step compiled without recomputation (memory_budget=None), then, over
-many calls, the median time of each part of a call: finding the compiled graph (checking
-the watched Python state) and gathering the graph's inputs (measurement.call_time), the
-graph itself (`run_captured`), and the whole call, beside eager's whole step. Writes
-`call_overhead.json` under --out.
+many calls, the median time of each part of a call (measurement.call_time): finding the
+compiled graph (checking the watched Python state), gathering the graph's inputs, and the
+whole call but the graph (host); and, alternating, the whole call beside eager's whole
+step. Writes `call_overhead.json` under --out.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/call_overhead.py --models bert-tiny,bert --batch-size 1
 """
@@ -17,9 +17,8 @@ from pathlib import Path
 
 
 import remat
-from remat.measurement.call_time import measure_call_time, median_seconds
-from remat.measurement.check import twin
-from remat.pipeline.step_inputs import flat_inputs, run_captured
+from remat.measurement.call_time import measure_call_time
+from remat.measurement.check import time_alternating, twin
 from remat.workloads import load
 
 
@@ -27,20 +26,17 @@ def measure(model_name: str, batch_size: int, calls: int) -> dict[str, object]:
     work = load(model_name, batch_size=batch_size, optimizer="adamw", zero_grad_first=True)
     eager_model, eager_opt = twin(work.model, work.optimizer)
     step = remat.compile(work.train_step, work.model, work.optimizer, work.batch, memory_budget=None, profile_runs=1)
-    compiled = step.compiled_for(work.batch)
-    inputs = flat_inputs(compiled.tg, step.model, step.optimizer, work.batch)
     for _ in range(3):  # warm-up
         step(work.batch)
         work.train_step(eager_model, eager_opt, work.batch)
-    call = measure_call_time(step, work.batch, calls)
-    graph = median_seconds(lambda: run_captured(compiled.tg, compiled.gm, step.model, inputs), calls)
-    whole = median_seconds(lambda: step(work.batch), calls)
-    eager = median_seconds(lambda: work.train_step(eager_model, eager_opt, work.batch), calls)
+    call = measure_call_time(step, work.batch, calls, steps=calls)
+    timing = time_alternating(lambda: work.train_step(eager_model, eager_opt, work.batch), lambda: step(work.batch), pairs=calls)
     return {
         "model": model_name, "batch_size": batch_size, "calls": calls,
         "guards_ms": round(call.guards_seconds * 1e3, 3), "gather_inputs_ms": round(call.inputs_seconds * 1e3, 3),
-        "graph_ms": round(graph * 1e3, 3), "remat_call_ms": round(whole * 1e3, 3), "eager_step_ms": round(eager * 1e3, 3),
-        "host_ms": round(call.host_seconds * 1e3, 3), "remat_over_eager": round(whole / eager, 3),
+        "host_ms": round(call.host_seconds * 1e3, 3), "host_warm_ms": round(call.warm_host_seconds * 1e3, 3),
+        "remat_call_ms": round(timing.b_seconds * 1e3, 3), "eager_step_ms": round(timing.a_seconds * 1e3, 3),
+        "remat_over_eager": round(timing.ratio, 3), "remat_over_eager_spread": [round(r, 3) for r in timing.ratio_spread],
     }
 
 

@@ -7,6 +7,7 @@ re-trace that trains something else.
 
 from __future__ import annotations
 
+import operator
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -21,13 +22,14 @@ from remat.pipeline import build as pipeline
 from remat.pipeline import data_parallel, read_numbers
 from remat.budget import parse_budget
 from remat.pipeline.capture import capture
-from remat.pipeline.step_inputs import ModelView, batch_leaf_names, flat_inputs, run_captured
+from remat.pipeline.step_inputs import ModelView, batch_leaf_names, run_captured
 from remat.pipeline.train_graph import InputKind, TrainGraph, TrainStep
 from remat.errors import BudgetError, CaptureError, RematError
 from remat.measurement.memory import measure_step_peak
 from remat.planners.plan import Plan
 from remat.planners import DEFAULT_PLANNER, make_plan
 from remat.pipeline.profiles import Profile, graph_fingerprint
+from remat.pipeline.call_inputs import CallInputs
 from remat.pipeline.guards import Guards
 from remat.pipeline.python_state import changed_values, state_slots, step_values
 from remat.pipeline.scheduler_calls import make_calls
@@ -77,6 +79,12 @@ class CompiledGraph:
     report: StepReport
     measured: bool = False
     step_values: tuple[tuple[str, Any], ...] = ()  # the Python values it was traced with (python_state)
+    call_inputs: CallInputs | None = None  # its inputs at each call, made at the first
+
+    def inputs(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> tuple[list[torch.Tensor], ModelView]:
+        if self.call_inputs is None:
+            self.call_inputs = CallInputs(self.tg)
+        return self.call_inputs.gather(model, optimizer, batch)
 
 
 def _signature(batch: Any) -> tuple[str, tuple[tuple[tuple[int, ...], torch.dtype, str], ...]]:
@@ -295,8 +303,7 @@ class RematStep:
         compiled = self.compiled_for(batch)
         self._last = compiled
         make_calls(compiled.tg.scheduler_calls, before_update=True)  # read by this step's update, as in eager
-        view = ModelView.of(self.model)
-        inputs = self._agreed("reading the step's inputs", lambda: flat_inputs(compiled.tg, self.model, self.optimizer, batch, view))
+        inputs, view = self._agreed("reading the step's inputs", lambda: self._inputs(compiled, batch))
         if self._dp is not None:
             data_parallel.before_step(self.model)
         if self.measure and not compiled.measured:
@@ -307,6 +314,17 @@ class RematStep:
             compiled.measured = True
             return measured.result
         return self._run(compiled, inputs, view)
+
+    def _inputs(self, compiled: CompiledGraph, batch: Any) -> tuple[list[torch.Tensor], ModelView]:
+        last = compiled.call_inputs and compiled.call_inputs.last
+        inputs, view = compiled.inputs(self.model, self.optimizer, batch)
+        if compiled.call_inputs.last is not last:
+            # Gathered in full: something changed, and the other graphs' last inputs may hold
+            # tensors the user let go (a replaced parameter, an optimizer's old state).
+            for other in self._graphs.values():
+                if other is not compiled:
+                    other.call_inputs = None
+        return inputs, view
 
     def _run(self, compiled: CompiledGraph, inputs: list[torch.Tensor], view: ModelView) -> torch.Tensor:
         """One step; on failure, its error says what the step had already changed in place."""
@@ -325,6 +343,16 @@ class RematStep:
         return result
 
 
+_version = operator.attrgetter("_version")
+
+
+def _picker(positions: list[int]) -> Any:
+    """A function from a list to the tuple of its items at `positions` (C-level)."""
+    if len(positions) == 1:
+        return lambda items: (items[positions[0]],)
+    return operator.itemgetter(*positions) if positions else (lambda _: ())
+
+
 class _ChangedOnFailure:
     """What a failed step had already changed in place, for its error.
 
@@ -335,15 +363,20 @@ class _ChangedOnFailure:
     plan. Version counters tell what a failure came after, and the error says so.
     """
 
+    _WRITABLE = (InputKind.PARAMETER, InputKind.OPTIMIZER_STATE, InputKind.BUFFER, InputKind.OUTSIDE)
+
     def __init__(self, compiled: CompiledGraph, inputs: list[torch.Tensor]) -> None:
-        self.watched = [
-            (spec.name, spec.kind, t, t._version)
-            for spec, t in zip(compiled.tg.inputs, inputs)
-            if spec.kind in (InputKind.PARAMETER, InputKind.OPTIMIZER_STATE, InputKind.BUFFER, InputKind.OUTSIDE)
-        ]
+        tg = compiled.tg
+        known = tg.meta.get("writable_inputs")
+        if known is None or known[0] is not tg.inputs:
+            writable = [(i, spec.name, spec.kind) for i, spec in enumerate(tg.inputs) if spec.kind in self._WRITABLE]
+            known = tg.meta["writable_inputs"] = (tg.inputs, [(name, kind) for _, name, kind in writable], _picker([i for i, _, _ in writable]))
+        _, self.names, pick = known
+        self.tensors = pick(inputs)
+        self.versions = list(map(_version, self.tensors))  # C-level: a call's host time counts
 
     def note(self, error: Exception) -> None:
-        changed = [(name, kind) for name, kind, t, version in self.watched if t._version != version]
+        changed = [named for named, t, version in zip(self.names, self.tensors, self.versions) if t._version != version]
         buffers = [name for name, kind in changed if kind is InputKind.BUFFER]
         outside = [name for name, kind in changed if kind is InputKind.OUTSIDE]
         updated = [name for name, kind in changed if kind in (InputKind.PARAMETER, InputKind.OPTIMIZER_STATE)]

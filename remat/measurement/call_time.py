@@ -1,7 +1,16 @@
-"""The host time a compiled step spends at each call before its graph runs: finding the
-graph for the batch (checking the watched Python state: guards) and gathering its inputs
-(with the checks of the loop's changes). Medians over repeated calls of those two parts
-alone, which change nothing: the graph itself is not run."""
+"""The host time remat spends at each call of a compiled step, apart from its graph's:
+finding the graph for the batch (checking the watched Python state: guards), gathering its
+inputs (with the checks of the loop's changes), and the whole call but the graph (those,
+the gradients set on the parameters, the effects replayed).
+
+Medians over repeated calls: the first two alone, which change nothing; the whole call
+twice. Over real steps, with the graph timed apart: on a CPU the graph has just evicted
+the host's caches, so the host's work runs cold. And warm, as it runs beside a GPU (whose
+kernels leave the host's caches alone): with the graph replaced by one that returns what
+the last real run returned (the gradients set again, the step's effects replayed again).
+Before each real step the previous gradients are dropped, outside the timer: freeing them
+is the step's own work (eager's zero_grad frees them too), milliseconds on BERT-base.
+"""
 
 from __future__ import annotations
 
@@ -10,24 +19,21 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from remat.pipeline.step_inputs import ModelView, flat_inputs
-
 
 @dataclass(frozen=True)
 class CallTime:
     guards_seconds: float  # RematStep.compiled_for: the watched state checked, the graph found
-    inputs_seconds: float  # the model read, the loop's changes checked, the inputs gathered
-
-    @property
-    def host_seconds(self) -> float:
-        return self.guards_seconds + self.inputs_seconds
+    inputs_seconds: float  # the loop's changes checked, the inputs gathered
+    host_seconds: float  # a whole real call but its graph: the above, and what runs after the graph
+    warm_host_seconds: float  # the same, with the graph replaced by one that returns at once
 
     def fields(self, call_seconds: float) -> dict[str, float]:
-        """For `remat run --json`: of a call's time, the host's before the graph runs, and the rest."""
+        """For `remat run --json`: of a call's time, the host's, and the rest."""
         return {
             "call_guards_seconds": self.guards_seconds,
             "call_inputs_seconds": self.inputs_seconds,
             "call_host_seconds": self.host_seconds,
+            "call_host_warm_seconds": self.warm_host_seconds,
             "graph_seconds": call_seconds - self.host_seconds,
         }
 
@@ -41,9 +47,37 @@ def median_seconds(fn: Callable[[], Any], calls: int) -> float:
     return statistics.median(times)
 
 
-def measure_call_time(step: Any, batch: Any, calls: int = 30) -> CallTime:
-    """`step` (a RematStep) already compiled for `batch`'s shape."""
+class _TimedGraph:
+    """A graph that notes how long each run of it took."""
+
+    def __init__(self, gm: Any) -> None:
+        self.gm, self.seconds, self.returned = gm, 0.0, None
+
+    def __call__(self, *inputs: Any) -> Any:
+        start = time.perf_counter()
+        self.returned = self.gm(*inputs)
+        self.seconds = time.perf_counter() - start
+        return self.returned
+
+
+def measure_call_time(step: Any, batch: Any, calls: int = 30, steps: int = 5) -> CallTime:
+    """`step` (a RematStep) already compiled for `batch`'s shape; `steps` real training steps
+    are run to time the whole call."""
     compiled = step.compiled_for(batch)
     guards = median_seconds(lambda: step.compiled_for(batch), calls)
-    inputs = median_seconds(lambda: flat_inputs(compiled.tg, step.model, step.optimizer, batch, ModelView.of(step.model)), calls)
-    return CallTime(guards, inputs)
+    inputs = median_seconds(lambda: compiled.inputs(step.model, step.optimizer, batch), calls)
+    timed = _TimedGraph(compiled.gm)
+    compiled.gm = timed
+    host = []
+    try:
+        for _ in range(steps):
+            for p in step.model.parameters():
+                p.grad = None
+            start = time.perf_counter()
+            step(batch)
+            host.append(time.perf_counter() - start - timed.seconds)
+        compiled.gm = lambda *inputs: timed.returned
+        warm = median_seconds(lambda: step(batch), calls)
+    finally:
+        compiled.gm = timed.gm
+    return CallTime(guards, inputs, statistics.median(host), warm)

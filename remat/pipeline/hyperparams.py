@@ -185,13 +185,20 @@ def check_unchanged(optimizer: torch.optim.Optimizer, specs: list[GroupSpec], na
             "(add_param_group after remat.compile?). Compile a new step."
         )
     for gi, (group, spec) in enumerate(zip(groups, specs)):
-        where = group_name(optimizer, gi)
         params = tuple(names.get(id(p), "<not a parameter of the model>") for p in group["params"])
         if params != spec.params:
             raise CaptureError(
-                f"{where} holds other parameters than when the step was compiled; "
+                f"{group_name(optimizer, gi)} holds other parameters than when the step was compiled; "
                 "compile a new step after changing the optimizer's parameters."
             )
+    check_settings(optimizer, groups, specs)
+
+
+def check_settings(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]], specs: list[GroupSpec]) -> None:
+    """Refuse a setting of `groups` (the optimizer's, as many as `specs`) changed in a way
+    the captured update cannot follow: a flag, a fixed number, a sign it branches on."""
+    for gi, (group, spec) in enumerate(zip(groups, specs)):
+        where = group_name(optimizer, gi)
         flags = dict(_flags(group, where))
         floats = float_entries(group)
         for key, was in spec.flags:
@@ -221,14 +228,20 @@ def check_unchanged(optimizer: torch.optim.Optimizer, specs: list[GroupSpec], na
 
 def values(optimizer: torch.optim.Optimizer, names: list[str]) -> list[torch.Tensor]:
     """The graph inputs for these hyperparameters, from the param groups as they are now."""
+    groups = optimizer.param_groups
     out = []
     for name in names:
         gi, key = parse_input_name(name)
-        try:
-            value = _get(optimizer.param_groups[gi], key)
-        except (KeyError, IndexError) as e:
-            raise CaptureError(f"{group_name(optimizer, gi)} has no {key!r} any more; compile a new step") from e
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise CaptureError(f"{group_name(optimizer, gi)}[{key!r}] is now {value!r}, not a float; compile a new step")
-        out.append(torch.tensor(float(value), dtype=torch.float64))
+        out.append(torch.scalar_tensor(read(optimizer, groups, gi, key), dtype=torch.float64))
     return out
+
+
+def read(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]], gi: int, key: str) -> float:
+    """The float `groups[gi][key]` now (`groups`: the optimizer's param groups)."""
+    try:
+        value = _get(groups[gi], key)
+    except (KeyError, IndexError) as e:
+        raise CaptureError(f"{group_name(optimizer, gi)} has no {key!r} any more; compile a new step") from e
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CaptureError(f"{group_name(optimizer, gi)}[{key!r}] is now {value!r}, not a float; compile a new step")
+    return float(value)

@@ -101,10 +101,15 @@ class Reading:
 
 def value(slot: Slot) -> torch.Tensor:
     """The graph input for a number read at every call, from its slot as it is now."""
+    return torch.scalar_tensor(number(slot), dtype=torch.float64)
+
+
+def number(slot: Slot) -> float:
+    """A number read at every call, as it is now in its slot."""
     now = slot.get()
     if type(now) is not float:  # the step's cache key sees the type change first: a safeguard
         raise CaptureError(f"{slot.name} was a float when the step was compiled and is now {type(now).__name__}; compile a new step")
-    return torch.tensor(now, dtype=torch.float64)
+    return now
 
 
 def key(value: Any, signed: bool) -> tuple[bool, int | None, str]:

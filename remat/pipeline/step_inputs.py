@@ -5,13 +5,17 @@ train/eval flags left as eager leaves them."""
 
 from __future__ import annotations
 
+import operator
+import weakref
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Iterator
 
 import torch
 import torch.utils._pytree as pytree
 
 from remat.errors import CaptureError
+from remat.pipeline.guards import same_objects
 from remat.pipeline import data_parallel, hyperparams, param_hooks, read_numbers, step_outputs, train_modes
 from remat.pipeline.optimizer_state import optimizer_states
 from remat.pipeline.optimizers import as_one
@@ -35,20 +39,29 @@ class ModelView:
     its modules: a call reads them once for its checks, its inputs and its gradients."""
 
     modules: list[torch.nn.Module]
+    module_names: list[str]
     params: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
+    _graded: tuple[Any, list[torch.Tensor]] | None = None  # grad_names, and their parameters
+
+    def graded(self, grad_names: list[str]) -> list[torch.Tensor]:
+        """The parameters named in `grad_names`, in order (worked out once for each list)."""
+        if self._graded is None or self._graded[0] is not grad_names:
+            self._graded = (grad_names, [self.params[name] for name in grad_names])
+        return self._graded[1]
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelView:
-        modules, params, buffers, seen = [], {}, {}, set()
+        modules, names, params, buffers, seen = [], [], {}, {}, set()
         for prefix, module in model.named_modules():
             modules.append(module)
+            names.append(prefix)
             for table, out in ((module._parameters, params), (module._buffers, buffers)):
                 for key, t in table.items():
                     if t is not None and id(t) not in seen:
                         seen.add(id(t))
                         out[f"{prefix}.{key}" if prefix else key] = t
-        return cls(modules, params, buffers)
+        return cls(modules, names, params, buffers)
 
 
 def check_batch(batch: Any) -> tuple[list[Any], Any]:
@@ -100,7 +113,7 @@ def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: Any, batch: A
         names = {id(p): n for n, p in params.items()}
         hyperparams.check_unchanged(optimizer, tg.groups, names)
     # Only the state the graph reads: eager creates none for a parameter without a gradient.
-    wanted = {id(params[name]) for name in _state_owners(tg)}
+    wanted = {id(params[name]) for name in state_owners(tg)}
     states = optimizer_states(optimizer, params, wanted) if tg.has_optimizer else {}
     hyper_names = [i.name for i in tg.inputs if i.kind is InputKind.HYPERPARAMETER]
     hyper = dict(zip(hyper_names, hyperparams.values(optimizer, hyper_names))) if hyper_names else {}
@@ -122,14 +135,14 @@ def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: Any, batch: A
         elif inp.kind is InputKind.HYPERPARAMETER:
             out.append(hyper[inp.name])
         elif inp.kind is InputKind.OUTSIDE:
-            out.append(_outside_value(tg, inp))
+            out.append(outside_value(tg, inp))
         elif inp.kind is InputKind.NUMBER:
             out.append(read_numbers.value(tg.numbers[inp.name]))
     out.extend(leaves)
     return out
 
 
-def _state_owners(tg: TrainGraph) -> tuple[str, ...]:
+def state_owners(tg: TrainGraph) -> tuple[str, ...]:
     """The parameters whose optimizer state the graph reads (worked out once per graph)."""
     known = tg.meta.get("state_owners")
     if known is None or known[0] is not tg.inputs:
@@ -137,7 +150,7 @@ def _state_owners(tg: TrainGraph) -> tuple[str, ...]:
     return known[1]
 
 
-def _outside_value(tg: TrainGraph, inp: GraphInput) -> torch.Tensor:
+def outside_value(tg: TrainGraph, inp: GraphInput) -> torch.Tensor:
     t = tg.outside[inp.name].get()
     if describe(t) != (inp.shape, inp.dtype, inp.device):
         shape, dtype, device = describe(t)
@@ -148,12 +161,26 @@ def _outside_value(tg: TrainGraph, inp: GraphInput) -> torch.Tensor:
     return t
 
 
-def _check_grads_are_zero(params: dict[str, torch.Tensor]) -> None:
+_grad = attrgetter("grad")
+# The gradients a step that ends with zero_grad(set_to_none=False) left on each model's
+# parameters, by weak reference (a gradient the user drops is freed): while each parameter
+# still holds its own, they are known zeros.
+_ZERO_GRADS_LEFT: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+
+
+def _no_gradient() -> None:
+    return None
+
+
+def _check_grads_are_zero(model: torch.nn.Module, view: ModelView) -> None:
     """A step that adds its gradients to the zeros the previous one left must not find other
     gradients there (an eager backward since): eager would add to them."""
-    for name, p in params.items():
+    left = _ZERO_GRADS_LEFT.get(model, [])
+    if same_objects(list(map(_grad, view.params.values())), list(map(operator.call, left))):
+        return
+    for name, p in view.params.items():
         g = p.grad
-        if g is not None and not getattr(g, "_remat_zeroed", False) and bool(g.any()):
+        if g is not None and bool(g.any()):
             raise CaptureError(
                 f"{name} holds a nonzero gradient from outside the step; the step adds its gradients to what it finds "
                 "(it ends with zero_grad(set_to_none=False)), which the captured graph does not. Call "
@@ -175,9 +202,10 @@ def run_captured(
     where train_step left one set, None where it cleared them; and the modules' train/eval
     flags as train_step's own train() and eval() calls leave them.
     """
-    params = (ModelView.of(model) if view is None else view).params
+    view = ModelView.of(model) if view is None else view
+    params = view.params
     if tg.leaves_zero_grads:
-        _check_grads_are_zero(params)
+        _check_grads_are_zero(model, view)
     # The step clears the previous gradients before its backward (checked at capture), or
     # adds to the zeros the last step left; drop them now rather than hold them through the step.
     for p in params.values():
@@ -185,9 +213,8 @@ def run_captured(
     with torch.no_grad():
         outputs, grads = gm(*inputs)
     train_modes.make_mode_calls(model, tg)
-    final = dict(zip(tg.grad_names, grads))
-    for name, p in params.items():
-        p.grad = final.get(name)
-        if tg.leaves_zero_grads and p.grad is not None:
-            p.grad._remat_zeroed = True  # type: ignore[attr-defined]  # known zero: no check at the next call
+    for p, g in zip(view.graded(tg.grad_names), grads):
+        p.grad = g
+    if tg.leaves_zero_grads:
+        _ZERO_GRADS_LEFT[model] = [_no_gradient if p.grad is None else weakref.ref(p.grad) for p in params.values()]
     return step_outputs.as_returned(tg, outputs)

@@ -1,0 +1,129 @@
+"""The quick gather of a call's inputs (pipeline/call_inputs.py): while nothing the full
+gather checks has changed, a call reuses what the last one read; each change below, made
+between two calls that took the quick way, must be seen: trained like eager where the
+full gather follows it, refused with the full gather's own error where it does not."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import remat
+from remat.errors import CaptureError
+from remat.measurement.check import compare_state
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> torch.Tensor:
+    optimizer.zero_grad()
+    loss = model(batch).square().mean()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _pair() -> tuple[Any, ...]:
+    model = _model()
+    eager = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.1)
+    batches = [torch.randn(6, 8, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    step = remat.compile(_train_step, model, opt, batches[0], memory_budget=None, profile_runs=1)
+    for batch in batches[:2]:  # the second call gathers the quick way
+        assert torch.equal(step(batch), _train_step(eager, eager_opt, batch))
+    return step, model, opt, eager, eager_opt, batches
+
+
+def _first_state(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    return opt.state[opt.param_groups[0]["params"][0]]
+
+
+def _reloaded(opt: torch.optim.Optimizer) -> None:
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # every state tensor a new one
+
+
+FOLLOWED: dict[str, Callable[[torch.nn.Module, torch.optim.Optimizer], Any]] = {
+    "a state tensor replaced": lambda m, o: _first_state(o).__setitem__("exp_avg", _first_state(o)["exp_avg"] * 0.5),
+    "the optimizer's state reloaded": lambda m, o: _reloaded(o),
+    "the optimizer's state cleared": lambda m, o: o.state.clear(),
+    "a buffer replaced": lambda m, o: setattr(m[1], "running_mean", m[1].running_mean + 1),
+    "a parameter changed in place": lambda m, o: m[0].weight.data.mul_(0.5),
+    "the learning rate changed": lambda m, o: o.param_groups[0].__setitem__("lr", 5e-3),
+}
+
+
+@pytest.mark.parametrize("change", list(FOLLOWED))
+def test_a_change_between_quick_calls_trains_like_eager(change: str) -> None:
+    step, model, opt, eager, eager_opt, batches = _pair()
+    FOLLOWED[change](model, opt)
+    FOLLOWED[change](eager, eager_opt)
+    for batch in batches[2:]:
+        assert torch.equal(step(batch), _train_step(eager, eager_opt, batch))
+    assert compare_state(eager, eager_opt, model, opt) == []
+
+
+REFUSED: dict[str, tuple[Callable[[torch.nn.Module, torch.optim.Optimizer], Any], str]] = {
+    "a parameter frozen": (lambda m, o: m[0].weight.requires_grad_(False), "requires_grad"),
+    "a gradient hook added": (lambda m, o: m[3].bias.register_hook(lambda g: g * 2), "gradient hooks"),
+    "the model put in eval mode": (lambda m, o: m.eval(), "train/eval mode"),
+    "a parameter replaced": (lambda m, o: setattr(m[0], "bias", torch.nn.Parameter(torch.zeros(16))), "other parameters"),
+    "an optimizer flag changed": (lambda m, o: o.param_groups[0].__setitem__("maximize", True), "maximize"),
+    "weight decay set to zero": (lambda m, o: o.param_groups[0].__setitem__("weight_decay", 0.0), "weight_decay"),
+}
+
+
+@pytest.mark.parametrize("change", list(REFUSED))
+def test_a_change_between_quick_calls_is_refused_as_the_full_gather_refuses_it(change: str) -> None:
+    step, model, opt, *_, batches = _pair()
+    make, message = REFUSED[change]
+    make(model, opt)
+    with pytest.raises(CaptureError, match=message):
+        step(batches[2])
+
+
+def test_calls_that_change_nothing_reuse_what_the_last_one_read() -> None:
+    step, model, opt, eager, eager_opt, batches = _pair()
+    last = step.compiled_for(batches[2]).call_inputs.last
+    for batch in batches[2:]:
+        step(batch)
+    assert step.compiled_for(batches[2]).call_inputs.last is last
+    opt.param_groups[0]["params"].reverse()  # the same parameters in another order: the full gather again
+    with pytest.raises(CaptureError, match="other parameters"):
+        step(batches[2])
+
+
+def test_gradients_left_as_zeros_are_not_kept_alive_by_remat() -> None:
+    """A step that ends with zero_grad(set_to_none=False) leaves zeros, which the next call
+    knows as its own; once the user drops them they are freed."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+        loss = model(batch).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        return loss
+
+    batch = torch.randn(6, 8)
+    step = remat.compile(train_step, model, opt, batch, memory_budget=None, profile_runs=1)
+    step(batch)
+    left = weakref.ref(model[0].weight.grad)
+    step(batch)  # the zeros it finds are those it left: no look at their values
+    assert left() is None or left() is not model[0].weight.grad
+    left = weakref.ref(model[0].weight.grad)
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    assert left() is None
+    model[0].weight.grad = torch.ones_like(model[0].weight)  # as an eager backward would leave it
+    with pytest.raises(CaptureError, match="nonzero gradient"):
+        step(batch)
