@@ -33,8 +33,7 @@ from remat.pipeline.call_inputs import CallInputs
 from remat.pipeline.guards import Guards
 from remat.pipeline.python_state import changed_values, state_slots, step_values
 from remat.pipeline.scheduler_calls import make_calls
-from remat.pipeline.rewriter import runnable
-from remat.pipeline.simulator import simulate, simulate_schedule
+from remat.pipeline.simulator import simulate
 
 
 @dataclass
@@ -124,7 +123,7 @@ class RematStep:
     _graphs: dict[Any, CompiledGraph] = field(default_factory=dict)
     _structure: str | None = None
     _last: CompiledGraph | None = None
-    _unkeyed: set[str] = field(default_factory=set)  # slots the step updates and never reads (TrainGraph.state_updates)
+    _unkeyed: set[str] = field(default_factory=set)  # slots the step updates and never reads (TrainGraph.call.state_updates)
     _read: set[str] = field(default_factory=set)  # floats the loop changed between steps, read at every call (read_numbers)
     _constant: set[str] = field(default_factory=set)  # such floats the step branches on: constants of the graph
     _signed: set[str] = field(default_factory=set)  # such floats the step compares with zero: their sign is in the key
@@ -185,13 +184,13 @@ class RematStep:
                 self._graphs = {k: g for k, g in self._graphs.items() if k[0] != shapes}
         tg = compiled.tg
         # What the traces ran, where every capture recorded it; else all the step's code can reach.
-        self._all_code = self._all_code or tg.code_read is None
-        self._ran = None if self._all_code else (self._ran or frozenset()) | tg.code_read
-        self._unkeyed |= {update.slot.name for update in tg.state_updates if not update.keyed} | tg.unread_lists  # changed at every call
-        constant = {name for name in self._read if name not in tg.numbers and name not in tg.number_signs}  # the trace branches on them
+        self._all_code = self._all_code or tg.call.code_read is None
+        self._ran = None if self._all_code else (self._ran or frozenset()) | tg.call.code_read
+        self._unkeyed |= {update.slot.name for update in tg.call.state_updates if not update.keyed} | tg.call.unread_lists  # changed at every call
+        constant = {name for name in self._read if name not in tg.call.numbers and name not in tg.call.number_signs}  # the trace branches on them
         self._read -= constant
         self._constant |= constant
-        self._signed |= set(tg.number_signs)
+        self._signed |= set(tg.call.number_signs)
         compiled.step_values = self._key_values()
         self._structure = _signature(batch)[0]
         self._graphs[(shapes, compiled.step_values)] = compiled
@@ -281,9 +280,8 @@ class RematStep:
             plan = make() if self._dp is None else ranks.share_plan(self._dp, make)
 
             def rewritten() -> tuple[int, torch.fx.GraphModule]:
-                ordered = plan.index_for(index)
-                schedule = plan.schedule(ordered)
-                return simulate_schedule(ordered, schedule).peak_bytes, (runnable(ordered, schedule))
+                applied = plan.apply(index)
+                return applied.peak_bytes, applied.runnable()
 
             predicted, gm = self._agreed("applying the plan", rewritten)
         report = StepReport(
@@ -302,7 +300,7 @@ class RematStep:
     def __call__(self, batch: Any) -> torch.Tensor:
         compiled = self.compiled_for(batch)
         self._last = compiled
-        make_calls(compiled.tg.scheduler_calls, before_update=True)  # read by this step's update, as in eager
+        make_calls(compiled.tg.call.scheduler_calls, before_update=True)  # read by this step's update, as in eager
         inputs, view = self._agreed("reading the step's inputs", lambda: self._inputs(compiled, batch))
         if self._dp is not None:
             data_parallel.before_step(self.model)
@@ -329,7 +327,7 @@ class RematStep:
     def _run(self, compiled: CompiledGraph, inputs: list[torch.Tensor], view: ModelView) -> torch.Tensor:
         """One step; on failure, its error says what the step had already changed in place."""
         changed = _ChangedOnFailure(compiled, inputs)
-        dp = compiled.tg.data_parallel
+        dp = compiled.tg.call.data_parallel
         try:
             result = run_captured(compiled.tg, compiled.gm, self.model, inputs, view)
         except Exception as e:
@@ -339,7 +337,7 @@ class RematStep:
             raise
         if dp is not None:
             data_parallel.after_step(self.model, dp)
-        make_calls(compiled.tg.scheduler_calls, before_update=False)
+        make_calls(compiled.tg.call.scheduler_calls, before_update=False)
         return result
 
 

@@ -890,7 +890,7 @@ def check_example(spec: RandomSpec, steps: int = 3) -> Outcome:
     if between is not None and annealed and spec.outside:
         # The annealed loss weight is read at every call: one more graph, its peak as predicted.
         last = step._last.report
-        assert "model.loss_weight" in step._last.tg.numbers, f"the annealed loss weight is not read at every call: {step._constant}"
+        assert "model.loss_weight" in step._last.tg.call.numbers, f"the annealed loss weight is not read at every call: {step._constant}"
         assert last.measured_peak_bytes is not None and last.budget_bytes is not None
         assert abs(last.measured_peak_bytes - last.predicted_peak_bytes) <= max(REL_TOL * last.predicted_peak_bytes, SCRATCH_SLACK)
         assert last.predicted_peak_bytes <= last.budget_bytes

@@ -697,7 +697,7 @@ def test_a_tensor_held_where_remat_does_not_look_is_refused_naming_where_it_look
         return loss
 
     tg = capture(held_by_a_library_object, torch.nn.Linear(4, 4), None, torch.randn(2, 4))
-    assert [o.locations[0].get() for o in tg.outside.values()] == [_PRIOR.scale]
+    assert [o.locations[0].get() for o in tg.call.outside.values()] == [_PRIOR.scale]
 
     def held_in_a_list(m, o, b):
         m.zero_grad()
@@ -706,7 +706,7 @@ def test_a_tensor_held_where_remat_does_not_look_is_refused_naming_where_it_look
         return loss
 
     tg = capture(held_in_a_list, torch.nn.Linear(4, 4), None, torch.randn(2, 4))
-    assert [o.locations[0].get() for o in tg.outside.values()] == [_HOLDERS[0].scale]
+    assert [o.locations[0].get() for o in tg.call.outside.values()] == [_HOLDERS[0].scale]
 
 
 def _logging_sgd_step(model, opt, batch):

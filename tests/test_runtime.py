@@ -183,7 +183,7 @@ def test_a_module_float_changed_between_steps_is_read_at_every_call_and_a_dict_c
         warnings.simplefilter("error")  # and nothing warns of a compile
         result = check_against_eager(step, eager_model, eager_opt, model, opt, compiled, batch, steps=4, between_steps=cool)
     assert result.match, result.mismatches
-    assert len(compiled._graphs) == 1 and "model.temperature" in compiled._last.tg.numbers
+    assert len(compiled._graphs) == 1 and "model.temperature" in compiled._last.tg.call.numbers
 
     def shift(i, m, o):
         m.shift["by"] = [0.0, 0.5, 0.5][i]
@@ -243,7 +243,7 @@ def test_a_global_or_a_config_float_changed_between_steps_is_read_at_every_call_
         assert result.match, result.mismatches
         shown = [str(w.message) for w in record]
         assert len(shown) == 1 and "global _LOSS (_squared -> _absolute)" in shown[0], shown
-        assert set(compiled._last.tg.numbers) == {"global _LOSS_WEIGHT", "global _SETTINGS.shift"}
+        assert set(compiled._last.tg.call.numbers) == {"global _LOSS_WEIGHT", "global _SETTINGS.shift"}
         assert len(compiled._graphs) == 2  # the floats' graph, then the other function's
     finally:
         _LOSS_WEIGHT, _LOSS, _SETTINGS.shift = 1.0, _squared, 0.0

@@ -329,7 +329,7 @@ def test_a_scheduler_stepped_inside_train_step_is_stepped_at_every_call_bitwise(
         return loss
 
     step = remat.compile(step_fn, model, o, spec.batch, memory_budget=None)
-    assert [c.before_update for c in step.compiled_for(spec.batch).tg.scheduler_calls] == [before_update]
+    assert [c.before_update for c in step.compiled_for(spec.batch).tg.call.scheduler_calls] == [before_update]
     result = check_against_eager(step_fn, eager_model, eager_opt, model, o, step, spec.batch, steps=STEPS)
     assert result.match, result.summary()
     assert o.param_groups[0]["lr"] == eager_opt.param_groups[0]["lr"] != 0.1

@@ -190,7 +190,7 @@ def test_a_diffusion_step_reads_the_noise_schedulers_tables_where_the_library_ho
     g = torch.Generator().manual_seed(4)
     batches = [{"x": torch.randn(1024, 64, generator=g)} for _ in range(3)]
     step = remat.compile(train_step, model, opt, batches[0], memory_budget=0.8, profile_runs=1)
-    assert any(name.endswith("alphas_cumprod") for name in step._last.tg.outside)
+    assert any(name.endswith("alphas_cumprod") for name in step._last.tg.call.outside)
     for batch in batches:
         state = torch.get_rng_state()
         loss = step(batch)
@@ -313,7 +313,7 @@ def test_under_a_profiler_of_the_users_the_step_watches_all_its_code_can_reach()
         trainer = _Trainer(model, batches[0], compiled=True)
     finally:
         sys.setprofile(None)
-    assert calls and trainer.step._last.tg.code_read is None and trainer.step._ran is None
+    assert calls and trainer.step._last.tg.call.code_read is None and trainer.step._ran is None
     eager = _Trainer(eager_model, batches[0], compiled=False)
     for batch in batches:
         loss = trainer.step(batch)

@@ -138,12 +138,9 @@ def _measure(sw: Sweep, plan: Any, point: Point) -> None:
     from remat.pipeline.step_inputs import flat_inputs, run_captured
     from remat.measurement.check import check_against_eager, time_alternating, twin
     from remat.measurement.memory import measure_step_peak
-    from remat.pipeline.rewriter import runnable
 
     tg, spec = sw.tg, sw.spec
-    ordered = plan.index_for(sw.index)
-    schedule = plan.schedule(ordered)
-    gm = runnable(ordered, schedule)
+    gm = plan.apply(sw.index).runnable()
     eager_model, eager_opt = twin(spec.model, sw.opt)
     remat_model, remat_opt = twin(spec.model, sw.opt)
 

@@ -22,7 +22,7 @@ def _simulated_fit(model_name: str, batch_size: int, cap: int, budget: float | N
     from remat.errors import BudgetError
     from remat.planners import make_plan
     from remat.pipeline.schedule import GraphIndex
-    from remat.pipeline.simulator import simulate, simulate_schedule
+    from remat.pipeline.simulator import simulate
     from remat.workloads import load
 
     spec = load(model_name, batch_size, optimizer, seed=seed, device=device)
@@ -42,7 +42,7 @@ def _simulated_fit(model_name: str, batch_size: int, cap: int, budget: float | N
     budget_bytes = cap if budget is None else min(cap, parse_budget(budget).to_bytes(baseline.persistent_bytes, baseline.step_peak_bytes))
     try:
         plan = make_plan("mutwo", index, node_seconds, budget_bytes)
-        predicted = simulate_schedule(plan.index_for(index), plan.schedule(index)).peak_bytes
+        predicted = plan.apply(index).peak_bytes
         out.update(remat_predicted_peak_bytes=predicted, remat_fits=predicted <= cap)
     except BudgetError as e:
         out.update(remat_predicted_peak_bytes=None, remat_fits=False, remat_reason=str(e).splitlines()[0][:300])

@@ -97,7 +97,7 @@ class LastCall:
             batch_spec=spec,
             tables=SameContents.of(t for m in view.modules for t in (m._modules, m._parameters)),
             buffers=_buffers(tg, view),
-            training=None if tg.sets_mode_first else list(map(_training, view.modules)),
+            training=None if tg.call.sets_mode_first else list(map(_training, view.modules)),
             requires_grad=list(map(_requires_grad, params)),
             hook_tables=_hook_tables(params),
             hooks=SameContents.of(t for t in _hook_tables(params) if t is not None),
@@ -107,8 +107,8 @@ class LastCall:
             group_sizes=list(map(len, groups)),
             group_params=SameContents.of(g["params"] for g in groups),
             settings=_settings(tg, groups),
-            signs=[(gi, key, was) for gi, spec in enumerate(tg.groups) for key, was in spec.signs] if tg.has_optimizer else [],
-            fixed=[(gi, key, was) for gi, spec in enumerate(tg.groups) for key, was in spec.fixed] if tg.has_optimizer else [],
+            signs=[(gi, key, was) for gi, spec in enumerate(tg.call.groups) for key, was in spec.signs] if tg.has_optimizer else [],
+            fixed=[(gi, key, was) for gi, spec in enumerate(tg.call.groups) for key, was in spec.fixed] if tg.has_optimizer else [],
             held=_held(optimizers),
             state_tables=SameContents.of(opt.state for opt in optimizers),
             states=SameContents.of(tables[id(p)][p] for p in owners),
@@ -163,8 +163,8 @@ class CallInputs:
         if last is not None and last.holds(tg, optimizer):
             leaves, spec = pytree.tree_flatten(batch)
             if spec == last.batch_spec and all(isinstance(leaf, torch.Tensor) for leaf in leaves):
-                if tg.data_parallel is not None:
-                    data_parallel.check_unchanged(model, tg.data_parallel)
+                if tg.call.data_parallel is not None:
+                    data_parallel.check_unchanged(model, tg.call.data_parallel)
                 inputs = list(last.inputs)
                 for r in last.reread:
                     inputs[r.position] = r.now()
@@ -209,7 +209,7 @@ def _rereads(tg: TrainGraph, optimizer: Any, groups: list[dict[str, Any]]) -> li
             gi, key = hyperparams.parse_input_name(inp.name)
             out.append(_Reread(position, lambda gi=gi, key=key: hyperparams.read(optimizer, groups, gi, key)))
         elif inp.kind is InputKind.NUMBER:
-            out.append(_Reread(position, lambda slot=tg.numbers[inp.name]: read_numbers.number(slot)))
+            out.append(_Reread(position, lambda slot=tg.call.numbers[inp.name]: read_numbers.number(slot)))
         elif inp.kind is InputKind.OUTSIDE:
             out.append(_Reread(position, lambda inp=inp: outside_value(tg, inp)))
     return out

@@ -33,7 +33,7 @@ from remat.pipeline.optimizers import as_one, only_passed_step
 
 from remat.pipeline.markers import MARKER, RECORD_FUNCTION_OPS, marker, marking_passes
 from remat.pipeline.trace_checks import branched_hyperparameters, check_graph_runnable, check_no_accumulation, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state
-from remat.pipeline.train_graph import GraphInput, InputKind, Phase, TrainGraph, TrainStep
+from remat.pipeline.train_graph import CallContract, GraphInput, InputKind, Phase, TrainGraph, TrainStep
 from remat.pipeline.python_state import no_python_state_changed, state_slots
 from remat.pipeline.traced_rng import no_host_random_drawn, no_rng_state_set
 from remat.pipeline.user_checkpoints import plain_checkpoints
@@ -284,16 +284,16 @@ def capture(
         groups = hyperparams.group_specs(optimizer, real_to_name, sign_facts)
     inputs = drop_unread_inputs(gm, inputs)
     tg = _finish(gm, inputs, grad_order, final_grads, str(spec), optimizer is not None, device)
-    tg.outside = outside_tensors.read_by_graph(inputs, [held for held, _ in outside], device, own)
+    tg.call.outside = outside_tensors.read_by_graph(inputs, [held for held, _ in outside], device, own)
     numbers.attach(tg)
     if dp is not None:
         data_parallel.attach(tg, dp, synced_last=bool(seen["reduced"]))
-    tg.output_spec, tg.output_numbers, tg.backward_passes, tg.state_updates, tg.unread_lists = (
+    tg.call.output_spec, tg.call.output_numbers, tg.backward_passes, tg.call.state_updates, tg.call.unread_lists = (
         seen[k] for k in ("output_spec", "output_numbers", "backward_passes", "state_updates", "unread_lists"))
-    tg.training, tg.mode_calls, tg.sets_mode_first = train_modes.traced_modes(model, recorded.mode_calls)
-    tg.scheduler_calls = scheduler_calls.checked(tg, recorded.scheduler_calls)
-    tg.trainable, tg.leaves_zero_grads, tg.groups, tg.param_hooks = trainable, leaves_zero_grads, groups, hooks
-    tg.code_read = frozenset(ran) if recorded_run else None
+    tg.call.training, tg.call.mode_calls, tg.call.sets_mode_first = train_modes.traced_modes(model, recorded.mode_calls)
+    tg.call.scheduler_calls = scheduler_calls.checked(tg, recorded.scheduler_calls)
+    tg.call.trainable, tg.call.leaves_zero_grads, tg.call.groups, tg.call.param_hooks = trainable, leaves_zero_grads, groups, hooks
+    tg.call.code_read = frozenset(ran) if recorded_run else None
     return tg
 
 
@@ -365,7 +365,7 @@ class _Effects:
         )
 
     def updates(self, numbers_unread: frozenset[str]) -> tuple[list[Any], list[list[Any]]]:
-        """The updates to make again after each run (TrainGraph.state_updates), with the
+        """The updates to make again after each run (TrainGraph.call.state_updates), with the
         traced values each takes from the graph. Prints come before the numbers kept: a
         number the step counts up prints from the slot's number before the step."""
         logs, logged_values = logged_numbers.logged(self.logged)
@@ -454,7 +454,7 @@ def _finish(
         phase=phase,
         loss_node=loss_node,
         grad_nodes=grad_nodes,
-        batch_spec=batch_spec,
         has_optimizer=has_optimizer,
+        call=CallContract(batch_spec=batch_spec),
         device=device,
     )

@@ -150,7 +150,7 @@ def before_step(model: torch.nn.Module) -> None:
 def attach(tg: Any, dp: DataParallel, synced_last: bool) -> None:
     """A captured TrainGraph of a DDP model: its data-parallel facts on it, its collectives placed."""
     dp.last_forward_synced = synced_last
-    tg.data_parallel = dp
+    tg.call.data_parallel = dp
     place_collectives(tg.gm)
 
 

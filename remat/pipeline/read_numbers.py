@@ -69,8 +69,8 @@ class Reading:
     def attach(self, tg: TrainGraph) -> None:
         """Where the graph's NUMBER inputs are read from, and the signs it assumes (a zero's
         input is not read: the graph holds the zero)."""
-        tg.numbers = {i.name: self.slots[i.name] for i in tg.inputs if i.kind is InputKind.NUMBER}
-        tg.number_signs = {name: s for name, s in self.signs.items() if name in self.symbolic}
+        tg.call.numbers = {i.name: self.slots[i.name] for i in tg.inputs if i.kind is InputKind.NUMBER}
+        tg.call.number_signs = {name: s for name, s in self.signs.items() if name in self.symbolic}
 
     @contextlib.contextmanager
     def traced(self, tensors: dict[str, torch.Tensor], symbols: dict[str, str]) -> Iterator[None]:

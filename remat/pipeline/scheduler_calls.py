@@ -34,14 +34,14 @@ def checked(tg: TrainGraph, calls: list[SchedulerCall]) -> tuple[SchedulerCall, 
     """The calls, once sure the step returns no number computed from a hyperparameter while
     a scheduler steps after the update: in eager that number may be read after the
     scheduler's step (the next rate), but the graph computes it from this step's rate."""
-    if any(not c.before_update for c in calls) and tg.output_numbers:
+    if any(not c.before_update for c in calls) and tg.call.output_numbers:
         placeholders = [n for n in tg.gm.graph.nodes if n.op == "placeholder"]
         hyper = {n for n, i in zip(placeholders, tg.inputs) if i.kind is InputKind.HYPERPARAMETER}
         outputs = list(tg.gm.graph.output_node().args[0][0])
         # The numbers of the step's updates of Python state are the last outputs, update by update.
-        logged = [update.where() for update in tg.state_updates for _ in range(update.count)]
+        logged = [update.where() for update in tg.call.state_updates for _ in range(update.count)]
         first_logged = len(outputs) - len(logged)
-        for position in tg.output_numbers:
+        for position in tg.call.output_numbers:
             if hyper & _ancestors(outputs[position]):
                 what = (
                     f"logs a number computed from an optimizer setting ({logged[position - first_logged]})"

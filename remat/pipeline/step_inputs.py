@@ -97,30 +97,30 @@ def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: Any, batch: A
     optimizer = as_one(optimizer)
     view = ModelView.of(model) if view is None else view
     train_modes.check_mode(view.modules, tg)
-    if tg.data_parallel is not None:
-        data_parallel.check_unchanged(model, tg.data_parallel)
+    if tg.call.data_parallel is not None:
+        data_parallel.check_unchanged(model, tg.call.data_parallel)
     params, buffers = view.params, view.buffers
     trainable = tuple(n for n, p in params.items() if p.requires_grad)
-    if trainable != tg.trainable:
-        changed = sorted(set(trainable) ^ set(tg.trainable))
+    if trainable != tg.call.trainable:
+        changed = sorted(set(trainable) ^ set(tg.call.trainable))
         raise CaptureError(
             f"requires_grad of {len(changed)} parameters changed since the step was compiled (first: {changed[0]}); "
             "the captured graph computes gradients for the parameters that required them then. Compile a new step "
             "(remat.compile) after freezing or unfreezing parameters."
         )
-    param_hooks.check_unchanged(params, tg.param_hooks)
+    param_hooks.check_unchanged(params, tg.call.param_hooks)
     if tg.has_optimizer:
         names = {id(p): n for n, p in params.items()}
-        hyperparams.check_unchanged(optimizer, tg.groups, names)
+        hyperparams.check_unchanged(optimizer, tg.call.groups, names)
     # Only the state the graph reads: eager creates none for a parameter without a gradient.
     wanted = {id(params[name]) for name in state_owners(tg)}
     states = optimizer_states(optimizer, params, wanted) if tg.has_optimizer else {}
     hyper_names = [i.name for i in tg.inputs if i.kind is InputKind.HYPERPARAMETER]
     hyper = dict(zip(hyper_names, hyperparams.values(optimizer, hyper_names))) if hyper_names else {}
     leaves, spec = check_batch(batch)
-    if str(spec) != tg.batch_spec:
+    if str(spec) != tg.call.batch_spec:
         raise CaptureError(
-            f"the batch has a different structure from the one captured ({spec} vs {tg.batch_spec}); "
+            f"the batch has a different structure from the one captured ({spec} vs {tg.call.batch_spec}); "
             "a new structure needs a new capture"
         )
     out: list[torch.Tensor] = []
@@ -137,7 +137,7 @@ def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: Any, batch: A
         elif inp.kind is InputKind.OUTSIDE:
             out.append(outside_value(tg, inp))
         elif inp.kind is InputKind.NUMBER:
-            out.append(read_numbers.value(tg.numbers[inp.name]))
+            out.append(read_numbers.value(tg.call.numbers[inp.name]))
     out.extend(leaves)
     return out
 
@@ -151,7 +151,7 @@ def state_owners(tg: TrainGraph) -> tuple[str, ...]:
 
 
 def outside_value(tg: TrainGraph, inp: GraphInput) -> torch.Tensor:
-    t = tg.outside[inp.name].get()
+    t = tg.call.outside[inp.name].get()
     if describe(t) != (inp.shape, inp.dtype, inp.device):
         shape, dtype, device = describe(t)
         raise CaptureError(
@@ -204,7 +204,7 @@ def run_captured(
     """
     view = ModelView.of(model) if view is None else view
     params = view.params
-    if tg.leaves_zero_grads:
+    if tg.call.leaves_zero_grads:
         _check_grads_are_zero(model, view)
     # The step clears the previous gradients before its backward (checked at capture), or
     # adds to the zeros the last step left; drop them now rather than hold them through the step.
@@ -215,6 +215,6 @@ def run_captured(
     train_modes.make_mode_calls(model, tg)
     for p, g in zip(view.graded(tg.grad_names), grads):
         p.grad = g
-    if tg.leaves_zero_grads:
+    if tg.call.leaves_zero_grads:
         _ZERO_GRADS_LEFT[model] = [_no_gradient if p.grad is None else weakref.ref(p.grad) for p in params.values()]
     return step_outputs.as_returned(tg, outputs)

@@ -20,7 +20,7 @@ from remat.pipeline.train_graph import TrainGraph
 def as_graph_outputs(result: Any, logged: list[list[Any]] | None = None) -> tuple[list[torch.Tensor], Any, dict[int, str]]:
     """train_step's return value as graph outputs: its tensors (detached), its structure, and
     which outputs stand for Python numbers (position -> 'bool', 'int' or 'float'). The
-    numbers of each of the step's updates of Python state (TrainGraph.state_updates), if
+    numbers of each of the step's updates of Python state (TrainGraph.call.state_updates), if
     any, follow it: the structure is then `(result, logged)`."""
     if logged:
         as_graph_outputs(result)  # the same checks of what it returns
@@ -70,12 +70,12 @@ def _traced_number_kind(value: Any) -> str | None:
 def as_returned(tg: TrainGraph, outputs: list[torch.Tensor]) -> Any:
     """The graph's outputs as train_step returned them, once the step's updates of Python
     state are done again with their numbers."""
-    if tg.output_spec is None:
+    if tg.call.output_spec is None:
         return outputs[0]
-    returned = [t.item() if i in tg.output_numbers else t for i, t in enumerate(outputs)]
-    result = pytree.tree_unflatten(returned, tg.output_spec)
-    if tg.state_updates:
+    returned = [t.item() if i in tg.call.output_numbers else t for i, t in enumerate(outputs)]
+    result = pytree.tree_unflatten(returned, tg.call.output_spec)
+    if tg.call.state_updates:
         result, logged = result
-        for update, values in zip(tg.state_updates, logged):
+        for update, values in zip(tg.call.state_updates, logged):
             update.replay(values)
     return result

@@ -42,23 +42,14 @@ class GraphInput:
 
 
 @dataclass
-class TrainGraph:
-    """The captured iteration: an fx graph plus what each placeholder and output means.
+class CallContract:
+    """What a call of a captured graph needs beside its placeholders: what the loop must
+    leave as it was (checked when the inputs are gathered: step_inputs, call_inputs), where
+    the inputs read at every call live, and what is done again after each run (the step's
+    effects on the user's Python state, its train/eval calls, scheduler steps). One per
+    captured graph, shared by the graphs derived from it."""
 
-    `gm(*flat_inputs)` runs one step in place (under no_grad) and returns
-    `(outputs, grads)`: `outputs` the tensors train_step returned (flattened; the
-    structure is `output_spec`), `grads[i]` the final `.grad` of parameter `grad_names[i]`.
-    """
-
-    gm: torch.fx.GraphModule
-    inputs: list[GraphInput]
-    grad_names: list[str]  # parameters whose .grad is still set when train_step returns
-    phase: dict[str, Phase]  # node name -> phase, for every call_function node
-    loss_node: str
-    grad_nodes: dict[str, str]  # parameter name -> node holding its gradient after backward
-    batch_spec: str  # pytree structure of the batch, as text, to reject other structures
-    has_optimizer: bool
-    device: str
+    batch_spec: str = ""  # pytree structure of the batch, as text, to reject other structures
     output_spec: Any = None  # pytree spec of train_step's return value (None: one tensor)
     output_numbers: dict[int, str] = field(default_factory=dict)  # output position -> 'bool', 'int' or 'float': given back as a Python number
     # What the step does to the user's Python state, done again after each run on the graph's
@@ -82,9 +73,29 @@ class TrainGraph:
     code_read: frozenset[Any] | None = None
     scheduler_calls: tuple[Any, ...] = ()  # scheduler_calls.SchedulerCall: scheduler.step() calls made again at each call
     leaves_zero_grads: bool = False  # the step ends with zero_grad(set_to_none=False): see ends_with_zero_grads
-    backward_passes: int = 1  # backward() calls per step: micro-batches accumulating gradients
     groups: list[hyperparams.GroupSpec] = field(default_factory=list)  # what the update assumes of param_groups
     data_parallel: Any = None  # data_parallel.DataParallel of a DDP-wrapped model: its gradients are averaged in the graph
+
+
+@dataclass
+class TrainGraph:
+    """The captured iteration: an fx graph plus what each placeholder and output means.
+
+    `gm(*flat_inputs)` runs one step in place (under no_grad) and returns
+    `(outputs, grads)`: `outputs` the tensors train_step returned (flattened; the
+    structure is `call.output_spec`), `grads[i]` the final `.grad` of parameter `grad_names[i]`.
+    """
+
+    gm: torch.fx.GraphModule
+    inputs: list[GraphInput]
+    grad_names: list[str]  # parameters whose .grad is still set when train_step returns
+    phase: dict[str, Phase]  # node name -> phase, for every call_function node
+    loss_node: str
+    grad_nodes: dict[str, str]  # parameter name -> node holding its gradient after backward
+    has_optimizer: bool
+    device: str
+    backward_passes: int = 1  # backward() calls per step: micro-batches accumulating gradients
+    call: CallContract = field(default_factory=CallContract)
     meta: dict[str, Any] = field(default_factory=dict)
     # Two ways a graph derives from the captured one without copying its module (a copy of
     # tens of thousands of nodes takes a good part of a second). Such a graph runs only as

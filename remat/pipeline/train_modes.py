@@ -24,8 +24,8 @@ def check_mode(modules: list[torch.nn.Module], tg: TrainGraph) -> None:
     """Refuse a step whose modules (the model's, in order) are not in the modes it was
     traced in (unless it sets them itself)."""
     training = tuple(m.training for m in modules)
-    if training != tg.training and not tg.sets_mode_first:
-        mode = "training" if tg.training and tg.training[0] else "eval"
+    if training != tg.call.training and not tg.call.sets_mode_first:
+        mode = "training" if tg.call.training and tg.call.training[0] else "eval"
         raise CaptureError(
             f"the model's train/eval mode differs from when the step was compiled (in {mode} mode): dropout and "
             f"BatchNorm behave as they did then. Call model.{'train' if mode == 'training' else 'eval'}() before "
@@ -35,7 +35,7 @@ def check_mode(modules: list[torch.nn.Module], tg: TrainGraph) -> None:
 
 def make_mode_calls(model: torch.nn.Module, tg: TrainGraph) -> None:
     """After a run: the flags train_step's own train()/eval() calls leave, as in eager."""
-    for name, mode in tg.mode_calls:
+    for name, mode in tg.call.mode_calls:
         model.get_submodule(name).train(mode)
 
 

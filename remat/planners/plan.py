@@ -12,14 +12,36 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch.fx
+
 from remat.errors import PlanError
 from remat.pipeline.profiles import graph_fingerprint
+from remat.pipeline.rewriter import runnable
 from remat.pipeline.schedule import GraphIndex, RebuildPolicy, Schedule, build_schedule
+from remat.pipeline.simulator import Timeline, simulate_schedule
 from remat.serialize import check_fields, describe_value, dump_document, load_document
 
 PLAN_FORMAT = "remat.plan"
 PLAN_VERSION = 1
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass
+class AppliedPlan:
+    """A plan applied to a graph: the index it runs (with the plan's lean operator variants
+    and moved updates), its schedule, and their simulated memory over the step."""
+
+    index: GraphIndex
+    schedule: Schedule
+    timeline: Timeline
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.timeline.peak_bytes
+
+    def runnable(self) -> torch.fx.GraphModule:
+        """The rewritten graph, which runs the step (the rewrite is the costly part: made on demand)."""
+        return runnable(self.index, self.schedule)
 
 
 @dataclass
@@ -124,6 +146,13 @@ class Plan:
         """The schedule of this plan, over `index_for(index)` (the index to rewrite and simulate with)."""
         index = self.index_for(index)
         return build_schedule(index, self.dropped(index), self.policy)
+
+    def apply(self, index: GraphIndex) -> AppliedPlan:
+        """This plan on `index`'s graph: the one way every caller applies a plan (the step,
+        `remat plan`, the frontier, the batch-size search)."""
+        ordered = self.index_for(index)
+        schedule = self.schedule(ordered)
+        return AppliedPlan(ordered, schedule, simulate_schedule(ordered, schedule))
 
     def _made_for(self) -> str:
         if self.model is None:
