@@ -23,7 +23,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from remat.pipeline import rng_replay
-from remat.pipeline.data_parallel import aliases_its_input
+from remat.pipeline.op_facts import aliases_its_input
 from remat.pipeline.train_graph import InputKind, Phase, TrainGraph
 
 

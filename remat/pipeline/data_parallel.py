@@ -43,11 +43,6 @@ def is_collective(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and (node.target in COLLECTIVES or node.target is WAIT)
 
 
-def aliases_its_input(node: torch.fx.Node) -> bool:
-    """Ops whose result is their input tensor itself, though fake propagation makes a new one."""
-    return node.op == "call_function" and node.target is WAIT
-
-
 @dataclass
 class DataParallel:
     """What a DDP-wrapped model's step does across ranks, as captured."""

@@ -98,3 +98,9 @@ def copy_call(node: torch.fx.Node) -> tuple[Any, tuple, dict]:
 
 def is_getitem(node: torch.fx.Node) -> bool:
     return node.target is operator.getitem
+
+
+def aliases_its_input(node: torch.fx.Node) -> bool:
+    """Ops whose result is their input tensor itself, though fake propagation makes a new
+    one: a collective's wait returns the tensor it was given."""
+    return node.op == "call_function" and node.target is torch.ops._c10d_functional.wait_tensor.default
