@@ -596,7 +596,7 @@ import training_loops  # noqa: E402
 
 @pytest.mark.parametrize("idiom", training_loops.IDIOMS, ids=lambda i: i.name)
 def test_each_loop_idiom_works_bitwise_or_is_refused_by_name(idiom):
-    """The table in docs/RESULTS.md ("Training loops") and the README's Limits say this."""
+    """What docs/training_loops/idioms.md and docs/training-loops.md say of each idiom."""
     outcome = training_loops.run_idiom(idiom)
     assert outcome["outcome"] == idiom.expect, outcome
 
