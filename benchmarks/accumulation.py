@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 import remat  # noqa: E402
 from remat.measurement.check import twin  # noqa: E402
 from remat.errors import BudgetError  # noqa: E402
-from remat.measurement.memory import persistent_bytes  # noqa: E402
-from remat.measurement.memory import measure_step_peak  # noqa: E402
+from remat.profile.allocator import persistent_bytes  # noqa: E402
+from remat.profile.allocator import measure_step_peak  # noqa: E402
 from remat.models import build_model  # noqa: E402
 
 MiB = 2**20

@@ -24,8 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 from planner_gap import built_on_profile  # noqa: E402
 from remat.errors import RematError  # noqa: E402
-from remat.pipeline.schedule import recompute_seconds  # noqa: E402
-from remat.pipeline.simulator import simulate  # noqa: E402
+from remat.memory.schedule import recompute_seconds  # noqa: E402
+from remat.memory.simulator import simulate  # noqa: E402
 from remat.planners import make_plan  # noqa: E402
 
 

@@ -24,12 +24,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from remat.pipeline import build as pipeline  # noqa: E402
-from remat.pipeline.capture import capture  # noqa: E402
+from remat import build as pipeline  # noqa: E402
+from remat.capture.capture import capture  # noqa: E402
 from remat.errors import RematError  # noqa: E402
 from remat.planners import make_plan  # noqa: E402
-from remat.pipeline.profiles import Profile  # noqa: E402
-from remat.pipeline.simulator import simulate  # noqa: E402
+from remat.profile.profiles import Profile  # noqa: E402
+from remat.memory.simulator import simulate  # noqa: E402
 from remat.workloads import load  # noqa: E402
 
 MODELS = [("mlp-deep", 512), ("bert-tiny", 16), ("resnet-tiny", 16)]

@@ -30,9 +30,9 @@ COLUMNS = [
 
 
 def _graph(model: str, batch: int, optimizer: str, profiles: Path, runs: int):
-    from remat.pipeline import build as pipeline
-    from remat.pipeline.capture import capture
-    from remat.pipeline.profiles import Profile
+    from remat import build as pipeline
+    from remat.capture.capture import capture
+    from remat.profile.profiles import Profile
     from remat.workloads import load
 
     spec = load(model, batch, optimizer)

@@ -47,12 +47,12 @@ def measure(model: str, batch: int, optimizer: str, budgets: list[float], planne
     import remat
     from remat.errors import BudgetError
     from remat.gc_pause import gc_paused
-    from remat.pipeline import build as pipeline
-    from remat.pipeline.capture import capture
-    from remat.pipeline.profiles import Profile
-    from remat.pipeline.simulator import simulate
+    from remat import build as pipeline
+    from remat.capture.capture import capture
+    from remat.profile.profiles import Profile
+    from remat.memory.simulator import simulate
     from remat.defaults import DEFAULT_PLANNER
-    from remat.pipeline.graph_index import GraphIndex
+    from remat.memory.graph_index import GraphIndex
     from remat.planners import make_plan, planned_graphs
     from remat.workloads import load
 

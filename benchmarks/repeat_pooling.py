@@ -4,7 +4,7 @@
 
 The profiler times every node over a few runs and, by default, takes each node's median
 over its own samples and those of the same node in the other repeats of its block
-(pipeline.repeats). This benchmark times `--runs` whole iterations node by node once, then
+(profile.repeats). This benchmark times `--runs` whole iterations node by node once, then
 in each of `--trials` trials takes `--estimate-runs` of them as the profile (as
 `remat.compile` does with its 3) and the others as the held-out truth (each node's own
 median over them). For both estimates (own samples; pooled over repeats) it reports:
@@ -38,8 +38,8 @@ def samples_of(model: str, batch: int, optimizer: str, runs: int):  # type: igno
     """The pipeline of `model` and `runs` timed iterations (runs x nodes seconds), after one warm-up."""
     import torch
 
-    from remat.pipeline import build as pipeline
-    from remat.pipeline import profiler
+    from remat import build as pipeline
+    from remat.profile import profiler
     from remat.workloads import load
 
     spec = load(model, batch, optimizer)
@@ -54,8 +54,8 @@ def samples_of(model: str, batch: int, optimizer: str, runs: int):  # type: igno
 
 def measure(model: str, batch: int, optimizer: str, budgets: list[float], runs: int, estimate_runs: int, trials: int) -> list[dict]:
     from remat.defaults import DEFAULT_PLANNER
-    from remat.pipeline.repeats import find_repeats, pooled_medians
-    from remat.pipeline.schedule import recompute_seconds
+    from remat.profile.repeats import find_repeats, pooled_medians
+    from remat.memory.schedule import recompute_seconds
     from remat.planners import make_plan
 
     pl, samples = samples_of(model, batch, optimizer, runs)

@@ -7,9 +7,9 @@ least extra time, and runs the rewritten graph as the training step.
 
 __version__ = "0.1.0"
 
-from remat.pipeline.analysis import Role, analyze
-from remat.pipeline.capture import capture
-from remat.pipeline.train_graph import Phase, TrainGraph
+from remat.memory.analysis import Role, analyze
+from remat.capture.capture import capture
+from remat.capture.train_graph import Phase, TrainGraph
 from remat.errors import BudgetError, CaptureError, PlanError, RematError
 from remat.runtime import RematStep, StepReport, compile
 

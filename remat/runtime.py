@@ -18,22 +18,23 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from remat import ranks
-from remat.pipeline import build as pipeline
-from remat.pipeline import data_parallel, read_numbers
+from remat import build as pipeline
+from remat.capture import data_parallel
+from remat.capture.state import read_numbers
 from remat.budget import parse_budget
-from remat.pipeline.capture import capture
-from remat.pipeline.step_inputs import ModelView, batch_leaf_names, run_captured
-from remat.pipeline.train_graph import InputKind, TrainGraph, TrainStep
+from remat.capture.capture import capture
+from remat.capture.step_inputs import ModelView, batch_leaf_names, run_captured
+from remat.capture.train_graph import InputKind, TrainGraph, TrainStep
 from remat.errors import BudgetError, CaptureError, RematError
-from remat.measurement.memory import measure_step_peak
+from remat.profile.allocator import measure_step_peak
 from remat.planners.plan import Plan
 from remat.planners import DEFAULT_PLANNER, make_plan
-from remat.pipeline.profiles import Profile, graph_fingerprint
-from remat.pipeline.call_inputs import CallInputs
-from remat.pipeline.guards import Guards
-from remat.pipeline.python_state import changed_values, state_slots, step_values
-from remat.pipeline.scheduler_calls import make_calls
-from remat.pipeline.simulator import simulate
+from remat.profile.profiles import Profile, graph_fingerprint
+from remat.capture.call_inputs import CallInputs
+from remat.capture.state.guards import Guards
+from remat.capture.state.python_state import changed_values, state_slots, step_values
+from remat.capture.state.scheduler_calls import make_calls
+from remat.memory.simulator import simulate
 
 
 @dataclass
@@ -112,7 +113,7 @@ class RematStep:
     profile_runs: int = 3
     measure: bool = True  # measure the allocator's peak on the first step of each shape
     progress: bool = False
-    profile_cache: dict[str, Profile] | None = None  # graph fingerprint -> profile, shared with other steps (see remat.pipeline.build)
+    profile_cache: dict[str, Profile] | None = None  # graph fingerprint -> profile, shared with other steps (see remat.build)
     # Let the planner run each private optimizer update as soon as its gradient is final.
     # The gradient then dies early; a step that fails in the backward pass may have
     # updated some parameters already (the error says which).
@@ -421,7 +422,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     own parameter, gradient and state as soon as that gradient is final (freeing it);
     the step still leaves bitwise what eager leaves.
     `lean_ops`: backward ops may write their result into an input buffer that dies there
-    (pipeline.lean_ops), where the kernel has an out= form: the same values, fewer bytes.
+    (passes.lean_ops), where the kernel has an out= form: the same values, fewer bytes.
     The example batch is compiled right away, so errors surface here.
     """
     step = RematStep(

@@ -26,7 +26,7 @@ from torch import nn
 
 from remat.errors import CaptureError, UsageError
 from remat.models import MODEL_NAMES, OPTIMIZER_NAMES, Batch, LossFn, build_model, hf_loss, make_optimizer, make_train_step
-from remat.pipeline.optimizers import as_one
+from remat.capture.optimizers import as_one
 
 
 def check_device(device: str) -> str:

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import remat
 from remat.models import build_model, make_optimizer
-from remat.pipeline.optimizers import as_one
+from remat.capture.optimizers import as_one
 
 
 def _batch(model_name: str, batch_size: int, rank: int, i: int) -> Any:
@@ -116,11 +116,12 @@ def train_like_eager(model_name: str, optimizer: str, budget: float, steps: int,
 
 def _moved_updates_follow(step: Any) -> dict[str, str]:
     """Where each update that can move into the backward pass goes: the op it follows."""
-    from remat.pipeline.analysis import analyze
-    from remat.pipeline.graph_index import GraphIndex
+    from remat.memory.analysis import analyze
+    from remat.memory.graph_index import GraphIndex
+    from remat.passes.update_placement import moved_index
 
     tg = step._last.tg
-    _, placement = GraphIndex.build(tg, analyze(tg)).updates_in_backward()
+    _, placement = moved_index(GraphIndex.build(tg, analyze(tg)))
     return {param: _target(tg, node) for param, node in placement.moved.items()}
 
 

@@ -29,15 +29,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
-import remat.pipeline.build as pipeline_build
+import remat.build as pipeline_build
 import remat.runtime
-from remat.pipeline.optimizers import as_one
-from remat.pipeline.rng_replay import Replay
-from remat.pipeline.analysis import analyze
-from remat.pipeline.train_graph import Phase
+from remat.capture.optimizers import as_one
+from remat.ops.rng_replay import Replay
+from remat.memory.analysis import analyze
+from remat.capture.train_graph import Phase
 from remat.measurement.check import check_against_eager, model_snapshot, snapshot_differences, twin
 from remat.errors import BudgetError, CaptureError
-from remat.pipeline.simulator import simulate
+from remat.memory.simulator import simulate
 
 try:  # the strategy needs hypothesis (the `test` extra); the rest of the module does not
     from hypothesis import strategies as st
@@ -408,7 +408,7 @@ def change_hyperparameters(step: int, model: nn.Module, optimizer: torch.optim.O
 
 
 class Tracker:
-    """Numbers a step keeps (pipeline.kept_numbers, logged_numbers)."""
+    """Numbers a step keeps (capture.state.kept_numbers, logged_numbers)."""
 
     def __init__(self) -> None:
         self.steps = 0
@@ -734,7 +734,7 @@ def reuse_profiles() -> Iterator[dict[str, Any]]:
     not be reproducible. (Reusing the capture only saves time: nothing between the two
     compiles changes the model.) Yields {"profiles": by graph fingerprint, "captures": ...}.
     """
-    from remat.pipeline.profiles import graph_fingerprint
+    from remat.profile.profiles import graph_fingerprint
 
     real_profile, real_capture = pipeline_build.profile, pipeline_build.capture
     profiles: dict[str, Any] = {}
@@ -772,7 +772,7 @@ def rewritten_phases(tg: remat.TrainGraph, gm: torch.fx.GraphModule) -> dict[str
 def _refused_by_the_bound(tg: remat.TrainGraph, prof: Any, budget: int) -> bool:
     """Whether μ-TWO's greedy fits `budget` when it simulates every pick (no lower bound)."""
     from remat.planners.mutwo import plan_mutwo
-    from remat.pipeline.schedule import GraphIndex
+    from remat.memory.schedule import GraphIndex
 
     index = GraphIndex.build(tg, analyze(tg))
     index.scratch = prof.scratch_by_node()

@@ -63,7 +63,7 @@ def test_block_sequences():
 
 
 def test_sequential_checkpointing_saves_memory_on_mlp_deep():
-    from remat.measurement.memory import measure_peak
+    from remat.profile.allocator import measure_peak
 
     spec = build_model("mlp-deep", 512)
     opt = make_optimizer("sgd", spec.model.parameters())
@@ -226,9 +226,9 @@ def test_bench_out_of_memory_in_one_configuration(tmp_path, monkeypatch):
 
 
 def test_maxbatch_remat_fits_a_larger_batch(tmp_path):
-    from remat.pipeline.analysis import analyze
-    from remat.pipeline.capture import capture
-    from remat.pipeline.simulator import simulate
+    from remat.memory.analysis import analyze
+    from remat.capture.capture import capture
+    from remat.memory.simulator import simulate
 
     spec = build_model("mlp-deep", 256)
     tg = capture(make_train_step(spec.loss_fn), spec.model, make_optimizer("sgd", spec.model.parameters()), spec.batch)

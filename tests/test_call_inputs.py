@@ -1,4 +1,4 @@
-"""The quick gather of a call's inputs (pipeline/call_inputs.py): while nothing the full
+"""The quick gather of a call's inputs (capture/call_inputs.py): while nothing the full
 gather checks has changed, a call reuses what the last one read; each change below, made
 between two calls that took the quick way, must be seen: trained like eager where the
 full gather follows it, refused with the full gather's own error where it does not."""

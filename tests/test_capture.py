@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from remat.pipeline.analysis import Role, analyze
-from remat.pipeline.capture import capture
-from remat.pipeline.step_inputs import flat_inputs, run_captured
-from remat.pipeline.train_graph import Phase
+from remat.memory.analysis import Role, analyze
+from remat.capture.capture import capture
+from remat.capture.step_inputs import flat_inputs, run_captured
+from remat.capture.train_graph import Phase
 from remat.measurement.check import check_against_eager, twin
 from remat.errors import CaptureError
 from remat.models import build_model, make_optimizer, make_train_step
@@ -550,7 +550,7 @@ _LOSSES: list = []
 
 def _logging_step(model, opt, batch):
     loss = _step(model, opt, batch)
-    _LOSSES.append(loss.item())  # appended after each run (pipeline.logged_numbers)
+    _LOSSES.append(loss.item())  # appended after each run (capture.state.logged_numbers)
     return loss
 
 

@@ -10,7 +10,7 @@ import torch
 
 from remat.cli import COMMANDS, main
 from remat.errors import CaptureError
-from remat.pipeline.profiles import Profile
+from remat.profile.profiles import Profile
 
 REQUIRED_KEYS = {
     "model",
@@ -119,8 +119,8 @@ def test_usage_errors_exit_2(capsys):
 def test_capture_errors_are_reported_without_traceback(capsys, monkeypatch):
     import importlib
 
-    # `remat.pipeline.capture` is also the public function; the module is reached by its full name.
-    capture_module = importlib.import_module("remat.pipeline.capture")
+    # `remat.capture.capture` is also the public function; the module is reached by its full name.
+    capture_module = importlib.import_module("remat.capture.capture")
 
     def refuse(*args, **kwargs):
         raise CaptureError("train_step has data-dependent Python control flow; use torch.where")

@@ -21,7 +21,7 @@ import torch
 
 from remat.errors import PlanError
 from remat.planners.plan import Plan
-from remat.pipeline.profiles import Profile
+from remat.profile.profiles import Profile
 
 KINDS = ("plan", "profile")
 MODEL, BATCH = "mlp-deep", 512
@@ -38,9 +38,9 @@ class _Hostile:
 
 
 def _graph(model: str, batch_size: int):
-    from remat.pipeline.analysis import analyze
+    from remat.memory.analysis import analyze
     from remat.cli.common import build_and_capture
-    from remat.pipeline.schedule import GraphIndex
+    from remat.memory.schedule import GraphIndex
 
     _, _, tg, _ = build_and_capture(model, batch_size, "sgd", "cpu", 0)
     return tg, GraphIndex.build(tg, analyze(tg))
@@ -67,7 +67,7 @@ def _use(kind: str, path: Path, saved, tg=None, index=None, model=MODEL, batch_s
     if kind == "plan":
         plan = Plan.from_json(path)
         return plan.dropped(index if index is not None else saved["index"])
-    from remat.pipeline.profiler import load_profile_for
+    from remat.profile.profiler import load_profile_for
 
     return load_profile_for(path, tg if tg is not None else saved["tg"], model, batch_size, "sgd")
 
@@ -330,7 +330,7 @@ def test_plan_for_another_graph_is_refused(saved, tmp_path, other_graphs):
     fp = _doc(saved, "plan")["fingerprint"]
     # The same model at another batch size: the same tensor names, another fingerprint.
     tg, index = other_graphs["batch"]
-    from remat.pipeline.profiles import graph_fingerprint
+    from remat.profile.profiles import graph_fingerprint
 
     other_fp = graph_fingerprint(tg)
     with pytest.raises(
@@ -366,7 +366,7 @@ def test_profile_for_another_graph_is_refused(saved, tmp_path, other_graphs):
         _use("profile", path, saved, tg=tg, model="mlp")
     # The file relabelled (or written without labels): the graph fingerprint refuses it,
     # naming both fingerprints.
-    from remat.pipeline.profiles import graph_fingerprint
+    from remat.profile.profiles import graph_fingerprint
 
     tg, _ = other_graphs["batch"]
     doc = _doc(saved, "profile")

@@ -11,13 +11,15 @@ from torch import nn
 import remat
 from remat.errors import BudgetError, PlanError
 from remat.measurement.check import check_against_eager, twin
-from remat.pipeline import build as pipeline
-from remat.pipeline.lean_ops import ROW_WISE, find_lean_ops, out_overload
-from remat.pipeline.simulator import simulate_schedule
-from remat.pipeline.train_graph import Phase
+from remat import build as pipeline
+from remat.passes.lean_ops import ROW_WISE, find_lean_ops, out_overload
+from remat.memory.simulator import simulate_schedule
+from remat.capture.train_graph import Phase
 from remat.planners import make_plan
 from remat.planners.plan import Plan
 from remat.models import make_train_step
+from remat.passes.lean_ops import lean_index
+from remat.passes.update_placement import moved_index
 from test_updates_in_backward import _built, _model_is_the_loss, _peak
 
 aten = torch.ops.aten
@@ -91,7 +93,7 @@ def test_the_loss_backward_writes_into_its_incoming_gradient_and_every_variant_h
         assert built.tg.phase[tensor.node] is not Phase.FORWARD  # never a value a rebuild reads
         readers = [index.rank[u] for a in tensor.aliases for u in index.users.get(a, [])]
         assert max(readers) == index.rank[v.node], f"{v.into} is read after {v.node}"
-    derived, found = index.with_lean_ops()
+    derived, found = lean_index(index)
     assert derived.lean_ops == found.nodes and derived.captured is index
     # The same ops, in the same order; each variant's result lives on its input's storage.
     assert derived.order == index.order
@@ -155,7 +157,7 @@ def test_a_budget_only_the_lean_graph_reaches_runs_bitwise_at_its_predicted_peak
 def test_a_saved_plan_names_its_variants_and_refuses_a_graph_without_them(tmp_path):
     spec, opt, step, built = _built("bert-tiny", 4, "sgd")
     ns = built.profile.seconds_by_node()
-    derived, _ = built.index.with_lean_ops()
+    derived, _ = lean_index(built.index)
     plan = make_plan("mutwo", built.index, ns, (_peak(derived) + _peak(built.index)) // 2)
     assert plan.lean_ops == derived.lean_ops
     again = Plan.from_json(plan.to_json(tmp_path / "plan.json"))
@@ -178,12 +180,12 @@ def test_the_lean_graph_keeps_the_captured_module_and_is_analysed_as_its_rewrite
     reads each result on its input's storage, as the emitted out= calls make it (their
     fake values propagated afresh), and the graph with its updates moved is analysed the
     same from it."""
-    from remat.pipeline.analysis import analyze, reordered_analysis
-    from remat.pipeline.rewriter import rewrite, runnable
-    from remat.pipeline.schedule import build_schedule
+    from remat.memory.analysis import analyze, reordered_analysis
+    from remat.passes.rewriter import rewrite, runnable
+    from remat.memory.schedule import build_schedule
 
     spec, opt, step, built = _built("bert-tiny", 4, "adamw")
-    derived, found = built.index.with_lean_ops()
+    derived, found = lean_index(built.index)
     assert derived.tg.gm is built.tg.gm and derived.tg.lean_into == {v.node: v.into for v in found.applied}
     schedule = build_schedule(derived, set())
     gm = runnable(derived, schedule)
@@ -194,7 +196,7 @@ def test_the_lean_graph_keeps_the_captured_module_and_is_analysed_as_its_rewrite
     rewritten = rewrite(derived, schedule)
     assert _storages_as_seen(analyze(derived.tg, rewritten.gm, rewritten.phase)) == _storages_as_seen(derived.analysis)
     assert derived.writes[found.applied[0].node] == derived.storages[found.applied[0].into]  # the out= write, seen by the index
-    moved, _ = derived.updates_in_backward()
+    moved, _ = moved_index(derived)
     assert moved.tg.gm is built.tg.gm and moved.tg.lean_into == derived.tg.lean_into
     assert moved.analysis == analyze(moved.tg)  # derived from the lean graph's, as analysed afresh
     assert moved.analysis == reordered_analysis(moved.tg, derived.analysis)

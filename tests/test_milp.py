@@ -11,10 +11,10 @@ import random
 import pytest
 from scipy.optimize import Bounds, milp
 
-from remat.pipeline.graph_index import RebuildPolicy
-from remat.pipeline.analysis import analyze
-from remat.pipeline.capture import capture
-from remat.pipeline.step_inputs import flat_inputs, run_captured
+from remat.memory.graph_index import RebuildPolicy
+from remat.memory.analysis import analyze
+from remat.capture.capture import capture
+from remat.capture.step_inputs import flat_inputs, run_captured
 from remat.measurement.check import check_against_eager, twin
 from remat.errors import BudgetError, PlanError
 from remat.models import build_model, make_optimizer, make_train_step
@@ -24,9 +24,9 @@ from remat.planners import PLANNERS
 from remat.planners import make_plan as _make_plan
 from remat.planners import milp as milp_planner
 from remat.planners.milp import cut_loop as milp_solve
-from remat.pipeline.rewriter import rewrite
-from remat.pipeline.schedule import GraphIndex
-from remat.pipeline.simulator import simulate_schedule
+from remat.passes.rewriter import rewrite
+from remat.memory.schedule import GraphIndex
+from remat.memory.simulator import simulate_schedule
 
 
 # The enumerations below are of the captured order: plan it alone.

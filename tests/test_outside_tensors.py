@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import remat
 from remat.errors import BudgetError, CaptureError
-from remat.pipeline.train_graph import InputKind
+from remat.capture.train_graph import InputKind
 
 
 class _Net(torch.nn.Module):

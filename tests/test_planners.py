@@ -1,6 +1,6 @@
 """Planners on graphs whose right answer is worked out by hand.
 
-Three tiny modules (a chain, a diamond, a residual block) are captured with remat.pipeline.capture,
+Three tiny modules (a chain, a diamond, a residual block) are captured with remat.capture.capture,
 given synthetic node times (1 s per op unless said otherwise), and planned. Every expected
 number below is computed in the comments from the tensor sizes: with a batch of 64 rows,
 a float32 tensor of width w takes 256·w bytes (width 4: 1024, 8: 2048, 16: 4096).
@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch import nn
 
-from remat.pipeline.graph_index import RebuildPolicy
-from remat.pipeline.analysis import analyze
-from remat.pipeline.capture import capture
+from remat.memory.graph_index import RebuildPolicy
+from remat.memory.analysis import analyze
+from remat.capture.capture import capture
 from remat.errors import BudgetError, PlanError
 from remat.models import make_train_step
 from remat.planners.bound import PeakLowerBound
@@ -29,7 +29,7 @@ from remat.defaults import DEFAULT_PLANNER
 from remat.planners import PLANNERS, make_plan
 from remat.planners.chen import segment_drops
 from remat.planners.mutwo import Candidate, candidate_records, greedy, plan_mutwo
-from remat.pipeline.schedule import GraphIndex
+from remat.memory.schedule import GraphIndex
 
 # ---------------------------------------------------------------------- hand-built graphs
 
@@ -231,7 +231,7 @@ def test_chain_mutwo_by_hand(chain):
 
 
 def test_a_schedule_over_its_copy_limit_is_refused_before_it_is_built_whole(chain):
-    from remat.pipeline.schedule import ScheduleTooLarge, build_schedule
+    from remat.memory.schedule import ScheduleTooLarge, build_schedule
 
     dropped = {sid(chain, "sin"), sid(chain, "sin_1")}
     full = build_schedule(chain, dropped)
@@ -450,8 +450,8 @@ def test_bound_below_simulated_peak_under_both_schedules(name, batch, policy):
     10,765,312)."""
     import dataclasses
 
-    from remat.pipeline.schedule import build_schedule
-    from remat.pipeline.simulator import simulate_schedule
+    from remat.memory.schedule import build_schedule
+    from remat.memory.simulator import simulate_schedule
 
     base = _model_index(name, batch)
     rng = random.Random(f"{name} {batch} {policy.shares}")
@@ -708,7 +708,7 @@ def test_cli_plan_refuses_profile_of_another_batch_size(mlp_run, tmp_path):
     with pytest.raises(PlanError, match="not of bert-tiny with batch size 2 \\(sgd\\): its batch size differs"):
         _plan_cli(["--model", "bert-tiny", "--batch-size", "2", "--budget", "0.7", "--profile", str(out / "profile.json"), "--out", str(tmp_path)])
     # A profile with no names: the graph fingerprint still tells.
-    from remat.pipeline.profiles import Profile
+    from remat.profile.profiles import Profile
 
     prof = Profile.from_json(out / "profile.json")
     prof.model = prof.batch_size = prof.optimizer = None

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from remat.pipeline.analysis import ROLES, Role, analyze
-from remat.pipeline.capture import capture
+from remat.memory.analysis import ROLES, Role, analyze
+from remat.capture.capture import capture
 from remat.errors import PlanError
 from remat.models import build_model, make_optimizer, make_train_step
-from remat.pipeline.profiler import profile
-from remat.pipeline.profiles import Profile, graph_fingerprint
+from remat.profile.profiler import profile
+from remat.profile.profiles import Profile, graph_fingerprint
 from remat.measurement.report import (
     breakdown_table,
     plot_memory_breakdown,
@@ -141,7 +141,7 @@ def test_profile_json_round_trip(profiled, tmp_path):
 
 
 def test_timeline_matches_simulator(profiled):
-    from remat.pipeline.simulator import simulate
+    from remat.memory.simulator import simulate
 
     tl = simulate(analyze(profiled["tg"]))
     back = profiled["prof"].to_timeline()

@@ -21,11 +21,11 @@ from hypothesis import HealthCheck, example, given, settings
 from torch import nn
 
 import remat
-from remat.pipeline.graph_index import RebuildPolicy
-from remat.pipeline.optimizers import as_one
+from remat.memory.graph_index import RebuildPolicy
+from remat.capture.optimizers import as_one
 from remat.measurement.check import check_against_eager, twin
 from remat.errors import BudgetError, CaptureError
-from remat.pipeline.simulator import simulate
+from remat.memory.simulator import simulate
 from randomized_models import (
     HOSTILE,
     OP_KINDS,
@@ -266,7 +266,7 @@ def test_boolean_mask_indexing_is_refused_at_capture() -> None:
 
 
 def _profiled(model: nn.Module, loss_fn, batch):  # type: ignore[no-untyped-def]
-    from remat.pipeline.profiler import profile
+    from remat.profile.profiler import profile
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
@@ -311,8 +311,8 @@ def test_peak_lower_bound_with_scratch_is_a_lower_bound() -> None:
     Dropping the softmax output, the schedule rebuilds it (with its scratch) once, for
     mse_loss_backward, and the later detach shares that copy; the bound used to count a
     second rebuild of the softmax, scratch included, where the detach's reader starts."""
-    from remat.pipeline.schedule import GraphIndex, build_schedule
-    from remat.pipeline.simulator import simulate_schedule
+    from remat.memory.schedule import GraphIndex, build_schedule
+    from remat.memory.simulator import simulate_schedule
     from remat.planners.bound import PeakLowerBound
     from remat.planners.evaluate import evaluate
 
@@ -337,8 +337,8 @@ def test_an_op_whose_real_strides_differ_from_the_trace_is_refused(monkeypatch: 
     names it, not "view size is not compatible" from deep in the step."""
     import sys
 
-    monkeypatch.setattr(sys.modules["remat.pipeline.cpu_strides"], "_cpu_output_strides", lambda func, args: None)
-    monkeypatch.setattr(sys.modules["remat.pipeline.profiler"], "CORRECTED_STRIDES", frozenset())
+    monkeypatch.setattr(sys.modules["remat.capture.cpu_strides"], "_cpu_output_strides", lambda func, args: None)
+    monkeypatch.setattr(sys.modules["remat.profile.profiler"], "CORRECTED_STRIDES", frozenset())
     model, opt, batch = build(MSE_ON_TRANSPOSE)
     with pytest.raises(CaptureError, match="does not match the real kernels: aten.mse_loss_backward"):
         remat.compile(make_train_step(MSE_ON_TRANSPOSE), model, opt, batch, memory_budget=0.5, profile_runs=1)

@@ -13,7 +13,7 @@ import torch
 import remat
 from remat.measurement.check import check_against_eager, twin
 from remat.models import build_model, make_optimizer
-from remat.pipeline.train_graph import InputKind
+from remat.capture.train_graph import InputKind
 
 
 @dataclass

@@ -10,10 +10,10 @@ import remat
 from remat.errors import BudgetError
 from remat.measurement.check import check_against_eager, twin
 from remat.models import build_model, make_optimizer, make_train_step
-from remat.pipeline import build as pipeline
-from remat.pipeline.capture import capture
-from remat.pipeline.profiles import Profile
-from remat.pipeline.simulator import simulate
+from remat import build as pipeline
+from remat.capture.capture import capture
+from remat.profile.profiles import Profile
+from remat.memory.simulator import simulate
 from remat.planners import make_plan
 from remat.workloads import load
 
@@ -129,7 +129,7 @@ def test_node_times_tied_across_layers_plan_as_cheaply_as_measured_ones():
     on the measured times runs bitwise equal to eager, its peak as predicted."""
     import numpy as np
 
-    from remat.pipeline.repeats import find_repeats, pooled_medians
+    from remat.profile.repeats import find_repeats, pooled_medians
 
     spec = load("bert-tiny", 8, "adamw")
     saved = Profile.from_json(PROFILES.parent / "planners" / "bert-tiny-b8-adamw-profile.json")

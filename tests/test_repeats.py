@@ -11,9 +11,9 @@ from torch import nn
 
 from remat.cli import main as cli_main
 from remat.models import make_optimizer, make_train_step
-from remat.pipeline.capture import capture
-from remat.pipeline.profiler import profile
-from remat.pipeline.repeats import Block, Repeats, find_repeats, forward_counterparts, pooled_medians
+from remat.capture.capture import capture
+from remat.profile.profiler import profile
+from remat.profile.repeats import Block, Repeats, find_repeats, forward_counterparts, pooled_medians
 
 
 class _Layer(nn.Module):

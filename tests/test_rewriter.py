@@ -8,18 +8,18 @@ import random
 import pytest
 import torch
 
-from remat.pipeline.graph_index import RebuildPolicy
-from remat.pipeline.analysis import analyze
-from remat.pipeline.capture import capture
-from remat.pipeline.step_inputs import flat_inputs, run_captured
+from remat.memory.graph_index import RebuildPolicy
+from remat.memory.analysis import analyze
+from remat.capture.capture import capture
+from remat.capture.step_inputs import flat_inputs, run_captured
 from remat.measurement.check import check_against_eager, twin
 from remat.errors import PlanError
-from remat.measurement.memory import measure_peak
+from remat.profile.allocator import measure_peak
 from remat.models import build_model, make_optimizer, make_train_step
-from remat.pipeline.rewriter import RECOMPUTED_SUFFIX, rewrite
-from remat.pipeline.schedule import GraphIndex, build_schedule
-from remat.pipeline.simulator import simulate, simulate_schedule
-from remat.pipeline.rng_replay import RNG_SAVE, Replay
+from remat.passes.rewriter import RECOMPUTED_SUFFIX, rewrite
+from remat.memory.schedule import GraphIndex, build_schedule
+from remat.memory.simulator import simulate, simulate_schedule
+from remat.ops.rng_replay import RNG_SAVE, Replay
 
 
 def _without_rng_nodes(rewritten, timeline):

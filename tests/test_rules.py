@@ -17,9 +17,9 @@ from scipy.optimize import Bounds, milp
 
 from remat.errors import PlanError
 from remat.models import build_model, make_optimizer, make_train_step
-from remat.pipeline.analysis import analyze
-from remat.pipeline.capture import capture
-from remat.pipeline.graph_index import GraphIndex, RebuildPolicy
+from remat.memory.analysis import analyze
+from remat.capture.capture import capture
+from remat.memory.graph_index import GraphIndex, RebuildPolicy
 from remat.planners.bound import PeakLowerBound
 from remat.planners.evaluate import evaluate
 from remat.planners.milp import MilpModel

@@ -11,10 +11,11 @@ import remat
 from remat.errors import BudgetError
 from remat.measurement.check import check_against_eager, twin
 from remat.models import build_model, make_optimizer, make_train_step
-from remat.pipeline import build as pipeline
-from remat.pipeline.schedule import build_schedule
-from remat.pipeline.simulator import simulate_schedule
-from remat.pipeline.train_graph import Phase
+from remat import build as pipeline
+from remat.memory.schedule import build_schedule
+from remat.memory.simulator import simulate_schedule
+from remat.capture.train_graph import Phase
+from remat.passes.update_placement import moved_index
 
 
 def _built(model_name: str, batch: int, optimizer: str, train_step=None):
@@ -36,7 +37,7 @@ def _peak(index) -> int:
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_each_update_follows_its_gradient_and_lowers_the_peak(optimizer):
     spec, opt, step, built = _built("mlp-deep", 64, optimizer)
-    moved, placement = built.index.updates_in_backward()
+    moved, placement = moved_index(built.index)
     assert moved is not None and placement.moved
     # Every moved update runs after its gradient is final and before the backward pass ends.
     order = moved.order
@@ -52,7 +53,7 @@ def test_each_update_follows_its_gradient_and_lowers_the_peak(optimizer):
 
 def test_moved_updates_run_bitwise_and_reach_a_budget_the_captured_order_cannot():
     spec, opt, step, built = _built("mlp-deep", 64, "adamw")
-    moved, _ = built.index.updates_in_backward()
+    moved, _ = moved_index(built.index)
     budget = (_peak(moved) + _peak(built.index)) // 2
     with pytest.raises(BudgetError):
         remat.compile(step, spec.model, opt, spec.batch, memory_budget=budget, profile_runs=1, updates_in_backward=False)
@@ -88,7 +89,7 @@ def test_clipped_gradients_are_updated_only_after_clipping():
         return loss
 
     _, _, _, built = _built("mlp", 8, "sgd", step)
-    moved, placement = built.index.updates_in_backward()
+    moved, placement = moved_index(built.index)
     index = moved or built.index
     for param, grad in built.tg.grad_nodes.items():
         grad_storages = set(index.storages[grad])
@@ -110,7 +111,7 @@ def test_a_multi_tensor_update_stays_at_the_end():
     opt = torch.optim.SGD(spec.model.parameters(), lr=0.1, momentum=0.9, foreach=True)
     step = make_train_step(spec.loss_fn)
     built = pipeline.build(step, spec.model, opt, spec.batch, runs=1)
-    moved, placement = built.index.updates_in_backward()
+    moved, placement = moved_index(built.index)
     assert moved is None and placement.held and not placement.moved
     assert "several parameters together" in placement.summary()
     eager_model, eager_opt = twin(spec.model, opt)
@@ -141,7 +142,7 @@ def test_a_tied_weight_is_updated_only_after_its_last_reader():
     ids = torch.randint(0, 50, (8, 12))
     step = make_train_step(_model_is_the_loss)
     built = pipeline.build(step, model, opt, ids, runs=1)
-    moved, placement = built.index.updates_in_backward()
+    moved, placement = moved_index(built.index)
     assert moved is not None
     weight = next(n for n, spec in zip([n.name for n in moved.tg.gm.graph.nodes if n.op == "placeholder"], moved.tg.inputs) if spec.name == "emb.weight")
     readers = [moved.rank[u] for u in moved.order if moved.tg.phase[u] is not Phase.OPTIMIZER and any(
@@ -183,7 +184,7 @@ def test_a_saved_plan_says_where_the_updates_run_and_applies_the_same_way(tmp_pa
     again = Plan.from_json(plan.to_json(tmp_path / "plan.json"))
     assert again.updates_in_backward and again.updates_note == plan.updates_note
     ordered = again.index_for(built.index)
-    assert ordered is built.index.updates_in_backward()[0]
+    assert ordered is moved_index(built.index)[0]
     assert simulate_schedule(ordered, again.schedule(built.index)).peak_bytes == plan.predicted_peak_bytes
     kept = make_plan("mutwo", built.index, ns, _peak(built.index), updates_in_backward=False, lean_ops=False)
     assert not kept.updates_in_backward and "not allowed" in kept.updates_note
@@ -192,7 +193,7 @@ def test_a_saved_plan_says_where_the_updates_run_and_applies_the_same_way(tmp_pa
 
 def test_a_budget_out_of_reach_names_the_floor_with_the_updates_moved():
     spec, opt, step, built = _built("mlp-deep", 64, "adamw")
-    moved, _ = built.index.updates_in_backward()
+    moved, _ = moved_index(built.index)
     from remat.planners import make_plan
 
     with pytest.raises(BudgetError) as info:
@@ -204,11 +205,11 @@ def test_a_budget_out_of_reach_names_the_floor_with_the_updates_moved():
 def test_a_reordered_graph_keeps_its_module_and_runs_in_the_new_order():
     """The graph with its updates moved shares the captured module (no copy); what runs it is
     emitted in the index's order, and a bad order is refused."""
-    from remat.pipeline.rewriter import runnable
-    from remat.pipeline.update_placement import reorder
+    from remat.passes.rewriter import runnable
+    from remat.passes.update_placement import reorder
 
     spec, opt, step, built = _built("mlp-deep", 64, "adamw")
-    moved, _ = built.index.updates_in_backward()
+    moved, _ = moved_index(built.index)
     assert moved.tg.gm is built.tg.gm and moved.tg.order == moved.order != built.index.order
     gm = runnable(moved, build_schedule(moved, set()))
     assert [n.name for n in gm.graph.nodes if n.op == "call_function"] == moved.order
@@ -233,13 +234,13 @@ def test_the_default_planner_plans_the_captured_order_only_where_it_holds_less(m
 
     spec, opt, step, built = _built("mlp-deep", 64, "adamw")
     ns = built.profile.seconds_by_node()
-    budget = int(_peak(built.index.updates_in_backward()[0]) * 0.97)  # some recomputation needed, either order
+    budget = int(_peak(moved_index(built.index)[0]) * 0.97)  # some recomputation needed, either order
     planned = []
     original = refined.plan
     monkeypatch.setattr(refined, "plan", lambda idx, *a, **k: planned.append(idx) or original(idx, *a, **k))
     plan = make_plan("refined", built.index, ns, budget, lean_ops=False)
     assert plan.recomputed and plan.updates_in_backward
-    assert planned == [built.index.updates_in_backward()[0]]
+    assert planned == [moved_index(built.index)[0]]
     assert "holds no less" in plan.meta["other_placement"]["not_planned"]
     mutwo = make_plan("mutwo", built.index, ns, budget, lean_ops=False)
     assert "not_planned" not in mutwo.meta["other_placement"]  # μ-TWO alone plans both orders

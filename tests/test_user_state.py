@@ -241,8 +241,8 @@ def test_the_quick_check_at_each_call_fails_on_any_change_the_walk_would_see() -
     """Guards: while they hold, the key is the one walked; each change below is one the walk
     would find (a value rebound, a container changed in place, an attribute added, a module
     replaced, a float read at every call changing sign), and must send the step to walk."""
-    from remat.pipeline.guards import Guards
-    from remat.pipeline.python_state import state_slots
+    from remat.capture.state.guards import Guards
+    from remat.capture.state.python_state import state_slots
 
     global _CONFIG
     model = _mlp(width=8, depth=2)
@@ -279,8 +279,8 @@ def test_the_quick_check_at_each_call_fails_on_any_change_the_walk_would_see() -
 
 
 def test_the_quick_check_sees_a_field_swapped_for_another_and_a_key_added_to_a_split_dict() -> None:
-    from remat.pipeline.guards import Guards
-    from remat.pipeline.python_state import state_slots
+    from remat.capture.state.guards import Guards
+    from remat.capture.state.python_state import state_slots
 
     model = _mlp(width=8, depth=1)
     holder = _Config()
@@ -326,8 +326,8 @@ _TEACHER = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Sequential(torch.
 
 def test_the_quick_check_sees_a_submodule_of_another_module_replaced() -> None:
     """A teacher held in a global: the walk reads its modules' attributes, so its tree counts."""
-    from remat.pipeline.guards import Guards
-    from remat.pipeline.python_state import state_slots
+    from remat.capture.state.guards import Guards
+    from remat.capture.state.python_state import state_slots
 
     model = _mlp(width=8, depth=1)
 

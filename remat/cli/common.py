@@ -84,7 +84,7 @@ def add_model_arguments(p: argparse.ArgumentParser, budget_help: str) -> None:
 
 def build_and_capture(model: str, batch_size: int, optimizer: str, device: str, seed: int) -> tuple[Any, Any, Any, Any]:
     """(spec, optimizer, train graph, seconds it took): the start of every pipeline command."""
-    from remat.pipeline.capture import capture
+    from remat.capture.capture import capture
 
     spec = load_workload(model, batch_size, optimizer, device, seed)
     t0 = time.perf_counter()

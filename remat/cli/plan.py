@@ -61,13 +61,13 @@ def plan_command(
     lean_ops: bool = True,
 ) -> dict[str, Any]:
     """Everything `remat plan` does but printing: returns the plan, timelines and files."""
-    from remat.pipeline import build as pipeline
+    from remat import build as pipeline
     from remat.budget import parse_budget
     from remat.cli.common import build_and_capture
     from remat.errors import PlanError
     from remat.planners.evaluate import baseline_of, evaluate
     from remat.planners import PLANNERS, make_plan
-    from remat.pipeline.profiler import load_profile_for
+    from remat.profile.profiler import load_profile_for
 
     # Cheap checks first: a typo must not cost a profiling run.
     parsed = parse_budget(budget)

@@ -54,7 +54,7 @@ def run_profile(
     pool_repeats: bool = False,
 ) -> tuple[Any, Path, dict[str, Path]]:
     """Build, capture, profile and write the report files; (profile, out dir, files)."""
-    from remat.pipeline.profiler import profile
+    from remat.profile.profiler import profile
     from remat.measurement.report import write_report
 
     _positive(runs, "--runs")

@@ -114,8 +114,8 @@ def run_one(
     from remat.cli.common import UsageError, _positive, load_workload
     from remat.measurement.call_time import measure_call_time
     from remat.measurement.check import time_alternating, twin
-    from remat.measurement.memory import measure_step_peak
-    from remat.pipeline.step_inputs import flat_inputs, run_captured
+    from remat.profile.allocator import measure_step_peak
+    from remat.capture.step_inputs import flat_inputs, run_captured
 
     _positive(pairs, "--pairs")
     if steps < 0:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from remat.pipeline.optimizers import as_one
+from remat.capture.optimizers import as_one
 
 
 @dataclass

@@ -43,7 +43,7 @@ def measure_rank(config: RankConfig) -> dict[str, Any]:
     import remat
     from remat.measurement.baselines import NotSupported, hf_checkpointing
     from remat.measurement.check import check_against_eager, time_alternating, twin
-    from remat.measurement.memory import measure_step_peak
+    from remat.profile.allocator import measure_step_peak
     from remat.workloads import load
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -3,7 +3,7 @@
 `run_frontier` profiles a model once, then plans each budget with each planner on the
 same node times (`remat.planners.make_plan`); with `measure`, each plan is also rewritten
 and run: three steps compared bitwise with eager PyTorch (`remat.measurement.check`), then the
-allocator's peak of one more step (`remat.measurement.memory.measure_peak`) next to the prediction.
+allocator's peak of one more step (`remat.profile.allocator.measure_peak`) next to the prediction.
 A budget a planner cannot meet is recorded (its error message) and the sweep goes on, as
 does a configuration that fails in any other way (out of memory while its plan runs,
 say): an "error" point with the reason.
@@ -74,7 +74,7 @@ class Sweep:
     time_limit: float
     measure: bool
     pairs: int
-    lean_ops: bool  # plan with lean operator variants too (pipeline.lean_ops)
+    lean_ops: bool  # plan with lean operator variants too (passes.lean_ops)
     tg: Any
     index: Any
     prof: Any
@@ -135,9 +135,9 @@ def run_point(sw: Sweep, planner: str, budget: str, budget_bytes: int, fraction:
 
 def _measure(sw: Sweep, plan: Any, point: Point) -> None:
     """Run the plan: three steps bitwise against eager, one step's peak, and timing pairs."""
-    from remat.pipeline.step_inputs import flat_inputs, run_captured
+    from remat.capture.step_inputs import flat_inputs, run_captured
     from remat.measurement.check import check_against_eager, time_alternating, twin
-    from remat.measurement.memory import measure_step_peak
+    from remat.profile.allocator import measure_step_peak
 
     tg, spec = sw.tg, sw.spec
     gm = plan.apply(sw.index).runnable()
@@ -205,11 +205,11 @@ def run_frontier(
     are kept and not planned again, and its profile.json gives the node times, so that
     the new points are planned on the same ones.
     """
-    from remat.pipeline import build as pipeline
-    from remat.pipeline.capture import capture
+    from remat import build as pipeline
+    from remat.capture.capture import capture
     from remat.planners.evaluate import baseline_of
     from remat.planners import PLANNERS
-    from remat.pipeline.profiler import load_profile_for
+    from remat.profile.profiler import load_profile_for
     from remat.workloads import check_arguments as check_model_args
     from remat.workloads import load
 

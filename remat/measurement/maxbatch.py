@@ -10,19 +10,19 @@ from pathlib import Path
 from typing import Any, Callable
 
 from remat.budget import GiB, MiB
-from remat.measurement.memory import persistent_bytes
+from remat.profile.allocator import persistent_bytes
 from remat.measurement.results import failure_reason
 
 
 def _simulated_fit(model_name: str, batch_size: int, cap: int, budget: float | None, optimizer: str, device: str, seed: int, times: dict[str, Any]) -> dict[str, Any]:
     """Capture + analyze (+ plan) one batch size: eager's simulated peak, and whether remat fits."""
-    from remat.pipeline.analysis import analyze
+    from remat.memory.analysis import analyze
     from remat.budget import parse_budget
-    from remat.pipeline.capture import capture
+    from remat.capture.capture import capture
     from remat.errors import BudgetError
     from remat.planners import make_plan
-    from remat.pipeline.schedule import GraphIndex
-    from remat.pipeline.simulator import simulate
+    from remat.memory.schedule import GraphIndex
+    from remat.memory.simulator import simulate
     from remat.workloads import load
 
     spec = load(model_name, batch_size, optimizer, seed=seed, device=device)
@@ -95,7 +95,7 @@ def maxbatch(
     say: Callable[[str], None] = lambda s: None,
 ) -> dict[str, Any]:
     """Largest batch that fits `cap` without and with remat: simulator search, then measured runs."""
-    from remat.pipeline import build as pipeline
+    from remat import build as pipeline
     from remat.budget import parse_budget
     from remat.workloads import load
 
@@ -190,7 +190,7 @@ def _measured_fit(
     """One measured run of `kind` (eager or remat) at batch b: its peak, and whether it fits the cap."""
     import remat
     from remat.measurement.check import twin
-    from remat.measurement.memory import measure_peak
+    from remat.profile.allocator import measure_peak
     from remat.workloads import load
 
     rec: dict[str, Any] = {"method": kind, "batch_size": b}

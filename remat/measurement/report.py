@@ -12,9 +12,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from remat.pipeline.analysis import ROLES, Role
-from remat.pipeline.profiles import PHASES, Profile
-from remat.pipeline.simulator import Timeline
+from remat.memory.analysis import ROLES, Role
+from remat.profile.profiles import PHASES, Profile
+from remat.memory.simulator import Timeline
 
 from remat.budget import MiB
 
@@ -267,7 +267,7 @@ def phase_table(profile: Profile) -> Any:
 
 
 def repeats_table(profile: Profile) -> Any | None:
-    """The repeated blocks (pipeline.repeats) and their time per repeat, or None when there are none."""
+    """The repeated blocks (profile.repeats) and their time per repeat, or None when there are none."""
     from rich.table import Table
 
     blocks = profile.meta.get("repeats") or []

@@ -240,7 +240,7 @@ def write_markdown(doc: dict[str, Any], path: Path) -> Path:
         f"# remat bench: {meta['model']} on {meta['device']} ({meta['optimizer']})",
         "",
         f"torch {meta.get('torch')}, {meta.get('threads')} threads, {meta.get('pairs')} timing rounds (round-robin with eager). "
-        "Peaks: the allocator's events (`remat.measurement.memory.measure_peak`), persistent bytes (parameters, buffers, optimizer state) included. "
+        "Peaks: the allocator's events (`remat.profile.allocator.measure_peak`), persistent bytes (parameters, buffers, optimizer state) included. "
         "torch.compile times include kernel fusion (inductor): compare its memory, not its time.",
         "",
         "## Runs",

@@ -2,7 +2,7 @@
 
 For each batch size, every method trains its own identical copy of the model in one
 process: eager PyTorch, remat at each budget, and the baselines (`remat.measurement.baselines`).
-Their peaks come from the one allocator tracker (`remat.measurement.memory.measure_peak`), and their
+Their peaks come from the one allocator tracker (`remat.profile.allocator.measure_peak`), and their
 times from round-robin rounds (eager, then each method, the order rotated every round),
 so that each method's ratio to eager is the median of per-round ratios taken seconds
 apart (DESIGN.md, "Measuring time").
@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from remat.budget import MiB
 from remat.defaults import DEFAULT_PLANNER
-from remat.measurement.memory import persistent_bytes
+from remat.profile.allocator import persistent_bytes
 from remat.measurement.plots import plot_latency_vs_batch, plot_peak_vs_batch, plot_tradeoff
 from remat.measurement.results import failure_reason, Method, RESULTS_HEADER, Results, load_results, methods_for, results_rows, write_markdown, write_results_csv, write_stats_csv, write_top_activations_csv
 
@@ -138,7 +138,7 @@ def _profile_stats(prof: Any, top_k: int = 10) -> dict[str, Any]:
 
 def smallest_reachable_peak(prof: Any, spec: Any, opt: Any, train_step: Any, planner: str) -> int:
     """The smallest whole peak (bytes) `planner` reaches on this graph: asked for 1 byte, it says."""
-    from remat.pipeline import build as pipeline
+    from remat import build as pipeline
     from remat.errors import BudgetError
     from remat.planners import make_plan
 
@@ -199,7 +199,7 @@ def _method_step(
 
 def _measure_peaks(eager: _Live, live: list[_Live], device: str, persistent: int) -> None:
     """Each method's peak over one step, all under the one allocator tracker."""
-    from remat.measurement.memory import measure_peak, measure_step_peak
+    from remat.profile.allocator import measure_peak, measure_step_peak
 
     try:
         eager.step()
@@ -238,9 +238,9 @@ def run_batch(
     import torch
 
     import remat
-    from remat.pipeline import build as pipeline
+    from remat import build as pipeline
     from remat.measurement.check import twin
-    from remat.pipeline.simulator import simulate
+    from remat.memory.simulator import simulate
     from remat.workloads import load
 
     base = {"model": model_name, "device": device, "optimizer": optimizer, "batch_size": batch_size}

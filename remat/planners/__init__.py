@@ -16,7 +16,7 @@ from remat.defaults import DEFAULT_PLANNER
 from remat.errors import PlanError
 from remat.planners.placement import plan_with_placement, planned_graphs
 from remat.planners.plan import Plan, check_node_seconds
-from remat.pipeline.schedule import GraphIndex
+from remat.memory.schedule import GraphIndex
 
 _MODULES: dict[str, str] = {
     "mutwo": "remat.planners.mutwo",
@@ -38,7 +38,7 @@ def make_plan(
     The planner plans both the captured order and, where `updates_in_backward` allows and
     some optimizer updates can move, the order with them in the backward pass; the plan
     that fits at the least predicted time is kept (`placement.plan_with_placement`). Where
-    `lean_ops` allows, the graph with its lean operator variants (pipeline.lean_ops) is
+    `lean_ops` allows, the graph with its lean operator variants (passes.lean_ops) is
     planned too.
 
     `meta` is passed to the Plan: model, batch_size, optimizer, fingerprint (the

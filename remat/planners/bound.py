@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from remat.pipeline.spans import merge_spans
-from remat.pipeline.schedule import GraphIndex, RebuildPolicy, Schedule
-from remat.pipeline.simulator import ScheduleIntervals, Timeline, replay_state_intervals, schedule_intervals
+from remat.memory.spans import merge_spans
+from remat.memory.schedule import GraphIndex, RebuildPolicy, Schedule
+from remat.memory.simulator import ScheduleIntervals, Timeline, replay_state_intervals, schedule_intervals
 
 
 class PeakLowerBound:

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from remat.pipeline.schedule import GraphIndex, RebuildPolicy
+from remat.memory.schedule import GraphIndex, RebuildPolicy
 from remat.planners.evaluate import Evaluation, Evaluator, assemble_plan, no_plan_error
 from remat.planners.plan import Plan
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, TypeVar
 
 from remat.errors import BudgetError
-from remat.pipeline.schedule import RebuildPolicy
+from remat.memory.schedule import RebuildPolicy
 
 R = TypeVar("R")
 SAME_COST = 1e-9  # relative: below this the shared plan does not count as cheaper

@@ -10,8 +10,8 @@ from typing import Any, Callable
 
 from remat.budget import format_bytes
 from remat.errors import BudgetError, PlanError
-from remat.pipeline.schedule import GraphIndex, RebuildPolicy, Schedule, build_schedule, recompute_seconds
-from remat.pipeline.simulator import ScheduleIntervals, Timeline, schedule_intervals, simulate_schedule
+from remat.memory.schedule import GraphIndex, RebuildPolicy, Schedule, build_schedule, recompute_seconds
+from remat.memory.simulator import ScheduleIntervals, Timeline, schedule_intervals, simulate_schedule
 from remat.planners.bound import PeakLowerBound
 from remat.planners.plan import Plan, Recomputed, graph_fingerprint_of
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
 from remat.errors import PlanError
-from remat.pipeline.schedule import GraphIndex, RebuildPolicy
+from remat.memory.schedule import GraphIndex, RebuildPolicy
 from remat.planners.compete import compete_schedules, other_schedule_meta
 from remat.planners.evaluate import REFINE_SECONDS, Evaluation, Evaluator, assemble_plan, no_plan_error
 from remat.planners.plan import Plan

@@ -1,10 +1,10 @@
 """Which graph a planner plans, chosen together with what is recomputed.
 
-- Lean operator variants (`GraphIndex.with_lean_ops`): the graph with them and the graph
+- Lean operator variants (`lean_ops.lean_index`): the graph with them and the graph
   without are both planned, and the cheaper plan kept.
 - Where the optimizer updates run is chosen: every planner plans the graph in its
   captured order and with its private updates moved into the backward pass
-  (`GraphIndex.updates_in_backward`), and the plan that fits at the least predicted time
+  (`update_placement.moved_index`), and the plan that fits at the least predicted time
   is kept (at equal time, the lower predicted peak). When neither fits, the error with the
   smaller reachable peak is raised: the floor with updates in backward. A planner with a
   local search plans the captured order only where it holds less under the picks of the
@@ -18,10 +18,12 @@ from typing import Callable
 
 from remat.budget import format_bytes
 from remat.errors import BudgetError, PlanError
-from remat.pipeline.graph_index import GraphIndex
-from remat.pipeline.schedule import build_schedule
-from remat.pipeline.simulator import simulate, simulate_schedule
+from remat.memory.graph_index import GraphIndex
+from remat.memory.schedule import build_schedule
+from remat.memory.simulator import simulate, simulate_schedule
 from remat.planners.plan import Plan
+from remat.passes.lean_ops import lean_index
+from remat.passes.update_placement import moved_index
 
 
 def planned_graphs(index: GraphIndex, *, allow_moving: bool = True, lean_ops: bool = True, local_search: bool = False) -> list[GraphIndex]:
@@ -33,7 +35,7 @@ def planned_graphs(index: GraphIndex, *, allow_moving: bool = True, lean_ops: bo
     out = []
     bases = _bases(index, lean_ops)[0]
     for base in bases[:1] if local_search else bases:
-        moved = base.updates_in_backward()[0] if allow_moving else None
+        moved = moved_index(base)[0] if allow_moving else None
         out.extend([moved, base] if moved is not None else [base])
     return out
 
@@ -90,7 +92,7 @@ def _bases(index: GraphIndex, lean_ops: bool) -> tuple[list[GraphIndex], str]:
     first (where allowed and any apply), and what the variants came to."""
     if not lean_ops:
         return [index], "lean operator variants were not allowed"
-    lean, found = index.with_lean_ops()
+    lean, found = lean_index(index)
     return ([lean, index] if lean is not None else [index]), found.summary()
 
 
@@ -125,7 +127,7 @@ def _choose_placement(
     graph it plans; _NoPlan where neither fits. `local_search`: a local search improves the
     plan kept, so the captured order is planned only where it may stop earlier
     (`_holds_no_less`)."""
-    moved, placement = index.updates_in_backward()
+    moved, placement = moved_index(index)
     if moved is None or not allow_moving:
         try:
             plan = run(index)

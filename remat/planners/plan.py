@@ -15,11 +15,13 @@ from typing import Any
 import torch.fx
 
 from remat.errors import PlanError
-from remat.pipeline.profiles import graph_fingerprint
-from remat.pipeline.rewriter import runnable
-from remat.pipeline.schedule import GraphIndex, RebuildPolicy, Schedule, build_schedule
-from remat.pipeline.simulator import Timeline, simulate_schedule
+from remat.profile.profiles import graph_fingerprint
+from remat.passes.rewriter import runnable
+from remat.memory.schedule import GraphIndex, RebuildPolicy, Schedule, build_schedule
+from remat.memory.simulator import Timeline, simulate_schedule
 from remat.serialize import check_fields, describe_value, dump_document, load_document
+from remat.passes.lean_ops import lean_index
+from remat.passes.update_placement import moved_index
 
 PLAN_FORMAT = "remat.plan"
 PLAN_VERSION = 1
@@ -128,7 +130,7 @@ class Plan:
         operator variants and its updates moved into the backward pass, as the plan says."""
         base = index.captured or index
         if self.lean_ops:
-            lean, found = base.with_lean_ops()
+            lean, found = lean_index(base)
             if lean is None or lean.lean_ops != self.lean_ops:
                 raise PlanError(
                     f"the plan writes {len(self.lean_ops)} backward results into dying inputs, but this graph allows "
@@ -137,7 +139,7 @@ class Plan:
             base = lean
         if not self.updates_in_backward:
             return base
-        moved, placement = base.updates_in_backward()
+        moved, placement = moved_index(base)
         if moved is None:
             raise PlanError(f"the plan runs optimizer updates in the backward pass, but none can move in this graph: {placement.summary()}")
         return moved

@@ -20,7 +20,7 @@ still fits and costs less:
    rounds that each find a cheaper plan, and `EXCHANGE_SIMULATIONS` simulations in all
    (fewer on large graphs: `EXCHANGE_STEPS` schedule steps simulated).
 4. **Repeats alike.** Where the model repeats a block (transformer layers, a stage's
-   bottlenecks: `pipeline.repeats`), each activation of the block and its counterparts
+   bottlenecks: `profile.repeats`), each activation of the block and its counterparts
    in the other repeats form a class. The plan kept so far is made uniform per class:
    a class is dropped in every repeat where the plan drops more than a share of it
    (`ALIKE_SHARES`), else in none; the plan is filled to fit as in an exchange, picks are
@@ -46,8 +46,8 @@ import time
 from dataclasses import dataclass, field
 
 from remat.errors import PlanError
-from remat.pipeline.repeats import forward_counterparts
-from remat.pipeline.schedule import GraphIndex, RebuildPolicy, ScheduleTooLarge
+from remat.profile.repeats import forward_counterparts
+from remat.memory.schedule import GraphIndex, RebuildPolicy, ScheduleTooLarge
 from remat.planners import mutwo
 from remat.planners.bound import KeepOneMoreBound
 from remat.planners.evaluate import Evaluation, assemble_plan, baseline_of, evaluate

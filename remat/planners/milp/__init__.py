@@ -80,7 +80,7 @@ from typing import Any
 
 from remat.budget import format_bytes
 from remat.errors import BudgetError, PlanError
-from remat.pipeline.schedule import GraphIndex, RebuildPolicy
+from remat.memory.schedule import GraphIndex, RebuildPolicy
 from remat.planners.compete import compete_schedules, other_schedule_meta
 from remat.planners.evaluate import Evaluation, assemble_plan, baseline_of, evaluate
 from remat.planners.milp.model import MilpModel

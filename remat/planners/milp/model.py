@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from remat.pipeline.schedule import GraphIndex, RebuildPolicy
+from remat.memory.schedule import GraphIndex, RebuildPolicy
 from remat.planners.evaluate import baseline_of
 from remat.planners.milp.rows import Rows
 

@@ -1,0 +1,458 @@
+"""Capture one whole training iteration (forward, backward, optimizer step) as one fx graph.
+
+The user's `train_step(model, optimizer, batch) -> loss` is traced with `make_fx` on fake
+tensors. Parameters, buffers, optimizer state and the tensors outside the model that the
+user's state holds (`outside_tensors`) are swapped for graph inputs while it runs, so the
+graph takes them as placeholders and mutates them in place, exactly as the eager step
+would. Markers (a no-op custom op) are dropped into the trace at the start of
+`backward()`, after it, and at the start of `optimizer.step()`; they tell each node's
+phase, which node is the loss and which nodes are the parameters' gradients, and are
+removed before the graph is handed on."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.utils import stateless
+
+from remat.gc_pause import gc_paused
+from remat.capture import data_parallel, hyperparams, param_hooks
+from remat.capture.state import kept_numbers, kept_tensors, logged_numbers, outside_tensors, read_numbers, scheduler_calls, step_outputs, module_hooks, step_prints, train_modes, user_code
+from remat.capture.cpu_strides import CpuOutputStrides
+from remat.errors import CaptureError
+from remat.capture.optimizer_state import check_first_step_state, optimizer_on, optimizer_states
+from remat.capture.optimizers import as_one, only_passed_step
+
+from remat.capture.markers import MARKER, RECORD_FUNCTION_OPS, marker, marking_passes
+from remat.capture.trace_checks import branched_hyperparameters, check_graph_runnable, check_no_accumulation, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state
+from remat.capture.train_graph import CallContract, GraphInput, InputKind, Phase, TrainGraph, TrainStep
+from remat.capture.state.python_state import no_python_state_changed, state_slots
+from remat.capture.traced_rng import no_host_random_drawn, no_rng_state_set
+from remat.capture.user_checkpoints import plain_checkpoints
+from remat.capture.step_inputs import batch_leaf_names, check_batch, describe, unique_named
+
+
+def _user_state(
+    model: torch.nn.Module, train_step: TrainStep, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+    states: dict[str, dict[str, torch.Tensor]], batch: Any,
+) -> tuple[list[Any], dict[int, list[outside_tensors.Location]], list[tuple[outside_tensors.OutsideTensor, torch.Tensor]], dict[str, torch.Tensor]]:  # fmt: skip
+    """What the trace swaps in the user's state (python_state's slots, also returned): every
+    tensor it holds, by id, with where; those that are not the model's, its optimizer's or
+    the batch's (`own`, also returned, by name), each with its tensor now (a graph input,
+    dropped after tracing if unread)."""
+    slots = state_slots(model, train_step)
+    held = outside_tensors.find(slots)
+    own = {**params, **buffers, **{f"{n}.{k}": t for n, st in states.items() for k, t in st.items()}}
+    own.update(zip(batch_leaf_names(batch), pytree.tree_leaves(batch)))
+    mine = {id(t) for t in own.values()}
+    out = []
+    for tid, locations in held.items():
+        if tid not in mine:
+            out.append((outside_tensors.OutsideTensor(locations[0].name, tuple(locations)), locations[0].get()))
+    return slots, held, out, own
+
+
+def _aliases(model: torch.nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> tuple[dict[int, str], dict[str, str], dict[str, str]]:
+    """Each parameter's name by its id, and the name of the parameter and buffer each of the model's names for them (tied weights) stands for."""
+    real_to_name = {id(p): n for n, p in params.items()}
+    buffer_to_name = {id(b): n for n, b in buffers.items()}
+    param_alias = {a: real_to_name[id(p)] for a, p in model.named_parameters(remove_duplicate=False)}
+    buffer_alias = {a: buffer_to_name[id(b)] for a, b in model.named_buffers(remove_duplicate=False)}
+    return real_to_name, param_alias, buffer_alias
+
+
+def _graph_inputs(
+    params: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+    states: dict[str, dict[str, torch.Tensor]],
+    optimizer: torch.optim.Optimizer | None,
+    numbers: dict[str, Any],
+    outside: list[tuple[outside_tensors.OutsideTensor, torch.Tensor]],
+    example_batch: Any,
+    leaves: list[Any],
+) -> tuple[list[GraphInput], list[torch.Tensor], dict[str, float]]:
+    """The graph's placeholders in order (parameters, buffers, optimizer state, one 0-dim
+    float64 per number of param_groups and per number read at every call, tensors outside
+    the model, batch leaves), their tensors, and the param groups' numbers."""
+    inputs: list[GraphInput] = []
+    flat: list[torch.Tensor] = []
+    for n, p in params.items():
+        inputs.append(GraphInput(n, InputKind.PARAMETER, *describe(p)))
+        flat.append(p)
+    for n, b in buffers.items():
+        inputs.append(GraphInput(n, InputKind.BUFFER, *describe(b)))
+        flat.append(b)
+    for n, st in states.items():
+        for key, value in st.items():
+            inputs.append(GraphInput(f"{n}.{key}", InputKind.OPTIMIZER_STATE, *describe(value)))
+            flat.append(value)
+    hyper_values: dict[str, float] = {}
+    if optimizer is not None:
+        hyperparams.check_readable(optimizer)
+        for gi, group in enumerate(optimizer.param_groups):
+            for key, value in hyperparams.float_entries(group).items():
+                name = hyperparams.input_name(gi, key)
+                hyper_values[name] = value
+                inputs.append(GraphInput(name, InputKind.HYPERPARAMETER, (), "float64", "cpu"))
+                flat.append(torch.tensor(value, dtype=torch.float64))
+    for name, slot in numbers.items():
+        inputs.append(GraphInput(name, InputKind.NUMBER, (), "float64", "cpu"))
+        flat.append(read_numbers.value(slot))
+    for held, t in outside:
+        inputs.append(GraphInput(held.name, InputKind.OUTSIDE, *describe(t)))
+        flat.append(t)
+    for n, leaf in zip(batch_leaf_names(example_batch), leaves):
+        inputs.append(GraphInput(n, InputKind.BATCH, *describe(leaf)))
+        flat.append(leaf)
+    return inputs, flat, hyper_values
+
+
+def _check_arguments(
+    model: torch.nn.Module, example_batch: Any
+) -> tuple[list[Any], Any, dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[str, ...], str]:
+    """(batch leaves, batch spec, parameters, buffers, trainable names, device), or a CaptureError naming what is wrong."""
+    if not isinstance(model, torch.nn.Module):
+        raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if any(type(m).__name__ == "OptimizedModule" and hasattr(m, "_orig_mod") for m in model.modules()):
+        raise CaptureError(
+            "the model (or a submodule) is torch.compile'd, and remat traces the step itself, which it cannot do "
+            "through a compiled module: pass the module before torch.compile (its _orig_mod), in the step too"
+        )
+    leaves, spec = check_batch(example_batch)
+    params = unique_named(model.named_parameters())
+    buffers = unique_named(model.named_buffers())
+    if not params:
+        raise CaptureError("the model has no parameters: there is nothing to train")
+    trainable = tuple(n for n, p in params.items() if p.requires_grad)
+    if not trainable:
+        raise CaptureError("no parameter of the model requires a gradient: there is nothing to train")
+    devices = {str(t.device) for t in [*params.values(), *buffers.values(), *leaves]}
+    if len(devices) != 1:
+        raise CaptureError(f"model and batch must be on one device, found {sorted(devices)}; move them with .to(device)")
+    device = devices.pop()
+    return leaves, spec, params, buffers, trainable, device
+
+
+def _as_stand_ins(t_params: dict[str, torch.Tensor], trainable: tuple[str, ...]) -> None:
+    """Each traced parameter requires a gradient as its parameter does, and starts without
+    one. Made fake from a real parameter, it carries a fake copy of that one's `.grad`,
+    which the trace would hold as a constant: a step that calls zero_grad(set_to_none=False)
+    on gradients an eager step left zeroed the constant in place, and the graph then
+    wrote into it at every call."""
+    for n, p in t_params.items():
+        p.requires_grad_(n in trainable)
+        p.grad = None
+
+
+def _trace(
+    traced: Callable[..., Any], flat: list[torch.Tensor], symbols: dict[str, str], sign_facts: dict[str, int],
+    hyper_values: dict[str, float], numbers: read_numbers.Reading, model: torch.nn.Module,
+) -> torch.fx.GraphModule:  # fmt: skip
+    """make_fx of `traced`; a branch on a hyperparameter other than the known ones fixes its
+    sign too (in `sign_facts`), and where its sign was not enough for an int, its value (a
+    count: `hyperparams.FIXED`), and traces again; so does a branch on a number read at every
+    call, or any other failure while some are symbols (`Reading.tripped`)."""
+    modes = [(m, m.training) for m in model.modules()]
+    while True:
+        try:
+            return make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=False)(*flat)
+        except Exception as e:  # noqa: BLE001 - translated into a message a user can act on
+            branched = branched_hyperparameters(e, symbols)
+            if numbers.tripped(branched, other_failure=not any(name in hyper_values for name in branched)):
+                continue
+            new = [name for name in branched if name not in sign_facts]
+            fixed = [name for name in branched if sign_facts.get(name, hyperparams.FIXED) != hyperparams.FIXED and type(hyper_values[name]) is int]
+            if not new and not fixed:
+                if isinstance(e, CaptureError):
+                    raise
+                raise explain_trace_failure(e, model) from e
+            sign_facts.update({name: hyperparams.sign(hyper_values[name]) for name in new})
+            if not new:
+                sign_facts.update({name: hyperparams.FIXED for name in fixed})
+        finally:
+            train_modes.put_back_modes(modes)
+            for module in model.modules():
+                if isinstance(module, torch.nn.RNNBase):  # its cached weight list still holds the traced ones
+                    module._init_flat_weights()
+
+
+@gc_paused()
+def capture(
+    train_step: TrainStep, model: torch.nn.Module, optimizer: Any, example_batch: Any,
+    read_numbers_named: frozenset[str] = frozenset(),
+) -> TrainGraph:
+    """Trace one call of `train_step(model, optimizer, batch)` into a TrainGraph.
+
+    `optimizer`: one, a list of those the step steps (capture.optimizers), or None; its
+    state is created here if empty (`init_optimizer_state`), and nothing else changes.
+    `read_numbers_named`: the floats (python_state slot names) to read at every call where
+    the trace can (read_numbers)."""
+    passed, optimizer = optimizer, as_one(optimizer)  # the step gets what was passed; remat reads it as one
+    leaves, spec, params, buffers, trainable, device = _check_arguments(model, example_batch)
+    dp = data_parallel.data_parallel_of(model)
+    had_state = {id(p) for p, st in optimizer.state.items() if st} if optimizer is not None else set()
+    states = optimizer_states(optimizer, params)
+    real_to_name, param_alias, buffer_alias = _aliases(model, params, buffers)
+
+    slots, held, outside, own = _user_state(model, train_step, params, buffers, states, example_batch)
+    hooks = param_hooks.of(params)  # the user's gradient hooks: traced in, and checked at every call
+    numbers = read_numbers.Reading.of(slots, read_numbers_named)
+    inputs, flat, hyper_values = _graph_inputs(params, buffers, states, optimizer, numbers.slots, outside, example_batch, leaves)
+
+    state_keys = [(n, list(st)) for n, st in states.items()]
+    grad_order: list[str] = []  # filled while tracing: names of the grads the "grads" marker holds
+    final_grads: list[str] = []
+    seen: dict[str, Any] = {}  # what the last trace saw: the return value's structure, backward() calls
+    probe: dict[str, Any] = {"preset_grads": False, "numbers": [], "as_numbers": False, "numbers_unread": frozenset()}  # check_no_accumulation; kept_numbers
+    # Floats the update branches on keep their sign; `symbols` names one a trace tripped on.
+    sign_facts = {n: hyperparams.sign(v) for n, v in hyper_values.items() if hyperparams.parse_input_name(n)[1] in hyperparams.BRANCHED_KEYS}
+    symbols: dict[str, str] = {}
+    recorded = _Recorded()  # filled while tracing
+
+    def traced(*args: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        it = iter(args)
+        t_params = {n: next(it) for n in params}
+        t_buffers = {n: next(it) for n in buffers}
+        t_states = {n: {k: next(it) for k in keys} for n, keys in state_keys}
+        t_hyper = {n: next(it) for n in hyper_values}
+        t_numbers = {n: next(it) for n in numbers.slots}
+        t_outside = [next(it) for _ in outside]
+        t_batch = pytree.tree_unflatten(list(it), spec)
+        _as_stand_ins(t_params, trainable)
+        param_hooks.register_on(hooks, t_params)
+        if probe["preset_grads"]:
+            for n in trainable:
+                t_params[n].grad = torch.zeros_like(t_params[n])
+            marker([t_params[n].grad for n in trainable], "preset_grads")
+        calls = {"backward": 0, "reduced": 0, "updates": 0}
+        synced: list[bool] = []  # per forward of a DDP model: whether it syncs gradients
+        passes = marking_passes(t_params, grad_order, calls, dp, synced)
+
+        def step_pre_hook(opt, args, kwargs):  # type: ignore[no-untyped-def]
+            calls["updates"] += 1
+            marker([], "optimizer_begin")
+
+        mapping = {a: t_params[c] for a, c in param_alias.items()}
+        mapping.update({a: t_buffers[c] for a, c in buffer_alias.items()})
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(stateless._reparametrize_module(model, mapping))
+            if dp is not None:
+                stack.enter_context(data_parallel.traced_forward(model, synced))
+            stack.enter_context(only_passed_step(optimizer))
+            if optimizer is not None:
+                stack.enter_context(optimizer_on(optimizer, real_to_name, t_params, t_states))
+                stack.enter_context(hyperparams.symbolic(optimizer, t_hyper, sign_facts, symbols))
+                stack.callback(optimizer.register_step_pre_hook(step_pre_hook).remove)
+            stack.enter_context(numbers.traced(t_numbers, symbols))
+            stack.enter_context(passes)
+            stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots))
+            stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
+            effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), set(map(id, args)))
+            result = train_step(model, passed, t_batch)
+            outside_tensors.check_no_gradient([held for held, _ in outside], t_outside)
+        updates, update_values = effects.updates(probe["numbers_unread"])
+        outputs, out_spec, returned = step_outputs.as_graph_outputs(result, update_values)
+        if calls["backward"] == 0:
+            raise CaptureError("train_step never called loss.backward(): remat captures a whole training step")
+        grads = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]
+        final_grads[:] = [n for n, _ in grads]
+        seen.update(output_spec=out_spec, output_numbers=returned, backward_passes=calls["backward"], reduced=calls["reduced"], state_updates=updates, unread_lists=logged_numbers.unread(effects.logged))
+        return outputs, [g for _, g in grads]
+
+    def trace() -> torch.fx.GraphModule:
+        return _trace(traced, flat, symbols, sign_facts, hyper_values, numbers, model)
+
+    ran: set[Any] = set()  # the user's code the traces ran: the step reads only what it names
+    gm, probe_gm, recorded_run = _traces(trace, model, train_step, slots, probe, seen, (grad_order, final_grads), ran, device)
+    leaves_zero_grads = bool(final_grads) and ends_with_zero_grads(gm)
+    if final_grads and not leaves_zero_grads:
+        check_no_accumulation(probe_gm, {n: params[n] for n in trainable}, optimizer)
+    check_static_shapes(gm)
+    check_graph_runnable(gm)
+    groups: list[hyperparams.GroupSpec] = []
+    if optimizer is not None:
+        inputs = drop_unread_new_state(gm, inputs, optimizer, params, had_state)
+        check_first_step_state(optimizer, had_state, {id(params[n]) for n in grad_order})
+        groups = hyperparams.group_specs(optimizer, real_to_name, sign_facts)
+    inputs = drop_unread_inputs(gm, inputs)
+    tg = _finish(gm, inputs, grad_order, final_grads, str(spec), optimizer is not None, device)
+    tg.call.outside = outside_tensors.read_by_graph(inputs, [held for held, _ in outside], device, own)
+    numbers.attach(tg)
+    if dp is not None:
+        data_parallel.attach(tg, dp, synced_last=bool(seen["reduced"]))
+    tg.call.output_spec, tg.call.output_numbers, tg.backward_passes, tg.call.state_updates, tg.call.unread_lists = (
+        seen[k] for k in ("output_spec", "output_numbers", "backward_passes", "state_updates", "unread_lists"))
+    tg.call.training, tg.call.mode_calls, tg.call.sets_mode_first = train_modes.traced_modes(model, recorded.mode_calls)
+    tg.call.scheduler_calls = scheduler_calls.checked(tg, recorded.scheduler_calls)
+    tg.call.trainable, tg.call.leaves_zero_grads, tg.call.groups, tg.call.param_hooks = trainable, leaves_zero_grads, groups, hooks
+    tg.call.code_read = frozenset(ran) if recorded_run else None
+    return tg
+
+
+def _traces(
+    trace: Callable[[], torch.fx.GraphModule], model: torch.nn.Module, train_step: TrainStep, slots: list[Any],
+    probe: dict[str, Any], seen: dict[str, Any], grads: tuple[list[str], list[str]], ran: set[Any], device: str,
+) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule | None, bool]:  # fmt: skip
+    """The graph, traced as eager's later steps run (a library's first-call set-up in place:
+    module_hooks), and traced once more with the numbers the step keeps counted
+    (kept_numbers); and where gradients stay set after the step, the step traced as the next
+    one starts, with them set (for check_no_accumulation). The user's code that ran goes
+    into `ran`, where it could be recorded (the third value: user_code.recording_run);
+    Python state and the model's hook tables are left as they were."""
+    grad_order, final_grads = grads
+    tables = module_hooks.HookTables.of(model)
+    set_up: list[tuple[torch.nn.Module, str]] = []
+    probe_gm = None
+    recorded = [True]
+
+    def recorded_trace() -> torch.fx.GraphModule:  # a trace the graph may come from: its code recorded
+        with user_code.recording_run(ran, device) as recording:
+            recorded[0] = recorded[0] and recording
+            return trace()
+
+    try:
+        with no_python_state_changed(model, train_step, slots) as watch:
+            gm = recorded_trace()
+            if tables.changed():
+                set_up = tables.added_attributes()
+                gm = module_hooks.traced_as_set_up(recorded_trace, model)
+            probe["numbers"] = watch.numbers_changed(frozenset((id(m), k) for m, k in set_up))
+            gm = kept_numbers.traced_counting(recorded_trace, probe, seen) if probe["numbers"] else gm
+            if final_grads:
+                # Gradients stay set after the step, so the next step starts with them: it must
+                # clear them before its backward (the graph computes fresh ones).
+                probe["preset_grads"] = True
+                kept = list(grad_order), list(final_grads)
+                try:
+                    probe_gm = trace()
+                finally:
+                    grad_order[:], final_grads[:] = kept
+    finally:
+        tables.put_back(set_up)
+    return gm, probe_gm, recorded[0]
+
+
+@dataclass
+class _Effects:
+    """What the step's Python code does to the user's state while it is traced, recorded:
+    numbers logged into lists, numbers kept, prints and logs, tensors kept."""
+
+    logged: Any
+    counted: Any
+    printed: Any
+    tensors: list[tuple[Any, Any]]
+
+    @classmethod
+    def recording(
+        cls, stack: contextlib.ExitStack, slots: list[Any], probe: dict[str, Any], all_slots: Callable[[], list[Any]], inputs: set[int]
+    ) -> _Effects:
+        """Entered after the outside tensors are swapped: a tensor kept where one was is told from its placeholder."""
+        # The tensors kept are looked for once the lists and numbers are put back (it walks the state).
+        tensors = stack.enter_context(kept_tensors.setting(all_slots, inputs))
+        return cls(
+            stack.enter_context(logged_numbers.recording(logged_numbers.candidates(slots))),
+            stack.enter_context(kept_numbers.counting(probe["numbers"], probe["as_numbers"])),
+            stack.enter_context(step_prints.recording()),
+            tensors,
+        )
+
+    def updates(self, numbers_unread: frozenset[str]) -> tuple[list[Any], list[list[Any]]]:
+        """The updates to make again after each run (TrainGraph.call.state_updates), with the
+        traced values each takes from the graph. Prints come before the numbers kept: a
+        number the step counts up prints from the slot's number before the step."""
+        logs, logged_values = logged_numbers.logged(self.logged)
+        prints, printed_values = step_prints.recorded(self.printed)
+        kept, kept_values = kept_numbers.kept(self.counted, numbers_unread)
+        tensors = [t for t, _ in self.tensors]
+        return [*logs, *prints, *kept, *tensors], [*logged_values, *printed_values, *kept_values, *([v] for _, v in self.tensors)]
+
+
+@dataclass
+class _Recorded:
+    """What train_step's Python code does that the graph cannot hold, made again at each call."""
+
+    mode_calls: list[tuple[str, bool, bool]] = field(default_factory=list)  # train_modes.recorded_mode_calls
+    scheduler_calls: list[scheduler_calls.SchedulerCall] = field(default_factory=list)  # scheduler_calls.recorded_scheduler_calls
+
+
+@contextlib.contextmanager
+def _step_patches(model: torch.nn.Module, recorded: _Recorded, updating: Callable[[], bool], slots: list[tuple[Any, Any]]) -> Iterator[None]:
+    """What runs around train_step while it is traced, besides the markers: CPU kernels'
+    real strides, the user's checkpoints as plain calls, refusing generator state set and
+    draws from Python's or numpy's generators, and recording train()/eval() and
+    scheduler.step() calls."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(CpuOutputStrides())
+        stack.enter_context(plain_checkpoints())
+        stack.enter_context(no_rng_state_set())
+        stack.enter_context(no_host_random_drawn([(slot.name, value) for slot, value in slots]))
+        stack.enter_context(train_modes.recorded_mode_calls(model, recorded.mode_calls))
+        stack.enter_context(scheduler_calls.recorded_scheduler_calls(recorded.scheduler_calls, updating))
+        yield
+
+
+def _finish(
+    gm: torch.fx.GraphModule,
+    inputs: list[GraphInput],
+    grad_order: list[str],
+    final_grads: list[str],
+    batch_spec: str,
+    has_optimizer: bool,
+    device: str,
+) -> TrainGraph:
+    """Read the markers into phases, then remove them and the profiler's record_function nodes."""
+    graph = gm.graph
+    phase: dict[str, Phase] = {}
+    current = Phase.FORWARD
+    loss_node: str | None = None
+    grad_nodes: dict[str, str] = {}
+    to_erase: list[torch.fx.Node] = []
+    after_grads: list[str] = []  # nodes since a backward ended: the next micro-batch's forward, if another backward follows
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is MARKER:
+            tag = node.args[1]
+            tensors = node.args[0]
+            if tag == "backward_begin":
+                loss_node = tensors[0].name
+                current = Phase.BACKWARD
+                phase.update(dict.fromkeys(after_grads, Phase.FORWARD))
+            elif tag == "grads":
+                grad_nodes = {n: t.name for n, t in zip(grad_order, tensors)}
+                after_grads = []
+            elif tag == "optimizer_begin":
+                current = Phase.OPTIMIZER
+                after_grads = []
+            to_erase.append(node)
+            continue
+        if current is Phase.BACKWARD and grad_nodes:
+            after_grads.append(node.name)
+        if node.target in RECORD_FUNCTION_OPS:
+            to_erase.append(node)
+            continue
+        phase[node.name] = current
+    for node in reversed(to_erase):  # exits before enters: an enter's only users are exits
+        graph.erase_node(node)
+    names = [n.name for n in graph.nodes if n.op == "placeholder"]
+    assert len(names) == len(inputs), (len(names), len(inputs))
+    graph.lint()
+    gm.recompile()
+    assert loss_node is not None
+    return TrainGraph(
+        gm=gm,
+        inputs=inputs,
+        grad_names=final_grads,
+        phase=phase,
+        loss_node=loss_node,
+        grad_nodes=grad_nodes,
+        has_optimizer=has_optimizer,
+        call=CallContract(batch_spec=batch_spec),
+        device=device,
+    )

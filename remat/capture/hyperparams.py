@@ -1,0 +1,247 @@
+"""Optimizer hyperparameters as graph inputs, read again at every step.
+
+A value read from Python while tracing is a constant in the graph, so a learning rate
+set by a scheduler after capture would be silently ignored. Instead, every float in
+`optimizer.param_groups` (lr, weight_decay, momentum, dampening, betas, eps, ...) is a
+0-dim float64 graph input, filled from the param groups at each call. Inside the trace
+it is turned back into a Python scalar (`.item()`, a symbolic float), so the update's
+arithmetic stays eager's: the same Python double operations, then the same kernels with
+a scalar argument, bitwise.
+
+What cannot be an input is fixed at capture and checked at every call, with an error
+that names it when it changed: flags (nesterov, amsgrad, maximize, ...), which
+parameters each group holds, for a float the update branches on (`if
+weight_decay != 0`, RMSprop's `if momentum > 0`), its sign: negative, zero or positive,
+and for a number it branches on otherwise (Muon's `ns_steps`, a count of iterations),
+its value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from remat.errors import CaptureError
+from remat.capture.optimizers import group_name
+
+# Floats that torch.optim's optimizers compare with zero before using them. Their sign is
+# fixed from the start; others are found when a trace trips on one.
+BRANCHED_KEYS = frozenset({"weight_decay", "momentum"})
+FIXED = 2  # in place of a sign: an int's value itself is fixed (a count the update loops over)
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What the captured update assumes about one param group."""
+
+    params: tuple[str, ...]  # names of the parameters in the group, in order
+    flags: tuple[tuple[str, str], ...]  # (key, repr(value)) of every non-float entry
+    signs: tuple[tuple[str, int], ...]  # (float key, its sign: -1, 0, 1) where the update branches on it
+    fixed: tuple[tuple[str, float], ...] = ()  # (key, its value) where the update depends on more than the sign
+
+
+def sign(value: float) -> int:
+    return (value > 0) - (value < 0)
+
+
+_SIGN_WORDS = {-1: "negative", 0: "zero", 1: "positive"}
+
+
+def _is_number(value: Any) -> bool:
+    # Ints too: torch.optim's defaults are often int 0 (weight_decay, momentum), which a
+    # user or scheduler later sets to a float.
+    return type(value) in (float, int)
+
+
+def float_entries(group: dict[str, Any]) -> dict[str, float]:
+    """The group's numbers by key: "lr", and "betas[0]" for the items of a tuple of numbers
+    (an int kept an int: only a count may have its value fixed, `FIXED`)."""
+    out: dict[str, float] = {}
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if _is_number(value):
+            out[key] = value
+        elif isinstance(value, (tuple, list)) and value and all(_is_number(v) for v in value):
+            out.update({f"{key}[{i}]": v for i, v in enumerate(value)})
+    return out
+
+
+def _flags(group: dict[str, Any], where: str) -> tuple[tuple[str, str], ...]:
+    floats = {k.split("[")[0] for k in float_entries(group)}
+    out = []
+    for key, value in group.items():
+        if key == "params" or key in floats:
+            continue
+        if isinstance(value, torch.Tensor):
+            raise CaptureError(
+                f"{where}[{key!r}] is a tensor; remat reads hyperparameters as Python "
+                "floats at every step. Pass a float (a scheduler may still change it between steps)."
+            )
+        out.append((key, repr(value)))
+    return tuple(sorted(out))
+
+
+def check_readable(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse, before tracing, a param group entry remat cannot read at every call."""
+    for gi, group in enumerate(optimizer.param_groups):
+        _flags(group, group_name(optimizer, gi))
+
+
+def input_name(gi: int, key: str) -> str:
+    return f"param_groups[{gi}].{key}"
+
+
+def parse_input_name(name: str) -> tuple[int, str]:
+    head, key = name.split(".", 1)
+    return int(head[len("param_groups[") : -1]), key
+
+
+def _set(group: dict[str, Any], key: str, value: Any) -> None:
+    if "[" in key:
+        base, i = key[:-1].split("[")
+        items = list(group[base])
+        items[int(i)] = value
+        group[base] = type(group[base])(items)
+    else:
+        group[key] = value
+
+
+def _get(group: dict[str, Any], key: str) -> Any:
+    if "[" in key:
+        base, i = key[:-1].split("[")
+        return group[base][int(i)]
+    return group[key]
+
+
+@contextlib.contextmanager
+def symbolic(
+    optimizer: torch.optim.Optimizer,
+    tensors: dict[str, torch.Tensor],
+    sign_facts: dict[str, int],
+    symbols: dict[str, str],
+) -> Iterator[None]:
+    """While tracing: each float of the param groups is the `.item()` of its graph input.
+
+    `tensors`: input name -> the traced 0-dim tensor. `sign_facts`: input name -> its sign
+    (-1, 0, 1), for the floats the update may branch on. `symbols` is filled with the
+    symbol of each float -> its input name, to name a branch the trace trips on.
+    """
+    saved = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    placed: dict[str, Any] = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        for key in float_entries(group):
+            name = input_name(gi, key)
+            if sign_facts.get(name) == FIXED:
+                continue  # the group's own value, a constant of the graph
+            value = traced_float(tensors[name], name, sign_facts.get(name), symbols)
+            _set(group, key, value)
+            placed[name] = value
+    try:
+        yield
+        for name, value in placed.items():
+            gi, key = parse_input_name(name)
+            if _get(optimizer.param_groups[gi], key) is not value:
+                raise CaptureError(
+                    f"train_step changed {group_name(optimizer, gi)}[{key.split('[')[0]!r}] while it ran (a learning-rate "
+                    "scheduler stepped inside train_step?). Change hyperparameters between steps, outside train_step: "
+                    "remat reads them at every call."
+                )
+    finally:
+        for group, values in zip(optimizer.param_groups, saved):
+            group.update(values)
+
+
+def traced_float(tensor: torch.Tensor, name: str, known_sign: int | None, symbols: dict[str, str]) -> Any:
+    """While tracing: the `.item()` of a 0-dim graph input, a symbolic float, recorded in
+    `symbols` under `name` (to name a branch the trace trips on) and told its sign where
+    one is known (-1, 0, 1)."""
+    value = tensor.item()
+    symbols[str(value.node.expr)] = name
+    if known_sign is not None:
+        torch._check(value > 0 if known_sign > 0 else value < 0 if known_sign < 0 else value == 0)
+    return value
+
+
+def group_specs(optimizer: torch.optim.Optimizer, names: dict[int, str], sign_facts: dict[str, int]) -> list[GroupSpec]:
+    specs = []
+    for gi, group in enumerate(optimizer.param_groups):
+        facts = {key: sign_facts[input_name(gi, key)] for key, value in float_entries(group).items() if input_name(gi, key) in sign_facts}
+        signs = tuple(sorted((key, fact) for key, fact in facts.items() if fact != FIXED))
+        fixed = tuple(sorted((key, float_entries(group)[key]) for key, fact in facts.items() if fact == FIXED))
+        specs.append(GroupSpec(tuple(names[id(p)] for p in group["params"]), _flags(group, group_name(optimizer, gi)), signs, fixed))
+    return specs
+
+
+def check_unchanged(optimizer: torch.optim.Optimizer, specs: list[GroupSpec], names: dict[int, str]) -> None:
+    """Refuse a change the captured update cannot follow, naming it."""
+    groups = optimizer.param_groups
+    if len(groups) != len(specs):
+        raise CaptureError(
+            f"the optimizer has {len(groups)} param groups, but the step was compiled with {len(specs)} "
+            "(add_param_group after remat.compile?). Compile a new step."
+        )
+    for gi, (group, spec) in enumerate(zip(groups, specs)):
+        params = tuple(names.get(id(p), "<not a parameter of the model>") for p in group["params"])
+        if params != spec.params:
+            raise CaptureError(
+                f"{group_name(optimizer, gi)} holds other parameters than when the step was compiled; "
+                "compile a new step after changing the optimizer's parameters."
+            )
+    check_settings(optimizer, groups, specs)
+
+
+def check_settings(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]], specs: list[GroupSpec]) -> None:
+    """Refuse a setting of `groups` (the optimizer's, as many as `specs`) changed in a way
+    the captured update cannot follow: a flag, a fixed number, a sign it branches on."""
+    for gi, (group, spec) in enumerate(zip(groups, specs)):
+        where = group_name(optimizer, gi)
+        flags = dict(_flags(group, where))
+        floats = float_entries(group)
+        for key, was in spec.flags:
+            now = flags.get(key, repr(floats.get(key, "<missing>")))
+            if now != was:
+                raise CaptureError(
+                    f"{where}[{key!r}] changed from {was} to {now} since the step was compiled; "
+                    "the captured update depends on it. Compile a new step (remat.compile) after changing it."
+                )
+        for key, was in spec.fixed:
+            if floats.get(key) != was:
+                raise CaptureError(
+                    f"{where}[{key!r}] changed from {was!r} to {floats.get(key, '<missing>')!r}; the "
+                    "captured update depends on its value (a count it loops over, a threshold it compares with), which the "
+                    "graph fixed. Compile a new step (remat.compile) after changing it."
+                )
+        for key, was in spec.signs:
+            if key not in floats:
+                raise CaptureError(f"{where}[{key!r}] is no longer a float; compile a new step.")
+            if sign(floats[key]) != was:
+                raise CaptureError(
+                    f"{where}[{key!r}] changed from {_SIGN_WORDS[was]} to {floats[key]!r}; the update "
+                    f"skips or runs a whole term on whether it is {_SIGN_WORDS[was]}, which the captured graph fixed. "
+                    "Compile a new step (remat.compile) after changing it."
+                )
+
+
+def values(optimizer: torch.optim.Optimizer, names: list[str]) -> list[torch.Tensor]:
+    """The graph inputs for these hyperparameters, from the param groups as they are now."""
+    groups = optimizer.param_groups
+    out = []
+    for name in names:
+        gi, key = parse_input_name(name)
+        out.append(torch.scalar_tensor(read(optimizer, groups, gi, key), dtype=torch.float64))
+    return out
+
+
+def read(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]], gi: int, key: str) -> float:
+    """The float `groups[gi][key]` now (`groups`: the optimizer's param groups)."""
+    try:
+        value = _get(groups[gi], key)
+    except (KeyError, IndexError) as e:
+        raise CaptureError(f"{group_name(optimizer, gi)} has no {key!r} any more; compile a new step") from e
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CaptureError(f"{group_name(optimizer, gi)}[{key!r}] is now {value!r}, not a float; compile a new step")
+    return float(value)

@@ -1,0 +1,173 @@
+"""The optimizer's state as graph inputs: its first-step state made ahead of the trace,
+the optimizer pointed at the traced tensors while tracing, and state no update reads undone."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections import defaultdict
+from typing import Iterator
+
+import torch
+import torch.fx
+from torch.optim.optimizer import _default_to_fused_or_foreach
+
+from remat.errors import CaptureError
+from remat.capture.optimizers import Optimizers, each
+
+def init_optimizer_state(optimizer: "torch.optim.Optimizer | Optimizers", only: set[int] | None = None) -> None:
+    """Create the state the first `step()` would create, so that every step runs one graph.
+
+    The values are exactly what the optimizer's first step makes (zeros; Adam's step 0;
+    the others' through their own `_init_group`),
+    so the captured step updates bitwise as the eager first step does. SGD's first step
+    copies the gradient into a fresh momentum buffer; `0 * momentum + grad` gives the same.
+    `only`: ids of the parameters to create state for (default: all).
+    """
+    for opt in each(optimizer):
+        _init_one(opt, only)
+
+
+def _init_one(optimizer: torch.optim.Optimizer, only: set[int] | None) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if optimizer.state.get(p) or (only is not None and id(p) not in only):
+                continue
+            if isinstance(optimizer, torch.optim.SGD):
+                if group["momentum"] != 0:
+                    optimizer.state[p] = {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}
+            elif isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+                if group.get("fused") or group.get("capturable"):
+                    step = torch.zeros((), dtype=torch.float32, device=p.device)
+                else:
+                    step = torch.tensor(0.0, dtype=torch.float32)
+                state = {
+                    "step": step,
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
+                if group.get("amsgrad"):
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                optimizer.state[p] = state
+            elif not _init_by_the_optimizer(optimizer, group, p):
+                raise CaptureError(
+                    f"{type(optimizer).__name__} has no state yet and remat can create the first-step state only of "
+                    "torch's own optimizers (through their _init_group). Run one eager training step before "
+                    "capturing, or use one of torch's optimizers."
+                )
+
+
+def _init_by_the_optimizer(optimizer: torch.optim.Optimizer, group: dict, p: torch.Tensor) -> bool:
+    """Make `p`'s first-step state with the optimizer's own `_init_group` (torch's optimizers
+    make it lazily there, at their first step: RMSprop, Adamax, NAdam, RAdam, Adadelta,
+    ASGD, Rprop, ...), given a zero gradient for the call (it reads only its shape and
+    kind); False for an optimizer without one. Every argument after `group` is a list the
+    method fills."""
+    init = getattr(optimizer, "_init_group", None)
+    if init is None or type(optimizer).__module__.split(".")[:2] != ["torch", "optim"]:
+        return False
+    names = list(inspect.signature(init).parameters)
+    if not names or names[0] != "group":
+        return False
+    one = {**group, "params": [p]}
+    saved = p.grad
+    p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
+    try:
+        init(one, *([] for _ in names[1:]))
+    finally:
+        p.grad = saved
+    return bool(optimizer.state.get(p))
+
+
+def optimizer_states(
+    optimizer: "torch.optim.Optimizer | Optimizers | None", params: dict[str, torch.Tensor], only: set[int] | None = None
+) -> dict[str, dict[str, torch.Tensor]]:
+    if optimizer is None:
+        return {}
+    known = {id(p) for p in params.values()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in known:
+                raise CaptureError(
+                    "the optimizer holds a tensor that is not a parameter of the model; "
+                    "build the optimizer from model.parameters()"
+                )
+    init_optimizer_state(optimizer, only)
+    states: dict[str, dict[str, torch.Tensor]] = {}
+    for name, p in params.items():
+        st = optimizer.state.get(p)
+        if not st:
+            continue
+        for key, value in st.items():
+            if not isinstance(value, torch.Tensor):
+                raise CaptureError(
+                    f"optimizer state {name}.{key} is a {type(value).__name__}, not a tensor; "
+                    "remat can only capture optimizers whose state is all tensors"
+                )
+        states[name] = dict(sorted(st.items()))
+    return states
+
+
+@contextlib.contextmanager
+def optimizer_on(
+    optimizer: "torch.optim.Optimizer | Optimizers",
+    real_to_name: dict[int, str],
+    params: dict[str, torch.Tensor],
+    states: dict[str, dict[str, torch.Tensor]],
+) -> Iterator[None]:
+    """Point the optimizer (each of them) at the traced parameters and state for the duration of the trace."""
+    with contextlib.ExitStack() as stack:
+        for opt in each(optimizer):
+            stack.enter_context(_one_on(opt, real_to_name, params, states))
+        yield
+
+
+_ABSENT = object()  # a param group without a "foreach" entry
+
+
+@contextlib.contextmanager
+def _one_on(
+    optimizer: torch.optim.Optimizer,
+    real_to_name: dict[int, str],
+    params: dict[str, torch.Tensor],
+    states: dict[str, dict[str, torch.Tensor]],
+) -> Iterator[None]:
+    saved_state = optimizer.state
+    saved = [(g["params"], g.get("foreach", _ABSENT)) for g in optimizer.param_groups]
+    traced_state: defaultdict = defaultdict(dict)
+    traced_name = {id(t): n for n, t in params.items()}
+    for group in optimizer.param_groups:
+        # foreach=None lets the optimizer pick: the multi-tensor kernels for CUDA tensors,
+        # the per-parameter loop on CPU. Fake tensors may pick differently, and the two
+        # round differently (Adam on CUDA, in the last bits): pin what eager picks for the
+        # real parameters.
+        # An optimizer without the setting (Muon) keeps its groups as they are.
+        if "foreach" in group and group["foreach"] is None:
+            group["foreach"] = _default_to_fused_or_foreach(list(group["params"]), differentiable=False, use_fused=False)[1]
+        group["params"] = [params[real_to_name[id(p)]] for p in group["params"]]
+        for p in group["params"]:
+            if traced_name[id(p)] in states:
+                traced_state[p] = states[traced_name[id(p)]]
+    optimizer.state = traced_state
+    try:
+        yield
+    finally:
+        optimizer.state = saved_state
+        for group, (ps, foreach) in zip(optimizer.param_groups, saved):
+            group["params"] = ps
+            if foreach is not _ABSENT:
+                group["foreach"] = foreach
+
+
+def check_first_step_state(optimizer: "torch.optim.Optimizer | Optimizers", had_state: set[int], updated: set[int]) -> None:
+    """SGD's first step copies the gradient into the momentum buffer; the zero buffer remat
+    creates gives the same only without dampening (`0 * m + (1 - dampening) * g`)."""
+    groups = [g for opt in each(optimizer) if isinstance(opt, torch.optim.SGD) for g in opt.param_groups]
+    for group in groups:
+        if group["momentum"] != 0 and group["dampening"] != 0:
+            if any(id(p) in updated and id(p) not in had_state for p in group["params"]):
+                raise CaptureError(
+                    "SGD with momentum and dampening copies the first gradient into its momentum buffer undamped; "
+                    "remat cannot create that state ahead of the step. Run one eager training step before "
+                    "remat.compile, or set dampening=0."
+                )

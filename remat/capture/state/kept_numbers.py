@@ -1,0 +1,226 @@
+"""Numbers the step keeps in the user's Python state: a count it adds to
+(`self.global_step += 1`, `tokens += batch.numel()`, `self.loss_sum += loss.item()`) or a
+value it sets (`self.last_loss = loss.item()`).
+
+The step's Python code runs once, at capture. Once a first trace has shown which slots of
+the user's state (python_state's) the step leaves holding another number, it is traced
+again with each such number swapped for a `_Counted`: a stand-in that can only be added
+to. Anything else the step does with it (compare it, scale it, print it, pass it to torch)
+is refused, naming the slot: the graph would hold what it computed from the count at
+capture. What the slot ends as is done again after each run, on the number it holds then:
+the same additions in the same order (so that floats round as eager's do), the numbers
+the graph computes (`loss.item()`) taken from its outputs. A value set outright is set
+again.
+
+A slot that held None or nothing before (`self.last_loss = None` in `__init__`) is traced
+as it is (`x is None` and `hasattr` cannot be intercepted), then once more as if it held a
+number already, as it will from the second step on. If both traces give the same graph
+and the same updates, the step does not depend on which, and the slot is left out of the
+step's cache key; if not, it stays in it, and the step is compiled again once the slot
+holds a number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx
+
+from remat.errors import CaptureError
+from remat.capture.state.python_state import MISSING, NUMBERS, TRACED_NUMBERS, NumberChange, Slot, is_number, shown
+
+
+
+class Term(enum.Enum):
+    """A term of a kept number that is not a constant."""
+
+    SLOT = "the number the slot holds when the step runs"
+    GRAPH = "the graph's next number output"
+
+
+@dataclass(frozen=True)
+class KeptNumber:
+    """What the step leaves in one slot, done again after each run: the first of `terms`,
+    plus each of the others in order (a constant, or Term.GRAPH: a number the graph computes)."""
+
+    slot: Slot
+    terms: tuple[Any, ...]
+    keyed: bool  # the slot's value stays in the step's cache key: the trace may have read it
+
+    @property
+    def count(self) -> int:
+        """How many of the graph's number outputs it takes."""
+        return sum(t is Term.GRAPH for t in self.terms)
+
+    def where(self) -> str:
+        return f"kept in {self.slot.name}"
+
+    def replay(self, values: list[Any]) -> None:
+        numbers = iter(values)
+
+        def value(term: Any) -> Any:
+            return self.slot.get() if term is Term.SLOT else next(numbers) if term is Term.GRAPH else term
+
+        kept = value(self.terms[0])
+        for term in self.terms[1:]:
+            kept = kept + value(term)
+        self.slot.set(kept)
+
+
+class _Counted:
+    """A number of the user's state while the step is traced again: it can be added to,
+    nothing else. `terms` as KeptNumber's, with the traced numbers themselves."""
+
+    __slots__ = ("change", "terms")
+
+    def __init__(self, change: NumberChange, terms: tuple[Any, ...]) -> None:
+        self.change = change
+        self.terms = terms
+
+    def _plus(self, other: Any, sign: int, op: str) -> _Counted:
+        if is_number(other):
+            return _Counted(self.change, self.terms + (other if sign > 0 else -other,))
+        _refuse(self.change, f"{op} {type(other).__name__}")
+
+    def __add__(self, other: Any) -> _Counted:
+        return self._plus(other, 1, "+")
+
+    def __radd__(self, other: Any) -> _Counted:  # other + self: the same sum, IEEE addition commutes
+        return self._plus(other, 1, "+")
+
+    def __sub__(self, other: Any) -> _Counted:  # x - y rounds as x + (-y)
+        return self._plus(other, -1, "-")
+
+    __iadd__ = __add__
+    __isub__ = __sub__
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):  # a protocol probed by introspection (copy, torch): absent
+            raise AttributeError(name)
+        _refuse(self.change, f".{name}")
+
+    def __repr__(self) -> str:  # for error messages and debuggers: not a use of the number
+        return f"<{self.change.slot.name}, counted while traced>"
+
+
+def _refuse(change: NumberChange, op: str) -> Any:
+    raise CaptureError(
+        f"train_step changed Python state while it was traced: {change.slot.name} ({_shown(change.before)} -> "
+        f"{_shown(change.after)}), which it also uses ({op}). Its Python code runs once, at capture, so what it computes "
+        "from that number would be the same at every step. A step may add to a number it keeps (a step count, a sum of "
+        "losses) or set it, and nothing else: keep other uses outside train_step, or pass what the step computes from "
+        "it as a tensor (in the batch, or a buffer of the model updated between steps)."
+    )
+
+
+def counted(value: Any) -> tuple[Slot, tuple[Any, ...]] | None:
+    """For a number the step counts up, as traced so far: its slot, and the additions made
+    to the slot's number by then (traced numbers as they are); None for any other value."""
+    return (value.change.slot, value.terms[1:]) if isinstance(value, _Counted) and value.terms[0] is Term.SLOT else None
+
+
+def _same_number(a: Any, b: Any) -> bool:
+    return a == b or (a != a and b != b)  # NaN is the same NaN
+
+
+def _shown(value: Any) -> str:
+    return "nothing" if value is MISSING else "a number computed in the step" if isinstance(value, TRACED_NUMBERS) else shown(value)
+
+
+def _using(op: str) -> Any:
+    def method(self: _Counted, *args: Any) -> Any:
+        _refuse(self.change, op)
+
+    return method
+
+
+for _op in (
+    "__bool__", "__int__", "__float__", "__index__", "__complex__", "__round__", "__trunc__", "__floor__", "__ceil__",
+    "__neg__", "__pos__", "__abs__", "__invert__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__",
+    "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__",
+    "__divmod__", "__rdivmod__", "__pow__", "__rpow__", "__rsub__", "__and__", "__rand__", "__or__", "__ror__", "__xor__",
+    "__rxor__", "__lshift__", "__rlshift__", "__rshift__", "__rrshift__", "__str__", "__format__", "__len__", "__iter__",
+    "__getitem__", "__contains__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+):  # fmt: skip
+    setattr(_Counted, _op, _using(_op.strip("_")))
+
+
+@contextlib.contextmanager
+def counting(changes: list[NumberChange], as_numbers: bool = False) -> Iterator[list[tuple[NumberChange, Any]]]:
+    """While the block runs, each changed number swapped for a `_Counted` (a slot that held
+    None or nothing too if `as_numbers`, else left as it is); after, what each slot ended
+    as, and the slot put back."""
+    ended: list[tuple[NumberChange, Any]] = []
+    for change in changes:
+        if type(change.before) in NUMBERS or as_numbers:
+            change.slot.set(_Counted(change, (Term.SLOT,)))
+    try:
+        yield ended
+    finally:
+        for change in changes:
+            ended.append((change, change.slot.get()))
+            change.slot.set(change.before)
+
+
+def kept(ended: list[tuple[NumberChange, Any]], unread: frozenset[str] = frozenset()) -> tuple[list[KeptNumber], list[list[Any]]]:
+    """What `counting` saw the step leave in each slot as KeptNumbers, with the traced numbers
+    each takes from the graph; or a CaptureError for what the graph cannot do again.
+    `unread`: slots that held None or nothing, and that the step is known not to read."""
+    numbers: list[KeptNumber] = []
+    values: list[list[Any]] = []
+    for change, value in ended:
+        if isinstance(value, _Counted) and value.change is change:
+            terms = value.terms
+        elif isinstance(value, _Counted):  # `self.a = self.b + 1`: a use of the other slot's number
+            _refuse(value.change, f"assigned to {change.slot.name}")
+        elif type(value) in NUMBERS and type(change.after) in NUMBERS and not _same_number(value, change.after):
+            raise CaptureError(
+                f"train_step sets {change.slot.name} to a number that differs from one trace to the next ({change.after!r}, "
+                f"then {value!r}): it comes from outside the step's inputs (a clock, a counter of a library's object), "
+                "so the graph would set the first one at every step. Compute it outside train_step."
+            )
+        elif is_number(value):
+            terms = (value,)
+        else:
+            raise CaptureError(
+                f"train_step changed Python state while it was traced: {change.slot.name} ({_shown(change.before)} -> "
+                f"{_shown(change.after)}) the first time, and to {type(value).__name__} when traced again; remat "
+                "cannot repeat it. Keep such state outside train_step."
+            )
+        traced = [t for t in terms if isinstance(t, TRACED_NUMBERS)]
+        terms = tuple(Term.GRAPH if isinstance(t, TRACED_NUMBERS) else t for t in terms)
+        keyed = (change.before is None or change.before is MISSING) and change.slot.name not in unread
+        numbers.append(KeptNumber(change.slot, terms, keyed))
+        values.append(traced)
+    return numbers, values
+
+
+def traced_counting(trace: Callable[[], torch.fx.GraphModule], probe: dict[str, Any], seen: dict[str, Any]) -> torch.fx.GraphModule:
+    """The step traced with the numbers `probe["numbers"]` counted (see `counting`). Where
+    a slot held None or nothing, traced once more with it counted too: the same graph and
+    updates leave it out of the cache key. `seen["state_updates"]`: what the last trace saw."""
+    gm = trace()
+    updates = seen["state_updates"]
+    if not any(isinstance(u, KeptNumber) and u.keyed for u in updates):
+        return gm
+    probe["as_numbers"] = True
+    try:
+        again: torch.fx.GraphModule | None = trace()
+    except CaptureError:  # it uses the number once it holds one (`if self.best is None or loss < self.best`)
+        again = None
+    finally:
+        probe["as_numbers"] = False
+    if again is not None and again.code == gm.code and _described(seen["state_updates"]) == _described(updates):
+        probe["numbers_unread"] = frozenset(u.slot.name for u in updates if isinstance(u, KeptNumber))  # for later traces
+        seen["state_updates"] = [dataclasses.replace(u, keyed=False) if isinstance(u, KeptNumber) else u for u in updates]
+        return gm
+    return trace()  # what the step does as it is, again
+
+
+def _described(updates: list[Any]) -> list[tuple[Any, ...]]:
+    return [(type(u).__name__, u.where(), u.count, getattr(u, "terms", None)) for u in updates]

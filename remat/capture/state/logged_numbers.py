@@ -1,0 +1,152 @@
+"""Numbers the step logs into the user's lists: `losses.append(loss.item())`.
+
+While the step is traced, each list of plain numbers held in the user's globals, closure
+variables or objects (python_state's slots; not a module's attributes) is swapped for a
+recording list. After the trace the user's list is put back untouched, and the numbers
+the step appended (traced stand-ins of `loss.item()`, a learning rate) become outputs of
+the graph, computed at every call; after each run they are appended to the list the slot
+holds then (a new list per epoch is the one appended to), as eager appends them.
+
+What a trace cannot repeat is refused: reading a list the step also logs to (its length,
+its last values: read once, at capture), appending anything but a traced number, or
+changing the list otherwise. A list the step only reads is watched as a value
+(python_state), like any other; one it does not touch at all is left out of the step's
+cache key, so that the loop may log into it between steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from remat.errors import CaptureError
+from remat.capture.state.python_state import NUMBERS, TRACED_NUMBERS, Slot
+
+_READS = (
+    "__getitem__", "__len__", "__iter__", "__contains__", "__reversed__", "__eq__", "__ne__", "__lt__", "__le__",
+    "__gt__", "__ge__", "__add__", "__mul__", "__repr__", "__str__", "__format__", "index", "count", "copy",
+)  # fmt: skip
+_CHANGES = ("extend", "insert", "pop", "remove", "clear", "sort", "reverse", "__setitem__", "__delitem__", "__iadd__", "__imul__")
+
+
+class _Recording(list):  # type: ignore[type-arg]
+    """The user's list while the step is traced: what the step appends is recorded, not stored."""
+
+    def __init__(self, items: list[Any]) -> None:
+        super().__init__(items)
+        self.appended: list[Any] = []
+        self.read: str | None = None
+        self.changed: str | None = None
+
+    def append(self, value: Any) -> None:
+        self.appended.append(value)
+
+
+def _reading(name: str) -> Any:
+    def method(self: _Recording, *args: Any, **kwargs: Any) -> Any:
+        self.read = self.read or name
+        return getattr(list, name)(self, *args, **kwargs)
+
+    return method
+
+
+def _changing(name: str) -> Any:
+    def method(self: _Recording, *args: Any, **kwargs: Any) -> Any:
+        self.changed = self.changed or name
+        result = getattr(list, name)(self, *args, **kwargs)
+        return self if name.startswith("__i") else result
+
+    return method
+
+
+for _name in _READS:
+    setattr(_Recording, _name, _reading(_name))
+for _name in _CHANGES:
+    setattr(_Recording, _name, _changing(_name))
+
+
+@dataclass(frozen=True)
+class LoggedList:
+    """A list the step appends `count` traced numbers to, at each call."""
+
+    slot: Slot
+    count: int
+    keyed = False  # not part of the step's cache key: it grows at every call, and the graph never reads it
+
+    def where(self) -> str:
+        return f"into {self.slot.name}"
+
+    def replay(self, values: list[Any]) -> None:
+        target = self.slot.get()
+        if not isinstance(target, list):
+            raise CaptureError(
+                f"{self.slot.name}, the list train_step logs numbers to, is now a {type(target).__name__}; the step "
+                f"appended its {self.count} numbers to a list when it was compiled. Hold a list there, or compile a new step."
+            )
+        target.extend(values)
+
+
+def candidates(slots: list[tuple[Slot, Any]]) -> list[tuple[Slot, list[Any]]]:
+    """The lists of plain numbers (or empty) the step could log to: held by the user's
+    globals, closures and objects, not by a module."""
+    return [
+        (slot, value)
+        for slot, value in slots
+        if type(value) is list and not isinstance(slot.owner, torch.nn.Module) and all(type(v) in NUMBERS for v in value)
+    ]
+
+
+@contextlib.contextmanager
+def recording(lists: list[tuple[Slot, list[Any]]]) -> Iterator[list[tuple[Slot, _Recording]]]:
+    """While the block runs, each list swapped for a recording copy; the user's own put back after."""
+    swapped = [(slot, original, _Recording(original)) for slot, original in lists]
+    try:
+        for slot, _, recorder in swapped:
+            slot.set(recorder)
+        yield [(slot, recorder) for slot, _, recorder in swapped]
+    finally:
+        for slot, original, recorder in swapped:
+            if slot.get() is recorder:
+                slot.set(original)
+
+
+def unread(recorders: list[tuple[Slot, _Recording]]) -> frozenset[str]:
+    """The lists the traced step neither read, appended to nor changed: the graph does not
+    depend on what they hold, so they are left out of the step's cache key (a list the loop
+    logs into beside the step's own, in the same dict)."""
+    return frozenset(slot.name for slot, r in recorders if not r.appended and r.read is None and r.changed is None)
+
+
+def logged(recorders: list[tuple[Slot, _Recording]]) -> tuple[list[LoggedList], list[list[Any]]]:
+    """The lists the traced step logged numbers to, and the traced numbers, per list; or a
+    CaptureError for what a trace cannot repeat."""
+    lists: list[LoggedList] = []
+    values: list[list[Any]] = []
+    for slot, recorder in recorders:
+        if recorder.changed is not None:
+            raise CaptureError(
+                f"train_step changed {slot.name} while it was traced (list.{recorder.changed}): its Python code runs "
+                "once, at capture, so the graph would not repeat it. Change such lists outside train_step; to log a "
+                "value, append it (losses.append(loss.item())) or return it from train_step."
+            )
+        if not recorder.appended:
+            continue
+        plain = [v for v in recorder.appended if not isinstance(v, TRACED_NUMBERS)]
+        if plain:
+            what = "a tensor" if isinstance(plain[0], torch.Tensor) else f"the Python value {plain[0]!r}"
+            raise CaptureError(
+                f"train_step appends {what} to {slot.name}, which no step but the traced one would append: a list the "
+                "step logs to can take numbers computed from tensors (loss.item()) or optimizer settings. Return a "
+                "tensor from train_step instead, or append other values outside train_step."
+            )
+        if recorder.read is not None:
+            raise CaptureError(
+                f"train_step reads {slot.name} (list.{recorder.read}), a list it also logs numbers to: what it reads is "
+                "read once, at capture, and would be the same at every step. Read the list outside train_step."
+            )
+        lists.append(LoggedList(slot, len(recorder.appended)))
+        values.append(list(recorder.appended))
+    return lists, values

@@ -1,0 +1,455 @@
+"""Python state the graph holds as constants: refused when the step changes it, and a new
+compile when the loop does.
+
+The step's Python code runs once, while it is traced; the graph holds the numbers it saw
+then as constants. A step that counts its calls in a Python number (`self.steps += 1`, a
+global counter) and computes from it (a KL weight warming up, a teacher-forcing ratio)
+would repeat its first value at every step, with no error; a list the step appends
+`loss.item()` to would hold traced placeholders. And a number the loop sets between steps
+(a loss weight in a global, a config field) would keep its first value in the graph.
+
+What is watched: plain numbers, strings and None, tensors (by shape, dtype and device:
+the graph reads them at each call, see outside_tensors), and lists, tuples, dicts and
+sets of them (nested), held
+- as attributes of the model's modules (all of them);
+- as globals or closure cells of the user's code the step runs: train_step, the functions
+  it reaches through its globals and closure, and the methods of the model's classes and
+  of the user's objects held there (code outside the installed packages and the standard
+  library; a library's code is not followed);
+- as fields of the user's objects found there (a trainer whose method is train_step, a
+  config object or namespace, an EMA helper), where that code or the object's own
+  methods name the field;
+- as fields of the user's objects in a list, tuple or dict held there (callbacks), and the
+  globals and cells of the user's functions held in fields or such containers;
+- as attributes of another module held in those places (a teacher), and its modules'
+  train/eval flags;
+- and which function a global or closure name holds (a loss function swapped between
+  steps).
+A dict of numbers and lists of numbers under str keys held outside a module (metrics, a
+history of losses) is watched key by key, each key a slot of its own, so that the step
+may add to or log into one key (kept_numbers, logged_numbers).
+A tensor the trace leaves in one of these places (`self.last_output = y.detach()`) is
+refused too: it is a traced placeholder, and the graph stores no step's value there.
+A library object's fields holding tensors are slots too (library_objects), but not watched;
+a library's numbers are not seen.
+
+Only what the step's traces read is watched once it has been traced: the globals the
+user's code that ran loads by name, and the fields that code reads or writes
+(user_code.recording_run; before the first trace, everything the code could read).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from remat.errors import CaptureError
+from remat.capture.state import library_objects, user_code
+from remat.capture import param_hooks
+from remat.capture.state.slots import MISSING, Slot, fields_of
+
+_PLAIN = (bool, int, float, str, type(None))
+NUMBERS = (bool, int, float)
+TRACED_NUMBERS = (torch.SymBool, torch.SymInt, torch.SymFloat)  # a number computed from tensors while tracing (`loss.item()`)
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+_MOST_ITEMS = 10_000  # larger containers are not watched (each capture and step compares them)
+_NOT_PLAIN = object()
+
+
+@dataclass(frozen=True)
+class TensorSignature:
+    """A tensor as the watch compares it: the graph reads a tensor held in Python state
+    (capture.state.outside_tensors) at every call, but was traced for its shape, dtype and device."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorSignature:
+        return cls(tuple(t.shape), str(t.dtype).replace("torch.", ""), str(t.device))
+
+    def __repr__(self) -> str:
+        return f"tensor{list(self.shape)} {self.dtype}"
+
+
+def frozen(value: Any) -> Any:
+    """A hashable copy of a plain value, or of a container (list, tuple, dict, set) of plain
+    values, tensors (their signatures) and such containers; a tensor's signature; _NOT_PLAIN
+    for anything else (modules, objects)."""
+    if isinstance(value, _PLAIN):
+        return value
+    budget = [_MOST_ITEMS]
+
+    def freeze(v: Any, depth: int) -> Any:
+        if isinstance(v, _PLAIN):
+            return v
+        if isinstance(v, torch.Tensor):
+            return TensorSignature.of(v)
+        if not isinstance(v, _CONTAINERS) or depth > 8 or len(v) > budget[0]:
+            raise _Skip
+        budget[0] -= len(v)
+        if isinstance(v, dict):
+            return (dict, tuple((freeze(k, depth + 1), freeze(x, depth + 1)) for k, x in v.items()))
+        if isinstance(v, (set, frozenset)):
+            return (type(v), frozenset(freeze(x, depth + 1) for x in v))
+        return (type(v), tuple(freeze(x, depth + 1) for x in v))
+
+    try:
+        return freeze(value, 0)
+    except _Skip:
+        return _NOT_PLAIN
+
+
+class _Skip(Exception):
+    pass
+
+
+def _thawed(value: Any) -> Any:
+    """The container `frozen` stands for, made anew."""
+    if not isinstance(value, tuple) or not value or value[0] not in _CONTAINERS:
+        return value
+    kind, items = value
+    if kind is dict:
+        return {_thawed(k): _thawed(x) for k, x in items}
+    return kind(_thawed(x) for x in items)
+
+
+def shown(value: Any) -> str:
+    """A frozen value as the user wrote it, shortened."""
+    return _short(repr(_thawed(value)))
+
+
+def module_attributes(model: torch.nn.Module, name: str = "model", skip: frozenset[int] = frozenset()) -> Iterator[tuple[str, torch.nn.Module, str, Any]]:
+    """(qualified name, module, key, value) of every value a module holds as an attribute
+    (its __dict__, but for nn.Module's own tables and dunder names), but for a DDP wrapper's
+    own settings (checked by capture.data_parallel) and the modules in `skip` (by id)."""
+    for prefix, module in model.named_modules():
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel) or id(module) in skip:
+            continue
+        for key, value in vars(module).items():
+            if key not in _MODULE_TABLES and not key.startswith("__"):
+                yield f"{name}.{prefix}.{key}" if prefix else f"{name}.{key}", module, key, value
+
+
+_MODULE_TABLES = frozenset(vars(torch.nn.Module()))  # nn.Module's own: parameters, buffers, submodules, hooks
+
+
+def changed_values(before: tuple[tuple[str, Any], ...], now: tuple[tuple[str, Any], ...]) -> list[str]:
+    """'name (old -> new)' for each value that differs (added or removed ones included)."""
+    old, new, gone = dict(before), dict(now), object()
+    return [f"{k} ({shown(old.get(k))} -> {shown(new.get(k))})" for k in {**old, **new} if old.get(k, gone) != new.get(k, gone)]
+
+
+@dataclass
+class _Watched:
+    slot: Slot
+    value: Any  # the object itself
+    frozen: Any  # and what it held
+    content: Any = None  # a copy of a container's items (the tensors in it themselves), to put back
+
+    def put_back(self) -> None:
+        if self.slot.get() is not self.value:
+            self.slot.set(self.value)
+        if isinstance(self.value, (list, dict, set)) and _snapshot(self.value) != self.frozen:
+            self.value.clear()
+            if isinstance(self.value, list):
+                self.value.extend(self.content)
+            else:
+                self.value.update(self.content)
+
+
+def state_slots(model: torch.nn.Module, train_step: Callable[..., Any], ran: frozenset[types.CodeType] | None = None) -> list[tuple[Slot, Any]]:
+    """Every slot the watch reads (see the module's docstring), with the value it holds:
+    those the user's code can reach, or where `ran` is given (the user's code the traces
+    ran: user_code.recording_run), those the code that ran names."""
+    # The model's modules' attributes: one slot per (module, key), and no dict split by key.
+    own = [(Slot(name, module, key), value) for name, module, key, value in module_attributes(model)]
+    step_globals = getattr(user_code.user_function(train_step), "__globals__", None)
+    code = _user_code([train_step, getattr(type(train_step), "__call__", None), *user_code.methods(model), *param_hooks.functions(model)], step_globals, ran)
+    out = list(code.bindings)
+    roots = [(slot.name, value) for slot, value in [*own, *out] if not isinstance(value, _PLAIN + _CONTAINERS)]
+    # The object a method belongs to (a trainer), or the callable object that is the step.
+    owner = train_step if user_code.user_class(type(train_step)) else getattr(train_step, "__self__", None)
+    if owner is not None:
+        roots.append((type(owner).__name__, owner))
+    contained = [item for slot, value in [*own, *out] if isinstance(value, _CONTAINERS) for item in _in_container(slot, value)]
+    roots += contained
+    seen: set[int] = set()
+    fields = [f for name, value in roots for f in _object_fields(name, value, code.names, seen, 0, ran)]
+    out += fields
+    out += library_objects.tensor_fields([*roots, *((slot.name, value) for slot, value in fields)])
+    # The user's functions held in those fields or containers (a callback, a closure that
+    # counts): their globals and cells too.
+    held_functions = [value for _, value in [*fields, *contained] if user_code.user_function(value) is not None]
+    if held_functions:
+        known = {slot.name for slot, _ in out}
+        out += [(slot, value) for slot, value in _user_code(held_functions, step_globals, ran).bindings if slot.name not in known]
+    # Another module the step runs (a teacher, an EMA copy of the model): its attributes and
+    # train/eval flags, which its forward is traced with as the model's are.
+    model_modules = frozenset(id(m) for m in model.modules())
+    for slot, value in list(out):
+        if isinstance(value, torch.nn.Module) and id(value) not in model_modules and id(value) not in seen:
+            seen.add(id(value))
+            out += [(Slot(n, m, k), v) for n, m, k, v in module_attributes(value, slot.name, model_modules)]
+            out += [
+                (Slot(f"{slot.name}.{prefix}.training" if prefix else f"{slot.name}.training", m, "training"), m.training)
+                for prefix, m in value.named_modules() if id(m) not in model_modules
+            ]
+    out = [item for slot, value in out for item in _items(slot, value)]
+    places: set[tuple[int, str]] = set()  # one name per place: a cell can be seen from two functions' closures
+    return own + [(slot, value) for slot, value in out if (place := slot.place()) not in places and not places.add(place)]
+
+
+_MOST_KEYS = 64
+
+
+def _in_container(slot: Slot, value: Any) -> list[tuple[str, Any]]:
+    """The user's objects and functions in a list, tuple or dict a slot holds (callbacks), by name."""
+    if isinstance(value, (list, tuple)) and len(value) <= _MOST_KEYS:
+        items = [(f"[{i}]", v) for i, v in enumerate(value)]
+    elif isinstance(value, dict) and len(value) <= _MOST_KEYS:
+        items = [(f"[{k!r}]", v) for k, v in value.items()]
+    else:
+        return []
+    return [(_item_name(slot, i), v) for i, v in items if user_code.user_class(type(v)) or user_code.user_function(v) is not None]
+
+
+def _items(slot: Slot, value: Any) -> list[tuple[Slot, Any]]:
+    """A dict of numbers (traced ones too) and lists of numbers under str keys (metrics, a history of losses)
+    held outside a module, as one slot per key: the step may count or log into one key
+    (capture.state.kept_numbers, logged_numbers) while the others are watched as values. Its
+    keys are watched through the items' names. Any other value: its own slot."""
+    if type(value) is not dict or not value or len(value) > _MOST_KEYS or isinstance(slot.owner, torch.nn.Module):
+        return [(slot, value)]
+    for k, v in value.items():
+        if type(k) is not str or not (is_number(v) or (type(v) is list and all(is_number(x) for x in v))):
+            return [(slot, value)]
+    return [(Slot(_item_name(slot, f"[{k!r}]"), slot, k), v) for k, v in value.items()]
+
+
+def _item_name(slot: Slot, index: str) -> str:
+    """`index` after the name of what the slot holds: `state['seen'] (from the closure of step)`."""
+    base, closure, fn = slot.name.partition(" (from the closure of ")
+    return f"{base}{index}{closure}{fn}"
+
+
+def _watched(slots: list[tuple[Slot, Any]]) -> dict[str, _Watched]:
+    """The slots holding plain values (or the user's functions), by name."""
+    out = {}
+    for slot, value in slots:
+        if slot.library:
+            continue
+        fz = _snapshot(value)
+        if fz is not _NOT_PLAIN:
+            out[slot.name] = _Watched(slot, value, fz)
+    return out
+
+
+def _copied(value: Any) -> Any:
+    """A container copied through its nested containers (for `frozen` values: bounded)."""
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, _CONTAINERS):
+        return type(value)(_copied(v) for v in value)
+    return value
+
+
+def step_values(
+    model: torch.nn.Module, train_step: Callable[..., Any], skip: set[str] | frozenset[str] = frozenset(), ran: frozenset[types.CodeType] | None = None,
+    slots: list[tuple[Slot, Any]] | None = None,
+) -> tuple[tuple[str, Any], ...]:
+    """The watched values as the graph traced with them saw them: a step is compiled again
+    when one changes between steps (a temperature, a drop rate or a loss weight set by the
+    loop), since the graph holds them as constants. `skip`: slots left out (a list the step
+    logs numbers to, which the graph never reads)."""
+    slots = state_slots(model, train_step, ran) if slots is None else slots
+    return tuple((name, w.frozen) for name, w in _watched(slots).items() if name not in skip)
+
+
+_MOST_FUNCTIONS = 500
+
+
+@dataclass
+class _UserCode:
+    names: set[str]  # every attribute name the code reads or writes (fields of the user's objects are watched by these)
+    bindings: list[tuple[Slot, Any]]  # the globals and closure cells it reads, with their values
+
+
+def _user_code(pending: list[Any], step_globals: dict[str, Any] | None, ran: frozenset[types.CodeType] | None) -> _UserCode:
+    """The user's functions the step runs, followed from `pending` (train_step and the model's
+    classes' methods, or functions held in the user's objects) through globals and closures.
+    A global is named with its module unless it is train_step's (`step_globals`)."""
+    names: set[str] = set()
+    bindings: list[tuple[Slot, Any]] = []
+    seen: set[int] = set()
+    while pending and len(seen) < _MOST_FUNCTIONS:
+        fn = user_code.user_function(pending.pop())
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if ran is not None and fn.__code__ not in ran:
+            continue  # it never ran: nothing it names was read
+        names |= user_code.attribute_names(fn.__code__, ran)
+        globs = fn.__globals__
+        where = "" if globs is step_globals else f"{globs.get('__name__', '?')}."
+        slots = [Slot(f"global {where}{key}", globs, key) for key in sorted(user_code.global_names(fn.__code__, ran) & globs.keys())]
+        slots += [Slot(f"{key} (from the closure of {fn.__name__})", cell, key) for key, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ())]
+        for slot in slots:
+            value = slot.get()
+            if value is not MISSING:  # an empty closure cell
+                bindings.append((slot, value))
+                pending += user_code.methods(value) if isinstance(value, torch.nn.Module) else [value, *user_code.class_functions(type(value))]
+    return _UserCode(names, bindings)
+
+
+def _object_fields(name: str, obj: Any, names: set[str], seen: set[int], depth: int, ran: frozenset[types.CodeType] | None) -> Iterator[tuple[Slot, Any]]:
+    """The fields of a user's object (and of the user's objects in them) that the user's code names."""
+    if depth > 3 or id(obj) in seen or isinstance(obj, (type, torch.nn.Module, torch.Tensor)) or not user_code.user_class(type(obj)):
+        return
+    seen.add(id(obj))
+    fields = fields_of(obj)
+    if fields is None:
+        return
+    names = names | user_code.names_in_class(type(obj), ran)  # what its own methods name (an EMA helper's update())
+    for key in sorted(k for k in fields if k in names):
+        yield Slot(f"{name}.{key}", obj, key), fields[key]
+        yield from _object_fields(f"{name}.{key}", fields[key], names, seen, depth + 1, ran)
+
+
+def _snapshot(value: Any) -> Any:
+    """What a watched value is compared by: its frozen copy, or which function it is."""
+    fn = user_code.user_function(value) if isinstance(value, types.FunctionType) else None
+    return _FunctionRef(fn) if fn is not None else frozen(value)
+
+
+class _FunctionRef:
+    """Which function a name holds: equal only to the same function."""
+
+    def __init__(self, fn: types.FunctionType) -> None:
+        self.fn = fn
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _FunctionRef) and other.fn is self.fn
+
+    def __hash__(self) -> int:
+        return id(self.fn)
+
+    def __repr__(self) -> str:
+        return self.fn.__qualname__
+
+
+@dataclass(frozen=True)
+class NumberChange:
+    """A slot a trace left holding a number (plain, or traced: `loss.item()`) other than the
+    one it held before, a number, None or nothing (MISSING)."""
+
+    slot: Slot
+    before: Any
+    after: Any
+
+
+def is_number(value: Any) -> bool:
+    """A plain number or a traced one."""
+    return type(value) in NUMBERS or isinstance(value, TRACED_NUMBERS)
+
+
+class StateWatch:
+    """The state before the capture, as no_python_state_changed watches it."""
+
+    def __init__(self, model: torch.nn.Module, train_step: Callable[..., Any], slots: list[tuple[Slot, Any]]) -> None:
+        self.model, self.train_step = model, train_step
+        self.held = {slot.name: value for slot, value in slots}
+        # A dict split by key (_items): the dict itself, and its keys, to drop those a refused trace added.
+        self.split = {slot.owner.name: (slot.owner, set(slot.owner.get())) for slot, _ in slots if isinstance(slot.owner, Slot)}
+        self.held.update({name: parent.get() for name, (parent, _) in self.split.items()})
+        self.before = _watched(slots)
+        for w in self.before.values():
+            w.content = _copied(w.value)
+
+    def numbers_changed(self, set_up: frozenset[tuple[int, str]] = frozenset()) -> list[NumberChange]:
+        """The slots the traces so far left holding another number (capture.state.kept_numbers),
+        each put back; but for the places in `set_up` (a library's first-call mark:
+        module_hooks), which capture puts back itself."""
+        changes = []
+        for slot, value in state_slots(self.model, self.train_step):
+            if slot.place() in set_up:
+                continue
+            w = self.before.get(slot.name)
+            before = self.held.get(slot.name, MISSING)
+            if is_number(value) and (before is None or before is MISSING or type(before) in NUMBERS):
+                if w is None or _snapshot(value) != w.frozen:
+                    changes.append(NumberChange(slot, before, value))
+                    slot.set(before)
+        return changes
+
+
+@contextlib.contextmanager
+def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., Any], slots: list[tuple[Slot, Any]]) -> Iterator[StateWatch]:
+    """Around the whole capture: refuse, naming them, the watched values the traces changed
+    and the tensors (or traced numbers) they left in Python state, putting everything back
+    as it was (so that a refused capture leaves nothing changed). `slots`: state_slots
+    before the capture."""
+    watch = StateWatch(model, train_step, slots)
+    held, before = watch.held, watch.before
+    yield watch
+    # A traced number in a slot watched before is named as a change (the message says where to log it).
+    kept = [slot for slot, value in state_slots(model, train_step) if _holds_traced_value(value, slot.name not in before)]
+    for slot in kept:
+        if slot.name not in before:
+            slot.set(held.get(slot.name, MISSING))
+    for parent, keys in watch.split.values():
+        held_now = parent.get()
+        for key in [k for k in held_now if k not in keys] if isinstance(held_now, dict) else []:
+            del held_now[key]
+    kept_names = {slot.name for slot in kept}
+    changed = []
+    for name, w in before.items():
+        value = w.slot.get()
+        now = _snapshot(value)
+        if now is not w.frozen and now != w.frozen:
+            text = shown(now) if now is not _NOT_PLAIN else "deleted" if value is MISSING else _short(repr(value))
+            if name not in kept_names:
+                changed.append(f"{name} ({shown(w.frozen)} -> {text})")
+            w.put_back()
+    if changed:
+        raise CaptureError(
+            f"train_step changed Python state while it was traced: {_listed(changed)}. Its Python code runs once, at "
+            "capture, so the graph would repeat the first value at every step (and a value kept from inside the step "
+            "would be a traced placeholder, not a number). Keep such state outside train_step and pass what the step "
+            "computes from it as a tensor (in the batch, or a buffer of the model updated between steps); to log a "
+            "value, return it from train_step or append it to a list of your own code (a global, not a module's)."
+        )
+    if kept:
+        raise CaptureError(
+            f"train_step kept a tensor (or a number computed from one) in Python state: {_listed([s.name for s in kept])}. "
+            "Its Python code runs once, at capture: there the value is a traced placeholder, and at run time the graph "
+            "computes it but stores it nowhere, so it would never hold a step's value. Return it from train_step instead (a tuple "
+            "or dict of the loss and the tensors to keep), or, if nothing reads it after the step (features a forward "
+            "hook stored for the loss), drop it before train_step returns (.clear() the dict, del the attribute)."
+        )
+
+
+def _holds_traced_value(value: Any, numbers: bool, depth: int = 0) -> bool:
+    """Whether `value` is, or a list, tuple or dict holds, a tensor (or if `numbers`, a
+    number) made while tracing."""
+    if isinstance(value, (FakeTensor, *(TRACED_NUMBERS if numbers else ()))):
+        return True
+    if depth < 3 and isinstance(value, (list, tuple)) and len(value) <= _MOST_ITEMS:
+        return any(_holds_traced_value(v, numbers, depth + 1) for v in value)
+    if depth < 3 and isinstance(value, dict) and len(value) <= _MOST_ITEMS:
+        return any(_holds_traced_value(v, numbers, depth + 1) for v in value.values())
+    return False
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,81 @@
+"""What train_step returns, as graph outputs and back.
+
+A lone tensor is the loss; a tuple, list or dict may add other tensors (logits for
+metrics) and Python numbers traced from the step's inputs (`loss.item()`, a learning rate
+read from param_groups). Such a number is computed in the graph as a 0-dim tensor of a
+dtype that holds it exactly, and given back as a Python number of the type eager returns.
+A plain number (no input gives it) would be the traced value at every step: refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from remat.errors import CaptureError
+from remat.capture.train_graph import TrainGraph
+
+def as_graph_outputs(result: Any, logged: list[list[Any]] | None = None) -> tuple[list[torch.Tensor], Any, dict[int, str]]:
+    """train_step's return value as graph outputs: its tensors (detached), its structure, and
+    which outputs stand for Python numbers (position -> 'bool', 'int' or 'float'). The
+    numbers of each of the step's updates of Python state (TrainGraph.call.state_updates), if
+    any, follow it: the structure is then `(result, logged)`."""
+    if logged:
+        as_graph_outputs(result)  # the same checks of what it returns
+        result = (result, logged)
+    if isinstance(result, torch.Tensor):
+        if result.numel() != 1:
+            raise CaptureError(f"train_step must return the loss as a one-element tensor, got shape {tuple(result.shape)}")
+        return [result.detach()], None, {}
+    leaves, out_spec = pytree.tree_flatten(result)
+    outputs: list[torch.Tensor] = []
+    numbers: dict[int, str] = {}
+    for i, leaf in enumerate(leaves):
+        kind = _traced_number_kind(leaf)
+        if isinstance(leaf, torch.Tensor):
+            outputs.append(leaf.detach())
+        elif kind is not None:
+            outputs.append(torch.scalar_tensor(leaf, dtype=_NUMBER_DTYPES[kind]))
+            numbers[i] = kind
+        elif isinstance(leaf, (bool, int, float)):
+            raise CaptureError(
+                f"train_step returned the Python number {leaf!r} (output {i}), which no tensor or optimizer setting gives: "
+                "it is read once, when the step is traced, so every step would return that value (a scheduler's "
+                "get_last_lr(), a counter). Return numbers computed from tensors (loss.item()) or read from "
+                "optimizer.param_groups, and read others outside train_step."
+            )
+        else:
+            raise CaptureError(
+                f"train_step must return the loss, or a tuple, list or dict of tensors and numbers; it returned "
+                f"{type(result).__name__} holding {type(leaf).__name__}. Return tensors and numbers only."
+            )
+    if not outputs:
+        raise CaptureError("train_step returned nothing: return the loss (or a tuple, list or dict holding it)")
+    return outputs, out_spec, numbers
+
+
+_NUMBER_DTYPES = {"bool": torch.bool, "int": torch.int64, "float": torch.float64}
+
+
+def _traced_number_kind(value: Any) -> str | None:
+    """'bool', 'int' or 'float' for the traced stand-in of a Python number, else None."""
+    for kind, traced in (("bool", torch.SymBool), ("int", torch.SymInt), ("float", torch.SymFloat)):
+        if isinstance(value, traced):
+            return kind
+    return None
+
+
+def as_returned(tg: TrainGraph, outputs: list[torch.Tensor]) -> Any:
+    """The graph's outputs as train_step returned them, once the step's updates of Python
+    state are done again with their numbers."""
+    if tg.call.output_spec is None:
+        return outputs[0]
+    returned = [t.item() if i in tg.call.output_numbers else t for i, t in enumerate(outputs)]
+    result = pytree.tree_unflatten(returned, tg.call.output_spec)
+    if tg.call.state_updates:
+        result, logged = result
+        for update, values in zip(tg.call.state_updates, logged):
+            update.replay(values)
+    return result

@@ -1,0 +1,146 @@
+"""What the step prints or logs: `print("loss", loss.item())`, `log.info("loss %.4f", loss.item())`.
+
+The step's Python code runs once, at capture: a print inside it would print traced
+placeholders once, and nothing at the steps. While the step is traced, the user's code's
+`print` and `Logger` calls (`log.info(...)`, `logging.info(...)`) are recorded instead of
+made. The numbers and tensors among
+their arguments that the step computes become outputs of the graph, and after each run
+the call is made again with their values (before the numbers the step keeps are updated,
+in the order the step made the calls; a logger's level is checked then). A number the
+step counts up (kept_numbers) prints as it was when printed: the slot's number before
+the step plus the additions made by then. Text
+formatted before the call (an f-string of `loss.item()`) cannot be: the trace stops
+there, and the error says to pass the number as an argument (trace_checks).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import functools
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.utils._pytree as pytree
+
+from remat.capture.state import user_code
+from remat.capture.state.kept_numbers import Term, counted
+from remat.capture.state.python_state import TRACED_NUMBERS, Slot
+
+_TRACED = (*TRACED_NUMBERS, torch.Tensor)
+
+
+@dataclass(frozen=True)
+class CountedValue:
+    """A number the step counts up, as printed: the number `slot` holds before the step,
+    plus `addends` (constants, or Term.GRAPH: the graph's next outputs)."""
+
+    slot: Slot
+    addends: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class PrintCall:
+    """A call of `function(*args, **kwargs)` made again after each run; the leaves of
+    (args, kwargs) that are Term.GRAPH take the graph's next outputs."""
+
+    function: Callable[..., Any]
+    leaves: tuple[Any, ...]
+    spec: Any  # pytree spec of (args, kwargs)
+    keyed = True  # it holds no slot of the user's state
+
+    @property
+    def count(self) -> int:
+        return sum(a is Term.GRAPH for leaf in self.leaves for a in (leaf.addends if isinstance(leaf, CountedValue) else (leaf,)))
+
+    def where(self) -> str:
+        return "printed"
+
+    def replay(self, values: list[Any]) -> None:
+        numbers = iter(values)
+
+        def value(leaf: Any) -> Any:
+            if leaf is Term.GRAPH:
+                return next(numbers)
+            if isinstance(leaf, CountedValue):
+                total = leaf.slot.get()
+                for addend in leaf.addends:
+                    total = total + value(addend)
+                return total
+            return leaf
+
+        args, kwargs = pytree.tree_unflatten([value(leaf) for leaf in self.leaves], self.spec)
+        self.function(*args, **kwargs)
+
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR,
+           "critical": logging.CRITICAL, "exception": logging.ERROR}
+_LOGGING_DIR = os.path.dirname(logging.__file__)
+
+
+def _from_user_code() -> bool:
+    """Whether the call being recorded comes from the user's code (not a library's, whose
+    messages are made once, at capture, as before), past the logging module's own frames."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_LOGGING_DIR):
+        frame = frame.f_back
+    return frame is not None and user_code.is_user_file(frame.f_code.co_filename)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]]]:
+    """While the block runs, the user's code's `print(...)` and logger calls recorded, not
+    made (whatever the logger's level: it is checked when the call is made again)."""
+    calls: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
+    real_print = builtins.print
+    real_methods = {name: getattr(logging.Logger, name) for name in [*_LEVELS, "log"]}
+
+    def recorded_print(*args: Any, **kwargs: Any) -> None:
+        if not _from_user_code():
+            return real_print(*args, **kwargs)
+        calls.append((real_print, args, kwargs))
+
+    def recording_method(name: str) -> Callable[..., None]:
+        def method(logger: logging.Logger, *args: Any, **kwargs: Any) -> None:
+            if not _from_user_code():
+                return real_methods[name](logger, *args, **kwargs)
+            kwargs.pop("stacklevel", None)  # the call is made again from the runtime: its caller is not the step's line
+            if name == "exception":
+                kwargs.setdefault("exc_info", True)
+            calls.append((functools.partial(real_methods["log"], logger), args if name == "log" else (_LEVELS[name], *args), kwargs))
+
+        return method
+
+    builtins.print = recorded_print
+    for name in real_methods:
+        setattr(logging.Logger, name, recording_method(name))
+    try:
+        yield calls
+    finally:
+        builtins.print = real_print
+        for name, real in real_methods.items():
+            setattr(logging.Logger, name, real)
+
+
+def recorded(calls: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]]) -> tuple[list[PrintCall], list[list[Any]]]:
+    """The calls as PrintCalls, with the traced values each takes from the graph, in order."""
+    out: list[PrintCall] = []
+    values: list[list[Any]] = []
+    for function, args, kwargs in calls:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        traced: list[Any] = []
+
+        def marked(v: Any) -> Any:
+            if isinstance(v, _TRACED):
+                traced.append(v)
+                return Term.GRAPH
+            count = counted(v)
+            return v if count is None else CountedValue(count[0], tuple(marked(a) for a in count[1]))
+
+        out.append(PrintCall(function, tuple(marked(v) for v in leaves), spec))
+        values.append(traced)
+    return out, values

@@ -1,0 +1,221 @@
+"""What the captured graph takes and leaves at each call: the real tensors for its
+placeholders, read from the model, the optimizer, the user's state and the batch as they
+are now (where the loop's changes are checked), and one step run with `.grad` and the
+train/eval flags left as eager leaves them."""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Any, Iterator
+
+import torch
+import torch.utils._pytree as pytree
+
+from remat.errors import CaptureError
+from remat.capture.state.guards import same_objects
+from remat.capture import data_parallel, hyperparams, param_hooks
+from remat.capture.state import read_numbers, step_outputs, train_modes
+from remat.capture.optimizer_state import optimizer_states
+from remat.capture.optimizers import as_one
+from remat.capture.train_graph import GraphInput, InputKind, TrainGraph
+
+
+def unique_named(items: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in items:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[name] = t
+    return out
+
+
+@dataclass
+class ModelView:
+    """The model's modules, and its parameters and buffers by name (as named_parameters and
+    named_buffers name them, the first name of a tensor held twice), read in one walk of
+    its modules: a call reads them once for its checks, its inputs and its gradients."""
+
+    modules: list[torch.nn.Module]
+    module_names: list[str]
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    _graded: tuple[Any, list[torch.Tensor]] | None = None  # grad_names, and their parameters
+
+    def graded(self, grad_names: list[str]) -> list[torch.Tensor]:
+        """The parameters named in `grad_names`, in order (worked out once for each list)."""
+        if self._graded is None or self._graded[0] is not grad_names:
+            self._graded = (grad_names, [self.params[name] for name in grad_names])
+        return self._graded[1]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ModelView:
+        modules, names, params, buffers, seen = [], [], {}, {}, set()
+        for prefix, module in model.named_modules():
+            modules.append(module)
+            names.append(prefix)
+            for table, out in ((module._parameters, params), (module._buffers, buffers)):
+                for key, t in table.items():
+                    if t is not None and id(t) not in seen:
+                        seen.add(id(t))
+                        out[f"{prefix}.{key}" if prefix else key] = t
+        return cls(modules, names, params, buffers)
+
+
+def check_batch(batch: Any) -> tuple[list[Any], Any]:
+    leaves, spec = pytree.tree_flatten(batch)
+    if not leaves:
+        raise CaptureError("the batch holds no tensors: pass a tensor, a tuple or a dict of tensors")
+    paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(batch)[0]]
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise CaptureError(
+                f"the batch must be a tensor, a tuple or a dict of tensors; batch{path} is a "
+                f"{type(leaf).__name__}. Move non-tensor settings into train_step or the model."
+            )
+    return leaves, spec
+
+
+def batch_leaf_names(batch: Any) -> list[str]:
+    return [f"batch{pytree.keystr(p)}" for p, _ in pytree.tree_flatten_with_path(batch)[0]]
+
+
+def describe(t: torch.Tensor) -> tuple[tuple[int, ...], str, str]:
+    return tuple(t.shape), str(t.dtype).replace("torch.", ""), str(t.device)
+
+
+def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: Any, batch: Any, view: ModelView | None = None) -> list[torch.Tensor]:
+    """The real tensors for the graph's placeholders, in order (`optimizer`: the step's
+    argument: one optimizer, a list of them, or None; `view`: the model's, where read).
+
+    Also where the loop around the step is checked: a change the graph cannot follow
+    (a frozen parameter thawed, an optimizer flag or group changed) is refused here,
+    and the hyperparameters are read from the param groups as they are now.
+    """
+    optimizer = as_one(optimizer)
+    view = ModelView.of(model) if view is None else view
+    train_modes.check_mode(view.modules, tg)
+    if tg.call.data_parallel is not None:
+        data_parallel.check_unchanged(model, tg.call.data_parallel)
+    params, buffers = view.params, view.buffers
+    trainable = tuple(n for n, p in params.items() if p.requires_grad)
+    if trainable != tg.call.trainable:
+        changed = sorted(set(trainable) ^ set(tg.call.trainable))
+        raise CaptureError(
+            f"requires_grad of {len(changed)} parameters changed since the step was compiled (first: {changed[0]}); "
+            "the captured graph computes gradients for the parameters that required them then. Compile a new step "
+            "(remat.compile) after freezing or unfreezing parameters."
+        )
+    param_hooks.check_unchanged(params, tg.call.param_hooks)
+    if tg.has_optimizer:
+        names = {id(p): n for n, p in params.items()}
+        hyperparams.check_unchanged(optimizer, tg.call.groups, names)
+    # Only the state the graph reads: eager creates none for a parameter without a gradient.
+    wanted = {id(params[name]) for name in state_owners(tg)}
+    states = optimizer_states(optimizer, params, wanted) if tg.has_optimizer else {}
+    hyper_names = [i.name for i in tg.inputs if i.kind is InputKind.HYPERPARAMETER]
+    hyper = dict(zip(hyper_names, hyperparams.values(optimizer, hyper_names))) if hyper_names else {}
+    leaves, spec = check_batch(batch)
+    if str(spec) != tg.call.batch_spec:
+        raise CaptureError(
+            f"the batch has a different structure from the one captured ({spec} vs {tg.call.batch_spec}); "
+            "a new structure needs a new capture"
+        )
+    out: list[torch.Tensor] = []
+    for inp in tg.inputs:
+        if inp.kind is InputKind.PARAMETER:
+            out.append(params[inp.name])
+        elif inp.kind is InputKind.BUFFER:
+            out.append(buffers[inp.name])
+        elif inp.kind is InputKind.OPTIMIZER_STATE:
+            pname, key = inp.name.rsplit(".", 1)
+            out.append(states[pname][key])
+        elif inp.kind is InputKind.HYPERPARAMETER:
+            out.append(hyper[inp.name])
+        elif inp.kind is InputKind.OUTSIDE:
+            out.append(outside_value(tg, inp))
+        elif inp.kind is InputKind.NUMBER:
+            out.append(read_numbers.value(tg.call.numbers[inp.name]))
+    out.extend(leaves)
+    return out
+
+
+def state_owners(tg: TrainGraph) -> tuple[str, ...]:
+    """The parameters whose optimizer state the graph reads (worked out once per graph)."""
+    known = tg.meta.get("state_owners")
+    if known is None or known[0] is not tg.inputs:
+        known = tg.meta["state_owners"] = (tg.inputs, tuple({i.name.rsplit(".", 1)[0]: None for i in tg.inputs if i.kind is InputKind.OPTIMIZER_STATE}))
+    return known[1]
+
+
+def outside_value(tg: TrainGraph, inp: GraphInput) -> torch.Tensor:
+    t = tg.call.outside[inp.name].get()
+    if describe(t) != (inp.shape, inp.dtype, inp.device):
+        shape, dtype, device = describe(t)
+        raise CaptureError(
+            f"{inp.name}, a tensor outside the model that the step reads, is now {dtype} of shape {shape} on {device}, "
+            f"but the step was compiled for {inp.dtype} of shape {inp.shape} on {inp.device}; compile a new step."
+        )
+    return t
+
+
+_grad = attrgetter("grad")
+# The gradients a step that ends with zero_grad(set_to_none=False) left on each model's
+# parameters, by weak reference (a gradient the user drops is freed): while each parameter
+# still holds its own, they are known zeros.
+_ZERO_GRADS_LEFT: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+
+
+def _no_gradient() -> None:
+    return None
+
+
+def _check_grads_are_zero(model: torch.nn.Module, view: ModelView) -> None:
+    """A step that adds its gradients to the zeros the previous one left must not find other
+    gradients there (an eager backward since): eager would add to them."""
+    left = _ZERO_GRADS_LEFT.get(model, [])
+    if same_objects(list(map(_grad, view.params.values())), list(map(operator.call, left))):
+        return
+    for name, p in view.params.items():
+        g = p.grad
+        if g is not None and bool(g.any()):
+            raise CaptureError(
+                f"{name} holds a nonzero gradient from outside the step; the step adds its gradients to what it finds "
+                "(it ends with zero_grad(set_to_none=False)), which the captured graph does not. Call "
+                "optimizer.zero_grad() before the step."
+            )
+
+
+def run_captured(
+    tg: TrainGraph,
+    gm: torch.fx.GraphModule,
+    model: torch.nn.Module,
+    inputs: list[torch.Tensor],
+    view: ModelView | None = None,
+) -> Any:
+    """Run one step of `gm` (the captured graph or a rewrite of it) in place; returns what
+    train_step returns (the loss, or its tuple/dict of tensors).
+
+    Leaves each parameter's `.grad` as the eager step would: the graph's final gradient
+    where train_step left one set, None where it cleared them; and the modules' train/eval
+    flags as train_step's own train() and eval() calls leave them.
+    """
+    view = ModelView.of(model) if view is None else view
+    params = view.params
+    if tg.call.leaves_zero_grads:
+        _check_grads_are_zero(model, view)
+    # The step clears the previous gradients before its backward (checked at capture), or
+    # adds to the zeros the last step left; drop them now rather than hold them through the step.
+    for p in params.values():
+        p.grad = None
+    with torch.no_grad():
+        outputs, grads = gm(*inputs)
+    train_modes.make_mode_calls(model, tg)
+    for p, g in zip(view.graded(tg.grad_names), grads):
+        p.grad = g
+    if tg.call.leaves_zero_grads:
+        _ZERO_GRADS_LEFT[model] = [_no_gradient if p.grad is None else weakref.ref(p.grad) for p in params.values()]
+    return step_outputs.as_returned(tg, outputs)

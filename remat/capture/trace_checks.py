@@ -1,0 +1,302 @@
+"""What is done to a traced graph before it becomes a TrainGraph: checks that refuse, by
+name, what remat cannot run as eager does, and passes that drop inputs nothing reads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
+
+from remat.errors import CaptureError
+
+from remat.capture.markers import MARKER
+from remat.capture.train_graph import GraphInput, InputKind
+
+
+def branched_hyperparameters(e: BaseException, symbols: dict[str, str]) -> list[str]:
+    """The hyperparameters a failed trace branched on, from a data-dependent guard's condition."""
+    while e is not None:
+        cond = getattr(e, "cond", None)
+        if cond is not None and hasattr(cond, "free_symbols"):
+            return [symbols[str(s)] for s in cond.free_symbols if str(s) in symbols]
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return []
+
+
+def drop_unread_inputs(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> list[GraphInput]:
+    """Remove the hyperparameters the update never reads (a scheduler's initial_lr, a float
+    fixed at zero), the tensors outside the model the step does not use, and the numbers
+    read at every call that the trace left constant, so that only what changes the step is
+    an input."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    keep: list[GraphInput] = []
+    for node, inp in zip(placeholders, inputs):
+        if inp.kind in (InputKind.HYPERPARAMETER, InputKind.OUTSIDE, InputKind.NUMBER):
+            for user in list(node.users):
+                if user.target is torch.ops.aten._local_scalar_dense.default and not user.users:
+                    gm.graph.erase_node(user)
+            if not node.users:
+                gm.graph.erase_node(node)
+                continue
+        keep.append(inp)
+    return keep
+
+
+def drop_unread_new_state(
+    gm: torch.fx.GraphModule,
+    inputs: list[GraphInput],
+    optimizer: torch.optim.Optimizer,
+    params: dict[str, torch.Tensor],
+    had_state: set[int],
+) -> list[GraphInput]:
+    """Undo the first-step state of parameters the step gave no gradient.
+
+    The optimizer skips a parameter whose `.grad` is None and eager never creates its
+    state; the state made before tracing (`init_optimizer_state`) is then read by no
+    node. It is removed from the optimizer and from the graph's inputs, so that the
+    optimizer's state is what eager's would be (and costs no memory).
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    read: dict[str, bool] = {}  # parameter -> whether any of its new state is read
+    for node, inp in zip(placeholders, inputs):
+        if inp.kind is InputKind.OPTIMIZER_STATE:
+            pname = inp.name.rsplit(".", 1)[0]
+            read[pname] = read.get(pname, False) or bool(node.users) or id(params[pname]) in had_state
+    keep: list[GraphInput] = []
+    for node, inp in zip(placeholders, inputs):
+        pname = inp.name.rsplit(".", 1)[0]
+        if inp.kind is InputKind.OPTIMIZER_STATE and not read[pname]:
+            optimizer.state.pop(params[pname], None)
+            gm.graph.erase_node(node)
+            continue
+        keep.append(inp)
+    return keep
+
+
+def ends_with_zero_grads(gm: torch.fx.GraphModule) -> bool:
+    """Whether the step leaves every gradient it sets zeroed in place (zero_grad(set_to_none=False)
+    at its end). The next step's backward then adds to zeros, which is the fresh gradient
+    the graph computes: such a step is no accumulation across calls."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    grads = output.args[0][1]
+    return bool(grads) and all(g.target is torch.ops.aten.zero_.default for g in grads)
+
+
+def check_no_accumulation(probe_gm: torch.fx.GraphModule, trainable: dict[str, torch.Tensor], optimizer: Any) -> None:
+    """Refuse a step that adds its gradients to those of the step before.
+
+    `probe_gm` was traced with the `.grad` of every parameter in `trainable` (by name, in
+    the marker's order) already set: if train_step calls zero_grad() before backward(),
+    nothing reads those gradients (or they are zeroed in place first); otherwise backward
+    accumulates into them, which a graph computing fresh gradients would silently not do.
+    """
+    marker = next(n for n in probe_gm.graph.nodes if n.target is MARKER and n.args[1] == "preset_grads")
+    kept = [name for name, preset in zip(trainable, marker.args[0]) if _read_before_cleared(preset, marker)]
+    if not kept:
+        return
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]} if optimizer is not None else set()
+    unheld = [name for name in kept if id(trainable[name]) not in held]
+    named = f"{', '.join(kept[:3])}{f' and {len(kept) - 3} more' if len(kept) > 3 else ''}"
+    if unheld:
+        raise CaptureError(
+            f"train_step leaves set the gradients of {len(unheld)} parameter{'s' if len(unheld) > 1 else ''} that no "
+            f"optimizer holds (first: {unheld[0]}), so optimizer.zero_grad() does not clear them and each step would "
+            "add to them. Freeze them (requires_grad_(False)), add them to the optimizer, or call model.zero_grad() "
+            "in train_step before loss.backward()."
+        )
+    raise CaptureError(
+        f"train_step leaves gradients set ({named}) and does not clear them before backward(), so each step "
+        "would add its gradients to the previous step's (gradient accumulation across calls). "
+        "remat captures steps that start from zero gradients: call optimizer.zero_grad() (or "
+        "model.zero_grad()) in train_step before loss.backward()."
+    )
+
+
+def _read_before_cleared(preset: torch.fx.Node, marker: torch.fx.Node) -> bool:
+    users = [u for u in preset.users if u is not marker]
+    return bool(users) and users[0].target not in (torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar)
+
+
+def check_static_shapes(gm: torch.fx.GraphModule) -> None:
+    """Refuse a trace in which an op's output shape depends on tensor values.
+
+    Fake tensors give such outputs (nonzero, boolean-mask indexing) symbolic sizes instead
+    of failing; the analysis, the simulator and the planners need every size.
+    """
+    for node in gm.graph.nodes:
+        for v in _vals(node):
+            if any(not isinstance(d, int) for d in v.shape):
+                raise CaptureError(
+                    f"an op in train_step returns a shape that depends on tensor values ({node.target} "
+                    f"makes a tensor of shape {tuple(v.shape)}); remat needs static shapes: replace it "
+                    "(e.g. masked ops such as torch.where instead of nonzero/boolean indexing)."
+                )
+
+
+def check_graph_runnable(gm: torch.fx.GraphModule) -> None:
+    """Refuse ops whose traced form cannot run from a graph, or that make tensors the
+    analysis cannot measure (sparse ones), naming the way around.
+
+    oneDNN's LSTM layer returns an undefined workspace at run time (a tensor only on fake
+    tensors), and its backward, called from a graph, will not take one.
+    """
+    for node in gm.graph.nodes:
+        sparse = [v for v in _vals(node) if v.layout is not torch.strided] if node.op == "call_function" else []
+        if sparse:
+            raise CaptureError(
+                f"an op in train_step makes a {str(sparse[0].layout).replace('torch.', '')} tensor ({node.target}), such "
+                "as the gradient of nn.Embedding(sparse=True): remat plans dense tensors only. Use sparse=False (a "
+                "dense gradient; SparseAdam then becomes Adam), or train this model without remat."
+            )
+        if node.target is torch.ops.aten.mkldnn_rnn_layer.default:
+            raise CaptureError(
+                "nn.LSTM on CPU runs oneDNN's fused layer (aten.mkldnn_rnn_layer), whose backward cannot run from a "
+                "captured graph. Set torch.backends.mkldnn.enabled = False before building the step (eager and remat "
+                "then both run PyTorch's own LSTM kernels), or train this model without remat."
+            )
+
+
+def _vals(node: torch.fx.Node) -> list[torch.Tensor]:
+    v = node.meta.get("val")
+    return [t for t in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, torch.Tensor)]
+
+
+_LIBRARY_DIRS = (Path(torch.__file__).parent, Path(__file__).resolve().parents[1])  # torch's and remat's own code
+
+
+def _where_in_users_code(frames: list) -> str:
+    """', at file.py, line N: code' for the innermost frame outside torch and remat (the
+    model's or the step's line that led to the failure), or ''."""
+    for frame in reversed(frames):
+        path = Path(frame.filename).resolve()
+        if not any(path.is_relative_to(d) for d in _LIBRARY_DIRS) and not frame.filename.startswith("<"):
+            return f", at {path.name}, line {frame.lineno}: {(frame.line or '').strip()}"
+    return ""
+
+
+def _fake_dispatch_of(e: BaseException) -> tuple[str, list[Any]] | None:
+    """(the op, its flat arguments) being run on fake tensors when `e` was raised inside
+    FakeTensorMode's dispatch (which holds them as `func`, `args` and `kwargs`), or None."""
+    tb = e.__traceback__
+    found = None
+    while tb is not None:
+        code, local = tb.tb_frame.f_code, tb.tb_frame.f_locals
+        if code.co_name == "_dispatch_impl" and code.co_filename.endswith("fake_tensor.py") and "func" in local:
+            found = (str(local["func"]), pytree.tree_leaves((local.get("args", ()), local.get("kwargs", {}))))
+        tb = tb.tb_next
+    return found
+
+
+def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) -> CaptureError:
+    name = type(e).__name__
+    first = str(e).strip().splitlines()[0] if str(e).strip() else name
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    where = _where_in_users_code(frames)
+    if any("grad_scaler" in frame.filename for frame in frames):
+        return CaptureError(
+            "train_step uses torch.amp.GradScaler, which skips the optimizer step when a gradient overflows: a "
+            "Python branch on tensor values that one captured graph cannot hold. Train in bfloat16 under "
+            "torch.autocast (it needs no scaler), or without remat."
+        )
+    data_dependent = "DataDependent" in name or "GuardOnDataDependent" in name or "data-dependent" in str(e).lower()
+    if data_dependent and any(Path(f.filename).name == "swa_utils.py" for f in frames):
+        return CaptureError(
+            "train_step calls torch.optim.swa_utils.AveragedModel.update_parameters, which branches on how many "
+            f"steps it has averaged (n_averaged == 0){where}: one captured graph cannot hold that branch. Call it "
+            "between steps, outside train_step, or keep the average yourself inside the step "
+            "(with torch.no_grad(): for e, p in zip(ema.parameters(), model.parameters()): e.lerp_(p, 1 - decay))."
+        )
+    if data_dependent and any(Path(f.filename).parent.parts[-2:] == ("torch", "distributions") for f in frames):
+        return CaptureError(
+            f"a torch.distributions object in train_step checks its arguments or samples with a Python branch on "
+            f"tensor values (validate_args){where}, which one captured graph cannot hold. Pass validate_args=False to "
+            "the distribution, or call torch.distributions.Distribution.set_default_validate_args(False) before the "
+            "step: its samples are then drawn in the graph at every step, as eager draws them."
+        )
+    if data_dependent and any(Path(f.filename).name == "batchnorm.py" and "num_batches_tracked" in (f.line or "") for f in frames):
+        return CaptureError(
+            f"a BatchNorm layer has momentum=None (a cumulative average), whose factor 1 / num_batches_tracked is read "
+            f"from a tensor at every step{where}: a number one captured graph cannot hold. Give the layer a float "
+            "momentum (the default is 0.1), or train without remat."
+        )
+    if data_dependent and any(Path(f.filename).name == "clip_grad.py" for f in frames):
+        return CaptureError(
+            f"train_step clips gradients with error_if_nonfinite=True{where}, which raises on the norm's value: a "
+            "Python branch on tensor values that one captured graph cannot hold. Pass error_if_nonfinite=False (the "
+            "default) and check torch.isfinite on the norm clip_grad_norm_ returns, after the step."
+        )
+    in_optimizer = [f for f in frames if Path(f.filename).parent.parts[-2:] == ("torch", "optim")]
+    if data_dependent and any("fused" in f.name for f in in_optimizer):
+        return CaptureError(
+            f"the optimizer runs its fused kernel (fused=True, in torch/optim/{Path(in_optimizer[-1].filename).name}), "
+            "which takes the learning rate and its other settings as fixed numbers, while remat reads them from "
+            "param_groups at every call (a scheduler may change them). Construct the optimizer with fused=False "
+            "(foreach=True is its multi-tensor path), or train without remat."
+        )
+    if data_dependent and in_optimizer:
+        line = in_optimizer[-1]
+        return CaptureError(
+            "the optimizer's update branches on a value that can change from step to step, such as its step count "
+            f"or its state (torch/optim/{Path(line.filename).name}, line {line.lineno}: {line.line}), which one "
+            "captured graph cannot hold. Use an optimizer whose update does not branch on its state (SGD, Adam, "
+            "AdamW, RMSprop, Adagrad, Adamax, NAdam, Adadelta, Rprop), or train this one without remat."
+        )
+    if data_dependent:
+        return CaptureError(
+            f"train_step has data-dependent Python control flow or an op whose output shape depends "
+            f"on tensor values ({name}: {first}){where}. Make the branch independent of tensor values "
+            "(e.g. use torch.where), or move it out of train_step."
+        )
+    if "DynamicOutputShape" in name:
+        return CaptureError(
+            f"an op in train_step returns a shape that depends on tensor values ({first}){where}; "
+            "remat needs static shapes: replace it (e.g. masked ops instead of nonzero/boolean indexing)."
+        )
+    if "Sym" in first and "__format__" in first:
+        return CaptureError(
+            f"train_step formats a number it computes into text ({first}){where}: its Python code runs once, at "
+            "capture, where the number is not known. Pass the number to print or logging as an argument "
+            "(print('loss', loss.item()), log.info('loss %.4f', loss.item())), which remat makes again after each "
+            "step with its value, or return it from train_step and format it there."
+        )
+    if isinstance(e, KeyError) and e.args and isinstance(e.args[0], FakeTensor):
+        return CaptureError(
+            f"train_step or a hook looks a tensor up in a dict keyed by the model's tensors ({name}){where}. While "
+            "tracing, remat swaps the parameters and buffers for stand-ins, which such a dict does not hold. Key it by "
+            "name (model.named_parameters()). An optimizer per parameter, stepped in a "
+            "register_post_accumulate_grad_hook, is not needed: pass one optimizer (or a list) to remat.compile and "
+            "step it in train_step; remat runs each parameter's update as soon as its gradient is final."
+        )
+    if "Unsupported" in name or "NotImplemented" in name:
+        return CaptureError(f"train_step uses an op that cannot be traced on fake tensors ({name}: {first}){where}; replace or remove it.")
+    dispatch = _fake_dispatch_of(e)
+    real = [a for a in dispatch[1] if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor)] if dispatch else []
+    if real:
+        t = real[0]
+        return CaptureError(
+            f"train_step uses a {'parameter' if isinstance(t, torch.nn.Parameter) else 'tensor'} of shape "
+            f"{tuple(t.shape)} that is not the model's, its optimizer's or the batch's, and not held where remat "
+            f"looks for tensors outside the model ({dispatch[0]}){where}. remat finds such a tensor in a global or "
+            "closure variable of the user's code, a field of the user's object (one in a list or dict too), a module "
+            "held there, a list or dict in one of those, or a field of a library's object held in one of those (two "
+            "objects deep): hold the tensor, or the library object that holds it, in one of those places (a global the "
+            "step reads, a field of your trainer), register it with the model (register_buffer, where the model's code "
+            "reads it), or pass it in the batch."
+        )
+    if dispatch is not None:
+        op = dispatch[0]
+        hint = (
+            " For a Hugging Face mixture-of-experts layer, load the model with experts_implementation=\"batched_mm\"."
+            if "grouped_mm" in op else ""
+        )
+        return CaptureError(
+            f"{op}'s shape function, which remat traces with, refuses these inputs ({name}: {first}){where}, "
+            f"though eager PyTorch may run them: replace the op or change its inputs' dtype or layout.{hint}"
+        )
+    return CaptureError(f"could not capture train_step: {name}: {first}{where}")

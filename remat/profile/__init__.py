@@ -1,0 +1,2 @@
+"""Measuring a graph: per-node times and scratch (profiler), saved profiles, repeated
+blocks, and the allocator's peaks."""
