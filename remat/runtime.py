@@ -317,9 +317,9 @@ class RematStep:
     def _inputs(self, compiled: CompiledGraph, batch: Any) -> tuple[list[torch.Tensor], ModelView]:
         last = compiled.call_inputs and compiled.call_inputs.last
         inputs, view = compiled.inputs(self.model, self.optimizer, batch)
-        if compiled.call_inputs.last is not last:
-            # Gathered in full: something changed, and the other graphs' last inputs may hold
-            # tensors the user let go (a replaced parameter, an optimizer's old state).
+        if last is not None and compiled.call_inputs.last is not last:
+            # Gathered in full again: something changed, and the other graphs' last inputs
+            # may hold tensors the user let go (a replaced parameter, an optimizer's old state).
             for other in self._graphs.values():
                 if other is not compiled:
                     other.call_inputs = None

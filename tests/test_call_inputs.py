@@ -101,6 +101,26 @@ def test_calls_that_change_nothing_reuse_what_the_last_one_read() -> None:
         step(batches[2])
 
 
+def test_two_batch_shapes_in_turn_each_take_the_quick_way() -> None:
+    """A graph's first gather does not make the other graphs gather in full again; a change
+    does (their last inputs may hold what the user let go)."""
+    step, model, opt, eager, eager_opt, batches = _pair()
+    short = [b[:4] for b in batches]
+    for batch in [short[0], batches[2], short[1], batches[3]]:
+        assert torch.equal(step(batch), _train_step(eager, eager_opt, batch))
+    lasts = [step.compiled_for(b).call_inputs.last for b in (short[0], batches[0])]
+    for batch in [short[2], batches[2], short[3], batches[3]]:
+        assert torch.equal(step(batch), _train_step(eager, eager_opt, batch))
+    assert all(step.compiled_for(b).call_inputs.last is last for b, last in zip((short[0], batches[0]), lasts))
+    _reloaded(opt)
+    _reloaded(eager_opt)
+    step(batches[0])  # gathered in full again: the other shape's last inputs are let go
+    _train_step(eager, eager_opt, batches[0])
+    assert step.compiled_for(short[0]).call_inputs is None
+    assert torch.equal(step(short[1]), _train_step(eager, eager_opt, short[1]))
+    assert compare_state(eager, eager_opt, model, opt) == []
+
+
 def test_gradients_left_as_zeros_are_not_kept_alive_by_remat() -> None:
     """A step that ends with zero_grad(set_to_none=False) leaves zeros, which the next call
     knows as its own; once the user drops them they are freed."""
