@@ -72,7 +72,7 @@ class LastCall:
     groups: list[dict[str, Any]]
     group_sizes: list[int]
     group_params: SameContents
-    settings: SameEntries  # each group's entries but its parameters and the floats read at every call
+    settings: SameEntries  # each group's entries but the floats read at every call
     # (group, key, sign) of each float the update branches on the sign of, and (group, key,
     # value) of each it fixed (where read at every call, settings leaves them out)
     signs: list[tuple[int, str, int]]
@@ -192,7 +192,8 @@ def _buffers(tg: TrainGraph, view: ModelView) -> SameEntries:
 def _settings(tg: TrainGraph, groups: list[dict[str, Any]]) -> SameEntries:
     read = {hyperparams.parse_input_name(i.name) for i in tg.inputs if i.kind is InputKind.HYPERPARAMETER}
     read_bases = {(gi, key.split("[")[0]) for gi, key in read}
-    return SameEntries.of((g, k, v) for gi, g in enumerate(groups) for k, v in g.items() if k != "params" and (gi, k) not in read_bases)
+    # "params" too: the list itself (its items: group_params), which the user may replace
+    return SameEntries.of((g, k, v) for gi, g in enumerate(groups) for k, v in g.items() if (gi, k) not in read_bases)
 
 
 def _held(optimizers: list[torch.optim.Optimizer]) -> list[Any]:
