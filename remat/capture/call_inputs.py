@@ -29,7 +29,7 @@ from remat.capture import data_parallel, hyperparams
 from remat.capture.state import read_numbers
 from remat.capture.state.guards import SameContents, SameEntries, same_objects
 from remat.capture.optimizers import as_one, each
-from remat.capture.step_inputs import ModelView, check_batch, flat_inputs, outside_value, state_owners
+from remat.capture.step_inputs import ModelView, flat_inputs, outside_value, state_owners
 from remat.capture.train_graph import InputKind, TrainGraph
 
 _training = attrgetter("training")
@@ -90,6 +90,7 @@ class LastCall:
         owners = [view.params[name] for name in state_owners(tg)]
         leaves, spec = pytree.tree_flatten(batch)
         reread = _rereads(tg, optimizer, groups)
+        hook_tables = _hook_tables(params)
         return cls(
             view=view,
             params=params,
@@ -100,8 +101,8 @@ class LastCall:
             buffers=_buffers(tg, view),
             training=None if tg.call.sets_mode_first else list(map(_training, view.modules)),
             requires_grad=list(map(_requires_grad, params)),
-            hook_tables=_hook_tables(params),
-            hooks=SameContents.of(t for t in _hook_tables(params) if t is not None),
+            hook_tables=hook_tables,
+            hooks=SameContents.of(t for t in hook_tables if t is not None),
             optimizer=optimizer,
             optimizers=optimizers,
             groups=groups,
@@ -115,10 +116,10 @@ class LastCall:
             states=SameContents.of(tables[id(p)][p] for p in owners),
         )
 
-    def holds(self, tg: TrainGraph, optimizer: Any) -> bool:
+    def holds(self, optimizer: Any) -> bool:
         """Whether the full gather would read the same tensors and pass the same checks."""
         params = self.params
-        if not (
+        return (
             self.tables.hold()
             and self.buffers.hold()
             and (self.training is None or list(map(_training, self.view.modules)) == self.training)
@@ -134,9 +135,7 @@ class LastCall:
             and self._same_numbers()
             and self.state_tables.hold()
             and self.states.hold()
-        ):
-            return False
-        return True
+        )
 
     def _same_numbers(self) -> bool:
         try:
@@ -161,7 +160,7 @@ class CallInputs:
         """The inputs, and the model's view they were read from."""
         optimizer = as_one(optimizer)
         last, tg = self.last, self.tg
-        if last is not None and last.holds(tg, optimizer):
+        if last is not None and last.holds(optimizer):
             leaves, spec = pytree.tree_flatten(batch)
             if spec == last.batch_spec and all(isinstance(leaf, torch.Tensor) for leaf in leaves):
                 if tg.call.data_parallel is not None:
@@ -171,7 +170,6 @@ class CallInputs:
                     inputs[r.position] = r.now()
                 inputs.extend(leaves)
                 return inputs, last.view
-            check_batch(batch)  # refuses it, naming the leaf
         view = ModelView.of(model)
         inputs = flat_inputs(tg, model, optimizer, batch, view)
         self.last = LastCall.record(tg, view, optimizer, inputs, batch)
