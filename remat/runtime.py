@@ -7,7 +7,6 @@ re-trace that trains something else.
 
 from __future__ import annotations
 
-import operator
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from remat import build as pipeline
 from remat.capture import data_parallel
 from remat.capture.state import read_numbers
 from remat.budget import parse_budget
+from remat.ops import op_facts
 from remat.capture.capture import capture
 from remat.capture.step_inputs import ModelView, batch_leaf_names, run_captured
 from remat.capture.train_graph import InputKind, TrainGraph, TrainStep
@@ -153,8 +153,14 @@ class RematStep:
     def compiled_for(self, batch: Any) -> CompiledGraph:
         """The compiled graph for this batch's shape, compiling it if it is new."""
         shapes = self._agreed("reading the batch", lambda: self._checked_signature(batch), summary=_shapes, differ="the batch's shapes and dtypes")
-        if self._hit is not None and self._hit[0] == shapes and self._hit[1].hold():
+        same_state = self._hit is not None and self._hit[1].hold()
+        if same_state and self._hit[0] == shapes:
             return self._hit[2]  # the Python state the key was found from is as it was
+        if not same_state:
+            # The model's tree of modules may have changed (the guards check it,
+            # call_inputs does not): the next call of each graph gathers its inputs in full.
+            for graph in self._graphs.values():
+                graph.call_inputs = None
         slots = state_slots(self.model, self.train_step, self._ran)
         now = self._key_values(slots)
         cached = self._graphs.get((shapes, now))
@@ -327,12 +333,11 @@ class RematStep:
 
     def _run(self, compiled: CompiledGraph, inputs: list[torch.Tensor], view: ModelView) -> torch.Tensor:
         """One step; on failure, its error says what the step had already changed in place."""
-        changed = _ChangedOnFailure(compiled, inputs)
         dp = compiled.tg.call.data_parallel
         try:
             result = run_captured(compiled.tg, compiled.gm, self.model, inputs, view)
         except Exception as e:
-            changed.note(e)
+            _ChangedOnFailure.note(e, compiled)
             if dp is not None:
                 ranks.note_collective_failure(e, dp)
             raise
@@ -342,16 +347,6 @@ class RematStep:
         return result
 
 
-_version = operator.attrgetter("_version")
-
-
-def _picker(positions: list[int]) -> Any:
-    """A function from a list to the tuple of its items at `positions` (C-level)."""
-    if len(positions) == 1:
-        return lambda items: (items[positions[0]],)
-    return operator.itemgetter(*positions) if positions else (lambda _: ())
-
-
 class _ChangedOnFailure:
     """What a failed step had already changed in place, for its error.
 
@@ -359,26 +354,23 @@ class _ChangedOnFailure:
     the forward pass, parameters and optimizer state in the updates (at the end of the
     step or, moved into the backward pass, as soon as each gradient is final). As in eager,
     no second copy is kept to undo them: it would be memory the step holds beside the
-    plan. Version counters tell what a failure came after, and the error says so.
+    plan. What a failure came after is read from where it was raised: the line of the
+    graph's code names the op, and the ops before it have run. Nothing is read before
+    the step, so a call that succeeds pays nothing for this.
     """
 
-    _WRITABLE = (InputKind.PARAMETER, InputKind.OPTIMIZER_STATE, InputKind.BUFFER, InputKind.OUTSIDE)
+    _NOTED = (InputKind.PARAMETER, InputKind.OPTIMIZER_STATE, InputKind.BUFFER, InputKind.OUTSIDE)
 
-    def __init__(self, compiled: CompiledGraph, inputs: list[torch.Tensor]) -> None:
-        tg = compiled.tg
-        known = tg.meta.get("writable_inputs")
-        if known is None or known[0] is not tg.inputs:
-            writable = [(i, spec.name, spec.kind) for i, spec in enumerate(tg.inputs) if spec.kind in self._WRITABLE]
-            known = tg.meta["writable_inputs"] = (tg.inputs, [(name, kind) for _, name, kind in writable], _picker([i for i, _, _ in writable]))
-        _, self.names, pick = known
-        self.tensors = pick(inputs)
-        self.versions = list(map(_version, self.tensors))  # C-level: a call's host time counts
-
-    def note(self, error: Exception) -> None:
-        changed = [named for named, t, version in zip(self.names, self.tensors, self.versions) if t._version != version]
-        buffers = [name for name, kind in changed if kind is InputKind.BUFFER]
-        outside = [name for name, kind in changed if kind is InputKind.OUTSIDE]
-        updated = [name for name, kind in changed if kind in (InputKind.PARAMETER, InputKind.OPTIMIZER_STATE)]
+    @classmethod
+    def note(cls, error: Exception, compiled: CompiledGraph) -> None:
+        ran = _ops_ran_before(error, compiled.gm)
+        if ran is None:  # raised outside the graph's code: before it ran
+            return
+        inputs = compiled.tg.inputs
+        changed = [inputs[i] for i in _inputs_written(compiled.gm, ran) if inputs[i].kind in cls._NOTED]
+        buffers = [i.name for i in changed if i.kind is InputKind.BUFFER]
+        outside = [i.name for i in changed if i.kind is InputKind.OUTSIDE]
+        updated = [i.name for i in changed if i.kind in (InputKind.PARAMETER, InputKind.OPTIMIZER_STATE)]
         if outside:
             error.add_note(
                 f"remat: the step failed after writing {len(outside)} tensors outside the model in place (first: "
@@ -394,6 +386,35 @@ class _ChangedOnFailure:
                 f"remat: the step failed after optimizer updates had begun; {len(updated)} parameters or optimizer "
                 f"states (first: {updated[0]}) were already updated and are not restored"
             )
+
+
+def _ops_ran_before(error: Exception, gm: Any) -> int | None:
+    """How many of `gm`'s nodes had run when `error` was raised in its code (None: it was
+    raised elsewhere). The traceback's line in the generated code maps to the node
+    (GraphModule's line map, read as dynamo reads it)."""
+    code = getattr(getattr(gm, "forward", None), "__code__", None)
+    lines = getattr(gm, "_lineno_map", None)
+    tb = error.__traceback__
+    while tb is not None and (code is None or tb.tb_frame.f_code is not code):
+        tb = tb.tb_next
+    if tb is None or not lines:
+        return None
+    index = lines.get(tb.tb_lineno - code.co_firstlineno)
+    return len(gm.graph.nodes) if index is None else index
+
+
+def _inputs_written(gm: torch.fx.GraphModule, ran: int) -> list[int]:
+    """Positions of the placeholders that the first `ran` nodes of `gm` wrote in place
+    (through a view of one, too)."""
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(n for n in nodes if n.op == "placeholder")}
+    written: dict[int, None] = {}
+    for node in nodes[:ran]:
+        for arg in op_facts.written_args(node):
+            base = op_facts.viewed_base(arg)
+            if base in position:
+                written[position[base]] = None
+    return list(written)
 
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile

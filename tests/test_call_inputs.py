@@ -76,6 +76,7 @@ REFUSED: dict[str, tuple[Callable[[torch.nn.Module, torch.optim.Optimizer], Any]
     "a gradient hook added": (lambda m, o: m[3].bias.register_hook(lambda g: g * 2), "gradient hooks"),
     "the model put in eval mode": (lambda m, o: m.eval(), "train/eval mode"),
     "a parameter replaced": (lambda m, o: setattr(m[0], "bias", torch.nn.Parameter(torch.zeros(16))), "other parameters"),
+    "a layer replaced": (lambda m, o: m.__setitem__(3, torch.nn.Linear(16, 4)), "other parameters"),
     "an optimizer flag changed": (lambda m, o: o.param_groups[0].__setitem__("maximize", True), "maximize"),
     "weight decay set to zero": (lambda m, o: o.param_groups[0].__setitem__("weight_decay", 0.0), "weight_decay"),
     "a group's list of parameters replaced": (lambda m, o: o.param_groups[0].__setitem__("params", o.param_groups[0]["params"][1:]), "other parameters"),

@@ -141,18 +141,24 @@ def test_a_step_failing_after_updates_moved_into_the_backward_pass_says_which_ch
     step = remat.compile(make_train_step(spec.loss_fn), spec.model, opt, spec.batch, memory_budget=0.8, profile_runs=1)
     assert step.report.plan.updates_in_backward, step.report.plan.updates_note
     # Fail at the last backward convolution: updates of later layers have run by then.
+    step(spec.batch)  # the optimizer's state exists
     gm = step.graph_module
     target = [n for n in gm.graph.nodes if n.target is torch.ops.aten.convolution_backward.default][-1]
     original = target.target
     target.target = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected failure"))
     gm.recompile()
+    written = [p for p in spec.model.parameters()] + [t for s in opt.state.values() for t in s.values()]
+    versions = [t._version for t in written]
     try:
         with pytest.raises(RuntimeError, match="injected failure") as info:
             step(spec.batch)
     finally:
         target.target = original
         gm.recompile()
-    assert any("optimizer updates had begun" in note and "not restored" in note for note in info.value.__notes__)
+    changed = sum(t._version != v for t, v in zip(written, versions))
+    assert 0 < changed < len(written)
+    notes = [note for note in info.value.__notes__ if "optimizer updates had begun" in note and "not restored" in note]
+    assert notes and f"; {changed} parameters or optimizer states" in notes[0], (changed, notes)
 
 
 class _Tempered(torch.nn.Module):

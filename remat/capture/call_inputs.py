@@ -4,8 +4,9 @@ has changed.
 `step_inputs.flat_inputs` reads every input where it lives and checks the loop's changes
 (a parameter replaced or thawed, a hook added, a train/eval mode or an optimizer setting
 changed): about a microsecond an input, a millisecond on BERT-base at every call. What
-those checks read is a few tables and flags: the model's tables of submodules,
-parameters and buffers, each module's train flag, each parameter's requires_grad and
+those checks read is a few tables and flags: the model's tables of submodules (which
+the guards check before each gather, and where they fail no last call is kept), of
+parameters and of buffers, each module's train flag, each parameter's requires_grad and
 hook tables, the optimizers' param groups and state tables. `LastCall` records them after
 a full gather, beside its inputs, as identities and flags. A call compares them with
 C-level maps (tens of nanoseconds an item); where all hold, the full gather would read
@@ -61,7 +62,9 @@ class LastCall:
     inputs: list[torch.Tensor]
     reread: list[_Reread]
     batch_spec: Any
-    tables: SameContents  # the model's tables of submodules and parameters
+    # The model's tables of parameters. Its tables of submodules are the guards' to check
+    # (RematStep.compiled_for, before each gather): where they fail, no last call is kept.
+    tables: SameContents
     buffers: SameEntries  # the buffers the graph reads, in their modules' tables
     training: list[bool] | None  # None: the step sets the model's mode itself first
     requires_grad: list[bool]
@@ -97,7 +100,7 @@ class LastCall:
             inputs=inputs[: len(inputs) - len(leaves)],
             reread=reread,
             batch_spec=spec,
-            tables=SameContents.of(t for m in view.modules for t in (m._modules, m._parameters)),
+            tables=SameContents.of(m._parameters for m in view.modules),
             buffers=_buffers(tg, view),
             training=None if tg.call.sets_mode_first else list(map(_training, view.modules)),
             requires_grad=list(map(_requires_grad, params)),

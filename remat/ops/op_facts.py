@@ -100,6 +100,25 @@ def is_getitem(node: torch.fx.Node) -> bool:
     return node.target is operator.getitem
 
 
+def viewed_base(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose tensor `node` is, or is a view of (following views back)."""
+    while node.op == "call_function" and (aliases_its_input(node) or _returns_view(node.target)) and node.args:
+        base = node.args[0]
+        if not isinstance(base, torch.fx.Node):
+            break
+        node = base
+    return node
+
+
+@functools.lru_cache(maxsize=None)
+def _returns_view(target: Any) -> bool:
+    """Whether the op's result is a view of its first argument (schema `-> Tensor(a)`)."""
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.returns or not target._schema.arguments:
+        return False
+    ret, first = target._schema.returns[0].alias_info, target._schema.arguments[0].alias_info
+    return ret is not None and not ret.is_write and first is not None and first.before_set == ret.before_set
+
+
 def aliases_its_input(node: torch.fx.Node) -> bool:
     """Ops whose result is their input tensor itself, though fake propagation makes a new
     one: a collective's wait returns the tensor it was given."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import operator
 import types
 from dataclasses import dataclass, field
-from itertools import chain, repeat
+from itertools import chain
 from typing import Any, Iterable
 
 import torch
@@ -87,21 +87,31 @@ class SameEntries:
     """Entries `holder[key]` that hold the same objects as when recorded (MISSING: absent),
     compared with C-level maps."""
 
-    getters: list[Any]  # each holder's `get`
+    holders: list[Any]
     keys: list[Any]
     values: list[Any]
+    absent_from: list[Any]  # each holder's `__contains__`, for the entries absent then
+    absent_keys: list[Any]
 
     @classmethod
     def of(cls, entries: Iterable[tuple[Any, Any, Any]]) -> SameEntries:
-        out = cls([], [], [])
+        out = cls([], [], [], [], [])
         for holder, key, value in entries:
-            out.getters.append(holder.get)
-            out.keys.append(key)
-            out.values.append(value)
+            if value is MISSING:
+                out.absent_from.append(holder.__contains__)
+                out.absent_keys.append(key)
+            else:
+                out.holders.append(holder)
+                out.keys.append(key)
+                out.values.append(value)
         return out
 
     def hold(self) -> bool:
-        return same_objects(list(map(operator.call, self.getters, self.keys, repeat(MISSING))), self.values)
+        try:
+            now = list(map(operator.getitem, self.holders, self.keys))
+        except KeyError:
+            return False
+        return same_objects(now, self.values) and not any(map(operator.call, self.absent_from, self.absent_keys))
 
 
 def same_objects(now: list[Any], was: list[Any]) -> bool:
@@ -118,7 +128,7 @@ class Guards:
     same_key: list[tuple[Slot, bool, Any]] = field(default_factory=list)  # floats read at every call: read_numbers.key
     # same_object, and the keys of the dicts the walk looked names up in, in forms
     # compared by C-level maps (_flat_checks)
-    _checks: tuple[Any, ...] = field(default=(SameEntries([], [], []), [], [], [], []), repr=False)
+    _checks: tuple[Any, ...] = field(default=(SameEntries([], [], [], [], []), [], [], [], []), repr=False)
 
     @classmethod
     def of(
