@@ -22,15 +22,13 @@ from typing import Any, Callable
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-import remat  # noqa: E402
-from remat.measurement.check import twin  # noqa: E402
-from remat.errors import BudgetError  # noqa: E402
-from remat.profile.allocator import persistent_bytes  # noqa: E402
-from remat.profile.allocator import measure_step_peak  # noqa: E402
-from remat.models import build_model  # noqa: E402
+import remat
+from remat.measurement.check import twin
+from remat.errors import BudgetError
+from remat.profile.allocator import persistent_bytes
+from remat.profile.allocator import measure_step_peak
+from remat.models import build_model
 
 MiB = 2**20
 

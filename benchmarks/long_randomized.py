@@ -1,8 +1,8 @@
 """The long randomized run: thousands of random models, each checked against eager.
 
-    .venv/bin/python benchmarks/long_randomized.py --examples 3000 --seed 1 --out runs/randomized
+    .venv/bin/python -m benchmarks.long_randomized --examples 3000 --seed 1 --out runs/randomized
 
-Draws models from tests/randomized_models.py with hypothesis (not derandomized: `--seed`
+Draws models from tests/support/random_models.py with hypothesis (not derandomized: `--seed`
 picks the stream) and runs `check_example` on each, as tests/test_randomized.py does in
 CI on a few hundred. By default it keeps going past a failure, records it and prints
 every failing model (as `RandomSpec(...)`, ready to paste into a test) at the end; with
@@ -20,13 +20,12 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
+from hypothesis import HealthCheck, Phase, given, seed, settings
 
-from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
-
-from randomized_models import RandomSpec, check_example, random_specs  # noqa: E402
+try:
+    from tests.support.random_models import RandomSpec, check_example, random_specs
+except ModuleNotFoundError as e:  # run as a script: the repository root is not on the path
+    raise SystemExit(f"{e}: run it from the repository root as a module, python -m benchmarks.long_randomized") from e
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,16 +17,13 @@ import argparse
 import random
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from planner_gap import built_on_profile  # noqa: E402
-from remat.errors import RematError  # noqa: E402
-from remat.memory.schedule import recompute_seconds  # noqa: E402
-from remat.memory.simulator import simulate  # noqa: E402
-from remat.planners import make_plan  # noqa: E402
+from planner_gap import built_on_profile
+from remat.errors import RematError
+from remat.memory.schedule import recompute_seconds
+from remat.memory.simulator import simulate
+from remat.planners import make_plan
 
 
 def main() -> int:

@@ -21,16 +21,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from remat import build as pipeline  # noqa: E402
-from remat.capture.capture import capture  # noqa: E402
-from remat.errors import RematError  # noqa: E402
-from remat.planners import make_plan  # noqa: E402
-from remat.profile.profiles import Profile  # noqa: E402
-from remat.memory.simulator import simulate  # noqa: E402
-from remat.workloads import load  # noqa: E402
+from remat import build as pipeline
+from remat.capture.capture import capture
+from remat.errors import RematError
+from remat.planners import make_plan
+from remat.profile.profiles import Profile
+from remat.memory.simulator import simulate
+from remat.workloads import load
 
 MODELS = [("mlp-deep", 512), ("bert-tiny", 16), ("resnet-tiny", 16)]
 BUDGETS = [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]

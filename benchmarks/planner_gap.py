@@ -18,16 +18,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from remat.errors import RematError  # noqa: E402
-from remat import build as pipeline  # noqa: E402
-from remat.capture.capture import capture  # noqa: E402
-from remat.profile.profiles import Profile  # noqa: E402
-from remat.memory.simulator import simulate  # noqa: E402
-from remat.planners import make_plan  # noqa: E402
-from remat.workloads import load  # noqa: E402
+from remat.errors import RematError
+from remat import build as pipeline
+from remat.capture.capture import capture
+from remat.profile.profiles import Profile
+from remat.memory.simulator import simulate
+from remat.planners import make_plan
+from remat.workloads import load
 
 
 def built_on_profile(model: str, batch_size: int, profile: str | None) -> tuple[Any, Callable[[], Any]]:

@@ -24,14 +24,11 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 COLD = "{} (cold: graphs derived, first plan)"  # the planner column of the plans timed on a fresh index
 COLUMNS = ["model", "batch_size", "nodes", "stage", "planner", "budget", "seconds", "overhead_percent", "note"]

@@ -21,15 +21,12 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 COLUMNS = ["model", "trial", "times", "budget", "node_time_error", "predicted_percent", "held_out_percent", "held_out_pooled_percent"]
 

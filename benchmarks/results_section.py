@@ -4,11 +4,9 @@
 """
 
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from summary import table  # noqa: E402
+from summary import table
 
 MiB = 2**20
 for model in ("bert", "resnet152"):

@@ -1,6 +1,6 @@
 """Model coverage, the fast version: real `transformers` architectures, tiny configs.
 
-The full table (small configs, timing) is `python benchmarks/architectures.py`; see
+The full table (small configs, timing) is `python -m benchmarks.architectures`; see
 docs/RESULTS.md. Here each model is compiled at budget 0.5 (or, if the planner refuses
 0.5, at the smallest peak it says it can reach), trained 3 steps bitwise against eager,
 and its measured peak compared with the prediction and the budget.
@@ -8,16 +8,11 @@ and its measured peak compared with the prediction and the budget.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from tests.support.architectures import run_one
 
-from architectures import run_one  # noqa: E402
-
-# Kernel scratch the graph does not show (see tests/randomized_models.py).
+# Kernel scratch the graph does not show (see tests/support/random_models.py).
 SLACK = 128 * 1024
 
 

@@ -1,14 +1,14 @@
 """Data-parallel training: a DDP-wrapped model through remat on 2 gloo processes (127.0.0.1).
 
 Each test spawns two ranks (remat.launch.run_ranks, with a process-group timeout and an
-overall deadline, so a hang fails the test instead of CI); tests/ddp_workers.py holds what
+overall deadline, so a hang fails the test instead of CI); tests/support/ddp_workers.py holds what
 each rank runs."""
 
 from __future__ import annotations
 
 import pytest
 
-import ddp_workers
+from tests.support import ddp_workers
 from remat.launch import run_ranks
 
 DEADLINE = 300  # seconds for a whole two-rank run

@@ -1,12 +1,12 @@
 """Randomized models: never a wrong gradient, never over budget.
 
-Hypothesis draws small models from tests/randomized_models.py (random DAGs of linear,
+Hypothesis draws small models from tests/support/random_models.py (random DAGs of linear,
 conv, matmul/bmm, activations, norms, dropout, residuals, concatenation, and views,
 slices, chunks, broadcasts and in-place ops that share storage), a loss, an optimizer
 and a budget; `check_example` compiles each with remat and checks it against eager
 (bitwise over 3 steps), the budget, and the simulator against the graph that runs and
 against the allocator. Derandomized, so CI sees the same examples every run; the long
-run is `python benchmarks/long_randomized.py`.
+run is `python -m benchmarks.long_randomized`.
 
 The tests after it pin the bugs the randomized runs found, each with its minimal model.
 """
@@ -26,7 +26,7 @@ from remat.capture.optimizers import as_one
 from remat.measurement.check import check_against_eager, twin
 from remat.errors import BudgetError, CaptureError
 from remat.memory.simulator import simulate
-from randomized_models import (
+from tests.support.random_models import (
     HOSTILE,
     OP_KINDS,
     Op,
@@ -366,7 +366,7 @@ def test_a_view_read_after_its_base_is_written_in_place_trains_bitwise() -> None
     gradient); traced on fake tensors (Python dispatch), autograd replays the view
     instead (a transposed gradient). The gradients are equal up to rounding (~1e-8), not
     bitwise: BatchNorm's backward sums them in another order. The generator leaves such
-    stale views out (randomized_models._Pool.stale)."""
+    stale views out (random_models._Pool.stale)."""
     torch.manual_seed(0)
     model = StaleView()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)

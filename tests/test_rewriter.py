@@ -187,7 +187,7 @@ def test_a_replayed_copy_at_the_peak_counts_the_generator_state_it_sets_aside():
     """While a replayed dropout copy runs, it holds the generator's current state to put it
     back after (5,056 bytes on CPU). A drawn model whose tightest plan peaks at that copy was
     measured that much above its prediction; now the two are equal."""
-    from randomized_models import Op, RandomSpec, check_example
+    from tests.support.random_models import Op, RandomSpec, check_example
 
     spec = RandomSpec(
         batch=2, seq=4, features=32, image=(8, 16), vocab=0,

@@ -151,3 +151,17 @@ def test_the_checks_see_the_package():
     graph = _graph()
     assert {"remat.capture.capture", "remat.planners.milp", "remat.measurement.sweep", "remat.cli.main"} <= set(graph)
     assert "remat.memory.graph_index" in graph["remat.memory.schedule"]
+
+
+def test_tests_and_benchmarks_share_code_through_packages_not_the_path():
+    """What they share is tests/support, imported by name; nothing edits sys.path to
+    reach another folder's modules."""
+    root = PACKAGE.parent
+    edits = []
+    for path in [*root.joinpath("tests").rglob("*.py"), *root.joinpath("benchmarks").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("insert", "append"):
+                target = node.func.value
+                if isinstance(target, ast.Attribute) and target.attr == "path" and getattr(target.value, "id", None) == "sys":
+                    edits.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not edits, edits

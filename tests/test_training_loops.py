@@ -587,17 +587,13 @@ def test_exact_planner_refuses_accumulation_by_name():
 
 # ---------------------------------------------------------------------- the idioms table
 
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import training_loops  # noqa: E402
+from tests.support import loop_idioms  # noqa: E402
 
 
-@pytest.mark.parametrize("idiom", training_loops.IDIOMS, ids=lambda i: i.name)
+@pytest.mark.parametrize("idiom", loop_idioms.IDIOMS, ids=lambda i: i.name)
 def test_each_loop_idiom_works_bitwise_or_is_refused_by_name(idiom):
     """What docs/training_loops/idioms.md and docs/training-loops.md say of each idiom."""
-    outcome = training_loops.run_idiom(idiom)
+    outcome = loop_idioms.run_idiom(idiom)
     assert outcome["outcome"] == idiom.expect, outcome
 
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import remat
 from remat.measurement.check import model_snapshot, snapshot_differences
+from tests.support import architectures
 
 
 def _same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -205,23 +206,11 @@ def test_a_diffusion_step_reads_the_noise_schedulers_tables_where_the_library_ho
     assert torch.equal(loss, train_step(eager_model, eager_opt, batches[0]))
 
 
-def _architectures() -> list[str]:
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from architectures import ARCHITECTURES
-
-    return sorted(ARCHITECTURES)
-
-
-@pytest.mark.parametrize("name", _architectures())
+@pytest.mark.parametrize("name", sorted(architectures.ARCHITECTURES))
 def test_compiling_leaves_every_architecture_as_it_found_it(name: str) -> None:
-    from architectures import build
-
     from remat.models import hf_loss, make_train_step
 
-    model, batch, _ = build(name, size="tiny")
+    model, batch, _ = architectures.build(name, size="tiny")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     before = model_snapshot(model)
     remat.compile(make_train_step(hf_loss, zero_grad_first=True), model, opt, batch, memory_budget=None, profile_runs=1)

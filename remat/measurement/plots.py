@@ -4,6 +4,7 @@ trade-off, and a frontier's overhead against peak memory per planner."""
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,7 @@ METHOD_COLORS = {"eager": "#4c72b0", "remat": "#c44e52", "hf": "#55a868", "seque
 
 METHOD_LABELS = {
     "eager": "eager (no checkpointing)",
-    "remat": "remat (μ-TWO)",
+    "remat": "remat",
     "hf": "HF gradient_checkpointing_enable()",
     "sequential": "checkpoint_sequential (√n)",
     "compile": "torch.compile + activation_memory_budget",
@@ -48,6 +49,22 @@ def _color(name: str, names: list[str]) -> Any:
     i = same.index(name)
     t = 0.6 * i / (len(same) - 1)
     return tuple(c + (1 - c) * t for c in base)
+
+
+def _title(fig: Any, text: str, fontsize: float = 11) -> None:
+    """The figure's title, wrapped to the figure's width (a narrow figure, one panel, would
+    cut a long line at both sides)."""
+    chars = max(30, int(fig.get_figwidth() * 72 / (0.55 * fontsize)))
+    fig.suptitle("\n".join(textwrap.wrap(text, chars)), fontsize=fontsize)
+
+
+def _save(fig: Any, path: Path) -> None:
+    """Saved with the canvas grown to hold every title, label and legend."""
+    fig.savefig(path, dpi=130, bbox_inches="tight")
+
+
+def _has_compile(doc: dict[str, Any]) -> bool:
+    return any(method_kind(r["method"]) == "compile" and r.get("status") == "ok" for r in doc["runs"])
 
 
 def _label(name: str) -> str:
@@ -112,7 +129,7 @@ def plot_peak_vs_batch(doc: dict[str, Any], path: Path) -> Path:
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    _save(fig, path)
     plt.close(fig)
     return path
 
@@ -167,9 +184,10 @@ def plot_latency_vs_batch(doc: dict[str, Any], path: Path) -> Path:
     ax2.set_title("time overhead vs eager (same process, round-robin)")
     ax2.legend(fontsize=8)
     meta = doc["meta"]
-    fig.suptitle(f"{meta['model']} ({meta['device']}, {meta['optimizer']}); dashed: torch.compile (times include kernel fusion)")
+    note = "; dashed: torch.compile (times include kernel fusion)" if _has_compile(doc) else ""
+    _title(fig, f"{meta['model']} ({meta['device']}, {meta['optimizer']}){note}")
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    _save(fig, path)
     plt.close(fig)
     return path
 
@@ -212,10 +230,12 @@ def plot_tradeoff(doc: dict[str, Any], path: Path) -> Path:
     for k in range(len(sizes), rows * cols):
         axes[k // cols][k % cols].axis("off")
     meta = doc["meta"]
-    fig.suptitle(f"{meta['model']} ({meta['device']}): memory vs time trade-off; lower left is better (torch.compile hollow: its time includes fusion)", fontsize=10)
-    fig.legend(list(seen.values()), [_label(n) for n in seen], loc="lower center", ncol=min(3, max(1, len(seen))), fontsize=8)
-    fig.tight_layout(rect=(0, 0.06 + 0.02 * math.ceil(len(seen) / 3), 1, 0.95))
-    fig.savefig(path, dpi=130)
+    note = " (torch.compile hollow: its time includes fusion)" if _has_compile(doc) else ""
+    _title(fig, f"{meta['model']} ({meta['device']}): memory vs time trade-off; lower left is better{note}", fontsize=10)
+    ncol = max(1, min(len(seen), cols))  # about one label per panel's width
+    fig.tight_layout()
+    fig.legend(list(seen.values()), [_label(n) for n in seen], loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=ncol, fontsize=8)
+    _save(fig, path)
     plt.close(fig)
     return path
 
@@ -253,7 +273,7 @@ def plot_frontier(fr: "Frontier", path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        fig.savefig(tmp, format="png")
+        fig.savefig(tmp, format="png", bbox_inches="tight")
         tmp.replace(path)  # never half a picture
     finally:
         plt.close(fig)

@@ -1,0 +1,196 @@
+"""Real `transformers` architectures for remat's checks, built from small configs with
+random weights (nothing is downloaded; attention forced to "eager", so attention is
+plain aten ops): `build` gives a model and a batch, `run_one` compiles one, checks it
+bitwise against eager over a few steps and, optionally, times it. Used by the tests and
+benchmarks/architectures.py.
+"""
+
+from __future__ import annotations
+
+import re
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+import remat
+from remat.budget import format_bytes
+from remat.errors import BudgetError, RematError
+from remat.measurement.check import check_against_eager, time_alternating, twin
+from remat.models import hf_loss, make_train_step
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str
+    kind: str  # what it stands for
+    build: Callable[[str, torch.Generator], tuple[torch.nn.Module, dict[str, torch.Tensor], str]]
+
+
+# Sizes: "small" for the table (activations dominate the peak, so 0.5 is meaningful);
+# "tiny" for the fast test (seconds).
+SIZES = {
+    "small": dict(batch=4, seq=128, hidden=128, layers=4, heads=4, ffn=512, vocab=512, image=64, target=64),
+    "tiny": dict(batch=2, seq=32, hidden=32, layers=2, heads=2, ffn=64, vocab=64, image=32, target=16),
+}
+
+
+def _lm_batch(s: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=gen)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _seq2seq_batch(s: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    return {
+        "input_ids": torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=gen),
+        "labels": torch.randint(0, s["vocab"], (s["batch"], s["target"]), generator=gen),
+    }
+
+
+def _gpt2(size: str, gen: torch.Generator):  # type: ignore[no-untyped-def]
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    s = SIZES[size]
+    config = GPT2Config(n_layer=s["layers"], n_embd=s["hidden"], n_head=s["heads"], n_inner=s["ffn"], vocab_size=s["vocab"],
+                        n_positions=s["seq"], attn_implementation="eager")
+    desc = f"{s['layers']} layers, d {s['hidden']}, {s['heads']} heads, vocab {s['vocab']}; batch {s['batch']}×{s['seq']} tokens"
+    return GPT2LMHeadModel(config), _lm_batch(s, gen), desc
+
+
+def _llama(size: str, gen: torch.Generator):  # type: ignore[no-untyped-def]
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    s = SIZES[size]
+    config = LlamaConfig(hidden_size=s["hidden"], intermediate_size=s["ffn"], num_hidden_layers=s["layers"],
+                         num_attention_heads=s["heads"], num_key_value_heads=s["heads"] // 2, vocab_size=s["vocab"],
+                         max_position_embeddings=s["seq"], attn_implementation="eager")
+    desc = (f"{s['layers']} layers, d {s['hidden']}, {s['heads']} heads ({s['heads'] // 2} KV), vocab {s['vocab']}; "
+            f"batch {s['batch']}×{s['seq']} tokens")
+    return LlamaForCausalLM(config), _lm_batch(s, gen), desc
+
+
+def _vit(size: str, gen: torch.Generator):  # type: ignore[no-untyped-def]
+    from transformers import ViTConfig, ViTForImageClassification
+
+    s = SIZES[size]
+    # problem_type set up front: otherwise the first forward writes it into the config.
+    config = ViTConfig(hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+                       intermediate_size=s["ffn"], image_size=s["image"], patch_size=8, num_labels=10,
+                       problem_type="single_label_classification", attn_implementation="eager")
+    batch = {
+        "pixel_values": torch.randn(s["batch"], 3, s["image"], s["image"], generator=gen),
+        "labels": torch.randint(0, 10, (s["batch"],), generator=gen),
+    }
+    desc = f"{s['layers']} layers, d {s['hidden']}, {s['heads']} heads, patch 8; batch {s['batch']}×3×{s['image']}×{s['image']}"
+    return ViTForImageClassification(config), batch, desc
+
+
+def _t5(size: str, gen: torch.Generator):  # type: ignore[no-untyped-def]
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    s = SIZES[size]
+    # transformers 5.23's T5Config has no decoder_start_token_id by default, and the
+    # model needs it to shift the labels right (eager fails without it too).
+    config = T5Config(d_model=s["hidden"], d_ff=s["ffn"], num_layers=s["layers"] // 2, num_decoder_layers=s["layers"] // 2,
+                      num_heads=s["heads"], d_kv=s["hidden"] // s["heads"], vocab_size=s["vocab"],
+                      decoder_start_token_id=0, pad_token_id=0, attn_implementation="eager")
+    desc = (f"{s['layers'] // 2}+{s['layers'] // 2} layers, d {s['hidden']}, {s['heads']} heads, vocab {s['vocab']}; "
+            f"batch {s['batch']}×{s['seq']} → {s['target']} tokens")
+    return T5ForConditionalGeneration(config), _seq2seq_batch(s, gen), desc
+
+
+def _bart(size: str, gen: torch.Generator):  # type: ignore[no-untyped-def]
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    s = SIZES[size]
+    n = s["layers"] // 2
+    config = BartConfig(d_model=s["hidden"], encoder_layers=n, decoder_layers=n, encoder_attention_heads=s["heads"],
+                        decoder_attention_heads=s["heads"], encoder_ffn_dim=s["ffn"], decoder_ffn_dim=s["ffn"],
+                        vocab_size=s["vocab"], max_position_embeddings=s["seq"], attn_implementation="eager")
+    desc = f"{n}+{n} layers, d {s['hidden']}, {s['heads']} heads, vocab {s['vocab']}; batch {s['batch']}×{s['seq']} → {s['target']} tokens"
+    return BartForConditionalGeneration(config), _seq2seq_batch(s, gen), desc
+
+
+ARCHITECTURES: dict[str, Arch] = {
+    a.name: a
+    for a in [
+        Arch("gpt2", "GPT2LMHeadModel: decoder-only LM", _gpt2),
+        Arch("llama", "LlamaForCausalLM: decoder-only LM (RMSNorm, RoPE, SwiGLU, GQA)", _llama),
+        Arch("vit", "ViTForImageClassification: vision transformer", _vit),
+        Arch("t5", "T5ForConditionalGeneration: encoder-decoder", _t5),
+        Arch("bart", "BartForConditionalGeneration: encoder-decoder", _bart),
+    ]
+}
+
+
+def build(name: str, size: str = "small", seed: int = 0) -> tuple[torch.nn.Module, dict[str, torch.Tensor], str]:
+    """Model (training mode, random weights) and batch; the same for the same (name, size, seed)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model, batch, desc = ARCHITECTURES[name].build(size, torch.Generator().manual_seed(seed))
+    return model.train(), batch, desc
+
+
+@dataclass
+class Row:
+    architecture: str
+    config: str
+    status: str  # "ok", or the error's class
+    budget: str = ""  # what was asked, and what ran if it was refused
+    grads_match: bool | None = None
+    baseline_peak_bytes: int | None = None
+    predicted_peak_bytes: int | None = None
+    measured_peak_bytes: int | None = None
+    num_recomputed: int | None = None
+    overhead_ratio: float | None = None  # median remat / eager step time
+    overhead_spread: tuple[float, float] | None = None
+    compile_seconds: float | None = None
+    error: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+_REACHABLE = re.compile(r"smallest peak it could reach is .*?\((\d+) bytes\)")
+
+
+def run_one(name: str, size: str = "small", budget: float = 0.5, steps: int = 3, pairs: int = 7,
+            profile_runs: int = 3) -> Row:
+    model, batch, desc = build(name, size)
+    row = Row(name, desc, "ok", budget=f"{budget:g}")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step_fn = make_train_step(hf_loss, zero_grad_first=True)
+    eager_model, eager_opt = twin(model, opt)
+    try:
+        try:
+            step = remat.compile(step_fn, model, opt, batch, memory_budget=budget, profile_runs=profile_runs)
+        except BudgetError as e:
+            m = _REACHABLE.search(str(e))
+            if m is None:
+                raise
+            reachable = int(m.group(1))
+            row.budget = f"{budget:g} refused; ran at the reachable minimum {format_bytes(reachable)}"
+            row.notes.append(str(e))
+            step = remat.compile(step_fn, model, opt, batch, memory_budget=reachable, profile_runs=profile_runs)
+    except RematError as e:
+        row.status, row.error = type(e).__name__, str(e)
+        return row
+    except Exception as e:  # noqa: BLE001 - not remat's own error: record where it came from
+        row.status = type(e).__name__
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        row.error = f"{e} (not a remat error; raised at {where.filename}:{where.lineno})"
+        return row
+    report = step.report
+    result = check_against_eager(step_fn, eager_model, eager_opt, model, opt, step, batch, steps=steps)
+    row.grads_match = result.match
+    if not result.match:
+        row.error = result.summary()
+    row.baseline_peak_bytes = report.baseline_peak_bytes
+    row.predicted_peak_bytes = report.predicted_peak_bytes
+    row.measured_peak_bytes = report.measured_peak_bytes
+    row.num_recomputed = report.num_recomputed
+    row.compile_seconds = round(report.compile_seconds, 1)
+    if pairs > 0:
+        timing = time_alternating(lambda: step_fn(eager_model, eager_opt, batch), lambda: step(batch), pairs=pairs)
+        row.overhead_ratio = round(timing.ratio, 3)
+        row.overhead_spread = (round(timing.ratio_spread[0], 3), round(timing.ratio_spread[1], 3))
+    return row

@@ -1,0 +1,516 @@
+"""The idioms of real training loops, each run in eager PyTorch and under remat
+(bert-tiny, AdamW, budget 0.9, 6 steps) and compared bitwise after every step:
+`run_idiom` gives its outcome. An idiom either works (bitwise equal to eager over every
+step) or is refused with a CaptureError naming it; anything else ("WRONG": a mismatch,
+or another error) is a bug. tests/test_training_loops.py runs each;
+benchmarks/training_loops.py writes the table of them.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import types
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+import remat
+from remat.errors import BudgetError, RematError
+from remat.measurement.check import check_against_eager, twin
+from remat.models import build_model
+
+STEPS = 6
+Step = Callable[[torch.nn.Module, Any, Any], Any]
+
+
+def plain_step(model, optimizer, batch):
+    optimizer.zero_grad()
+    loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _with(before_step: Callable[[torch.nn.Module], None] = lambda m: None, *, scale=None, ctx=None, zero_at_end=False) -> Step:
+    """plain_step with something done between backward and the update, or around the forward."""
+
+    def step(model, optimizer, batch):
+        if not zero_at_end:
+            optimizer.zero_grad()
+        if ctx is not None:
+            with ctx():
+                loss = model(**batch).loss
+        else:
+            loss = model(**batch).loss
+        loss.backward()
+        before_step(model)
+        optimizer.step()
+        if zero_at_end:
+            optimizer.zero_grad(set_to_none=False)
+        return loss
+
+    return step
+
+
+def _accumulate(k: int) -> Step:
+    def step(model, optimizer, batch):
+        optimizer.zero_grad()
+        n = batch["input_ids"].shape[0]
+        total = 0.0
+        for i in range(k):
+            loss = model(**{key: v[i * n // k : (i + 1) * n // k] for key, v in batch.items()}).loss / k
+            loss.backward()
+            total = total + loss.detach()
+        optimizer.step()
+        return total
+
+    return step
+
+
+def _hidden_states_step(model, optimizer, batch):
+    """transformers installs forward hooks on the model the first time it is asked for hidden states."""
+    optimizer.zero_grad()
+    out = model(**batch, output_hidden_states=True)
+    loss = out.loss + out.hidden_states[-2].pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _no_zero_grad(model, optimizer, batch):
+    loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+_scalers: dict[int, Any] = {}
+
+
+def _grad_scaler(model, optimizer, batch):
+    scaler = _scalers.setdefault(id(optimizer), torch.amp.GradScaler("cpu"))
+    optimizer.zero_grad()
+    loss = model(**batch).loss
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    return loss
+
+
+def _outputs(model, optimizer, batch):
+    optimizer.zero_grad()
+    out = model(**batch)
+    out.loss.backward()
+    optimizer.step()
+    return out.loss, out.logits.detach()
+
+
+def _numbers_out(model, optimizer, batch):
+    """Python numbers returned for logging: the loss and the learning rate of this step."""
+    loss = plain_step(model, optimizer, batch)
+    return {"loss": loss.item(), "lr": optimizer.param_groups[0]["lr"]}
+
+
+@dataclass
+class Idiom:
+    name: str
+    expect: str  # "works" or "refused"
+    step: Step = plain_step
+    # (step index, model, optimizer) after each step, on each side; made per side by `between`.
+    between: Callable[[torch.nn.Module, Any], Callable[[int, torch.nn.Module, Any], None]] | None = None
+    setup: Callable[[torch.nn.Module], Any] | None = None  # on the model before the optimizer is built
+    outside: Callable[[torch.nn.Module], list[torch.Tensor]] | None = None  # each side's tensors outside the model, compared too
+    logged: list[float] | None = None  # a list both sides log into, eager's entry then remat's at each step: compared
+    kept: Callable[[torch.nn.Module], Any] | None = None  # each side's Python values the step keeps, compared
+    other_sizes: bool = False
+
+
+def _sched(make: Callable[[Any], Any], *, metric: bool = False, every: int = 1):
+    def per_side(model, opt):
+        sched = make(opt)
+
+        def hook(i, m, o):
+            if (i + 1) % every == 0:
+                sched.step(1.0) if metric else sched.step()
+
+        return hook
+
+    return per_side
+
+
+def _hook(fn: Callable[[int, torch.nn.Module, Any], None]):
+    return lambda model, opt: fn
+
+
+@functools.cache
+def _resume_state():
+    """A checkpoint a loop resumes from: model and optimizer after one eager step elsewhere."""
+    spec = build_model("bert-tiny", 4, seed=1)
+    opt = torch.optim.AdamW(spec.model.parameters(), lr=1e-3, weight_decay=0.01)
+    plain_step(spec.model, opt, spec.batch)
+    return copy.deepcopy(spec.model.state_dict()), copy.deepcopy(opt.state_dict())
+
+
+def _resume(i, m, o):
+    if i == 1:
+        model_sd, opt_sd = copy.deepcopy(_resume_state())
+        m.load_state_dict(model_sd)
+        o.load_state_dict(opt_sd)
+
+
+def _evaluate(train_after: bool):
+    def fn(i, m, o):
+        m.eval()
+        with torch.no_grad():
+            m(input_ids=torch.zeros(2, 8, dtype=torch.long))
+        if train_after:
+            m.train()
+
+    return fn
+
+
+def _ema_in_place(i, m, o):
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(0.999)
+
+
+def _dropout_schedule(i, m, o):
+    """Dropout lowered every two steps, by setting each nn.Dropout's p (a plain attribute)."""
+    if i % 2 == 1:
+        for module in m.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = max(0.0, module.p - 0.05)
+
+
+def _freeze(model):
+    for name, p in model.named_parameters():
+        if "embeddings" in name:
+            p.requires_grad_(False)
+
+
+def _set_lr(i, m, o):
+    for g in o.param_groups:
+        g["lr"] = 1e-3 * (i + 2) / 3
+
+
+def _add_group(i, m, o):
+    if i == 1:
+        o.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+
+
+_INNER_SCHEDULERS: dict[int, Any] = {}
+
+
+def _inner_scheduler_step(model, optimizer, batch):
+    """optimizer.step() then scheduler.step(), both inside the step."""
+    loss = plain_step(model, optimizer, batch)
+    _INNER_SCHEDULERS[id(optimizer)].step()
+    return loss
+
+
+def _made_before_the_loop(make: Callable[[Any], Any]):
+    """A scheduler for each side's optimizer, made before the loop (nothing to do between steps)."""
+
+    def per_side(model, opt):
+        _INNER_SCHEDULERS[id(opt)] = make(opt)
+        return lambda i, m, o: None
+
+    return per_side
+
+
+def _clamp_gradient(g):
+    return g.clamp(-1e-3, 1e-3)
+
+
+def _halve_gradient(p):
+    p.grad.mul_(0.5)
+
+
+def _with_gradient_hooks(model, opt):
+    """Hooks on each side's parameters (a deep copy leaves them behind): every other one's
+    gradient clamped before it is accumulated, the others' halved after."""
+    for i, p in enumerate(model.parameters()):
+        p.register_hook(_clamp_gradient) if i % 2 == 0 else p.register_post_accumulate_grad_hook(_halve_gradient)
+    return lambda i, m, o: None
+
+
+def _hook_added(i, m, o):
+    if i == 1:
+        next(m.parameters()).register_hook(_clamp_gradient)
+
+
+def _plateau_inside(model, optimizer, batch):
+    loss = plain_step(model, optimizer, batch)
+    _INNER_SCHEDULERS[id(optimizer)].step(loss)
+    return loss
+
+
+def _checkpointing(model):
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _seeded_step(model, optimizer, batch):
+    torch.manual_seed(0)
+    return plain_step(model, optimizer, batch)
+
+
+def _warmed_up_loss() -> Step:
+    """A loss weight warmed up from a Python counter the step keeps (a KL-weight schedule)."""
+    calls = 0
+
+    def step(model, optimizer, batch):
+        nonlocal calls
+        calls += 1
+        optimizer.zero_grad()
+        loss = model(**batch).loss * min(1.0, calls / 4)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return step
+
+
+_FEATURES: dict[str, torch.Tensor] = {}
+
+
+def _hook_features(model):
+    """A forward hook that stores a layer's output for the loss (a feature-matching term)."""
+    layer = model.bert.encoder.layer[0].output
+    layer.register_forward_hook(lambda module, args, out: _FEATURES.__setitem__("first", out))
+
+
+def _feature_loss_step(model, optimizer, batch):
+    """The stored features in the loss, and dropped before the step returns."""
+    optimizer.zero_grad()
+    loss = model(**batch).loss + 1e-3 * _FEATURES["first"].pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    _FEATURES.clear()
+    return loss
+
+
+class _Ema:
+    """An EMA copy of the weights, held by the model as a plain attribute (as a Lightning
+    module holds its helpers), so that each side of the comparison has its own."""
+
+    def __init__(self, model, decay=0.99):
+        self.decay = decay
+        self.shadow = [p.detach().clone() for p in model.parameters()]
+
+    def update(self, model):
+        with torch.no_grad():
+            for e, p in zip(self.shadow, model.parameters()):
+                e.mul_(self.decay).add_(p, alpha=1 - self.decay)
+
+
+def _keep_ema(model):
+    model.ema = _Ema(model)
+
+
+def _ema_inside(model, optimizer, batch):
+    """The EMA updated inside the step, after the optimizer's."""
+    loss = plain_step(model, optimizer, batch)
+    model.ema.update(model)
+    return loss
+
+
+_TEACHER: torch.nn.Module | None = None
+
+
+def _make_teacher(model):
+    """A frozen teacher (another bert-tiny) in a global, shared by both sides: read, never written."""
+    global _TEACHER
+    if _TEACHER is None:
+        _TEACHER = build_model("bert-tiny", 4, seed=7).model.eval().requires_grad_(False)
+
+
+def _distill(model, optimizer, batch):
+    """Distillation from the teacher, its soft targets added to the loss."""
+    teacher = _TEACHER
+    optimizer.zero_grad()
+    with torch.no_grad():
+        soft = teacher(**batch).logits.softmax(-1)
+    out = model(**batch)
+    loss = out.loss + torch.nn.functional.kl_div(out.logits.log_softmax(-1), soft, reduction="batchmean")
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+_LOSSES: list[float] = []
+
+
+def _logging_step(model, optimizer, batch):
+    """The loss logged into a Python list inside the step (appended after each run)."""
+    loss = plain_step(model, optimizer, batch)
+    _LOSSES.append(loss.item())
+    return loss
+
+
+_LOSS_SETTINGS = types.SimpleNamespace(weight=1.0)
+
+
+def _weighted_step(model, optimizer, batch):
+    """The loss scaled by a field of a settings object the loop anneals."""
+    optimizer.zero_grad()
+    loss = model(**batch).loss * _LOSS_SETTINGS.weight
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _anneal_weight(i, m, o):
+    _LOSS_SETTINGS.weight = 0.5 ** (i // 3 + 1)
+
+
+def _train_mode_first(model, optimizer, batch):
+    """The step puts the model in training mode itself, as many loops' train functions do."""
+    model.train()
+    return plain_step(model, optimizer, batch)
+
+
+def _dropout_frozen(model):
+    """Fine-tuning with some layers' dropout off: those modules kept in eval mode."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Dropout) and ".0." in name:
+            module.eval()
+
+
+def _refreeze(i, m, o):
+    m.train()
+    _dropout_frozen(m)
+
+
+class _Trainer:
+    """A trainer object whose method is the step: it counts steps and tokens, sums the
+    losses and keeps the last one."""
+
+    def __init__(self):
+        self.global_step = 0
+        self.tokens_seen = 0
+        self.loss_sum = 0.0
+        self.last_loss = None
+
+    def train_step(self, model, optimizer, batch):
+        loss = plain_step(model, optimizer, batch)
+        self.global_step += 1
+        self.tokens_seen += batch["input_ids"].numel()
+        self.loss_sum += loss.item()
+        self.last_loss = loss.item()
+        return loss
+
+
+def _give_trainer(model):
+    model.trainer = _Trainer()  # each side's own, copied with its model
+
+
+def _trainer_step(model, optimizer, batch):
+    return model.trainer.train_step(model, optimizer, batch)
+
+
+IDIOMS = [
+    Idiom("learning-rate scheduler stepped every step (LambdaLR warm-up from 0)", "works",
+          between=_sched(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, s / 3)))),
+    Idiom("scheduler stepped every epoch (StepLR, an epoch = 2 steps)", "works",
+          between=_sched(lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5), every=2)),
+    Idiom("OneCycleLR (changes lr and betas)", "works",
+          between=_sched(lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=STEPS + 1))),
+    Idiom("ReduceLROnPlateau on a metric", "works",
+          between=_sched(lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=0, threshold=10.0), metric=True)),
+    Idiom("learning rate set by hand in param_groups", "works", between=_hook(_set_lr)),
+    Idiom("gradient clipping: clip_grad_norm_", "works", step=_with(lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5))),
+    Idiom("gradient clipping: clip_grad_value_", "works", step=_with(lambda m: torch.nn.utils.clip_grad_value_(m.parameters(), 1e-3))),
+    Idiom("torch.autocast, bfloat16 on CPU", "works", step=_with(ctx=lambda: torch.autocast("cpu", dtype=torch.bfloat16))),
+    Idiom("zero_grad(set_to_none=False) at the end of the step", "works", step=_with(zero_at_end=True)),
+    Idiom("evaluation between steps (eval(), no_grad, train())", "works", between=_hook(_evaluate(True))),
+    Idiom("evaluation between steps, train() forgotten", "refused", between=_hook(_evaluate(False))),
+    Idiom("evaluation between steps, train() called first thing in train_step", "works", step=_train_mode_first, between=_hook(_evaluate(False))),
+    Idiom("some modules kept in eval mode (first layer's dropout off), set again between steps", "works", setup=_dropout_frozen, between=_hook(_refreeze)),
+    Idiom("resuming: load_state_dict into model and optimizer after compiling", "works", between=_hook(_resume)),
+    Idiom("weights changed in place between steps (decay, EMA-style)", "works", between=_hook(_ema_in_place)),
+    Idiom("dropout rate lowered between steps (nn.Dropout.p)", "works", between=_hook(_dropout_schedule)),
+    Idiom("a last batch of another size", "works", other_sizes=True),
+    Idiom("frozen parameters (fine-tuning a part)", "works", setup=_freeze),
+    Idiom("train_step returns (loss, logits)", "works", step=_outputs),
+    Idiom("train_step returns loss.item() and the learning rate (a LambdaLR warm-up)", "works", step=_numbers_out,
+          between=_sched(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / 3)))),
+    Idiom("gradient accumulation in one step (4 micro-batches)", "works", step=_accumulate(4)),
+    Idiom("gradient accumulation across calls (no zero_grad)", "refused", step=_no_zero_grad),
+    Idiom("torch.amp.GradScaler", "refused", step=_grad_scaler),
+    Idiom("optimizer.add_param_group after compiling", "refused", between=_hook(_add_group)),
+    Idiom("scheduler stepped inside train_step, after optimizer.step() (StepLR)", "works", step=_inner_scheduler_step,
+          between=_made_before_the_loop(lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))),
+    Idiom("ReduceLROnPlateau stepped on the loss inside train_step", "refused", step=_plateau_inside,
+          between=_made_before_the_loop(lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o))),
+    Idiom("the model's own activation checkpointing (gradient_checkpointing_enable, dropout inside)", "works", setup=_checkpointing),
+    Idiom("torch.manual_seed inside train_step", "refused", step=_seeded_step),
+    Idiom("a loss weight warmed up from a Python counter inside train_step", "refused", step=_warmed_up_loss()),
+    Idiom("an EMA copy of the weights updated inside train_step (a helper object the model holds)", "works", step=_ema_inside,
+          setup=_keep_ema, outside=lambda m: m.ema.shadow),
+    Idiom("gradient hooks on the parameters (register_hook clamping, register_post_accumulate_grad_hook scaling)", "works",
+          between=_with_gradient_hooks),
+    Idiom("a gradient hook added to a parameter after compiling", "refused", between=_hook(_hook_added)),
+    Idiom("distillation from a frozen teacher held in a global", "works", step=_distill, setup=_make_teacher),
+    Idiom("hidden states a library collects through forward hooks it installs on the first forward (output_hidden_states)",
+          "works", step=_hidden_states_step),
+    Idiom("features stored by a forward hook for the loss, cleared before the step returns", "works", step=_feature_loss_step,
+          setup=_hook_features),
+    Idiom("losses logged into a list inside train_step (losses.append(loss.item()))", "works", step=_logging_step, logged=_LOSSES),
+    Idiom("a loss weight in a settings object, annealed between steps", "works", step=_weighted_step, between=_hook(_anneal_weight)),
+    Idiom("a trainer's method as train_step, counting steps and summing losses (self.global_step += 1, self.loss_sum += loss.item())",
+          "works", step=_trainer_step, setup=_give_trainer, kept=lambda m: vars(m.trainer)),
+]
+
+
+def run_idiom(idiom: Idiom) -> dict[str, Any]:
+    spec = build_model("bert-tiny", 4)
+    if idiom.setup is not None:
+        idiom.setup(spec.model)
+    opt = torch.optim.AdamW([p for p in spec.model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01)
+    eager_model, eager_opt = twin(spec.model, opt)
+    model, o = twin(spec.model, opt)
+    hooks = {}
+    if idiom.between is not None:
+        hooks = {id(eager_opt): idiom.between(eager_model, eager_opt), id(o): idiom.between(model, o)}
+    between = (lambda i, m, optimizer: hooks[id(optimizer)](i, m, optimizer)) if hooks else None
+    batches = None
+    if idiom.other_sizes:
+        small = {k: v[:2] for k, v in spec.batch.items()}
+        batches = [spec.batch, spec.batch, small, spec.batch, small, spec.batch]
+    outcome: dict[str, Any] = {"idiom": idiom.name, "expected": idiom.expect}
+    try:
+        try:
+            step = remat.compile(idiom.step, model, o, spec.batch, memory_budget=0.9, profile_runs=1, measure=False)
+        except BudgetError as e:  # a memory budget out of reach is no verdict on the idiom: plan at the reachable peak
+            if getattr(e, "reach", None) is None:
+                raise
+            step = remat.compile(idiom.step, model, o, spec.batch, memory_budget=e.reach.best, profile_runs=1, measure=False)
+        result = check_against_eager(idiom.step, eager_model, eager_opt, model, o, step, spec.batch, steps=STEPS,
+                                     between_steps=between, batches=batches)
+    except RematError as e:
+        outcome.update(outcome="refused", detail=str(e))
+    except Exception as e:  # noqa: BLE001 - any other failure is a bug, and reported as one
+        outcome.update(outcome="WRONG", detail=f"{type(e).__name__}: {e}")
+    else:
+        if idiom.logged is not None:
+            eager_log, remat_log = idiom.logged[0::2], idiom.logged[1::2]
+            if eager_log != remat_log or len(remat_log) != STEPS:
+                result.mismatches.append(f"logged {remat_log}, eager {eager_log}")
+            result.match = result.match and not result.mismatches
+            idiom.logged.clear()
+        if idiom.kept is not None and idiom.kept(eager_model) != idiom.kept(model):
+            result.mismatches.append(f"kept {idiom.kept(model)}, eager {idiom.kept(eager_model)}")
+            result.match = False
+        if idiom.outside is not None:
+            pairs = list(zip(idiom.outside(eager_model), idiom.outside(model), strict=True))
+            result.mismatches += [f"outside tensor {i} differs" for i, (a, b) in enumerate(pairs) if not torch.equal(a, b)]
+            result.match = result.match and not result.mismatches
+        if result.match:
+            outcome.update(outcome="works", detail=f"bitwise equal to eager over {STEPS} steps ({step.report.num_recomputed} activations recomputed)")
+        else:
+            outcome.update(outcome="WRONG", detail=result.summary())
+    outcome["as_expected"] = outcome["outcome"] == idiom.expect
+    return outcome
