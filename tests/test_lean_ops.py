@@ -20,7 +20,7 @@ from remat.planners.plan import Plan
 from remat.models import make_train_step
 from remat.passes.lean_ops import lean_index
 from remat.passes.update_placement import moved_index
-from test_updates_in_backward import _built, _model_is_the_loss, _peak
+from tests.test_updates_in_backward import _built, _model_is_the_loss, _peak
 
 aten = torch.ops.aten
 

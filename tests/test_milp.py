@@ -285,7 +285,7 @@ def test_shared_schedule_competes_on_a_chain(tmp_path):
     {mm, sin} 12420 5 s / 12420 3 s is the only set under 13000 bytes that costs less than
     6 s, and sharing rebuilds mm once for both its blocks. At 15000 {sin} (1 s) fits and
     sharing saves nothing: the per-block plan is kept."""
-    from test_planners import CHAIN_PERSISTENT, Chain, build, seconds
+    from tests.test_planners import CHAIN_PERSISTENT, Chain, build, seconds
 
     index = build(Chain)
     ns = seconds(index, mm=2.0, mm_1=4.0)

@@ -74,6 +74,9 @@ class GraphIndex:
     captured: "GraphIndex | None" = None
     updates_moved: bool = False  # private optimizer updates run in the backward pass
     lean_ops: list[str] = field(default_factory=list)  # nodes that write into a dying input (lean_ops)
+    # Ops a pass made from others (update_buckets merges split multi-tensor ops): the
+    # captured op whose measured kernel scratch each is taken to need.
+    scratch_like: dict[str, str] = field(default_factory=dict)
     # reads_of_copy per node, filled as asked: the planners ask it millions of times.
     _copy_reads: dict[str, list[str]] = field(default_factory=dict, repr=False, compare=False)
 
@@ -124,9 +127,10 @@ class GraphIndex:
             first_late_reader=first_late,
         )
 
-    def indexed(self, tg: TrainGraph, analysis: GraphAnalysis | None = None) -> "GraphIndex":
-        """The index of a graph derived from this one (same nodes), analysed as `analysis` where given."""
-        derived = GraphIndex.build(tg, analysis or analyze(tg), like=self)
+    def indexed(self, tg: TrainGraph, analysis: GraphAnalysis | None = None, same_nodes: bool = True) -> "GraphIndex":
+        """The index of a graph derived from this one (with the same nodes, unless
+        `same_nodes` is False), analysed as `analysis` where given."""
+        derived = GraphIndex.build(tg, analysis or analyze(tg), like=self if same_nodes else None)
         derived.captured = self.captured or self
         return derived
 
@@ -137,8 +141,20 @@ class GraphIndex:
         if cached is None:
             cached = self.__dict__[key] = derive()
         if cached[0] is not None:
-            cached[0].scratch = self.scratch
+            cached[0].take_scratch(self.scratch)
         return cached
+
+    def take_scratch(self, scratch: dict[str, int]) -> None:
+        """`scratch` (the graph's it derives from) as this graph's, with its made ops'
+        (`scratch_like`); the same dict for the same `scratch`, which caches key on."""
+        if not self.scratch_like:
+            self.scratch = scratch
+            return
+        memo = self.__dict__.get("_scratch_taken")
+        if memo is None or memo[0] is not scratch:
+            made = {new: scratch[old] for new, old in self.scratch_like.items() if old in scratch}
+            memo = self.__dict__["_scratch_taken"] = (scratch, {**scratch, **made})
+        self.scratch = memo[1]
 
     # ------------------------------------------------------------------ the rules of rebuilding
 

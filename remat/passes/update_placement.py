@@ -13,9 +13,10 @@ op outside it that it must follow:
   `clip_grad_norm_` scaling it in place);
 - every other op that reads a storage it writes (the backward ops that read the old
   value of the parameter, also through a view or a tied use).
-Ops of the update that read several parameters' tensors together (a multi-tensor
-`_foreach` kernel, a norm over all gradients) keep those parameters' updates at the end.
-Scalar ops the update needs (learning rate arithmetic) go right before it.
+Ops of the update that read several parameters' tensors together (a norm over all
+gradients) keep those parameters' updates at the end. A multi-tensor `_foreach` kernel is
+split per parameter first and its updates moved in buckets (update_buckets). Scalar ops
+the update needs (learning rate arithmetic) go right before it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 import torch.fx
 
 from remat.memory.analysis import GraphAnalysis, reordered_analysis
+from remat.passes import update_buckets
 from remat.memory.graph_index import GraphIndex
 from remat.capture.train_graph import InputKind, Phase, TrainGraph
 
@@ -37,6 +39,9 @@ class UpdatePlacement:
 
     moved: dict[str, str] = field(default_factory=dict)  # parameter -> the node its update now follows
     held: dict[str, str] = field(default_factory=dict)  # parameter -> why its update stays at the end
+    # Multi-tensor updates (update_buckets): the moved parameters in buckets, each bucket's
+    # update one op per multi-tensor op, run after its last member's gradient; [] otherwise.
+    buckets: list[list[str]] = field(default_factory=list)
 
     @property
     def applies(self) -> bool:
@@ -47,6 +52,10 @@ class UpdatePlacement:
         if not self.moved and not self.held:
             return "the step has no optimizer update"
         parts = [f"{len(self.moved)} of {len(self.moved) + len(self.held)} parameter updates run in the backward pass"]
+        if self.buckets and max(map(len, self.buckets)) == 1:
+            parts[0] += ", each in multi-tensor ops of its own"
+        elif self.buckets:
+            parts[0] += f", in {len(self.buckets)} buckets of multi-tensor ops"
         if self.held:
             name, why = next(iter(self.held.items()))
             more = f" (and {len(self.held) - 1} more)" if len(self.held) > 1 else ""
@@ -79,7 +88,11 @@ def place_updates(tg: TrainGraph, analysis: GraphAnalysis, writes: dict[str, lis
     """The op nodes in the order that runs each private update right after its gradient is
     final (the captured order where nothing moves), and what moved. `writes`: per op node,
     the storages it writes in place (GraphIndex.writes)."""
-    facts = _UpdateFacts(tg, analysis, writes)
+    return placed_order(UpdateFacts(tg, analysis, writes))
+
+
+def placed_order(facts: UpdateFacts) -> tuple[list[str], UpdatePlacement]:
+    """place_updates on the facts of one graph."""
     placement = UpdatePlacement(held=dict(facts.shared))
     slots: dict[str, int] = {}
     for param in facts.groups:
@@ -94,7 +107,7 @@ def place_updates(tg: TrainGraph, analysis: GraphAnalysis, writes: dict[str, lis
     return facts.order_with(slots), placement
 
 
-class _UpdateFacts:
+class UpdateFacts:
     """The update ops of one graph, by parameter, with the storages they touch."""
 
     def __init__(self, tg: TrainGraph, analysis: GraphAnalysis, writes: dict[str, list[int]]) -> None:
@@ -220,13 +233,20 @@ def reorder(tg: TrainGraph, order: list[str]) -> TrainGraph:
     return dataclasses.replace(tg, order=list(order), meta={**tg.meta, "updates_in_backward": True})
 
 
-def moved_index(index: GraphIndex) -> tuple[GraphIndex | None, UpdatePlacement]:
+def moved_index(index: GraphIndex, in_buckets: bool = True) -> tuple[GraphIndex | None, UpdatePlacement]:
     """`index`'s graph with each private optimizer update moved to just after its gradient
-    is final, indexed; None where no update can move. Computed once."""
+    is final, indexed; None where no update can move. A multi-tensor update is split and
+    moved in buckets (update_buckets), or with `in_buckets=False` one parameter to a
+    bucket: more kernels, and no gradient kept waiting for a bucket. Computed once."""
     if index.updates_moved:
         return None, UpdatePlacement()
 
     def derive() -> tuple[GraphIndex | None, UpdatePlacement]:
+        split = update_buckets.split_foreach(index.tg)
+        if split is not None:
+            return _in_buckets(index, *split, in_buckets)
+        if not in_buckets:
+            return moved_index(index)
         order, placement = place_updates(index.tg, index.analysis, index.writes)
         if not placement.applies:
             return None, placement
@@ -234,4 +254,29 @@ def moved_index(index: GraphIndex) -> tuple[GraphIndex | None, UpdatePlacement]:
         moved.updates_moved, moved.lean_ops = True, index.lean_ops
         return moved, placement
 
-    return index.derived("_updates_in_backward", derive)
+    return index.derived("_updates_in_backward" if in_buckets else "_updates_in_backward_one_each", derive)
+
+
+def _in_buckets(
+    index: GraphIndex, split_tg: TrainGraph, origin: dict[str, tuple[str, int]], in_buckets: bool
+) -> tuple[GraphIndex | None, UpdatePlacement]:
+    """The multi-tensor update of `index`'s graph placed per parameter on its split graph,
+    then run in buckets (update_buckets.bucketed)."""
+    split = index.indexed(split_tg, same_nodes=False)
+    facts = UpdateFacts(split_tg, split.analysis, split.writes)
+    order, placement = placed_order(facts)
+    if not placement.applies:
+        return None, placement
+    rank = {n: r for r, n in enumerate(order)}
+    # A gradient's bytes are its parameter's.
+    grad_bytes = {i.name: update_buckets.nbytes(i.shape, i.dtype) for i in index.tg.inputs if i.kind is InputKind.PARAMETER}
+    cap = update_buckets.bucket_cap_bytes(grad_bytes) if in_buckets else 0
+    placement.buckets = update_buckets.buckets(order, placement.moved, grad_bytes, cap)
+    placed: dict[str, list[list[str]]] = {}
+    for members in placement.buckets:
+        placed.setdefault(max((placement.moved[p] for p in members), key=rank.__getitem__), []).append(members)
+    helpers = {p: facts.helpers(ops) for p, ops in facts.groups.items()}
+    tg, made = update_buckets.bucketed(split_tg, origin, order, facts.groups, helpers, placed)
+    moved = index.indexed(tg, same_nodes=False)
+    moved.updates_moved, moved.lean_ops, moved.scratch_like = True, index.lean_ops, made
+    return moved, placement

@@ -86,7 +86,7 @@ def assemble_plan(
         baseline_peak_bytes=int(baseline.peak_bytes),
         predicted_overhead_seconds=float(final.overhead_seconds),
         baseline_iteration_seconds=float(
-            baseline_iteration_seconds if baseline_iteration_seconds is not None else sum(node_seconds[n] for n in index.order)
+            baseline_iteration_seconds if baseline_iteration_seconds is not None else sum(node_seconds[n] for n in (index.captured or index).order)
         ),
         planning_seconds=float(planning_seconds),
         num_recomputed=len(entries),

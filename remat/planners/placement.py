@@ -4,7 +4,8 @@
   without are both planned, and the cheaper plan kept.
 - Where the optimizer updates run is chosen: every planner plans the graph in its
   captured order and with its private updates moved into the backward pass
-  (`update_placement.moved_index`), and the plan that fits at the least predicted time
+  (`update_placement.moved_index`; a multi-tensor update in buckets, or one parameter to
+  a bucket where no plan with buckets fits), and the plan that fits at the least predicted time
   is kept (at equal time, the lower predicted peak). When neither fits, the error with the
   smaller reachable peak is raised: the floor with updates in backward. A planner with a
   local search plans the captured order only where it holds less under the picks of the
@@ -151,6 +152,17 @@ def _choose_placement(
             results[in_backward] = run(idx)
         except BudgetError as e:
             errors[in_backward] = e
+    if True in errors and placement.buckets:
+        # No plan with the multi-tensor updates in buckets: one parameter to a bucket
+        # keeps no gradient waiting for a bucket to fill.
+        moved, placement = moved_index(index, in_buckets=False)
+        try:
+            results[True] = run(moved)
+        except BudgetError:
+            pass
+        else:
+            del errors[True]
+            results[True].meta["update_buckets"] = False
     if not results:
         raise _NoPlan(errors)
     chosen = min(results, key=lambda k: (results[k].predicted_overhead_seconds, results[k].predicted_peak_bytes, not k))

@@ -139,7 +139,7 @@ class Plan:
             base = lean
         if not self.updates_in_backward:
             return base
-        moved, placement = moved_index(base)
+        moved, placement = moved_index(base, in_buckets=self.meta.get("update_buckets", True))
         if moved is None:
             raise PlanError(f"the plan runs optimizer updates in the backward pass, but none can move in this graph: {placement.summary()}")
         return moved

@@ -81,7 +81,9 @@ class RandomSpec:
     ops: tuple[Op, ...] = ()
     loss: str = "meansq"  # "meansq" | "mse" | "ce"
     extra_loss: bool = False  # add the mean of every value no op reads to the loss
-    optimizer: str = "sgd"  # "sgd" (momentum 0.9) | "adamw" | "split": SGD on matrices, AdamW on the rest, passed as a list
+    # "sgd" (momentum 0.9) | "adamw" | either with "-foreach" (torch's multi-tensor update) |
+    # "split": SGD on matrices, AdamW on the rest, passed as a list
+    optimizer: str = "sgd"
     zero_grad_first: bool = True
     budget: float = 0.5
     retry: float = 0.0  # where to retry a refused budget: 0 the reachable peak .. 1 the baseline
@@ -378,10 +380,11 @@ def add_gradient_hooks(model: nn.Module) -> None:
 
 def make_optimizer(kind: str, params: list[torch.Tensor]) -> Any:
     """One optimizer, or for "split" a list of two (one where either part is empty)."""
-    if kind == "adamw":
-        return torch.optim.AdamW(params, lr=1e-3)
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    foreach = kind.endswith("-foreach")
+    if kind.startswith("adamw"):
+        return torch.optim.AdamW(params, lr=1e-3, foreach=foreach)
+    if kind.startswith("sgd"):
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=foreach)
     matrices, rest = [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
     parts = [torch.optim.SGD(matrices, lr=1e-3, momentum=0.9)] if matrices else []
     return parts + ([torch.optim.AdamW(rest, lr=1e-3)] if rest else [])
@@ -563,7 +566,7 @@ if st is not None:
             ops=tuple(ops),
             loss=loss,
             extra_loss=draw(st.booleans()),
-            optimizer=draw(st.sampled_from(["sgd", "adamw", "split"])),
+            optimizer=draw(st.sampled_from(["sgd", "adamw", "split", "sgd-foreach", "adamw-foreach"])),
             zero_grad_first=draw(st.booleans()),
             budget=draw(st.one_of(st.sampled_from([0.5, 1.0, 0.1]), st.floats(0.02, 1.0))),
             retry=draw(st.sampled_from([0.0, 0.5, 0.2, 0.8])),
