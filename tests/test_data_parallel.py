@@ -21,8 +21,9 @@ def _two_ranks(fn, *args):
 
 @pytest.mark.parametrize(
     "model, optimizer, budget, micro_batches",
-    [("bert-tiny", "adamw", 0.5, 1), ("resnet-tiny", "sgd", 0.5, 1), ("bert-tiny", "sgd", 0.6, 2), ("bert-tiny", "sgd+adamw", 0.5, 1)],
-    ids=["bert-tiny-adamw", "resnet-tiny-sgd", "bert-tiny-no_sync-accumulation", "bert-tiny-two-optimizers"],
+    [("bert-tiny", "adamw", 0.5, 1), ("resnet-tiny", "sgd", 0.5, 1), ("bert-tiny", "sgd", 0.6, 2), ("bert-tiny", "sgd+adamw", 0.5, 1),
+     ("bert-tiny", "adamw-foreach", 0.5, 1)],
+    ids=["bert-tiny-adamw", "resnet-tiny-sgd", "bert-tiny-no_sync-accumulation", "bert-tiny-two-optimizers", "bert-tiny-foreach-buckets"],
 )
 def test_bitwise_equal_to_eager_ddp_on_every_rank(model, optimizer, budget, micro_batches):
     results = _two_ranks(ddp_workers.train_like_eager, model, optimizer, budget, 3, micro_batches)

@@ -31,7 +31,10 @@ def _wrapped(model_name: str, batch_size: int, optimizer: str, **ddp_options: An
 
 
 def _optimizers(name: str, params: list[torch.Tensor]) -> Any:
-    """One optimizer, or for "sgd+adamw" a list of two: SGD on the matrices, AdamW on the rest."""
+    """One optimizer ("adamw-foreach": torch's multi-tensor AdamW), or for "sgd+adamw" a
+    list of two: SGD on the matrices, AdamW on the rest."""
+    if name == "adamw-foreach":
+        return make_optimizer("adamw", params, foreach=True)
     if name != "sgd+adamw":
         return make_optimizer(name, params)
     return [make_optimizer("sgd", [p for p in params if p.ndim >= 2]), make_optimizer("adamw", [p for p in params if p.ndim < 2])]
