@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
-from remat.errors import BudgetError
+from remat.errors import BudgetError, CaptureError
 from remat.measurement.check import check_against_eager, twin
 from remat.models import build_model, make_optimizer, make_train_step
 from remat import build as pipeline
@@ -176,6 +176,48 @@ def test_where_buckets_hold_too_much_each_parameter_is_updated_alone():
     result = check_against_eager(step, eager_model, eager_opt, model, opt, compiled, batch, steps=3)
     assert result.match, result.summary()
     assert compiled.report.measured_peak_bytes == plan.predicted_peak_bytes
+
+
+@pytest.mark.parametrize("make", [
+    lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, amsgrad=True, fused=True),
+    lambda params: torch.optim.Adam(params, lr=1e-2, fused=True),
+    lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9, nesterov=True, fused=True),
+    lambda params: torch.optim.Adagrad(params, lr=1e-2, fused=True),
+], ids=["adamw-amsgrad", "adam", "sgd-nesterov", "adagrad"])
+def test_a_fused_optimizer_reads_its_learning_rate_at_every_call_and_runs_in_buckets_bitwise(make):
+    """The fused kernel's tensor-lr form takes the learning rate from the graph's input, so
+    a schedule changes it between steps; its other settings are fixed numbers, and a
+    change to one is refused by name."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)], nn.Linear(64, 4))
+    opt = make(model.parameters())
+
+    def step(model, optimizer, batch):
+        optimizer.zero_grad()
+        loss = model(batch).square().mean()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    batch = torch.randn(32, 64)
+    eager_model, eager_opt = twin(model, opt)
+    compiled = remat.compile(step, model, opt, batch, memory_budget=0.95, profile_runs=1)
+    plan = compiled.report.plan
+    assert plan.updates_in_backward and "buckets of multi-tensor ops" in plan.updates_note
+    fused = [n for n in compiled.graph_module.graph.nodes if str(n.target).startswith("aten._fused_")]
+    assert len(fused) > 1 and all("tensor_lr" in str(n.target) for n in fused)
+
+    def halve_lr(i, model, optimizer):
+        for group in optimizer.param_groups:
+            group["lr"] *= 0.5
+
+    result = check_against_eager(step, eager_model, eager_opt, model, opt, compiled, batch, steps=4, between_steps=halve_lr)
+    assert result.match, result.summary()
+    assert compiled.report.measured_peak_bytes == plan.predicted_peak_bytes
+    fixed = next(k for k in ("eps", "momentum", "lr_decay") if k in opt.param_groups[0])
+    opt.param_groups[0][fixed] = opt.param_groups[0][fixed] * 2 + 0.5
+    with pytest.raises(CaptureError, match=fixed):
+        compiled(batch)
 
 
 def test_a_clipped_multi_tensor_update_stays_at_the_end():

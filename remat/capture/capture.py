@@ -212,6 +212,7 @@ def capture(
     probe: dict[str, Any] = {"preset_grads": False, "numbers": [], "as_numbers": False, "numbers_unread": frozenset()}  # check_no_accumulation; kept_numbers
     # Floats the update branches on keep their sign; `symbols` names one a trace tripped on.
     sign_facts = {n: hyperparams.sign(v) for n, v in hyper_values.items() if hyperparams.parse_input_name(n)[1] in hyperparams.BRANCHED_KEYS}
+    sign_facts.update(hyperparams.fixed_by_fused_kernels(optimizer))
     symbols: dict[str, str] = {}
     recorded = _Recorded()  # filled while tracing
 

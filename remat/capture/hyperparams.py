@@ -13,7 +13,9 @@ that names it when it changed: flags (nesterov, amsgrad, maximize, ...), which
 parameters each group holds, for a float the update branches on (`if
 weight_decay != 0`, RMSprop's `if momentum > 0`), its sign: negative, zero or positive,
 and for a number it branches on otherwise (Muon's `ns_steps`, a count of iterations),
-its value.
+its value. A fused kernel (`fused=True`) takes its settings as fixed numbers but for the
+learning rate, which it reads from a tensor: there the learning rate is the graph input
+itself, read at every call, and the other floats are fixed.
 """
 
 from __future__ import annotations
@@ -137,6 +139,11 @@ def symbolic(
             name = input_name(gi, key)
             if sign_facts.get(name) == FIXED:
                 continue  # the group's own value, a constant of the graph
+            if key == "lr" and group.get("fused"):
+                value = tensors[name]  # the fused kernel's tensor-lr form reads it as it is
+                _set(group, key, value)
+                placed[name] = value
+                continue
             value = traced_float(tensors[name], name, sign_facts.get(name), symbols)
             _set(group, key, value)
             placed[name] = value
@@ -164,6 +171,21 @@ def traced_float(tensor: torch.Tensor, name: str, known_sign: int | None, symbol
     if known_sign is not None:
         torch._check(value > 0 if known_sign > 0 else value < 0 if known_sign < 0 else value == 0)
     return value
+
+
+def fixed_by_fused_kernels(optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    """The floats a fused kernel takes as fixed numbers (betas, eps, weight_decay: every
+    float of a `fused=True` group but the learning rate, which its tensor-lr form reads
+    at every call): constants of the graph, a change refused at the call (`FIXED`)."""
+    if optimizer is None:
+        return {}
+    return {
+        input_name(gi, key): FIXED
+        for gi, group in enumerate(optimizer.param_groups)
+        if group.get("fused")
+        for key in float_entries(group)
+        if key != "lr"
+    }
 
 
 def group_specs(optimizer: torch.optim.Optimizer, names: dict[int, str], sign_facts: dict[str, int]) -> list[GroupSpec]:

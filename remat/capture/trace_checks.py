@@ -235,8 +235,8 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
     if data_dependent and any("fused" in f.name for f in in_optimizer):
         return CaptureError(
             f"the optimizer runs its fused kernel (fused=True, in torch/optim/{Path(in_optimizer[-1].filename).name}), "
-            "which takes the learning rate and its other settings as fixed numbers, while remat reads them from "
-            "param_groups at every call (a scheduler may change them). Construct the optimizer with fused=False "
+            "which took a setting as a fixed number where remat reads it from param_groups at every call (remat "
+            "gives it the learning rate as a tensor and fixes the other floats). Construct the optimizer with fused=False "
             "(foreach=True is its multi-tensor path), or train without remat."
         )
     if data_dependent and in_optimizer:

@@ -1,7 +1,8 @@
 """Multi-tensor updates in the backward pass, in buckets.
 
 A `foreach` optimizer updates every parameter with one `_foreach_*` kernel per step of its
-rule, each over the lists of all parameters, gradients and states: one update reads every
+rule (a fused one, `fused=True`, with one `_fused_*` kernel), each over the lists of all
+parameters, gradients and states: one update reads every
 gradient, so it cannot move into the backward pass (update_placement) and every gradient
 lives to the end of the step. A `_foreach_*` op is elementwise per list position: its
 result at position i reads only the tensors at position i. So it splits into one op per
@@ -43,25 +44,28 @@ BUCKETS_PER_STEP = 8
 
 
 def is_multi_tensor(node: torch.fx.Node) -> bool:
-    """A `_foreach_*` op over lists of more than one tensor."""
+    """A `_foreach_*` op, or a fused optimizer kernel (`_fused_adamw_`, ...), over lists of
+    more than one tensor."""
     target = node.target
     return (
         node.op == "call_function"
         and isinstance(target, torch._ops.OpOverload)
-        and target.__name__.startswith("_foreach_")
+        and target.__name__.startswith(("_foreach_", "_fused_"))
         and _positions(node) > 1
     )
 
 
 def _positions(node: torch.fx.Node) -> int:
-    lengths = {len(a) for a in [*node.args, *node.kwargs.values()] if isinstance(a, (list, tuple))}
+    """The length of the op's lists (an empty list, such as a fused Adam's max_exp_avg_sqs
+    without amsgrad, is a list of no position)."""
+    lengths = {len(a) for a in [*node.args, *node.kwargs.values()] if isinstance(a, (list, tuple)) and a}
     return lengths.pop() if len(lengths) == 1 else 0
 
 
 def _at(value: Any, positions: list[int], env: dict[torch.fx.Node, torch.fx.Node]) -> Any:
     """An argument of a multi-tensor op for `positions` (lists sliced, the rest as they are)."""
     if isinstance(value, (list, tuple)):
-        return [env[v] if isinstance(v, torch.fx.Node) else v for v in (value[i] for i in positions)]
+        return [env[v] if isinstance(v, torch.fx.Node) else v for v in (value[i] for i in positions)] if value else []
     return env[value] if isinstance(value, torch.fx.Node) else value
 
 
@@ -220,7 +224,7 @@ def _merge(graph: torch.fx.Graph, parts: list[torch.fx.Node], env: dict, name: s
 
     def joined(i: int, values: list[Any]) -> Any:
         if isinstance(values[0], (list, tuple)):
-            return [env[v[0]] if isinstance(v[0], torch.fx.Node) else v[0] for v in values]
+            return [env[v[0]] if isinstance(v[0], torch.fx.Node) else v[0] for v in values if v]
         return env[values[0]] if isinstance(values[0], torch.fx.Node) else values[0]
 
     args = tuple(joined(i, [p.args[i] for p in parts]) for i in range(len(first.args)))
