@@ -200,7 +200,7 @@ def test_the_generator_covers_every_op_and_aliasing() -> None:
     kinds = {op.kind for s in specs for op in s.ops}
     assert set(OP_KINDS) | {"embedding"} <= kinds, f"never drawn: {set(OP_KINDS) - kinds}"
     assert {s.loss for s in specs} == {"meansq", "mse", "ce"}
-    assert {s.optimizer for s in specs} == {"sgd", "adamw", "split", "sgd-foreach", "adamw-foreach"}
+    assert {s.optimizer for s in specs} == {"sgd", "adamw", "split", "sgd-foreach", "adamw-foreach", "adamw-fused"}
     assert {s.hostile for s in specs} == {None, *HOSTILE}
     assert sum(s.outside for s in specs) >= 100  # a scale and an EMA outside the model
     assert sum(s.hooks for s in specs) >= 100  # gradient hooks on the parameters

@@ -146,7 +146,7 @@ def test_an_optimizer_looping_over_a_count_keeps_its_value_and_refuses_a_change_
     step = remat.compile(make_train_step(spec.loss_fn), spec.model, opt, spec.batch, profile_runs=1, measure=False)
     step(spec.batch)
     opt.param_groups[0]["ns_steps"] = 3
-    with pytest.raises(CaptureError, match=r"\['ns_steps'\] changed from 5 to 3; the captured update depends on its value"):
+    with pytest.raises(CaptureError, match=r"\['ns_steps'\] changed from 5 to 3; the captured update takes it as a fixed number"):
         step(spec.batch)
 
 

@@ -234,8 +234,9 @@ def check_settings(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]
             if floats.get(key) != was:
                 raise CaptureError(
                     f"{where}[{key!r}] changed from {was!r} to {floats.get(key, '<missing>')!r}; the "
-                    "captured update depends on its value (a count it loops over, a threshold it compares with), which the "
-                    "graph fixed. Compile a new step (remat.compile) after changing it."
+                    "captured update takes it as a fixed number (a count it loops over, a threshold it compares with, a "
+                    "setting of a fused kernel, fused=True, which reads only its learning rate at every call). Compile a "
+                    "new step (remat.compile) after changing it, or use foreach=True, which reads every setting at every call."
                 )
         for key, was in spec.signs:
             if key not in floats:

@@ -82,6 +82,7 @@ class RandomSpec:
     loss: str = "meansq"  # "meansq" | "mse" | "ce"
     extra_loss: bool = False  # add the mean of every value no op reads to the loss
     # "sgd" (momentum 0.9) | "adamw" | either with "-foreach" (torch's multi-tensor update) |
+    # "adamw-fused" (its fused kernel) |
     # "split": SGD on matrices, AdamW on the rest, passed as a list
     optimizer: str = "sgd"
     zero_grad_first: bool = True
@@ -381,6 +382,8 @@ def add_gradient_hooks(model: nn.Module) -> None:
 def make_optimizer(kind: str, params: list[torch.Tensor]) -> Any:
     """One optimizer, or for "split" a list of two (one where either part is empty)."""
     foreach = kind.endswith("-foreach")
+    if kind == "adamw-fused":
+        return torch.optim.AdamW(params, lr=1e-3, fused=True)
     if kind.startswith("adamw"):
         return torch.optim.AdamW(params, lr=1e-3, foreach=foreach)
     if kind.startswith("sgd"):
@@ -396,12 +399,15 @@ def each(optimizer: Any) -> list[torch.optim.Optimizer]:
 
 def change_hyperparameters(step: int, model: nn.Module, optimizer: torch.optim.Optimizer, anneal: bool = True) -> None:
     """What a loop's scheduler does between steps (a zero weight decay stays zero: the
-    update branches on it), and, with `anneal`, a loss weight the model holds, where it
+    update branches on it; a fused kernel's settings but the learning rate stay as they
+    are: it takes them as fixed numbers), and, with `anneal`, a loss weight the model holds, where it
     holds one (the step is then compiled once more, for it: see check_example)."""
     if anneal and hasattr(model, "loss_weight"):
         model.loss_weight = 1.0 - 0.15 * (step + 1)
     for g in (g for o in each(optimizer) for g in o.param_groups):
         g["lr"] = g["lr"] * (0.5 + 0.3 * step)
+        if g.get("fused"):
+            continue
         if g.get("weight_decay"):
             g["weight_decay"] = g["weight_decay"] * 1.5
         if "betas" in g:
@@ -566,7 +572,7 @@ if st is not None:
             ops=tuple(ops),
             loss=loss,
             extra_loss=draw(st.booleans()),
-            optimizer=draw(st.sampled_from(["sgd", "adamw", "split", "sgd-foreach", "adamw-foreach"])),
+            optimizer=draw(st.sampled_from(["sgd", "adamw", "split", "sgd-foreach", "adamw-foreach", "adamw-fused"])),
             zero_grad_first=draw(st.booleans()),
             budget=draw(st.one_of(st.sampled_from([0.5, 1.0, 0.1]), st.floats(0.02, 1.0))),
             retry=draw(st.sampled_from([0.0, 0.5, 0.2, 0.8])),
