@@ -43,6 +43,22 @@ CI_EXAMPLES = 180  # the suite stays under 10 minutes; benchmarks/long_randomize
 CI_MAX_OPS = 10
 
 # Minimal models of the failures the randomized runs found (see docs/RESULTS.md).
+# A foreach AdamW with frozen parameters: the buckets' merged kernels were not given
+# their captured op's measured scratch where the rewritten graph is simulated.
+FOREACH_BUCKET_SCRATCH = RandomSpec(
+    2, 8, 0, vocab=50, ops=(Op("embedding", (0,), (64,)), Op("gelu", (1,)), Op("linear", (1,), (32, True)), Op("slice", (3,), (27, 32)),
+    Op("reshape", (3,)), Op("softmax", (5,), (-1,)), Op("relu", (6,)), Op("linear", (6,), (8, False)), Op("reshape", (6,)),
+    Op("reshape", (7,))), loss="meansq", extra_loss=True, optimizer="adamw-foreach", zero_grad_first=True, budget=0.6345742486646987,
+    seed=2539, frozen=2,
+)  # fmt: skip
+# A foreach AdamW beside an EMA outside the model: a multi-tensor op over tensors of no
+# parameter (the EMA's) belonged to no bucket and was refused.
+FOREACH_BESIDE_AN_EMA = RandomSpec(
+    2, 4, 32, ops=(Op("add", (0, 0)), Op("tanh", (1,)), Op("batch_norm", (2,), (True,)), Op("tanh", (2,)), Op("relu", (2,)),
+    Op("linear", (1,), (32, True)), Op("tanh", (2,)), Op("slice_relu_", (6,), (3,)), Op("stride", (5,)), Op("cat", (5, 1)),
+    Op("add", (9, 9)), Op("batch_norm", (7,), (True,))), loss="mse", optimizer="adamw-foreach", zero_grad_first=True,
+    budget=0.7820812965202808, retry=0.5, seed=182, outside=True,
+)  # fmt: skip
 # BatchNorm1d on x.transpose(1, 2), then a linear layer: the captured step failed on real
 # tensors ("view size is not compatible"), since fake BatchNorm kept the input's strides.
 BN_ON_TRANSPOSE = RandomSpec(4, 4, 16, ops=(Op("batch_norm", (0,), (False,)), Op("linear", (1,), (8, True))), budget=0.5)
@@ -179,6 +195,8 @@ ANNEALED_LOSS_WEIGHT = RandomSpec(
 @example(FROZEN_CONV_WEIGHT_ACCUMULATING)
 @example(FROZEN_1X1_CONV_WEIGHT)
 @example(LEAN_INTO_AN_INPUT_READ_AGAIN)
+@example(FOREACH_BUCKET_SCRATCH)
+@example(FOREACH_BESIDE_AN_EMA)
 def test_random_models_train_bitwise_like_eager_within_budget(spec: RandomSpec) -> None:
     check_example(spec, steps=3)
 

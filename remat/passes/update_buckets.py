@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import re
 from typing import Any
 
 import torch
@@ -152,9 +153,9 @@ def bucketed(
     helpers: dict[str, list[str]],
     placed: dict[str, list[list[str]]],
 ) -> tuple[TrainGraph, dict[str, str]]:
-    """The graph of `split_tg` (split_foreach's) that runs, after each op of `placed`
-    (op name -> the buckets that follow it, each a list of parameters), each bucket's update, and the rest of the
-    update at the end: the update ops in captured order, restricted to the bucket's
+    """The graph of `split_tg` (split_foreach's) that runs, after each op of `placed` (op
+    name -> the buckets that follow it, each a list of parameters), each bucket's update,
+    and the rest of the update at the end: the update ops in captured order, restricted to the bucket's
     members (`groups`: each parameter's ops; `helpers`: the shared ops they need), the
     split ops of one multi-tensor op merged into one over the bucket's positions. `order`:
     update_placement's order of `split_tg`'s ops (the backward's ops in it stay as they are).
@@ -165,22 +166,26 @@ def bucketed(
     node_map = {n.name: n for n in nodes}
     captured_rank = {n.name: r for r, n in enumerate(nodes)}
     in_update = {n for n in order if split_tg.phase.get(n) is Phase.OPTIMIZER}
-    moved = {p for bs in placed.values() for members in bs for p in members}
     emitted: set[str] = set()
     phase: dict[str, Phase] = {}
     made: dict[str, str] = {}  # merged op -> the multi-tensor op it runs part of
     count = [0]
 
     def emit_update(members: list[str]) -> None:
-        wanted = {op for p in members for op in [*groups.get(p, []), *helpers.get(p, [])]} - emitted
+        emit({op for p in members for op in [*groups.get(p, []), *helpers.get(p, [])]})
+
+    def emit(names: set[str]) -> None:
+        """`names` not yet emitted, in captured order; the split ops of one multi-tensor op
+        among them merged into one."""
+        wanted = sorted(names - emitted, key=captured_rank.__getitem__)
         merged: dict[str, torch.fx.Node] = {}
-        for name in sorted(wanted, key=captured_rank.__getitem__):
+        for name in wanted:
             node = node_map[name]
             if name in origin:
                 first, _ = origin[name]
                 if first not in merged:
-                    parts = [n for n in sorted(wanted, key=captured_rank.__getitem__) if origin.get(n, ("",))[0] == first]
-                    merged[first] = _merge(graph, [node_map[n] for n in parts], env, f"{first}__bucket{count[0]}")
+                    parts = [n for n in wanted if origin.get(n, ("",))[0] == first]
+                    merged[first] = _merge(graph, [node_map[n] for n in parts], env, bucket_name(first, count[0]))
                     phase[merged[first].name] = Phase.OPTIMIZER
                     made[merged[first].name] = first
                     for j, part in enumerate(parts):
@@ -206,16 +211,22 @@ def bucketed(
         phase[name] = split_tg.phase[name]
         for members in placed.get(name, []):
             emit_update(members)
-    emit_update([p for p in groups if p not in moved])
-    emit_update_rest = [n for n in order if n in in_update and n not in emitted]
-    for name in sorted(emit_update_rest, key=captured_rank.__getitem__):
-        if name in origin:  # a split op of no parameter's update: not expected, refuse rather than guess
-            raise ValueError(f"{name} belongs to no parameter's update")
-        env[node_map[name]] = graph.node_copy(node_map[name], lambda a: env[a])
-        phase[name] = split_tg.phase[name]
+    # The updates that stay at the end, and what no parameter's update holds (an EMA's
+    # update of its own tensors), in captured order.
+    emit({n for n in order if n in in_update})
     graph.node_copy(next(n for n in nodes if n.op == "output"), lambda a: env[a])
     gm = torch.fx.GraphModule(split_tg.gm, graph)
     return dataclasses.replace(split_tg, gm=gm, phase=phase, meta={**split_tg.meta, "updates_in_backward": True}), made
+
+
+def bucket_name(op: str, bucket: int) -> str:
+    """The name of the op that runs multi-tensor op `op` over one bucket's positions."""
+    return f"{op}__bucket{bucket}"
+
+
+def made_from(name: str) -> str:
+    """The op of the captured graph a node of a bucketed graph runs (all or part of)."""
+    return re.sub(r"__(bucket|at)\d+$", "", name)
 
 
 def _merge(graph: torch.fx.Graph, parts: list[torch.fx.Node], env: dict, name: str) -> torch.fx.Node:

@@ -38,6 +38,7 @@ from remat.capture.train_graph import Phase
 from remat.measurement.check import check_against_eager, model_snapshot, snapshot_differences, twin
 from remat.errors import BudgetError, CaptureError
 from remat.memory.simulator import simulate
+from remat.passes.update_buckets import made_from
 
 try:  # the strategy needs hypothesis (the `test` extra); the rest of the module does not
     from hypothesis import strategies as st
@@ -821,8 +822,9 @@ def bitwise_equal_state(model_a: nn.Module, opt_a: Any, model_b: nn.Module, opt_
 
 
 def original_name(node_name: str) -> str:
-    """The node a rewritten graph's node copies (itself, unless it is a recompute copy)."""
-    return re.sub(r"_recomputed(_\d+)?$", "", node_name)
+    """The node of the captured graph a rewritten graph's node copies (itself, unless it
+    is a recompute copy or a bucket's part of a multi-tensor op)."""
+    return made_from(re.sub(r"_recomputed(_\d+)?$", "", node_name))
 
 
 def _compile(spec: RandomSpec, model: nn.Module, opt: torch.optim.Optimizer, batch: Any, budget: Any) -> remat.RematStep:
