@@ -122,11 +122,18 @@ def test_other_torch_optimizers_follow_hand_set_hyperparameters_bitwise(optimize
     _check_loop(spec, opt, "hand")
 
 
-def test_a_fused_optimizer_is_refused_saying_to_construct_it_unfused():
+def test_a_fused_optimizer_trains_and_refuses_a_changed_beta_saying_what_reads_it_at_every_call():
+    """A fused kernel reads only its learning rate at every call: a beta changed between
+    steps is refused, naming it and the multi-tensor path that reads every setting."""
     spec = build_model("mlp-deep", 8)
     opt = torch.optim.Adam(spec.model.parameters(), lr=1e-3, fused=True)
-    with pytest.raises(CaptureError, match=r"runs its fused kernel \(fused=True, in torch/optim/adam.py\).* fused=False"):
-        remat.compile(make_train_step(spec.loss_fn), spec.model, opt, spec.batch, profile_runs=1, measure=False)
+    step = remat.compile(make_train_step(spec.loss_fn), spec.model, opt, spec.batch, profile_runs=1, measure=False)
+    step(spec.batch)
+    opt.param_groups[0]["lr"] = 5e-4  # read at every call
+    step(spec.batch)
+    opt.param_groups[0]["betas"] = (0.8, 0.999)
+    with pytest.raises(CaptureError, match=r"'betas\[0\]'\] changed from 0.9 to 0.8; .*fused=True.*foreach=True"):
+        step(spec.batch)
 
 
 def test_an_optimizer_branching_on_a_float_keeps_its_sign_and_refuses_a_change_by_name():
