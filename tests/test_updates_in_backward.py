@@ -107,6 +107,14 @@ def test_clipped_gradients_are_updated_only_after_clipping():
     assert result.match, result.summary()
 
 
+def _square_loss_step(model, optimizer, batch):
+    optimizer.zero_grad()
+    loss = model(batch).square().mean()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
 def _foreach_ops(index) -> list[str]:
     return [n for n in index.order if index.tg.phase[n] is Phase.OPTIMIZER and str(index.node_map[n].target).startswith("aten._foreach_")]
 
@@ -156,12 +164,7 @@ def test_where_buckets_hold_too_much_each_parameter_is_updated_alone():
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(16)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
 
-    def step(model, optimizer, batch):
-        optimizer.zero_grad()
-        loss = model(batch).square().mean()
-        loss.backward()
-        optimizer.step()
-        return loss
+    step = _square_loss_step
 
     batch = torch.randn(2, 64)
     built = pipeline.build(step, model, opt, batch, runs=1)
@@ -192,12 +195,7 @@ def test_a_fused_optimizer_reads_its_learning_rate_at_every_call_and_runs_in_buc
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)], nn.Linear(64, 4))
     opt = make(model.parameters())
 
-    def step(model, optimizer, batch):
-        optimizer.zero_grad()
-        loss = model(batch).square().mean()
-        loss.backward()
-        optimizer.step()
-        return loss
+    step = _square_loss_step
 
     batch = torch.randn(32, 64)
     eager_model, eager_opt = twin(model, opt)

@@ -233,13 +233,13 @@ def _merge(graph: torch.fx.Graph, parts: list[torch.fx.Node], env: dict, name: s
     """One op over the positions of `parts` (split ops of one multi-tensor op)."""
     first = parts[0]
 
-    def joined(i: int, values: list[Any]) -> Any:
+    def joined(values: list[Any]) -> Any:
         if isinstance(values[0], (list, tuple)):
             return [env[v[0]] if isinstance(v[0], torch.fx.Node) else v[0] for v in values if v]
         return env[values[0]] if isinstance(values[0], torch.fx.Node) else values[0]
 
-    args = tuple(joined(i, [p.args[i] for p in parts]) for i in range(len(first.args)))
-    kwargs = {k: joined(0, [p.kwargs[k] for p in parts]) for k in first.kwargs}
+    args = tuple(joined([p.args[i] for p in parts]) for i in range(len(first.args)))
+    kwargs = {k: joined([p.kwargs[k] for p in parts]) for k in first.kwargs}
     new = graph.create_node("call_function", first.target, args, kwargs, name=name)
     new.meta = dict(first.meta)
     vals = [p.meta.get("val") for p in parts]
