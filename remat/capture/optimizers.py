@@ -100,16 +100,38 @@ class _Handles:
 def as_one(optimizer: Any) -> "torch.optim.Optimizer | Optimizers | None":
     """The step's optimizer argument as remat reads it: None, one optimizer, or a list or
     tuple of them as `Optimizers`; a CaptureError for anything else."""
-    if optimizer is None or isinstance(optimizer, (torch.optim.Optimizer, Optimizers)):
+    if optimizer is None or isinstance(optimizer, Optimizers):
         return optimizer
-    if isinstance(optimizer, (list, tuple)) and optimizer and all(isinstance(o, torch.optim.Optimizer) for o in optimizer):
-        if len({id(o) for o in optimizer}) != len(optimizer):
+    if isinstance(optimizer, torch.optim.Optimizer) or _wrapped(optimizer) is not None:
+        return innermost(optimizer)
+    if isinstance(optimizer, (list, tuple)) and optimizer and all(isinstance(innermost(o), torch.optim.Optimizer) for o in optimizer):
+        inner = [innermost(o) for o in optimizer]
+        if len({id(o) for o in inner}) != len(inner):
             raise CaptureError("the same optimizer is passed twice; pass each optimizer once")
-        return optimizer[0] if len(optimizer) == 1 else Optimizers(list(optimizer))
+        return inner[0] if len(inner) == 1 else Optimizers(inner)
     raise CaptureError(
         "optimizer must be a torch.optim.Optimizer, a list of them (one per group of parameters, all stepped in "
         f"train_step) or None, got {_describe(optimizer)}"
     )
+
+
+def innermost(optimizer: Any) -> Any:
+    """The torch optimizer inside a library's wrapper (Accelerate's `AcceleratedOptimizer`,
+    Lightning's `LightningOptimizer`): the object whose state and param groups the wrapper
+    shares and whose `step()` its own calls. remat reads and updates that one; the step
+    still gets the wrapper, so what the wrapper does around the update is traced."""
+    while (inner := _wrapped(optimizer)) is not None:
+        optimizer = inner
+    return optimizer
+
+
+def _wrapped(optimizer: Any) -> "torch.optim.Optimizer | None":
+    for field in ("optimizer", "_optimizer"):
+        inner = vars(optimizer).get(field) if hasattr(optimizer, "__dict__") else None
+        if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+            if optimizer.param_groups is inner.param_groups:
+                return inner
+    return None
 
 
 def group_name(optimizer: "torch.optim.Optimizer | Optimizers", gi: int) -> str:

@@ -3,6 +3,7 @@ name, what remat cannot run as eager does, and passes that drop inputs nothing r
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -108,12 +109,28 @@ def check_no_accumulation(probe_gm: torch.fx.GraphModule, trainable: dict[str, t
             "add to them. Freeze them (requires_grad_(False)), add them to the optimizer, or call model.zero_grad() "
             "in train_step before loss.backward()."
         )
-    raise CaptureError(
+    error = CaptureError(
         f"train_step leaves gradients set ({named}) and does not clear them before backward(), so each step "
         "would add its gradients to the previous step's (gradient accumulation across calls). "
         "remat captures steps that start from zero gradients: call optimizer.zero_grad() (or "
-        "model.zero_grad()) in train_step before loss.backward()."
+        "model.zero_grad()) in train_step before loss.backward(). To accumulate gradients over micro-batches, "
+        "give train_step all of them and loop over them inside it (one backward() each, then one optimizer.step())."
     )
+    if _accelerate_accumulates():
+        error.add_note(
+            "remat: Accelerate's accumulate() steps the optimizer only at every gradient_accumulation_steps-th call. "
+            "Drop the `with accelerator.accumulate(model):` and loop over that many micro-batches inside train_step "
+            "instead: accelerator.backward() still divides each loss by gradient_accumulation_steps, and the "
+            "optimizer steps once, as at eager's last micro-batch."
+        )
+    raise error
+
+
+def _accelerate_accumulates() -> bool:
+    """Whether an Accelerate accelerator accumulates gradients over calls (its shared gradient state)."""
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "GradientState", None), "_shared_state", None) or {}
+    return bool(shared) and (shared.get("plugin_kwargs") or {}).get("num_steps", 1) > 1
 
 
 def _read_before_cleared(preset: torch.fx.Node, marker: torch.fx.Node) -> bool:

@@ -1,0 +1,116 @@
+"""A plain Accelerate loop through remat.compile: the prepared (wrapped) optimizer,
+scheduler and dataloader, accelerator.backward and clip_grad_norm_, bitwise like the same
+loop in eager; gradient accumulation as micro-batches inside the step, bitwise like eager's
+`accelerator.accumulate`; and `accumulate` around a compiled step refused with what to do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+accelerate = pytest.importorskip("accelerate")
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from transformers import BertConfig, BertForSequenceClassification  # noqa: E402
+
+import remat  # noqa: E402
+from remat.errors import CaptureError  # noqa: E402
+
+_CONFIG = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, vocab_size=300, num_labels=3)
+
+
+def _batches(n: int = 6) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [{"input_ids": torch.randint(0, 300, (8, 64), generator=g), "labels": torch.randint(0, 3, (8,), generator=g)} for _ in range(n)]
+
+
+def _prepared(accumulation_steps: int = 1):
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation_steps)
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(_CONFIG)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 3))
+    loader = torch.utils.data.DataLoader(_batches(), batch_size=None)
+    return (accelerator, *accelerator.prepare(model, optimizer, loader, scheduler))
+
+
+def _state(model, optimizer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()] + [t.clone() for s in optimizer.state.values() for t in s.values()]
+
+
+def _loop(compiled: bool):
+    accelerator, model, optimizer, loader, scheduler = _prepared()
+
+    def train_step(model, optimizer, batch):
+        optimizer.zero_grad()
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        return loss.detach(), norm
+
+    # An example batch made apart: iterating the loader draws from the global generator (dropout's).
+    step = remat.compile(train_step, model, optimizer, _batches(1)[0], memory_budget=0.6) if compiled else None
+    seen = []
+    for batch in loader:
+        seen.append(step(batch) if compiled else train_step(model, optimizer, batch))
+        scheduler.step()
+    return seen, _state(model, optimizer), step
+
+
+def test_accelerate_loop_bitwise():
+    eager, eager_state, _ = _loop(False)
+    ran, state, step = _loop(True)
+    assert type(step.optimizer).__name__ == "AcceleratedOptimizer"
+    assert step.report.num_recomputed > 0 and len(step._graphs) == 1
+    assert all(torch.equal(a, b) for x, y in zip(eager, ran) for a, b in zip(x, y))
+    assert len(state) == len(eager_state) and all(torch.equal(a, b) for a, b in zip(state, eager_state))
+
+
+def test_accumulation_inside_the_step_matches_accumulate():
+    accelerator, model, optimizer, loader, scheduler = _prepared(accumulation_steps=2)
+    for batch in loader:  # eager, as Accelerate's docs write it
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch).loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    eager_state = _state(model, optimizer)
+
+    accelerator, model, optimizer, loader, scheduler = _prepared(accumulation_steps=2)
+
+    def train_step(model, optimizer, micro_batches):
+        losses = []
+        for batch in micro_batches:
+            losses.append(model(**batch).loss)
+            accelerator.backward(losses[-1])  # divides by gradient_accumulation_steps
+        optimizer.step()
+        optimizer.zero_grad()
+        return [loss.detach() for loss in losses]
+
+    batches = list(loader)
+    pairs = [batches[i : i + 2] for i in range(0, len(batches), 2)]
+    step = remat.compile(train_step, model, optimizer, pairs[0], memory_budget=0.8)
+    for pair in pairs:
+        step(pair)
+        scheduler.step()
+    state = _state(model, optimizer)
+    assert len(state) == len(eager_state) and all(torch.equal(a, b) for a, b in zip(state, eager_state))
+
+
+def test_accumulate_around_the_step_is_refused_with_what_to_do():
+    accelerator, model, optimizer, loader, _ = _prepared(accumulation_steps=2)
+
+    def train_step(model, optimizer, batch):
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        return loss.detach()
+
+    with pytest.raises(CaptureError, match="gradient accumulation across calls") as error:
+        remat.compile(train_step, model, optimizer, _batches(1)[0], memory_budget=0.8)
+    assert "Drop the `with accelerator.accumulate(model):`" in "\n".join(error.value.__notes__)
