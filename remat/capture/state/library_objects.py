@@ -35,6 +35,7 @@ def tensor_fields(roots: list[tuple[str, Any]]) -> list[tuple[Slot, Any]]:
         if depth > _LIBRARY_DEPTH or id(obj) in seen or not _is_library_object(obj):
             return
         seen.add(id(obj))
+        _make_first_use_state(obj)
         fields = fields_of(obj)
         for key, value in list((fields or {}).items()):
             if not isinstance(key, str) or key.startswith("__"):
@@ -47,6 +48,17 @@ def tensor_fields(roots: list[tuple[str, Any]]) -> list[tuple[Slot, Any]]:
     for name, value in roots:
         walk(name, value, 0)
     return out
+
+
+def _make_first_use_state(obj: Any) -> None:
+    """Make the tensors a library object creates at its first use, as that use would, so
+    that the graph reads them from its first step instead of the step creating them:
+    torch.amp.GradScaler's scale and growth tracker (made at the first `scale()`)."""
+    if isinstance(obj, torch.amp.GradScaler) and obj.is_enabled() and getattr(obj, "_scale", None) is None:
+        device = torch.device(obj._device)
+        if device.type != "cpu" and device.index is None:
+            device = torch.device(device.type, torch.get_device_module(device.type).current_device())
+        obj._lazy_init_scale_growth_tracker(device)
 
 
 def _is_library_object(obj: Any) -> bool:
