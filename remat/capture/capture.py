@@ -29,7 +29,7 @@ from remat.errors import CaptureError
 from remat.capture.optimizer_state import check_first_step_state, optimizer_on, optimizer_states
 from remat.capture.optimizers import as_one, only_passed_step
 
-from remat.capture.markers import MARKER, RECORD_FUNCTION_OPS, marker, marking_passes
+from remat.capture.markers import marking_updates, MARKER, RECORD_FUNCTION_OPS, marker, marking_passes
 from remat.capture.trace_checks import branched_hyperparameters, check_graph_runnable, check_no_accumulation, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state
 from remat.capture.train_graph import CallContract, GraphInput, InputKind, Phase, TrainGraph, TrainStep
 from remat.capture.state.python_state import no_python_state_changed, state_slots
@@ -235,10 +235,6 @@ def capture(
         synced: list[bool] = []  # per forward of a DDP model: whether it syncs gradients
         passes = marking_passes(t_params, grad_order, calls, dp, synced)
 
-        def step_pre_hook(opt, args, kwargs):  # type: ignore[no-untyped-def]
-            calls["updates"] += 1
-            marker([], "optimizer_begin")
-
         mapping = {a: t_params[c] for a, c in param_alias.items()}
         mapping.update({a: t_buffers[c] for a, c in buffer_alias.items()})
         with contextlib.ExitStack() as stack:
@@ -249,7 +245,7 @@ def capture(
             if optimizer is not None:
                 stack.enter_context(optimizer_on(optimizer, real_to_name, t_params, t_states))
                 stack.enter_context(hyperparams.symbolic(optimizer, t_hyper, sign_facts, symbols))
-                stack.callback(optimizer.register_step_pre_hook(step_pre_hook).remove)
+                stack.callback(optimizer.register_step_pre_hook(marking_updates(calls)).remove)
             stack.enter_context(numbers.traced(t_numbers, symbols))
             stack.enter_context(passes)
             stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots))

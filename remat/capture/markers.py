@@ -4,7 +4,7 @@ the backward passes and the optimizer step began and which tensors were the grad
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx
@@ -93,6 +93,34 @@ def marking_passes(
         yield
     finally:
         torch.autograd.backward, torch.autograd.grad = real_backward, real_grad
+
+
+def marking_updates(calls: dict[str, int]) -> Callable[..., Any]:
+    """An optimizer step pre-hook that marks where the update begins (and counts it). A
+    step given a closure (forward and backward, as Lightning's loop passes them) runs the
+    closure inside step(), before the update: the mark then follows the closure."""
+
+    def update_begins() -> None:
+        calls["updates"] += 1
+        marker([], "optimizer_begin")
+
+    def hook(opt, args, kwargs):  # type: ignore[no-untyped-def]
+        # args as step() got them: the optimizer, then the closure if passed by position
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            update_begins()
+            return None
+
+        def closure_then_update():  # type: ignore[no-untyped-def]
+            out = closure()
+            update_begins()
+            return out
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_update}
+        return (args[0], closure_then_update, *args[2:]), kwargs
+
+    return hook
 
 
 def reduce_across_ranks(dp: data_parallel.DataParallel, t_params: dict[str, torch.Tensor], calls: dict[str, int]) -> None:

@@ -79,6 +79,16 @@ def _hidden_states_step(model, optimizer, batch):
     return loss
 
 
+def _closure_step(model, optimizer, batch):
+    def closure():
+        optimizer.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        return loss
+
+    return optimizer.step(closure).detach()
+
+
 def _no_zero_grad(model, optimizer, batch):
     loss = model(**batch).loss
     loss.backward()
@@ -438,6 +448,7 @@ IDIOMS = [
     Idiom("train_step returns loss.item() and the learning rate (a LambdaLR warm-up)", "works", step=_numbers_out,
           between=_sched(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / 3)))),
     Idiom("gradient accumulation in one step (4 micro-batches)", "works", step=_accumulate(4)),
+    Idiom("optimizer.step(closure): forward and backward in the closure (as Lightning's loop steps)", "works", step=_closure_step),
     Idiom("gradient accumulation across calls (no zero_grad)", "refused", step=_no_zero_grad),
     Idiom("torch.amp.GradScaler", "refused", step=_grad_scaler),
     Idiom("optimizer.add_param_group after compiling", "refused", between=_hook(_add_group)),

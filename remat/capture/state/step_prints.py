@@ -10,7 +10,9 @@ in the order the step made the calls; a logger's level is checked then). A numbe
 step counts up (kept_numbers) prints as it was when printed: the slot's number before
 the step plus the additions made by then. Text
 formatted before the call (an f-string of `loss.item()`) cannot be: the trace stops
-there, and the error says to pass the number as an argument (trace_checks).
+there, and the error says to pass the number as an argument (trace_checks). A library's
+logging method (Lightning's `self.log`) is recorded the same way once its integration
+registers it (`record_calls_of`).
 """
 
 from __future__ import annotations
@@ -91,6 +93,27 @@ def _from_user_code() -> bool:
     return frame is not None and user_code.is_user_file(frame.f_code.co_filename)
 
 
+@dataclass(frozen=True)
+class RecordedMethod:
+    """A library's method whose calls from the user's code are recorded like a print and
+    made again after each run (Lightning's `LightningModule.log`): `again(real, obj, *args,
+    **kwargs)` makes the call then; `check(args, kwargs)` refuses arguments it cannot make
+    again (raises)."""
+
+    cls: type
+    name: str
+    again: Callable[..., None]
+    check: Callable[[tuple[Any, ...], dict[str, Any]], None] | None = None
+
+
+_RECORDED_METHODS: dict[tuple[type, str], RecordedMethod] = {}
+
+
+def record_calls_of(method: RecordedMethod) -> None:
+    """Record, in every step traced from now on, the user's calls of `method` (an integration registers its library's)."""
+    _RECORDED_METHODS[(method.cls, method.name)] = method
+
+
 @contextlib.contextmanager
 def recording() -> Iterator[list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]]]:
     """While the block runs, the user's code's `print(...)` and logger calls recorded, not
@@ -115,15 +138,30 @@ def recording() -> Iterator[list[tuple[Callable[..., Any], tuple[Any, ...], dict
 
         return method
 
+    def recording_library_method(method: RecordedMethod, real: Callable[..., Any]) -> Callable[..., Any]:
+        def recorded_method(obj: Any, *args: Any, **kwargs: Any) -> Any:
+            if not _from_user_code():
+                return real(obj, *args, **kwargs)
+            if method.check is not None:
+                method.check(args, kwargs)
+            calls.append((functools.partial(method.again, real, obj), args, kwargs))
+
+        return recorded_method
+
     builtins.print = recorded_print
     for name in real_methods:
         setattr(logging.Logger, name, recording_method(name))
+    library = {key: (method, getattr(method.cls, method.name), method.name in vars(method.cls)) for key, method in _RECORDED_METHODS.items()}
+    for (cls, name), (method, real, _) in library.items():
+        setattr(cls, name, recording_library_method(method, real))
     try:
         yield calls
     finally:
         builtins.print = real_print
         for name, real in real_methods.items():
             setattr(logging.Logger, name, real)
+        for (cls, name), (_, real, own) in library.items():
+            setattr(cls, name, real) if own else delattr(cls, name)
 
 
 def recorded(calls: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]]) -> tuple[list[PrintCall], list[list[Any]]]:

@@ -1,0 +1,165 @@
+"""PyTorch Lightning with remat: `RematCallback`, added to a `lightning.Trainer`'s callbacks.
+
+Lightning's loop stays its own (schedulers, logging, checkpoints, validation, the step
+counter). What changes is one optimizer step: where the loop calls the module's
+`optimizer_step` hook (automatic optimization), the callback runs that step as one remat
+graph: Lightning's own closure (the module's `training_step`, `zero_grad`, `backward`
+with its hooks), its precision plugin and gradient clipping, and the optimizer's update,
+traced once with the batch as the graph's input. What the step logs with `self.log` is
+computed in the graph and logged after each run with that step's values (step_prints).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loops.optimization.automatic import ClosureResult
+
+from remat.capture.state import step_prints
+from remat.errors import RematError
+
+# The hooks Lightning runs inside an optimizer step: run once, while the step is traced,
+# their tensor work is in the graph but what else they do (a callback's Python state) is not.
+_HOOKS_IN_THE_STEP = ("on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step")
+
+
+class RematCallback(Callback):
+    """`lightning.Trainer(callbacks=[RematCallback(memory_budget=0.5)])`: each optimizer
+    step of `fit` runs through remat under `memory_budget` (as `remat.compile`'s: a fraction
+    of the activation peak, a cap such as "6GiB", or None); `remat_options` are other
+    `remat.compile` keywords. `callback.report` is remat's report for the last batch shape.
+
+    Supported: automatic optimization with one optimizer (and its schedulers),
+    `gradient_clip_val`, precision plugins, `self.log` of tensors in `training_step`.
+    Refused by name: manual optimization, several optimizers, `accumulate_grad_batches`
+    above 1, an `optimizer_step` of the module's own, and callbacks that act inside the
+    step (`on_after_backward`, ...). `training_step` may not compute with `batch_idx`
+    (it is read once, at capture): the error says so."""
+
+    def __init__(self, memory_budget: str | int | float | None = 0.5, **remat_options: Any):
+        self.memory_budget = memory_budget
+        self.remat_options = remat_options
+        self.step: Any = None  # the remat.RematStep
+        self._module: LightningModule | None = None
+        self._trainer: Any = None
+
+    @property
+    def report(self) -> Any:
+        return None if self.step is None or self.step._last is None else self.step.report
+
+    def on_fit_start(self, trainer: Any, pl_module: LightningModule) -> None:
+        _check_supported(trainer, pl_module, self)
+        self._module, self._trainer = pl_module, trainer
+        pl_module.optimizer_step = self._optimizer_step  # the loop looks the hook up on the module
+
+    def on_fit_end(self, trainer: Any, pl_module: LightningModule) -> None:
+        vars(pl_module).pop("optimizer_step", None)
+
+    def on_exception(self, trainer: Any, pl_module: LightningModule, exception: BaseException) -> None:
+        vars(pl_module).pop("optimizer_step", None)
+
+    def _optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        import remat
+
+        module, trainer = self._module, self._trainer
+        assert module is not None
+        kwargs = optimizer_closure._step_fn.args[0]  # what the loop passes training_step: batch, batch_idx
+        batch = kwargs["batch"]
+        progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress
+        counted = progress.state_dict()
+
+        def whole_step(module: LightningModule, optimizer: Any, batch: Any) -> dict[str, Any]:
+            """Lightning's step, as its loop runs it, with this batch."""
+            saved = dict(kwargs)
+            kwargs["batch"] = batch
+            index = _BatchIndex(batch_idx)
+            if "batch_idx" in kwargs:
+                kwargs["batch_idx"] = index
+            try:
+                LightningModule.optimizer_step(module, epoch, index, optimizer, optimizer_closure)
+            finally:
+                kwargs.update(saved)
+            result, optimizer_closure._result = optimizer_closure._result, None  # set again after each run
+            return {"loss": result.loss, "extra": result.extra}
+
+        if self.step is None:
+            self.step = remat.compile(whole_step, module, optimizer, batch, self.memory_budget, **self.remat_options)
+        out = self.step(batch)
+        # The traces counted their zero_grad() as the loop counts it; count this step's once.
+        progress.load_state_dict(counted)
+        zero_grad = progress.optimizer.zero_grad
+        zero_grad.increment_ready(), zero_grad.increment_started(), zero_grad.increment_completed()
+        optimizer_closure._result = ClosureResult(out["loss"], extra=out["extra"])
+
+
+def _log_again(real: Any, module: LightningModule, *args: Any, **kwargs: Any) -> None:
+    """`self.log(...)` made again after a run, with that step's values, as training_step made it."""
+    where = module._current_fx_name
+    module._current_fx_name = "training_step"
+    try:
+        real(module, *args, **kwargs)
+    finally:
+        module._current_fx_name = where
+
+
+def _tensor_values(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    value = args[1] if len(args) > 1 else kwargs.get("value", kwargs.get("dictionary"))
+    values = value.values() if isinstance(value, dict) else [value]
+    if any(isinstance(v, (int, float)) and not isinstance(v, bool) and type(v) in (int, float) for v in values):
+        name = args[0] if args and isinstance(args[0], str) else "a value"
+        raise RematError(
+            f"training_step logs {name!r} as a Python number; under remat the step is traced once, so it would be "
+            "logged with its value at capture. Log a tensor or loss.item() (remat computes them at every step), or "
+            "log the number in on_train_batch_end."
+        )
+
+
+for _name in ("log", "log_dict"):
+    step_prints.record_calls_of(step_prints.RecordedMethod(LightningModule, _name, _log_again, _tensor_values))
+
+
+class _BatchIndex(int):
+    """`batch_idx` as training_step gets it under remat: passing it on is fine, computing
+    with it is refused (the step is traced once, with the first batch's index)."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise RematError(
+            "training_step computes with batch_idx, which remat reads once, when it traces the step (the graph would "
+            "use the first batch's index at every step). Do that work in on_train_batch_start or on_train_batch_end, "
+            "which get batch_idx at every step, or drop RematCallback."
+        )
+
+    __index__ = __int__ = __float__ = __bool__ = __hash__ = _refuse
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __mod__ = __rmod__ = _refuse
+    __floordiv__ = __rfloordiv__ = __truediv__ = __rtruediv__ = __pow__ = __format__ = __str__ = __repr__ = _refuse
+
+
+def _check_supported(trainer: Any, module: LightningModule, callback: RematCallback) -> None:
+    def refuse(what: str, instead: str) -> None:
+        raise RematError(f"RematCallback: {what}. {instead}")
+
+    if not module.automatic_optimization:
+        refuse("the module uses manual optimization", "Compile your training_step with remat.compile yourself, or use automatic optimization.")
+    if len(trainer.optimizers) != 1:
+        refuse(f"configure_optimizers returns {len(trainer.optimizers)} optimizers", "remat runs one optimizer step per batch: return one optimizer (its schedulers may be several).")
+    if trainer.accumulate_grad_batches != 1:
+        refuse(
+            f"accumulate_grad_batches={trainer.accumulate_grad_batches}",
+            "remat compiles whole optimizer steps: raise the batch size instead (remat's plan makes room for it), or drop RematCallback.",
+        )
+    if type(module).optimizer_step is not LightningModule.optimizer_step:
+        refuse(
+            f"{type(module).__name__} overrides optimizer_step",
+            "remat runs Lightning's own step; set the learning rate with a scheduler from configure_optimizers (LambdaLR for a warm-up).",
+        )
+    for other in trainer.callbacks:
+        hooks = [h for h in _HOOKS_IN_THE_STEP if other is not callback and getattr(type(other), h) is not getattr(Callback, h)]
+        if hooks:
+            refuse(
+                f"the callback {type(other).__name__} acts inside the optimizer step ({', '.join(hooks)})",
+                "remat traces the step once, so such a hook would run once; move its work to on_train_batch_end, or drop RematCallback.",
+            )

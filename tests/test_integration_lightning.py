@@ -1,0 +1,108 @@
+"""RematCallback against plain Lightning: a LightningModule's training_step and
+configure_optimizers (AdamW, a per-step warm-up scheduler), gradient clipping, dropout,
+validation between steps, default callbacks and `self.log`: the parameters, optimizer
+state, logged values, step counters and progress bitwise equal, in fp32 and bf16-mixed;
+what the callback cannot honour is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+L = pytest.importorskip("lightning")
+from remat.errors import RematError  # noqa: E402
+from remat.integrations.lightning import RematCallback  # noqa: E402
+
+
+class _Net(L.LightningModule):
+    def __init__(self, use_batch_idx: bool = False, log_a_float: bool = False):
+        super().__init__()
+        blocks = [m for _ in range(4) for m in (torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Dropout(0.1))]
+        self.net = torch.nn.Sequential(*blocks, torch.nn.Linear(64, 4))
+        self.use_batch_idx, self.log_a_float = use_batch_idx, log_a_float
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        self.log("train_loss", loss, prog_bar=True)
+        self.log_dict({"logit_mean": logits.mean().float(), "loss_item": loss.item()})
+        if self.use_batch_idx and batch_idx % 2 == 0:
+            loss = loss * 1.0
+        if self.log_a_float:
+            self.log("half", 0.5)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        warm_up = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": warm_up, "interval": "step"}}
+
+
+class _Seen(L.Callback):
+    """What the loop holds after each batch: the logged values and the step counter."""
+
+    def __init__(self):
+        self.rows = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rows.append((trainer.global_step, outputs["loss"].clone(), {k: v.clone() for k, v in trainer.callback_metrics.items()}))
+
+
+def _data(n: int) -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(n)
+    ds = torch.utils.data.TensorDataset(torch.randn(n, 64, generator=g), torch.randint(0, 4, (n,), generator=g))
+    return torch.utils.data.DataLoader(ds, batch_size=128)
+
+
+def _fit(tmp_path, extra: list, precision: str = "32-true", module: L.LightningModule | None = None, **trainer_args):
+    torch.manual_seed(0)
+    module = module or _Net()
+    seen = _Seen()
+    trainer = L.Trainer(
+        max_steps=6, callbacks=[seen, *extra], default_root_dir=str(tmp_path), logger=False, enable_progress_bar=False,
+        gradient_clip_val=1.0, accelerator="cpu", precision=precision, val_check_interval=3, limit_val_batches=1,
+        **trainer_args,
+    )
+    trainer.fit(module, _data(1024), _data(128))
+    opt = trainer.optimizers[0]
+    state = [p.detach().clone() for p in module.parameters()] + [t.clone() for s in opt.state.values() for t in s.values()]
+    progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.state_dict()
+    return seen.rows, state, progress, trainer
+
+
+def _equal_rows(a, b) -> bool:
+    return len(a) == len(b) and all(
+        sa == sb and torch.equal(la, lb) and ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+        for (sa, la, ma), (sb, lb, mb) in zip(a, b)
+    )
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_lightning_step_through_remat_is_bitwise(tmp_path, precision):
+    eager_rows, eager_state, eager_progress, _ = _fit(tmp_path / "eager", [], precision)
+    callback = RematCallback(memory_budget=0.9)
+    rows, state, progress, trainer = _fit(tmp_path / "remat", [callback], precision)
+    assert len(callback.step._graphs) == 1 and callback.report.num_recomputed > 0
+    assert callback.report.measured_peak_bytes == callback.report.predicted_peak_bytes
+    assert {"train_loss", "logit_mean", "loss_item", "val_loss"} <= set(rows[-1][2])
+    assert _equal_rows(rows, eager_rows)
+    assert len(state) == len(eager_state) and all(torch.equal(a, b) for a, b in zip(state, eager_state))
+    assert progress == eager_progress
+    assert "optimizer_step" not in vars(trainer.lightning_module)  # the module as it was after fit
+
+
+@pytest.mark.parametrize(
+    "module, trainer_args, match",
+    [
+        (None, {"accumulate_grad_batches": 2}, "accumulate_grad_batches=2"),
+        (_Net(use_batch_idx=True), {}, "computes with batch_idx"),
+        (_Net(log_a_float=True), {}, "logs 'half' as a Python number"),
+    ],
+)
+def test_what_the_callback_cannot_honour_is_refused(tmp_path, module, trainer_args, match):
+    with pytest.raises(RematError, match=match):
+        _fit(tmp_path, [RematCallback(memory_budget=0.9)], module=module, **trainer_args)
