@@ -35,7 +35,8 @@ def _train(cls: type, out, max_steps: int = 6, resume: str | None = None, **kwar
     )
     trainer = cls(model=model, args=args, train_dataset=_data(), eval_dataset=_data(16), **kwargs)
     trainer.train(resume_from_checkpoint=resume)
-    logs = [{k: v for k, v in e.items() if k in ("loss", "grad_norm", "learning_rate", "eval_loss")} for e in trainer.state.log_history]
+    kept = ("loss", "grad_norm", "learning_rate", "eval_loss")
+    logs = [{k: v for k, v in e.items() if k in kept} for e in trainer.state.log_history if any(k in e for k in kept)]
     opt = trainer.optimizer.optimizer
     state = [t for st in opt.state.values() for t in st.values()]
     return trainer, logs, [p.detach().clone() for p in model.parameters()], state
@@ -103,6 +104,8 @@ def test_mixin_keeps_the_users_compute_loss(tmp_path, caplog):
     assert logs == eager_logs and _same(params, eager_params)
     reports = [r for r in caplog.records if r.getMessage().startswith("remat: peak predicted")]
     assert len(reports) == 1  # logged once, not at every step
+    logged = [e for e in trainer.state.log_history if "remat_measured_peak_mib" in e]
+    assert len(logged) == 1 and logged[0]["remat_measured_peak_mib"] == logged[0]["remat_predicted_peak_mib"]
 
 
 def test_training_step_outside_the_loop_is_refused(remat_run):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
@@ -85,7 +84,7 @@ class RematCallback(Callback):
             result, optimizer_closure._result = optimizer_closure._result, None  # set again after each run
             return {"loss": result.loss, "extra": result.extra}
 
-        if self.step is None:
+        if self.step is None or self.step.model is not module or self.step.optimizer is not optimizer:
             self.step = remat.compile(whole_step, module, optimizer, batch, self.memory_budget, **self.remat_options)
         out = self.step(batch)
         # The traces counted their zero_grad() as the loop counts it; count this step's once.
@@ -108,7 +107,7 @@ def _log_again(real: Any, module: LightningModule, *args: Any, **kwargs: Any) ->
 def _tensor_values(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     value = args[1] if len(args) > 1 else kwargs.get("value", kwargs.get("dictionary"))
     values = value.values() if isinstance(value, dict) else [value]
-    if any(isinstance(v, (int, float)) and not isinstance(v, bool) and type(v) in (int, float) for v in values):
+    if any(type(v) in (int, float) for v in values):  # a number .item() gave while tracing is the graph's
         name = args[0] if args and isinstance(args[0], str) else "a value"
         raise RematError(
             f"training_step logs {name!r} as a Python number; under remat the step is traced once, so it would be "

@@ -32,7 +32,8 @@ class RematTrainerMixin:
     and `remat_options=` (other `remat.compile` keywords: planner, updates_in_backward, ...).
 
     After the first optimizer step, `trainer.remat_report` holds remat's report (predicted
-    and measured peak, the plan) for the last batch shape compiled; it is logged once.
+    and measured peak, the plan) for the last batch shape compiled; its peaks are logged
+    once, through Trainer's `log` (`remat_predicted_peak_mib`, ...).
     Between `optimizer.step()` and the next step the gradients are already freed (remat
     frees each after its update), so a callback's `on_optimizer_step` sees no `.grad`.
     """
@@ -52,6 +53,7 @@ class RematTrainerMixin:
         self._num_items: Any = None
         self._results: tuple[list[torch.Tensor], torch.Tensor] | None = None  # the step's losses and gradient norm
         self._reported = False
+        self._optimizer_stepped = False  # the graph ran this optimizer step: Trainer's optimizer.step() is then done
 
     @property
     def remat_report(self) -> Any:
@@ -133,7 +135,20 @@ class RematTrainerMixin:
         if not self._reported and self.remat_report is not None:
             self._reported = True
             logger.info("remat: %s", _describe(self.remat_report))
+            self.log(_report_logs(self.remat_report))  # once, where Trainer's logs go (console, report_to)
         return results
+
+
+def _report_logs(report: Any) -> dict[str, float]:
+    mib = 2**20
+    logs = {
+        "remat_predicted_peak_mib": round(report.predicted_peak_bytes / mib, 2),
+        "remat_no_recompute_peak_mib": round(report.baseline_peak_bytes / mib, 2),
+        "remat_recomputed": float(report.num_recomputed),
+    }
+    if report.measured_peak_bytes is not None:
+        logs["remat_measured_peak_mib"] = round(report.measured_peak_bytes / mib, 2)
+    return logs
 
 
 class _SteppedInGraph:
@@ -144,7 +159,7 @@ class _SteppedInGraph:
         self.wrapped, self._trainer = wrapped, trainer
 
     def step(self, closure: Any = None) -> None:
-        if not getattr(self._trainer, "_optimizer_stepped", False):
+        if not self._trainer._optimizer_stepped:
             raise RematError("RematTrainer: optimizer.step() was called without remat's graph having run the step")
         self._trainer._optimizer_stepped = False
 

@@ -51,14 +51,14 @@ def _color(name: str, names: list[str]) -> Any:
     return tuple(c + (1 - c) * t for c in base)
 
 
-def _title(fig: Any, text: str, fontsize: float = 11) -> None:
+def wrapped_title(fig: Any, text: str, fontsize: float = 11) -> None:
     """The figure's title, wrapped to the figure's width (a narrow figure, one panel, would
     cut a long line at both sides)."""
     chars = max(30, int(fig.get_figwidth() * 72 / (0.55 * fontsize)))
     fig.suptitle("\n".join(textwrap.wrap(text, chars)), fontsize=fontsize)
 
 
-def _save(fig: Any, path: Path) -> None:
+def save_figure(fig: Any, path: Path) -> None:
     """Saved with the canvas grown to hold every title, label and legend."""
     fig.savefig(path, dpi=130, bbox_inches="tight")
 
@@ -129,7 +129,7 @@ def plot_peak_vs_batch(doc: dict[str, Any], path: Path) -> Path:
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -185,9 +185,9 @@ def plot_latency_vs_batch(doc: dict[str, Any], path: Path) -> Path:
     ax2.legend(fontsize=8)
     meta = doc["meta"]
     note = "; dashed: torch.compile (times include kernel fusion)" if _has_compile(doc) else ""
-    _title(fig, f"{meta['model']} ({meta['device']}, {meta['optimizer']}){note}")
+    wrapped_title(fig, f"{meta['model']} ({meta['device']}, {meta['optimizer']}){note}")
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -231,11 +231,11 @@ def plot_tradeoff(doc: dict[str, Any], path: Path) -> Path:
         axes[k // cols][k % cols].axis("off")
     meta = doc["meta"]
     note = " (torch.compile hollow: its time includes fusion)" if _has_compile(doc) else ""
-    _title(fig, f"{meta['model']} ({meta['device']}): memory vs time trade-off; lower left is better{note}", fontsize=10)
+    wrapped_title(fig, f"{meta['model']} ({meta['device']}): memory vs time trade-off; lower left is better{note}", fontsize=10)
     ncol = max(1, min(len(seen), cols))  # about one label per panel's width
     fig.tight_layout()
     fig.legend(list(seen.values()), [_label(n) for n in seen], loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=ncol, fontsize=8)
-    _save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 
