@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -97,6 +98,25 @@ def run(name: str, batch_size: int, steps: int, measure_step: int, variant: str,
     return row
 
 
+def _table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a markdown table: peaks in MiB, times against plain Trainer's (one run)."""
+    mib = 2**20
+    base = next(r for r in rows if r["variant"] == "trainer")
+    lines = ["| | step peak above the state (MiB) | remat predicted (MiB) | × Trainer's peak | s per step (median) | × Trainer's time |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        name = r["variant"].replace("_", " ") + (f" {r['budget']}" if r["budget"] is not None else "")
+        if "error" in r:
+            lines.append(f"| {name} | refused: {r['error']} | | | | |")
+            continue
+        predicted = f"{r['predicted_step_peak_bytes'] / mib:,.1f}" if "predicted_step_peak_bytes" in r else ""
+        lines.append(
+            f"| {name} | {r['step_peak_bytes'] / mib:,.1f} | {predicted} | {r['step_peak_bytes'] / base['step_peak_bytes']:.2f} "
+            f"| {r['step_seconds']:.3f} | {r['step_seconds'] / base['step_seconds']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def _plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
     import matplotlib
 
@@ -139,9 +159,11 @@ def main() -> None:
         except BudgetError as e:  # below what remat can reach: said in the results, the other runs go on
             rows.append({"variant": variant, "budget": budget, "error": str(e).splitlines()[0]})
             print(json.dumps(rows[-1]), flush=True)
-    result = {"model": args.model, "batch_size": args.batch_size, "steps": args.steps, "measure_step": args.measure_step,
+    command = "OMP_NUM_THREADS=2 .venv/bin/python -m benchmarks.trainer " + " ".join(sys.argv[1:])
+    result = {"meta": {"command": command}, "model": args.model, "batch_size": args.batch_size, "steps": args.steps, "measure_step": args.measure_step,
               "threads": torch.get_num_threads(), "rows": rows}  # fmt: skip
     (out / "trainer.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "trainer.md").write_text(_table(rows))
     _plot([r for r in rows if "error" not in r], f"Hugging Face Trainer, {args.model} batch {args.batch_size}: one optimizer step's peak and time (CPU)", out / "trainer.png")
     print(f"wrote {out / 'trainer.json'} and {out / 'trainer.png'}")
 
