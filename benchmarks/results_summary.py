@@ -87,6 +87,21 @@ def _buckets(doc: list[dict[str, Any]]) -> str:
     )
 
 
+def _trainer(doc: dict[str, Any]) -> str:
+    rows = [r for r in doc["rows"] if "error" not in r]
+    base = next(r for r in rows if r["variant"] == "trainer")
+    hf = next(r for r in rows if r["variant"] == "hf_checkpointing")
+    ours = min((r for r in rows if r["variant"] == "remat"), key=lambda r: r["step_peak_bytes"])
+
+    def ratios(r: dict[str, Any]) -> str:
+        return f"{r['step_peak_bytes'] / base['step_peak_bytes']:.2f}× of Trainer's step peak at {r['step_seconds'] / base['step_seconds']:.2f}× its time"
+
+    return (
+        f"{doc['model']} batch {doc['batch_size']}, Trainer's defaults: RematTrainer at {ours['budget']} {ratios(ours)}; "
+        f"gradient_checkpointing=True {ratios(hf)}"
+    )
+
+
 def _gpu(doc: dict[str, Any]) -> str:
     return (
         f"BERT-base batch {doc['batch_size']} at {doc['budget']} ({doc['planner']}): measured peak "
@@ -108,6 +123,7 @@ ROWS: list[tuple[str, str, Callable[[Any], str], str | None, str]] = [
      "python benchmarks/call_overhead.py --models bert-tiny,bert --batch-size 1 --calls 30", CPU),
     ("Multi-tensor optimizers", "docs/update-buckets/update_buckets.json", _buckets,
      "python benchmarks/update_buckets.py --models bert-tiny --batch-size 1 --budget 0.6 --pairs 21", CPU),
+    ("Hugging Face Trainer", "docs/trainer/trainer.json", _trainer, None, CPU),
     ("On a GPU", "docs/cuda/run-bert-b32-0.5-det.json", _gpu, "benchmarks/cuda_runs.sh", "NVIDIA H100, torch 2.11"),
 ]  # fmt: skip
 
