@@ -280,9 +280,14 @@ class RematStep:
             node_seconds = {n.name: n.seconds for n in prof.nodes}
 
             def make() -> Plan:
-                return make_plan(
-                    self.planner, index, node_seconds, budget_bytes, updates_in_backward=self.updates_in_backward, lean_ops=self.lean_ops
-                )
+                try:
+                    return make_plan(
+                        self.planner, index, node_seconds, budget_bytes, updates_in_backward=self.updates_in_backward, lean_ops=self.lean_ops
+                    )
+                except BudgetError as e:
+                    if self._dp is not None:
+                        data_parallel.explain_bucket_floor(e, self._dp)
+                    raise
 
             plan = make() if self._dp is None else ranks.share_plan(self._dp, make)
 

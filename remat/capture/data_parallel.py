@@ -2,22 +2,24 @@
 
 DDP's own machinery (its reducer's autograd hooks and buckets) lives outside any graph.
 The capture therefore traces the wrapped module's forward, and puts the gradient
-averaging into the graph as functional collectives (`torch.ops._c10d_functional`): each
-gradient, once the last backward pass has finished it, is scaled by 1/world size (the
-multiplication DDP applies as it copies a gradient into its bucket) and all-reduced by
-sum; the averaged tensor is the parameter's gradient from there on. `place_collectives`
-then issues each all-reduce as soon as its gradient is final and waits for it a few
-issues later (`IN_FLIGHT`), so communication runs beside the rest of the backward pass,
-in the same order on every rank.
+averaging into the graph as functional collectives (`torch.ops._c10d_functional`): the
+gradients the last backward pass finishes are copied bucket by bucket into one flat
+tensor, scaled by 1/world size and all-reduced by sum; a view of the result is each
+parameter's gradient from there on. `place_collectives` then issues each bucket's
+all-reduce as soon as its gradients are final and waits for it a few issues later
+(`IN_FLIGHT`), so communication runs beside the rest of the backward pass, in the same
+order on every rank.
 
 What DDP does outside the backward pass is done as DDP does it: its buffer broadcast
 from rank 0 before each forward (`before_step`), and `no_sync()` read at each forward of
 the step (a backward after a forward under `no_sync()` reduces nothing). Settings whose
 behaviour the graph does not reproduce are refused (`data_parallel_of`).
 
-Gradients are reduced one tensor at a time, not in DDP's buckets. Each element's sum
-is the same sum, so the values are DDP's bitwise where the ranks' sum does not depend on
-the buffer's layout (two ranks; gloo's ring order may differ with more).
+Gradients are reduced in buckets as DDP's are (`buckets`: DDP's `bucket_cap_mb`, its
+smaller first bucket, reverse parameter order), one all-reduce per bucket. Each
+element's sum is the same sum however the buckets are cut, so the values are DDP's
+bitwise where the ranks' sum does not depend on the buffer's layout (two ranks; gloo's
+ring order may differ with more).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class DataParallel:
     sync_at_entry: bool = True  # ddp.require_backward_grad_sync when the step was called (no_sync() around it: False)
     last_forward_synced: bool = True  # whether the step's last forward ran with gradient sync on
     find_unused_parameters: bool = False
+    bucket_bytes: int = 25 * 2**20  # DDP's bucket_cap_mb
+    first_bucket_bytes: int = 2**20  # the first bucket's (DDP's default: 1 MiB)
     group: Any = field(default=None, repr=False, compare=False)  # the ProcessGroup
 
 
@@ -84,8 +88,25 @@ def data_parallel_of(model: torch.nn.Module) -> DataParallel | None:
         reduced=tuple(reduced),
         sync_at_entry=bool(ddp.require_backward_grad_sync),
         find_unused_parameters=bool(ddp.find_unused_parameters),
+        bucket_bytes=int(ddp.bucket_bytes_cap),
+        first_bucket_bytes=_first_bucket_bytes(ddp),
         group=group,
     )
+
+
+def explain_bucket_floor(error: Exception, dp: DataParallel) -> None:
+    """A budget below what a DDP step can reach: say how its buckets raise the floor."""
+    error.add_note(
+        f"remat: DDP reduces gradients in buckets (up to {dp.bucket_bytes / 2**20:g} MiB, the first up to "
+        f"{dp.first_bucket_bytes / 2**20:g} MiB), and a bucket's gradients stay alive until the bucket is reduced. "
+        "Smaller buckets lower that floor: DistributedDataParallel(model, bucket_cap_mb=...) with a smaller size."
+    )
+
+
+def _first_bucket_bytes(ddp: Any) -> int:
+    config = getattr(ddp, "_bucket_config", None)  # torch 2.13; earlier versions use the default
+    first = getattr(config, "first_bucket_bytes_cap", torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+    return int(min(first, ddp.bucket_bytes_cap))
 
 
 @contextlib.contextmanager
@@ -106,10 +127,53 @@ def traced_forward(model: torch.nn.Module, synced: list[bool]) -> Iterator[None]
 
 
 def reduce_gradients(grads: list[torch.Tensor], dp: DataParallel) -> list[torch.Tensor]:
-    """Traced: each gradient times 1/world size, all-reduced by sum; the averaged tensors."""
+    """Traced: the gradients averaged over the ranks in DDP's buckets (`buckets`): each
+    bucket's gradients copied into one flat tensor, times 1/world size, all-reduced by
+    sum, and each gradient from there on a view of the result. All buckets are issued
+    before any is waited for (`place_collectives` then moves each as early as it can go)."""
     scale = 1.0 / dp.world_size
-    issued = [ALL_REDUCE(g.mul(scale), "sum", dp.group_name) for g in grads]
-    return [WAIT(t) for t in issued]
+    issued = []
+    for bucket in buckets(grads, dp):
+        if len(bucket) == 1:
+            flat = grads[bucket[0]].mul(scale)
+        else:
+            flat = torch.cat([grads[i].view(-1) for i in bucket]).mul_(scale)
+        issued.append((bucket, ALL_REDUCE(flat, "sum", dp.group_name)))
+    out: list[torch.Tensor] = list(grads)
+    for bucket, pending in issued:
+        reduced = WAIT(pending)
+        if len(bucket) == 1:
+            out[bucket[0]] = reduced
+            continue
+        parts = torch.split(reduced, [grads[i].numel() for i in bucket])
+        for i, part in zip(bucket, parts):
+            out[i] = part.view(grads[i].shape)
+    return out
+
+
+def buckets(grads: list[torch.Tensor], dp: DataParallel) -> list[list[int]]:
+    """Positions of `grads` (in the order of the model's parameters) in DDP's buckets:
+    taken in reverse order (about the order the backward pass finishes them), one dtype
+    to a bucket, each bucket closed once it holds its limit (the first, whose gradients
+    come last, `first_bucket_bytes`; the others `bucket_bytes`, DDP's `bucket_cap_mb`).
+    A gradient that is not contiguous is a bucket alone (it has no flat view)."""
+    out: list[list[int]] = []
+    open_: dict[torch.dtype, tuple[list[int], int]] = {}
+    for i in reversed(range(len(grads))):
+        g = grads[i]
+        if not g.is_contiguous():
+            out.append([i])
+            continue
+        members, size = open_.get(g.dtype, ([], 0))
+        members, size = [*members, i], size + g.numel() * g.element_size()
+        limit = dp.first_bucket_bytes if not out else dp.bucket_bytes
+        if size >= limit:
+            out.append(members)
+            open_.pop(g.dtype, None)
+        else:
+            open_[g.dtype] = (members, size)
+    out.extend(members for members, _ in open_.values() if members)
+    return out
 
 
 def check_unused(dp: DataParallel, with_grads: list[str]) -> None:
@@ -161,9 +225,10 @@ IN_FLIGHT = 4
 
 
 def place_collectives(gm: torch.fx.GraphModule) -> int:
-    """Issue each traced all-reduce right after its input is final, and wait for it just
-    before the IN_FLIGHT-th next all-reduce is issued (the last ones where they were
-    traced, at the end of the backward pass). Returns how many collectives were placed.
+    """Issue each traced all-reduce right after its bucket's gradients are final, and wait
+    for it just before the IN_FLIGHT-th next all-reduce is issued (the last ones where they
+    were traced, at the end of the backward pass); each wait is followed at once by the
+    views of its result that are the gradients. Returns how many collectives were placed.
 
     A gradient is final after its producer and after every earlier op that writes its
     storage in place (accumulation into a gradient left from a previous step). The
@@ -175,32 +240,35 @@ def place_collectives(gm: torch.fx.GraphModule) -> int:
         return 0
     position = {n: i for i, n in enumerate(nodes)}
     waits = {n: next(u for u in n.users if u.target is WAIT) for n in issues}
-    scales = {n: n.args[0] for n in issues}
+    parts = {n: _bucket_parts(n) for n in issues}  # issue -> (the ops that fill its bucket, its gradients)
+    unpacked = {waits[n]: _unpacked(waits[n]) for n in issues}
     writers: dict[StorageWeakRef, int] = {}
-    for n in nodes[: min(position[scales[n]] for n in issues)]:
+    for n in nodes[: min(position[parts[n][0][0]] for n in issues)]:
         for arg in written_args(n):
             ref = _storage(arg)
             if ref is not None:
                 writers[ref] = position[n]
 
-    ready: dict[torch.fx.Node, int] = {}  # issue -> position of the last op its gradient waits for
+    ready: dict[torch.fx.Node, int] = {}  # issue -> position of the last op its gradients wait for
     for issue in issues:
-        grad = scales[issue].args[0]
-        ref = _storage(grad)
-        ready[issue] = max(position[grad], writers.get(ref, -1) if ref is not None else -1)
+        refs = [_storage(g) for g in parts[issue][1]]
+        ready[issue] = max(max(position[g] for g in parts[issue][1]), *(writers.get(r, -1) for r in refs if r is not None))
+
+    def waited(wait: torch.fx.Node) -> list[torch.fx.Node]:
+        return [wait, *unpacked[wait]]
 
     order = sorted(issues, key=lambda n: (ready[n], position[n]))
     after: dict[int, list[torch.fx.Node]] = {}
     for i, issue in enumerate(order):
-        block = [waits[order[i - IN_FLIGHT]]] if i >= IN_FLIGHT else []
-        after.setdefault(ready[issue], []).extend([*block, scales[issue], issue])
-    placed = {m for block in after.values() for m in block} | set(waits.values())
+        block = waited(waits[order[i - IN_FLIGHT]]) if i >= IN_FLIGHT else []
+        after.setdefault(ready[issue], []).extend([*block, *parts[issue][0], issue])
+    placed = {m for block in after.values() for m in block} | {m for w in unpacked for m in waited(w)}
     last_waits = [waits[n] for n in order[-IN_FLIGHT:]]
     new_order: list[torch.fx.Node] = []
     for n in nodes:
         if n in placed:
             if n is last_waits[0]:  # where the traced waits were: the end of the backward pass
-                new_order.extend(last_waits)
+                new_order.extend(m for w in last_waits for m in waited(w))
             continue
         new_order.append(n)
         new_order.extend(after.get(position[n], []))
@@ -212,6 +280,32 @@ def place_collectives(gm: torch.fx.GraphModule) -> int:
     gm.graph.lint()
     gm.recompile()
     return len(issues)
+
+
+def _bucket_parts(issue: torch.fx.Node) -> tuple[list[torch.fx.Node], list[torch.fx.Node]]:
+    """The ops that fill an all-reduce's input, in order, and the gradients they read, as
+    `reduce_gradients` traced them: `grad * scale` for a bucket of one; for more, each
+    gradient's flat view, their concatenation, and its scaling in place."""
+    scaled = issue.args[0]
+    assert isinstance(scaled, torch.fx.Node)
+    filled = scaled.args[0]
+    if isinstance(filled, torch.fx.Node) and filled.target is torch.ops.aten.cat.default:
+        flats = list(filled.args[0])
+        return [*flats, filled, scaled], [f.args[0] for f in flats]
+    return [scaled], [filled]
+
+
+def _unpacked(wait: torch.fx.Node) -> list[torch.fx.Node]:
+    """The views of a bucket's reduced tensor that are its gradients: the split, its
+    items and their reshapes (none for a bucket of one)."""
+    out: list[torch.fx.Node] = []
+    for split in wait.users:
+        if split.target is torch.ops.aten.split_with_sizes.default:
+            out.append(split)
+            for item in split.users:
+                out.append(item)
+                out.extend(v for v in item.users if v.target is torch.ops.aten.view.default)
+    return out
 
 
 def _storage(node: Any) -> StorageWeakRef | None:

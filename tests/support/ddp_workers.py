@@ -87,11 +87,14 @@ def _digest(tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def train_like_eager(model_name: str, optimizer: str, budget: float, steps: int, micro_batches: int = 1, batch_size: int = 4) -> dict[str, Any]:
-    """`steps` steps of eager DDP and of remat on the same batches and random stream."""
+def train_like_eager(
+    model_name: str, optimizer: str, budget: float, steps: int, micro_batches: int = 1, batch_size: int = 4, bucket_cap_mb: float | None = None
+) -> dict[str, Any]:
+    """`steps` steps of eager DDP and of remat on the same batches and random stream (DDP's buckets of `bucket_cap_mb`, or its default)."""
     rank = dist.get_rank()
-    eager, eager_opt, loss_fn = _wrapped(model_name, batch_size, optimizer)
-    ours, ours_opt, _ = _wrapped(model_name, batch_size, optimizer)
+    ddp_options = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    eager, eager_opt, loss_fn = _wrapped(model_name, batch_size, optimizer, **ddp_options)
+    ours, ours_opt, _ = _wrapped(model_name, batch_size, optimizer, **ddp_options)
     train_step = _step(loss_fn, micro_batches)
     batches = [_batch(model_name, batch_size, rank, i) for i in range(steps)]
     torch.manual_seed(7)
@@ -111,6 +114,7 @@ def train_like_eager(model_name: str, optimizer: str, budget: float, steps: int,
         "measured_peak_bytes": report.measured_peak_bytes,
         "largest_gradient_bytes": max(p.numel() * p.element_size() for p in ours.parameters()),
         "collectives": sum(1 for n in step.graph_module.graph.nodes if "all_reduce" in str(n.target)),
+        "gradients": sum(1 for p in ours.parameters() if p.requires_grad),
         "collective_order": _collective_order(step.graph_module),
         "updates_in_backward": bool(report.plan and report.plan.updates_in_backward),
         "moved_updates_follow": _moved_updates_follow(step),
