@@ -130,6 +130,8 @@ class RematStep:
     _signed: set[str] = field(default_factory=set)  # such floats the step compares with zero: their sign is in the key
     _ran: frozenset[Any] | None = None  # the user's code the traces ran (None before the first): the key watches what it names
     _all_code: bool = False  # a capture could not record the code it ran: watch all the step's code can reach
+    # A DDP step whose gradient buckets made the budget unreachable: gradients all-reduced one by one.
+    _reduce_per_gradient: bool = False
     _hit: tuple[Any, Guards, CompiledGraph] | None = None  # the last graph found, and what its key was found from (guards)
 
     def __post_init__(self) -> None:
@@ -260,7 +262,8 @@ class RematStep:
     def _compile(self, batch: Any) -> CompiledGraph:
         start = time.perf_counter()
         tg = self._agreed(
-            "capturing the step", lambda: capture(self.train_step, self.model, self.optimizer, batch, frozenset(self._read)),
+            "capturing the step",
+            lambda: capture(self.train_step, self.model, self.optimizer, batch, frozenset(self._read), reduce_in_buckets=not self._reduce_per_gradient),
             summary=graph_fingerprint, differ="the captured graph",
         )  # fmt: skip
         built = pipeline.build_on(
@@ -280,16 +283,24 @@ class RematStep:
             node_seconds = {n.name: n.seconds for n in prof.nodes}
 
             def make() -> Plan:
-                try:
-                    return make_plan(
-                        self.planner, index, node_seconds, budget_bytes, updates_in_backward=self.updates_in_backward, lean_ops=self.lean_ops
-                    )
-                except BudgetError as e:
-                    if self._dp is not None:
-                        data_parallel.explain_bucket_floor(e, self._dp)
-                    raise
+                return make_plan(
+                    self.planner, index, node_seconds, budget_bytes, updates_in_backward=self.updates_in_backward, lean_ops=self.lean_ops
+                )
 
-            plan = make() if self._dp is None else ranks.share_plan(self._dp, make)
+            try:
+                plan = make() if self._dp is None else ranks.share_plan(self._dp, make)
+            except BudgetError:
+                if self._dp is None or self._reduce_per_gradient or not data_parallel.reduces_in_buckets(tg.gm):
+                    raise
+                # Every rank got this error (rank 0 plans for all): every rank captures again.
+                self._reduce_per_gradient = True
+                warnings.warn(
+                    "remat: with DDP's gradient buckets no plan fits the budget (a bucket's gradients stay alive until "
+                    "the bucket is reduced); the step is compiled again with each gradient all-reduced on its own: "
+                    "more collectives, less memory",
+                    stacklevel=3,
+                )
+                return self._compile(batch)
 
             def rewritten() -> tuple[int, torch.fx.GraphModule]:
                 applied = plan.apply(index)

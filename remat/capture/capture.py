@@ -185,17 +185,18 @@ def _trace(
 @gc_paused()
 def capture(
     train_step: TrainStep, model: torch.nn.Module, optimizer: Any, example_batch: Any,
-    read_numbers_named: frozenset[str] = frozenset(),
+    read_numbers_named: frozenset[str] = frozenset(), reduce_in_buckets: bool = True,
 ) -> TrainGraph:
     """Trace one call of `train_step(model, optimizer, batch)` into a TrainGraph.
 
     `optimizer`: one, a list of those the step steps (capture.optimizers), or None; its
     state is created here if empty (`init_optimizer_state`), and nothing else changes.
     `read_numbers_named`: the floats (python_state slot names) to read at every call where
-    the trace can (read_numbers)."""
+    the trace can (read_numbers). `reduce_in_buckets`: a DDP model's gradients all-reduced
+    in DDP's buckets, or each on its own (data_parallel.buckets)."""
     passed, optimizer = optimizer, as_one(optimizer)  # the step gets what was passed; remat reads it as one
     leaves, spec, params, buffers, trainable, device = _check_arguments(model, example_batch)
-    dp = data_parallel.data_parallel_of(model)
+    dp = data_parallel.data_parallel_of(model, in_buckets=reduce_in_buckets)
     had_state = {id(p) for p, st in optimizer.state.items() if st} if optimizer is not None else set()
     states = optimizer_states(optimizer, params)
     real_to_name, param_alias, buffer_alias = _aliases(model, params, buffers)

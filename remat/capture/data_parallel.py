@@ -61,9 +61,10 @@ class DataParallel:
     group: Any = field(default=None, repr=False, compare=False)  # the ProcessGroup
 
 
-def data_parallel_of(model: torch.nn.Module) -> DataParallel | None:
+def data_parallel_of(model: torch.nn.Module, in_buckets: bool = True) -> DataParallel | None:
     """The DDP settings of `model` (None when it is not wrapped in DDP), or a CaptureError
-    naming a setting whose behaviour the captured graph would not reproduce."""
+    naming a setting whose behaviour the captured graph would not reproduce. Not
+    `in_buckets`: each gradient all-reduced on its own (buckets of no bytes)."""
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return None
     ddp: Any = model
@@ -88,19 +89,15 @@ def data_parallel_of(model: torch.nn.Module) -> DataParallel | None:
         reduced=tuple(reduced),
         sync_at_entry=bool(ddp.require_backward_grad_sync),
         find_unused_parameters=bool(ddp.find_unused_parameters),
-        bucket_bytes=int(ddp.bucket_bytes_cap),
-        first_bucket_bytes=_first_bucket_bytes(ddp),
+        bucket_bytes=int(ddp.bucket_bytes_cap) if in_buckets else 0,
+        first_bucket_bytes=_first_bucket_bytes(ddp) if in_buckets else 0,
         group=group,
     )
 
 
-def explain_bucket_floor(error: Exception, dp: DataParallel) -> None:
-    """A budget below what a DDP step can reach: say how its buckets raise the floor."""
-    error.add_note(
-        f"remat: DDP reduces gradients in buckets (up to {dp.bucket_bytes / 2**20:g} MiB, the first up to "
-        f"{dp.first_bucket_bytes / 2**20:g} MiB), and a bucket's gradients stay alive until the bucket is reduced. "
-        "Smaller buckets lower that floor: DistributedDataParallel(model, bucket_cap_mb=...) with a smaller size."
-    )
+def reduces_in_buckets(gm: torch.fx.GraphModule) -> bool:
+    """Whether some all-reduce of the graph reduces more than one gradient."""
+    return any(n.target is ALL_REDUCE and _bucket_parts(n)[0][0].target is torch.ops.aten.view.default for n in gm.graph.nodes)
 
 
 def _first_bucket_bytes(ddp: Any) -> int:
