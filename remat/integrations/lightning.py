@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch import LightningModule
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loops.optimization.automatic import ClosureResult
+try:
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.loops.optimization.automatic import ClosureResult
+except ImportError as e:  # an optional extra
+    raise ImportError(f"remat.integrations.lightning needs PyTorch Lightning: pip install 'remat[lightning]' ({e})") from e
 
 from remat.capture.state import step_prints
 from remat.errors import RematError
