@@ -6,7 +6,12 @@ dropout, a checkpoint and a resumed run."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,3 +118,17 @@ def test_training_step_outside_the_loop_is_refused(remat_run):
     batch = {k: v.unsqueeze(0) for k, v in _data(1)[0].items()}
     with pytest.raises(RematError, match="trainer.train"):
         trainer.training_step(trainer.model, batch)
+
+
+def test_under_ddp_with_accumulation_it_trains_like_trainer():
+    """torchrun, 2 gloo ranks: Trainer wraps the model in DDP and syncs gradients in each
+    optimizer step's last micro-batch; RematTrainer's graph does the same, bitwise."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "tests.support.trainer_ddp"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
+    result = json.loads(line[len("RESULT "):])
+    assert result["remat"]["wrapped"] == "DistributedDataParallel"
+    assert len(result["remat"]["logs"]) == 3
+    assert result["remat"] == result["trainer"]

@@ -24,7 +24,7 @@ from torch.nn.utils import stateless
 from remat.gc_pause import gc_paused
 from remat.capture import data_parallel, hyperparams, param_hooks
 from remat.capture.state import kept_numbers, kept_tensors, logged_numbers, outside_tensors, read_numbers, scheduler_calls, step_outputs, module_hooks, step_prints, train_modes, user_code
-from remat.capture.cpu_strides import CpuOutputStrides
+from remat.capture.cpu_strides import CpuLikeEager
 from remat.errors import CaptureError
 from remat.capture.optimizer_state import check_first_step_state, optimizer_on, optimizer_states
 from remat.capture.optimizers import as_one, only_passed_step
@@ -386,7 +386,7 @@ def _step_patches(model: torch.nn.Module, recorded: _Recorded, updating: Callabl
     draws from Python's or numpy's generators, and recording train()/eval() and
     scheduler.step() calls."""
     with contextlib.ExitStack() as stack:
-        stack.enter_context(CpuOutputStrides())
+        stack.enter_context(CpuLikeEager())
         stack.enter_context(plain_checkpoints())
         stack.enter_context(no_rng_state_set())
         stack.enter_context(no_host_random_drawn([(slot.name, value) for slot, value in slots]))

@@ -1,5 +1,6 @@
-"""CPU kernels whose output strides their fake kernels predict wrongly, and the dispatch
-mode that gives the traced outputs the real strides (used while capturing)."""
+"""Where fake tensors differ from CPU eager, and the dispatch mode that makes the trace
+follow eager (used while capturing): kernels whose output strides their fake kernels
+predict wrongly, and CPU devices with an index ("cpu:0")."""
 
 from __future__ import annotations
 
@@ -60,12 +61,13 @@ def _cpu_output_strides(func: Any, args: tuple) -> tuple[int, tuple[int, ...]] |
     return None
 
 
-# Ops whose fake outputs _CpuOutputStrides follows with a view of the real strides.
+# Ops whose fake outputs CpuLikeEager follows with a view of the real strides.
 CORRECTED_STRIDES = frozenset({*_BATCH_NORMS, _BATCH_NORM_BACKWARD, *_CPU_CONTIGUOUS_OUTPUT, _LAYER_NORM_BACKWARD, _DROPOUT_BACKWARD})
 
 
-class CpuOutputStrides(TorchDispatchMode):
-    """Give fake outputs of some CPU ops the strides the CPU kernels give real ones.
+class CpuLikeEager(TorchDispatchMode):
+    """Give fake outputs of some CPU ops the strides the CPU kernels give real ones, and
+    take a CPU device with an index as plain "cpu".
 
     BatchNorm's CPU kernels (forward and backward) allocate their first output in the
     input's suggested memory format (contiguous, or channels-last), and the CPU backward
@@ -79,10 +81,19 @@ class CpuOutputStrides(TorchDispatchMode):
     real strides: a no-op on the real output, and the rest of the trace follows real
     layouts. (The profiler checks every op's real strides against the trace on its first
     run, and refuses a graph where another op differs.)
+
+    "cpu:0" is the CPU to eager PyTorch (`x.to("cpu:0")` gives a tensor on "cpu"), but
+    another device to a fake tensor, which then refuses to meet the model's weights
+    (Hugging Face's Trainer moves batches to "cpu:0" under DDP). Device arguments are
+    traced as "cpu".
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if isinstance(device, torch.device) and device.type == "cpu" and device.index is not None:
+            kwargs = {**kwargs, "device": torch.device("cpu")}
+        out = func(*args, **kwargs)
         real = _cpu_output_strides(func, args)
         if real is not None:
             i, want = real

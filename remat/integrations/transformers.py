@@ -13,9 +13,10 @@ then, `get_batch_samples`) and hands Trainer each result where it asks for it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from transformers import Trainer
@@ -104,7 +105,14 @@ class RematTrainerMixin:
         Trainer's step (it zeroes them after each)."""
         model.zero_grad()
         trainer = super()
-        losses = [trainer.training_step(model, inputs, batch["num_items_in_batch"]) for inputs in batch["micro_batches"]]
+        losses = []
+        micro_batches = batch["micro_batches"]
+        for i, inputs in enumerate(micro_batches):
+            # Data parallel: gradients synced in the last micro-batch's backward pass only, as
+            # Trainer syncs them (the graph runs inside the first one's no_sync()).
+            last = i == len(micro_batches) - 1
+            with _gradient_sync(model) if last else self.accelerator.no_sync(model):
+                losses.append(trainer.training_step(model, inputs, batch["num_items_in_batch"]))
         if self.args.max_grad_norm > 0:
             grad_norm = trainer._clip_grad_norm(model)
         else:
@@ -137,6 +145,20 @@ class RematTrainerMixin:
             logger.info("remat: %s", _describe(self.remat_report))
             self.log(_report_logs(self.remat_report))  # once, where Trainer's logs go (console, report_to)
         return results
+
+
+@contextlib.contextmanager
+def _gradient_sync(model: torch.nn.Module) -> Iterator[None]:
+    """A DistributedDataParallel model's gradient sync on for the block (what no_sync() turns off)."""
+    if not hasattr(model, "require_backward_grad_sync"):
+        yield
+        return
+    was = model.require_backward_grad_sync
+    model.require_backward_grad_sync = True
+    try:
+        yield
+    finally:
+        model.require_backward_grad_sync = was
 
 
 def _report_logs(report: Any) -> dict[str, float]:

@@ -129,7 +129,7 @@ def _check_layout(node: torch.fx.Node, value: Any) -> None:
     """Refuse a CPU op whose real output has other strides than its fake one in the trace.
 
     The trace decides views, copies and reshapes from the fake strides; where a fake
-    kernel predicts other strides than the real one (cpu_strides.CpuOutputStrides corrects
+    kernel predicts other strides than the real one (cpu_strides.CpuLikeEager corrects
     the ones known), the step would fail on real tensors or not match eager bitwise.
     Dimensions of size 1 have no meaningful stride and are ignored.
     """
