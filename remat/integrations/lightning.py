@@ -36,7 +36,7 @@ class RematCallback(Callback):
 
     Supported: automatic optimization with one optimizer (and its schedulers),
     `gradient_clip_val`, precision plugins, `self.log` of tensors in `training_step`.
-    Refused by name: manual optimization, several optimizers, `accumulate_grad_batches`
+    Refused by name: several processes (DDP strategies), manual optimization, several optimizers, `accumulate_grad_batches`
     above 1, an `optimizer_step` of the module's own, and callbacks that act inside the
     step (`on_after_backward`, ...). `training_step` may not compute with `batch_idx`
     (it is read once, at capture): the error says so."""
@@ -144,6 +144,12 @@ def _check_supported(trainer: Any, module: LightningModule, callback: RematCallb
     def refuse(what: str, instead: str) -> None:
         raise RematError(f"RematCallback: {what}. {instead}")
 
+    if trainer.world_size > 1:
+        refuse(
+            f"the trainer runs {trainer.world_size} processes ({type(trainer.strategy).__name__})",
+            "RematCallback runs on one process for now; for data parallel, compile your step with remat.compile "
+            "on a DistributedDataParallel model (docs: README, Data parallel).",
+        )
     if not module.automatic_optimization:
         refuse("the module uses manual optimization", "Compile your training_step with remat.compile yourself, or use automatic optimization.")
     if len(trainer.optimizers) != 1:
