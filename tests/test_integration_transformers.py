@@ -113,6 +113,12 @@ def test_mixin_keeps_the_users_compute_loss(tmp_path, caplog):
     assert len(logged) == 1 and logged[0]["remat_measured_peak_mib"] == logged[0]["remat_predicted_peak_mib"]
 
 
+def test_a_setting_it_cannot_honour_is_refused_at_construction(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), torch_compile=True, use_cpu=True, report_to=[])
+    with pytest.raises(RematError, match="torch_compile=True: remat compiles the step itself"):
+        RematTrainer(model=GPT2LMHeadModel(_CONFIG), args=args, train_dataset=_data(8))
+
+
 def test_training_step_outside_the_loop_is_refused(remat_run):
     _, (trainer, *_rest) = remat_run
     batch = {k: v.unsqueeze(0) for k, v in _data(1)[0].items()}

@@ -46,6 +46,14 @@ class RematTrainerMixin:
                 "RematTrainer needs a transformers version whose Trainer runs an epoch in _run_epoch and fetches each "
                 "optimizer step's micro-batches with get_batch_samples (5.0 or newer): pip install -U transformers"
             )
+        refused = [
+            (self.args.torch_compile, "torch_compile=True: remat compiles the step itself; drop torch_compile"),
+            (getattr(self, "is_deepspeed_enabled", False), "DeepSpeed runs the optimizer step in its own engine; train without it"),
+            (getattr(self, "is_fsdp_enabled", False), "FSDP is not built in remat yet; use DDP (several processes) or one process"),
+        ]
+        for bad, why in refused:
+            if bad:
+                raise RematError(f"RematTrainer cannot honour {why}.")
         self.memory_budget = memory_budget
         self.remat_options = dict(remat_options or {})
         self.remat_step: Any = None  # the remat.RematStep that ran the last optimizer step
