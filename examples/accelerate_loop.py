@@ -19,7 +19,7 @@ model = BertForSequenceClassification(BertConfig(hidden_size=64, num_hidden_laye
                                                  intermediate_size=128, vocab_size=300, num_labels=3))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 3))
-batches = [{"input_ids": torch.randint(0, 300, (8, 64)), "labels": torch.randint(0, 3, (8,))} for _ in range(8)]
+batches = [{"input_ids": torch.randint(0, 300, (8, 32)), "labels": torch.randint(0, 3, (8,))} for _ in range(6)]
 loader = torch.utils.data.DataLoader(batches, batch_size=None)
 model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 

@@ -13,12 +13,12 @@ from remat.integrations.transformers import RematTrainer
 
 torch.manual_seed(0)
 model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=64))
-rows = [torch.randint(0, 256, (64,)) for _ in range(64)]
+rows = [torch.randint(0, 256, (64,)) for _ in range(48)]
 train_dataset = [{"input_ids": r, "labels": r} for r in rows]  # any Dataset of dicts works
 
 args = TrainingArguments(
     output_dir="/tmp/remat-hf-trainer", per_device_train_batch_size=8, gradient_accumulation_steps=2,
-    max_steps=4, warmup_steps=2, max_grad_norm=1.0, logging_steps=1, report_to=[], save_strategy="no",
+    max_steps=3, warmup_steps=2, max_grad_norm=1.0, logging_steps=1, report_to=[], save_strategy="no",
     use_cpu=True, disable_tqdm=True,
 )
 trainer = RematTrainer(model=model, args=args, train_dataset=train_dataset, memory_budget=0.5)

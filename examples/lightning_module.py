@@ -31,9 +31,9 @@ class Classifier(L.LightningModule):
 
 
 torch.manual_seed(0)
-data = torch.utils.data.TensorDataset(torch.randn(2048, 128), torch.randint(0, 10, (2048,)))
+data = torch.utils.data.TensorDataset(torch.randn(1280, 128), torch.randint(0, 10, (1280,)))
 remat_callback = RematCallback(memory_budget=0.7)
-trainer = L.Trainer(max_steps=8, accelerator="cpu", callbacks=[remat_callback], gradient_clip_val=1.0,
+trainer = L.Trainer(max_steps=5, accelerator="cpu", callbacks=[remat_callback], gradient_clip_val=1.0,
                     logger=False, enable_checkpointing=False, enable_progress_bar=False)
 trainer.fit(Classifier(), torch.utils.data.DataLoader(data, batch_size=256))
 
