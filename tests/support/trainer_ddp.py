@@ -42,3 +42,7 @@ if __name__ == "__main__":
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result))
     sys.stdout.flush()
+    # A gloo process group left to the interpreter's exit can abort the process (SIGABRT)
+    # while its worker threads are torn down; Trainer leaves it open, so close it here.
+    dist.barrier()
+    dist.destroy_process_group()
