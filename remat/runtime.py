@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 
 from remat import ranks
 from remat import build as pipeline
-from remat.capture import data_parallel
+from remat.capture import data_parallel, sharded
 from remat.capture.state import read_numbers
 from remat.budget import parse_budget
 from remat.ops import op_facts
@@ -137,8 +137,10 @@ class RematStep:
     def __post_init__(self) -> None:
         # Parse now: a bad budget is an error at compile time, not at the first step.
         self._budget = parse_budget(self.memory_budget) if self.memory_budget is not None else None
-        # A DDP model: every rank compiles and runs the same graph, agreed stage by stage (remat.ranks).
-        self._dp = data_parallel.data_parallel_of(self.model)
+        # A DDP or FSDP2 model: every rank compiles and runs the same graph, agreed stage by stage (remat.ranks).
+        self._sharded = sharded.is_sharded(self.model)
+        shards = sharded.sharding_of(self.model) if self._sharded else None
+        self._dp = data_parallel.data_parallel_of(self.model) or (shards.ranks() if shards else None)
 
     @property
     def report(self) -> StepReport:
@@ -321,11 +323,19 @@ class RematStep:
         return CompiledGraph(tg=tg, gm=gm, report=report)
 
     def __call__(self, batch: Any) -> torch.Tensor:
+        with self._on_shards():
+            return self._call(batch)
+
+    def _on_shards(self) -> Any:
+        """An FSDP2 model's parameters and state held as their local shards (sharded.local_view)."""
+        return sharded.local_view(sharded.sharding_of(self.model) if self._sharded else None, self.optimizer)
+
+    def _call(self, batch: Any) -> torch.Tensor:
         compiled = self.compiled_for(batch)
         self._last = compiled
         make_calls(compiled.tg.call.scheduler_calls, before_update=True)  # read by this step's update, as in eager
         inputs, view = self._agreed("reading the step's inputs", lambda: self._inputs(compiled, batch))
-        if self._dp is not None:
+        if compiled.tg.call.data_parallel is not None:
             data_parallel.before_step(self.model)
         if self.measure and not compiled.measured:
             measured = measure_step_peak(lambda: self._run(compiled, inputs, view), compiled.tg.device, self.model)
@@ -475,5 +485,6 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         updates_in_backward=updates_in_backward,
         lean_ops=lean_ops,
     )
-    step._last = step.compiled_for(example_batch)
+    with step._on_shards():
+        step._last = step.compiled_for(example_batch)
     return step

@@ -41,6 +41,7 @@ _EPILOGUE = """
 import hashlib as _hashlib, json as _json, os as _os
 _digest = _hashlib.sha256()
 def _add(t):
+    t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2's DTensors: this rank's shard
     _digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 for _v in list(globals().values()):
     if isinstance(_v, torch.nn.Module):

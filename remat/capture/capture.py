@@ -22,7 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
 from remat.gc_pause import gc_paused
-from remat.capture import data_parallel, hyperparams, param_hooks
+from remat.capture import data_parallel, hyperparams, param_hooks, sharded
 from remat.capture.state import kept_numbers, kept_tensors, logged_numbers, outside_tensors, read_numbers, scheduler_calls, step_outputs, module_hooks, step_prints, train_modes, user_code
 from remat.capture.cpu_strides import CpuLikeEager
 from remat.errors import CaptureError
@@ -197,6 +197,9 @@ def capture(
     passed, optimizer = optimizer, as_one(optimizer)  # the step gets what was passed; remat reads it as one
     leaves, spec, params, buffers, trainable, device = _check_arguments(model, example_batch)
     dp = data_parallel.data_parallel_of(model, in_buckets=reduce_in_buckets)
+    shards = sharded.sharding_of(model)  # called inside sharded.local_view: the model holds the shards
+    if shards is not None:
+        sharded.check_optimizers(optimizer, model)
     had_state = {id(p) for p, st in optimizer.state.items() if st} if optimizer is not None else set()
     states = optimizer_states(optimizer, params)
     real_to_name, param_alias, buffer_alias = _aliases(model, params, buffers)
@@ -242,6 +245,7 @@ def capture(
             stack.enter_context(stateless._reparametrize_module(model, mapping))
             if dp is not None:
                 stack.enter_context(data_parallel.traced_forward(model, synced))
+            stack.enter_context(sharded.gathered_in_forward(shards))
             stack.enter_context(only_passed_step(optimizer))
             if optimizer is not None:
                 stack.enter_context(optimizer_on(optimizer, real_to_name, t_params, t_states))
@@ -280,6 +284,7 @@ def capture(
         groups = hyperparams.group_specs(optimizer, real_to_name, sign_facts)
     inputs = drop_unread_inputs(gm, inputs)
     tg = _finish(gm, inputs, grad_order, final_grads, str(spec), optimizer is not None, device)
+    sharded.check_shard_reads(tg, shards)
     tg.call.outside = outside_tensors.read_by_graph(inputs, [held for held, _ in outside], device, own)
     numbers.attach(tg)
     if dp is not None:

@@ -47,6 +47,12 @@ def configure_run(p: argparse.ArgumentParser) -> None:
         help="data parallel: N processes on this machine (gloo on 127.0.0.1), the model wrapped in DistributedDataParallel; "
         "--batch-size is per process. Measures each rank against eager DDP and DDP with HF's checkpointing (CPU only)",
     )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="with --nproc: shard the model with FSDP2 (fully_shard on each block and the root) instead of DDP, and "
+        "measure each rank against eager FSDP2 and FSDP2 with HF's checkpointing",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout; progress goes to stderr")
 
 
@@ -211,7 +217,7 @@ def run_one(
 def cmd_run(args: argparse.Namespace) -> int:
     from remat.measurement.report import console_for
 
-    if args.nproc != 1:
+    if args.nproc != 1 or args.fsdp:
         return _run_data_parallel(args)
     result = run_one(
         args.model,
@@ -254,13 +260,14 @@ def _run_data_parallel(args: argparse.Namespace) -> int:
     from remat.measurement.report import console_for
 
     if args.nproc < 2:
-        raise UsageError(f"--nproc must be 2 or more for data parallel (1: one process, the default), got {args.nproc}")
+        raise UsageError(f"--nproc must be 2 or more for data parallel{' (--fsdp shards across them)' if args.fsdp else ''} (1: one process, the default), got {args.nproc}")
     if args.device != "cpu":
         raise UsageError("--nproc runs gloo processes on the CPU; on GPUs launch your own script with torchrun (one GPU per rank)")
     check_model_args(args.model, args.batch_size, args.optimizer, args.device)
     config = RankConfig(
         model=args.model, batch_size=args.batch_size, budget=_budget_arg(args.budget), planner=args.planner, optimizer=args.optimizer,
         steps=args.steps, pairs=args.pairs, check=args.check, seed=args.seed, lean_ops=not args.no_lean_ops, baselines=("hf",),
+        fsdp=args.fsdp,
     )  # fmt: skip
     print(f"running {args.model} on {args.nproc} processes (batch {args.batch_size} each) ...", file=sys.stderr, flush=True)
     results = run_ranks(measure_rank, args.nproc, (config,), timeout_s=3600, pg_timeout_s=600)
@@ -270,14 +277,14 @@ def _run_data_parallel(args: argparse.Namespace) -> int:
         console = console_for(sys.stdout)
         mib = 2**20
         for r in results:
-            hf = ""
+            hf, wrapper = "", r["wrapper"]
             if "hf_activation_peak_bytes" in r:
-                hf = f"; DDP+HF {r['hf_activation_peak_bytes'] / mib:.1f} MiB at {r['hf_overhead_ratio']:.3f}x"
+                hf = f"; {wrapper}+HF {r['hf_activation_peak_bytes'] / mib:.1f} MiB at {r['hf_overhead_ratio']:.3f}x"
             console.print(
-                f"rank {r['rank']}: activation peak eager DDP {r['eager_activation_peak_bytes'] / mib:.1f} MiB, remat "
+                f"rank {r['rank']}: activation peak eager {wrapper} {r['eager_activation_peak_bytes'] / mib:.1f} MiB, remat "
                 f"{r['activation_peak_bytes_measured'] / mib:.1f} MiB measured / {r['predicted_activation_peak_bytes'] / mib:.1f} MiB "
-                f"predicted at {r['overhead_ratio']:.3f}x eager DDP's time{hf}; {r['num_recomputed']} recomputed, "
-                f"{r['collectives']} all-reduces in the graph"
-                + ("" if r["grads_match"] is None else f"; bitwise equal to eager DDP: {r['grads_match']}")
+                f"predicted at {r['overhead_ratio']:.3f}x eager {wrapper}'s time{hf}; {r['num_recomputed']} recomputed, "
+                f"{r['collectives']} collectives in the graph"
+                + ("" if r["grads_match"] is None else f"; bitwise equal to eager {wrapper}: {r['grads_match']}")
             )
     return 0 if all(r["grads_match"] is not False for r in results) else 1

@@ -1,5 +1,6 @@
 """One rank of a data-parallel measurement: remat beside eager DDP (and DDP with HF's
-checkpointing) on the same model, batch and process group.
+checkpointing) on the same model, batch and process group; with `fsdp`, the same beside
+eager FSDP2 (and FSDP2 with HF's checkpointing), each model sharded by `shard_blocks`.
 
 Each rank builds the workload, wraps independent copies in DistributedDataParallel,
 compiles remat's step (every rank together: remat.ranks), optionally checks 3 steps
@@ -14,9 +15,11 @@ its own that lives only as long as that gradient.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -36,6 +39,48 @@ class RankConfig:
     seed: int = 0
     lean_ops: bool = True
     baselines: tuple[str, ...] = ()  # "hf": eager DDP with Hugging Face's per-block checkpointing
+    fsdp: bool = False  # shard with FSDP2 (shard_blocks) instead of wrapping in DDP
+
+
+def shard_blocks(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2 as torchtitan and Accelerate apply it: fully_shard on each block (each item of
+    the model's ModuleLists: a transformer's layers), then on the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in list(model.modules()):
+        if isinstance(module, torch.nn.ModuleList):
+            for block in module:
+                fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _wrapped(model: torch.nn.Module, like: Any, fsdp: bool) -> tuple[torch.nn.Module, Any]:
+    """A copy of `model`, in DDP or sharded, with an optimizer like `like` on its parameters
+    (FSDP2 replaces the parameters, so the optimizer is made after it)."""
+    model = copy.deepcopy(model)
+    wrapped = shard_blocks(model) if fsdp else DDP(model)
+    return wrapped, type(like)(wrapped.parameters(), **like.defaults)
+
+
+def _local(t: Any) -> Any:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _sharded_match(step_fn: Any, eager: Any, eager_opt: Any, ours: Any, opt: Any, step: Any, batch: Any, seed: int) -> bool:
+    """3 steps of eager FSDP2 and of remat: losses, this rank's shards of the parameters and the optimizer state, bitwise."""
+    same = True
+    for i in range(3):
+        torch.manual_seed(seed + i)
+        a = step_fn(eager, eager_opt, batch)
+        torch.manual_seed(seed + i)
+        b = step(batch)
+        same = same and torch.equal(a, b)
+    for p, q in zip(eager.parameters(), ours.parameters()):
+        same = same and torch.equal(_local(p), _local(q))
+        for (k, v), (_, w) in zip(eager_opt.state[p].items(), opt.state[q].items()):
+            same = same and torch.equal(_local(v), _local(w))
+    return bool(same)
 
 
 def measure_rank(config: RankConfig) -> dict[str, Any]:
@@ -48,15 +93,22 @@ def measure_rank(config: RankConfig) -> dict[str, Any]:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = load(config.model, config.batch_size, config.optimizer, seed=config.seed)
-    plain_eager, eager_opt = twin(spec.model, spec.optimizer)
-    plain_hf, hf_opt = twin(spec.model, spec.optimizer) if "hf" in config.baselines else (None, None)
-    ours, eager = DDP(spec.model), DDP(plain_eager)
+    if config.fsdp:
+        plain_hf = copy.deepcopy(spec.model) if "hf" in config.baselines else None
+        eager, eager_opt = _wrapped(spec.model, spec.optimizer, fsdp=True)
+        ours, optimizer = _wrapped(spec.model, spec.optimizer, fsdp=True)
+    else:
+        plain_eager, eager_opt = twin(spec.model, spec.optimizer)
+        plain_hf, hf_opt = twin(spec.model, spec.optimizer) if "hf" in config.baselines else (None, None)
+        ours, eager, optimizer = DDP(spec.model), DDP(plain_eager), spec.optimizer
     step_fn = spec.train_step
-    step = remat.compile(step_fn, ours, spec.optimizer, spec.batch, memory_budget=config.budget, planner=config.planner, lean_ops=config.lean_ops)
+    step = remat.compile(step_fn, ours, optimizer, spec.batch, memory_budget=config.budget, planner=config.planner, lean_ops=config.lean_ops)
     report = step.report
 
     grads_match = None
-    if config.check:
+    if config.check and config.fsdp:
+        grads_match = _sharded_match(step_fn, eager, eager_opt, ours, optimizer, step, spec.batch, config.seed)
+    elif config.check:
         result = check_against_eager(step_fn, eager, eager_opt, ours, spec.optimizer, step, spec.batch, steps=3, seed=config.seed)
         grads_match = result.match
     else:
@@ -69,12 +121,13 @@ def measure_rank(config: RankConfig) -> dict[str, Any]:
     out: dict[str, Any] = {
         "rank": rank,
         "world_size": world,
+        "wrapper": "FSDP2" if config.fsdp else "DDP",
         "model": config.model,
         "batch_size_per_rank": config.batch_size,
         "budget": config.budget,
         "budget_bytes": report.budget_bytes,
         "persistent_bytes": persistent,
-        "eager_bucket_bytes": sum(p.numel() * p.element_size() for p in eager.parameters() if p.requires_grad),
+        "eager_bucket_bytes": 0 if config.fsdp else sum(p.numel() * p.element_size() for p in eager.parameters() if p.requires_grad),
         "eager_activation_peak_bytes": eager_peak,
         "predicted_peak_bytes": report.predicted_peak_bytes,
         "peak_bytes_measured": report.measured_peak_bytes,
@@ -87,7 +140,7 @@ def measure_rank(config: RankConfig) -> dict[str, Any]:
         "num_recomputed": report.num_recomputed,
         "updates_in_backward": bool(report.plan and report.plan.updates_in_backward),
         "lean_ops": len(report.plan.lean_ops) if report.plan else 0,
-        "collectives": sum(1 for n in step.graph_module.graph.nodes if "all_reduce" in str(n.target)),
+        "collectives": sum(1 for n in step.graph_module.graph.nodes if any(c in str(n.target) for c in ("all_reduce", "all_gather", "reduce_scatter"))),
         "grads_match": grads_match,
     }
     if plain_hf is not None:
@@ -96,7 +149,7 @@ def measure_rank(config: RankConfig) -> dict[str, Any]:
         except NotSupported as e:
             out["hf_error"] = str(e)
         else:
-            hf = DDP(plain_hf)
+            hf, hf_opt = _wrapped(plain_hf, spec.optimizer, fsdp=True) if config.fsdp else (DDP(plain_hf), hf_opt)
             hf_step(hf, hf_opt, spec.batch)
             out["hf_activation_peak_bytes"] = measure_step_peak(lambda: hf_step(hf, hf_opt, spec.batch), "cpu", hf).peak_bytes
             hf_timing = time_alternating(lambda: step_fn(eager, eager_opt, spec.batch), lambda: hf_step(hf, hf_opt, spec.batch), pairs=config.pairs)

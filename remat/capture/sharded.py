@@ -1,0 +1,388 @@
+"""A model sharded with FSDP2 (`fully_shard`), captured as FSDP2 trains it.
+
+FSDP2 keeps each parameter as a DTensor sharded on dim 0 across the ranks; before a
+sharded module's forward it all-gathers the module's parameters, after its backward it
+reduce-scatters their gradients (averaged), and the optimizer updates each rank's shard.
+Its hooks issue eager collectives outside any graph. remat instead:
+
+- **reads and writes the local shards** (`local_view`, around compiling and every call):
+  in the model's tables, the optimizers' param groups and their state, each DTensor
+  parameter stands for the while as a plain parameter on its local shard's storage (the
+  same object at every call), its state as the state's local tensors; on the way out the
+  gradients the step leaves become DTensors again, as FSDP2 leaves them. The graph's
+  persistent inputs are then the shards: parameters, gradients and optimizer state at
+  1/world size.
+- **gathers in the graph** (`gathered_in_forward`, while tracing): FSDP2's forward hooks
+  give way to hooks that swap the module's parameters for full ones gathered by one
+  `wait(all_gather_into_tensor(...))` of their shards, through an autograd function whose
+  backward is one `wait(reduce_scatter_tensor(..., "avg"))` of their gradients: FSDP2's
+  collectives, on FSDP2's flat buffers. A gathered parameter is made in the forward pass and read in
+  the backward pass, so the planner treats it as an activation: kept, or gathered again
+  before its backward reader (FSDP2's `reshard_after_forward`, chosen per parameter
+  under the budget). Every rank runs the same plan, so the copies' collectives pair up.
+
+What the graph would not reproduce is refused (`sharding_of`): mixed precision, CPU
+offload, HSDP, uneven shards (a dim 0 that the world size does not divide: the graphs of
+the ranks would differ in shape), gradient sync turned off, custom collectives, and
+optimizers whose update reads more than one element of a parameter. A step that reads a
+sharded parameter or its gradient outside the gathered forward and the elementwise update
+(`clip_grad_norm_`, a weight penalty) is refused after capture: on a shard it would see
+one rank's part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.fx
+
+from remat.capture.data_parallel import DataParallel
+from remat.capture.optimizers import each
+from remat.capture.train_graph import InputKind, Phase
+from remat.errors import CaptureError
+
+ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+# Their updates read and write each element of a parameter on its own: on a shard they do
+# what they do on the DTensor. (Adafactor's factored moments, LBFGS and the like read across
+# the parameter, which DTensor does with collectives the local view does not make.)
+ELEMENTWISE_OPTIMIZERS = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+    torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.ASGD,
+)  # fmt: skip
+
+
+@dataclass
+class ShardedParam:
+    """One FSDP2 parameter: where the model holds it, its DTensor and its local stand-in."""
+
+    fsdp_param: Any  # FSDP2's FSDPParam
+    places: list[tuple[torch.nn.Module, str]]  # (module, attribute): the first is its owner, the rest share it
+    local: torch.nn.Parameter  # a plain parameter on the DTensor's local shard's storage
+
+    @property
+    def dtensor(self) -> torch.nn.Parameter:
+        return self.fsdp_param.sharded_param
+
+
+@dataclass
+class Sharding:
+    """An FSDP2 model's parameters and process group, as the graph shards them."""
+
+    group_name: str
+    world_size: int
+    rank: int
+    group: Any = field(repr=False)
+    params: list[ShardedParam] = field(default_factory=list)
+    by_module: dict[int, list[ShardedParam]] = field(default_factory=dict)  # id(FSDP module) -> the parameters it gathers
+    modules: list[Any] = field(default_factory=list)  # (module, FSDPState) of each fully_shard call
+
+    def ranks(self) -> DataParallel:
+        """The process group, for the ranks' agreement at each stage (remat.ranks)."""
+        return DataParallel(group_name=self.group_name, world_size=self.world_size, rank=self.rank, group=self.group)
+
+
+# FSDP2's FSDPParam -> the stand-in of its DTensor parameter (tensors cannot be weak keys: they compare by value)
+_LOCALS: "weakref.WeakKeyDictionary[Any, torch.nn.Parameter]" = weakref.WeakKeyDictionary()
+
+
+def _local_of(fsdp_param: Any) -> torch.nn.Parameter:
+    """The stand-in of an FSDP2 parameter: the same object while its local shard is the same storage."""
+    dtensor = fsdp_param.sharded_param
+    local_tensor = dtensor._local_tensor
+    found = _LOCALS.get(fsdp_param)
+    if found is None or found.data_ptr() != local_tensor.data_ptr() or found.shape != local_tensor.shape:
+        found = _LOCALS[fsdp_param] = torch.nn.Parameter(local_tensor, requires_grad=dtensor.requires_grad)
+    return found
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def sharding_of(model: torch.nn.Module) -> Sharding | None:
+    """The FSDP2 sharding of `model` (None where no module of it is sharded), or a
+    CaptureError naming what the graph would not reproduce and what to do instead."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
+    from torch.distributed.tensor import Shard
+
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not sharded:
+        return None
+    if not isinstance(model, FSDPModule):
+        raise CaptureError(
+            "some submodules are sharded with fully_shard but the model itself is not; call fully_shard(model) on the "
+            "root too, as FSDP2 asks, so that every parameter is sharded"
+        )
+
+    def refuse(why: str) -> CaptureError:
+        return CaptureError(f"remat cannot capture this FSDP2 (fully_shard) model: {why}")
+
+    found: Sharding | None = None
+    for module in sharded:
+        state = module._get_fsdp_state()
+        if len(state._modules) != 1:
+            raise refuse("fully_shard was called on a list of modules together; call it on each module (or on their parent)")
+        pg = state._fsdp_param_group
+        if pg is None:  # a module without parameters of its own: its process group is read from the others
+            found = found or Sharding("", 0, 0, None)
+            found.modules.append((module, state))
+            continue
+        mp = pg.mp_policy
+        checks = [
+            (mp.param_dtype is not None or mp.reduce_dtype is not None, "a MixedPrecisionPolicy casts parameters and gradients outside the graph; use torch.autocast inside train_step instead"),
+            (isinstance(pg.offload_policy, CPUOffloadPolicy), "CPUOffloadPolicy moves shards between devices outside the graph; remove it"),
+            (isinstance(pg.mesh_info, HSDPMeshInfo), "HSDP (a 2-D mesh) is not supported; shard over one process group"),
+            (not pg.reduce_grads, "gradient sync is turned off (set_requires_gradient_sync(False)); accumulate micro-batches inside train_step instead"),
+            (not isinstance(pg._all_gather_comm, DefaultAllGather) or not isinstance(pg._reduce_scatter_comm, DefaultReduceScatter), "custom all-gather or reduce-scatter collectives are set"),
+            (pg.gradient_divide_factor is not None or pg.force_sum_reduction_for_comms or pg._all_reduce_hook is not None, "the gradient reduction is customised (set_gradient_divide_factor, set_force_sum_reduction_for_comms or an all-reduce hook)"),
+        ]  # fmt: skip
+        for bad, why in checks:
+            if bad:
+                raise refuse(why)
+        group = pg.mesh_info.shard_process_group
+        if found is None:
+            found = Sharding(group.group_name, pg.mesh_info.shard_mesh_size, pg.mesh_info.shard_mesh_rank, group)
+        elif found.group is None:
+            found.group_name, found.world_size, found.rank, found.group = group.group_name, pg.mesh_info.shard_mesh_size, pg.mesh_info.shard_mesh_rank, group
+        elif group.group_name != found.group_name:
+            raise refuse("modules are sharded over different process groups; shard them over one")
+        found.modules.append((module, state))
+        mine = found.by_module.setdefault(id(module), [])
+        for fp in pg.fsdp_params:
+            if fp.is_dtensor or fp.fsdp_placement != Shard(0):
+                raise refuse(f"{_name(model, fp)} is sharded on {fp.fsdp_placement} or is already a DTensor (tensor parallel); remat gathers shards on dim 0 only")
+            rows = fp._orig_size[0]
+            if rows % found.world_size:
+                raise refuse(
+                    f"{_name(model, fp)} has {rows} rows, which {found.world_size} ranks do not divide: FSDP2 pads it, and the ranks' "
+                    "graphs would differ in shape; pad the dimension to a multiple of the world size (e.g. a vocabulary) or leave "
+                    "that module unsharded"
+                )
+            info = fp._module_info
+            places = [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]
+            sp = ShardedParam(fp, places, _local_of(fp))
+            found.params.append(sp)
+            mine.append(sp)
+    assert found is not None
+    return found
+
+
+def _name(model: torch.nn.Module, fp: Any) -> str:
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p is fp.sharded_param or p is _LOCALS.get(fp):
+            return name
+    return fp._module_info.param_name
+
+
+def check_optimizers(optimizer: Any, model: torch.nn.Module) -> None:
+    """Refuse an optimizer made before fully_shard (it holds the replaced tensors) or one whose update reads across a parameter."""
+    params = {id(p) for p in model.parameters()}
+    for opt in each(optimizer):
+        if any(id(p) not in params for group in opt.param_groups for p in group["params"]):
+            raise CaptureError(
+                f"the {type(opt).__name__} holds tensors that are not the model's parameters: fully_shard replaces each "
+                "parameter with a sharded one, so make the optimizer after fully_shard(model), from model.parameters()"
+            )
+        if not isinstance(opt, ELEMENTWISE_OPTIMIZERS):
+            raise CaptureError(
+                f"remat cannot capture {type(opt).__name__} on an FSDP2 model: its update may read across a parameter, which "
+                "on a shard sees one rank's part; use an elementwise optimizer (SGD, Adam, AdamW, ...) or leave the model unsharded"
+            )
+
+
+@contextlib.contextmanager
+def local_view(sharding: Sharding | None, optimizer: Any) -> Iterator[None]:
+    """While inside, the model and the optimizers hold each sharded parameter's stand-in,
+    its state's local tensors and its gradient's local tensor; on the way out, the
+    DTensors again, with the gradients and new state the step left as DTensors."""
+    if sharding is None:
+        yield
+        return
+    from torch.distributed.tensor import DTensor
+
+    optimizers = each(optimizer)
+    # A module an eager forward left gathered (FSDP2 keeps the root's parameters gathered
+    # after a forward under no_grad) would keep its gathered copies, stale after the update:
+    # sharded first, its tables hold the DTensors, as after FSDP2's own backward.
+    for module, _ in sharding.modules:
+        module.reshard()
+    swapped_groups: list[tuple[list[Any], int, Any]] = []
+    by_id = {id(sp.dtensor): sp for sp in sharding.params}
+    by_local = {id(sp.local): sp for sp in sharding.params}
+    originals: dict[int, dict[str, Any]] = {}  # id(stand-in) -> its state as FSDP2 held it
+    for sp in sharding.params:
+        dt = sp.dtensor
+        sp.local.requires_grad_(dt.requires_grad)
+        sp.local.grad = dt.grad._local_tensor if dt.grad is not None else None
+        for module, name in sp.places:
+            module._parameters[name] = sp.local
+    for opt in optimizers:
+        for group in opt.param_groups:
+            params = group["params"]
+            for i, p in enumerate(params):
+                sp = by_id.get(id(p))
+                if sp is not None:
+                    params[i] = sp.local
+                    swapped_groups.append((params, i, p))
+        entries = []
+        for p, state in opt.state.items():  # rebuilt in place and in order: the same table, as eager left it
+            sp = by_id.get(id(p))
+            if sp is not None:
+                originals[id(sp.local)] = dict(state)
+                state.update({k: v._local_tensor for k, v in state.items() if isinstance(v, DTensor)})
+                p = sp.local
+            entries.append((p, state))
+        opt.state.clear()
+        opt.state.update(entries)
+    try:
+        yield
+    finally:
+        for params, i, p in swapped_groups:
+            params[i] = p
+        for opt in optimizers:
+            entries = []
+            for p, state in opt.state.items():
+                sp = by_local.get(id(p))
+                if sp is not None:  # a state the step made (a first step) too: DTensors, as eager makes it
+                    state, p = _as_dtensors(sp, state, originals.get(id(p), {})), sp.dtensor
+                entries.append((p, state))
+            opt.state.clear()
+            opt.state.update(entries)
+        for sp in sharding.params:
+            for module, name in sp.places:
+                module._parameters[name] = sp.dtensor
+            grad = sp.local.grad
+            sp.dtensor.grad = None if grad is None else sp.fsdp_param.to_sharded_dtensor(grad)
+            sp.local.grad = None
+
+
+def _as_dtensors(sp: ShardedParam, state: dict[str, Any], originals: dict[str, Any]) -> dict[str, Any]:
+    """The state as FSDP2's optimizer keeps it: each tensor the size of the shard a DTensor
+    (the same one where the step kept its local tensor), the others (a step count) as they are."""
+    from torch.distributed.tensor import DTensor
+
+    for k, v in state.items():
+        was = originals.get(k)
+        if isinstance(was, DTensor) and was._local_tensor is v:
+            state[k] = was
+        elif isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == sp.local.shape:
+            state[k] = sp.fsdp_param.to_sharded_dtensor(v)
+    return state
+
+
+class _Gathered(torch.autograd.Function):
+    """A module's shards, all-gathered as FSDP2 gathers them (one flat buffer: each rank's
+    shards flattened one after the other) and copied out into each full parameter; in the
+    backward pass their gradients reduce-scattered as FSDP2 does (each gradient's rank-r
+    rows in rank r's part of one flat buffer, averaged), each shard's gradient a view of
+    this rank's part."""
+
+    @staticmethod
+    def forward(ctx: Any, world_size: int, group_name: str, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.world_size, ctx.group_name = world_size, group_name
+        ctx.shapes = [s.shape for s in shards]
+        ctx.like = [(s.dtype, s.device) for s in shards]
+        flat = torch.cat([s.reshape(-1) for s in shards])
+        rows = _WAIT(ALL_GATHER(flat, world_size, group_name)).view(world_size, -1)
+        full, start = [], 0
+        for s in shards:
+            n = s.numel()
+            full.append(rows[:, start : start + n].reshape(world_size * s.shape[0], *s.shape[1:]))
+            start += n
+        return tuple(full)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        world = ctx.world_size
+        parts = [
+            (g if g is not None else torch.zeros((world * shape[0], *shape[1:]), dtype=dtype, device=device)).reshape(world, -1)
+            for g, shape, (dtype, device) in zip(grads, ctx.shapes, ctx.like)
+        ]
+        local = _WAIT(REDUCE_SCATTER(torch.cat(parts, dim=1).reshape(-1), "avg", world, ctx.group_name))
+        out, start = [], 0
+        for shape in ctx.shapes:
+            n = shape.numel()
+            out.append(local[start : start + n].view(shape))
+            start += n
+        return (None, None, *out)
+
+
+@contextlib.contextmanager
+def gathered_in_forward(sharding: Sharding | None) -> Iterator[None]:
+    """While tracing: FSDP2's forward hooks give way to ones that swap each of a module's
+    parameters (the traced shard) for its gathered full tensor during the module's forward."""
+    if sharding is None:
+        yield
+        return
+    from torch.nn.utils._named_member_accessor import swap_tensor
+
+    put_back: list[tuple[dict[int, Any], int, Any]] = []
+    for module, state in sharding.modules:
+        own = sharding.by_module.get(id(module), [])
+        held: list[list[tuple[torch.nn.Module, str, torch.Tensor]]] = []
+
+        def pre(mod: Any, args: Any, kwargs: Any, own: list[ShardedParam] = own, held: list[Any] = held) -> None:
+            swapped = []
+            shards = [getattr(*sp.places[0]) for sp in own]
+            fulls = _Gathered.apply(sharding.world_size, sharding.group_name, *shards) if own else ()
+            for sp, full in zip(own, fulls):
+                for m, n in sp.places:
+                    swapped.append((m, n, swap_tensor(m, n, full)))
+            held.append(swapped)
+
+        def post(mod: Any, args: Any, output: Any, held: list[Any] = held) -> None:
+            for m, n, shard in reversed(held.pop()):
+                swap_tensor(m, n, shard)
+
+        for table, handle, hook in ((module._forward_pre_hooks, state._pre_forward_hook_handle, pre), (module._forward_hooks, state._post_forward_hook_handle, post)):
+            put_back.append((table, handle.id, table[handle.id]))
+            table[handle.id] = hook
+    try:
+        yield
+    finally:
+        for table, key, hook in put_back:
+            table[key] = hook
+
+
+def check_shard_reads(tg: Any, sharding: Sharding | None) -> None:
+    """Refuse a step that reads a sharded parameter, or its final gradient, anywhere but in
+    its all-gather and in the optimizer's elementwise update: there it would see one shard."""
+    if sharding is None:
+        return
+    placeholders = {n.name: n for n in tg.gm.graph.nodes if n.op == "placeholder"}
+    aten = torch.ops.aten
+    gathered_from = {ALL_GATHER, aten.cat.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default}
+
+    def outside(node: torch.fx.Node) -> list[torch.fx.Node]:
+        return [u for u in node.users if u.op == "call_function" and tg.phase.get(u.name) is not Phase.OPTIMIZER and u.target not in gathered_from]
+
+    for inp, (name, node) in zip(tg.inputs, placeholders.items()):
+        if inp.kind is InputKind.PARAMETER and outside(node):
+            raise CaptureError(
+                f"train_step reads the parameter {inp.name} outside its module's forward ({outside(node)[0].target}); under FSDP2 "
+                "remat holds it as this rank's shard there, so the value would be one rank's part: read it inside a sharded "
+                "module's forward, or leave the model unsharded"
+            )
+    for param, grad_name in tg.grad_nodes.items():
+        users = outside(_node(tg, grad_name))
+        if users:
+            raise CaptureError(
+                f"train_step reads the gradient of {param} before the optimizer's update ({users[0].target}: clip_grad_norm_ "
+                "or a gradient statistic?); under FSDP2 it is this rank's shard of it, so a norm over it would be one rank's "
+                "part: remat does not capture that yet; drop it, or leave the model unsharded"
+            )
+
+
+def _node(tg: Any, name: str) -> torch.fx.Node:
+    return next(n for n in tg.gm.graph.nodes if n.name == name)
