@@ -1,7 +1,7 @@
 """Data-parallel training: a DDP-wrapped model through remat on 2 gloo processes (127.0.0.1).
 
-Each test spawns two ranks (remat.launch.run_ranks, with a process-group timeout and an
-overall deadline, so a hang fails the test instead of CI); tests/support/ddp_workers.py holds what
+Each test spawns two ranks (tests/support/ranks.two_ranks, with a process-group timeout and
+an overall deadline, so a hang fails the test instead of CI); tests/support/ddp_workers.py holds what
 each rank runs."""
 
 from __future__ import annotations
@@ -9,14 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support import ddp_workers
-from remat.launch import run_ranks
-
-DEADLINE = 300  # seconds for a whole two-rank run
-PG_TIMEOUT = 60  # seconds a collective may wait
-
-
-def _two_ranks(fn, *args):
-    return run_ranks(fn, 2, args, timeout_s=DEADLINE, pg_timeout_s=PG_TIMEOUT)
+from tests.support.ranks import two_ranks
 
 
 @pytest.mark.parametrize(
@@ -27,7 +20,7 @@ def _two_ranks(fn, *args):
          "bert-tiny-foreach-buckets"],
 )  # fmt: skip
 def test_bitwise_equal_to_eager_ddp_on_every_rank(model, optimizer, budget, micro_batches, bucket_cap_mb):
-    results = _two_ranks(ddp_workers.train_like_eager, model, optimizer, budget, 3, micro_batches, 4, bucket_cap_mb)
+    results = two_ranks(ddp_workers.train_like_eager, model, optimizer, budget, 3, micro_batches, 4, bucket_cap_mb)
     for rank, r in enumerate(results):
         assert r["num_recomputed"] > 0, (rank, r)  # the budget makes it recompute
         # Gradients are all-reduced in DDP's buckets: fewer all-reduces than gradients, more with
@@ -59,41 +52,41 @@ def test_bitwise_equal_to_eager_ddp_on_every_rank(model, optimizer, budget, micr
 
 
 def test_a_rank_that_fails_stops_every_rank_with_its_error():
-    own, other = _two_ranks(ddp_workers.failing_capture)[::-1]
+    own, other = two_ranks(ddp_workers.failing_capture)[::-1]
     assert "rank one's step breaks" in own and "rank 1 failed capturing the step" in own, own
     assert other.startswith("RankFailed: rank 1 failed capturing the step") and "rank one's step breaks" in other, other
 
 
 def test_ranks_with_different_batches_stop_together_and_can_go_on():
-    for rank, (raised, after) in enumerate(_two_ranks(ddp_workers.diverging_batch)):
+    for rank, (raised, after) in enumerate(two_ranks(ddp_workers.diverging_batch)):
         assert raised.startswith("RankFailed: the ranks differ in the batch's shapes"), (rank, raised)
         assert after == "ran after"
 
 
 def test_settings_the_graph_cannot_honour_are_refused():
-    for out in _two_ranks(ddp_workers.refusals):
+    for out in two_ranks(ddp_workers.refusals):
         assert "communication hook" in out["comm_hook"]
         assert "find_unused_parameters=True" in out["unused"]
         assert "no_sync()" in out["no_sync_outside"]
 
 
 def test_unused_parameters_with_find_unused_keep_no_gradient():
-    for r in _two_ranks(ddp_workers.unused_found):
+    for r in two_ranks(ddp_workers.unused_found):
         assert r["state_equal"] and r["unused_grad"]
 
 
 def test_options_that_only_change_ddps_buffers_train_the_same():
-    for r in _two_ranks(ddp_workers.options_like_eager):
+    for r in two_ranks(ddp_workers.options_like_eager):
         assert r == {"static_graph": True, "gradient_as_bucket_view": True}, r
 
 
 def test_gradient_hooks_on_the_parameters_run_as_in_eager_ddp():
-    for r in _two_ranks(ddp_workers.hooks_like_eager):
+    for r in two_ranks(ddp_workers.hooks_like_eager):
         assert r["state_equal"], r
 
 
 def test_a_teacher_and_an_ema_outside_a_ddp_model_train_bitwise_on_every_rank():
-    results = _two_ranks(ddp_workers.distill_like_eager, 0.5, 3)
+    results = two_ranks(ddp_workers.distill_like_eager, 0.5, 3)
     for rank, r in enumerate(results):
         assert r["losses_equal"] and r["state_equal"] and r["ema_equal"], (rank, r)
         assert r["outside_inputs"] > 0 and r["num_recomputed"] > 0, (rank, r)

@@ -1,22 +1,15 @@
 """FSDP2 (`fully_shard`): a sharded model through remat on 2 gloo processes (127.0.0.1).
 
-Each test spawns two ranks (remat.launch.run_ranks, with a process-group timeout and an
-overall deadline, so a hang fails the test instead of CI); tests/support/fsdp_workers.py
+Each test spawns two ranks (tests/support/ranks.two_ranks, with a process-group timeout and
+an overall deadline, so a hang fails the test instead of CI); tests/support/fsdp_workers.py
 holds what each rank runs."""
 
 from __future__ import annotations
 
 import pytest
 
-from remat.launch import run_ranks
 from tests.support import fsdp_workers
-
-DEADLINE = 300  # seconds for a whole two-rank run
-PG_TIMEOUT = 60  # seconds a collective may wait
-
-
-def _two_ranks(fn, *args):
-    return run_ranks(fn, 2, args, timeout_s=DEADLINE, pg_timeout_s=PG_TIMEOUT)
+from tests.support.ranks import two_ranks
 
 
 @pytest.mark.parametrize(
@@ -25,7 +18,7 @@ def _two_ranks(fn, *args):
     ids=["adamw", "sgd-accumulating-2"],
 )
 def test_bitwise_equal_to_eager_fsdp2_on_every_rank(optimizer, budget, micro_batches):
-    results = _two_ranks(fsdp_workers.train_like_eager, "bert-tiny", optimizer, budget, 3, micro_batches)
+    results = two_ranks(fsdp_workers.train_like_eager, "bert-tiny", optimizer, budget, 3, micro_batches)
     for rank, r in enumerate(results):
         # Loss at every step, full parameters and optimizer state after the last, bitwise;
         # the model and optimizer left as FSDP2 keeps them (DTensors), and FSDP2 trains on.
@@ -51,13 +44,13 @@ def test_bitwise_equal_to_eager_fsdp2_on_every_rank(optimizer, budget, micro_bat
 
 
 def test_a_rank_that_fails_stops_every_rank_with_its_error():
-    own, other = _two_ranks(fsdp_workers.failing_capture)[::-1]
+    own, other = two_ranks(fsdp_workers.failing_capture)[::-1]
     assert "rank one's step breaks" in own and "rank 1 failed capturing the step" in own, own
     assert other.startswith("RankFailed: rank 1 failed capturing the step") and "rank one's step breaks" in other, other
 
 
 def test_what_the_graph_would_not_reproduce_is_refused_by_name():
-    for out in _two_ranks(fsdp_workers.refusals):
+    for out in two_ranks(fsdp_workers.refusals):
         assert "make the optimizer after fully_shard(model)" in out["optimizer_first"], out
         assert "clip_grad_norm_" in out["clip"], out
         assert "outside its module's forward" in out["penalty"], out

@@ -7,7 +7,6 @@ remat on the same rank-dependent batches, and reports what the test asserts on."
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from typing import Any
 
 import torch
@@ -18,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import remat
 from remat.models import build_model, make_optimizer
 from remat.capture.optimizers import as_one
+from tests.support.ranks import digest
 
 
 def _batch(model_name: str, batch_size: int, rank: int, i: int) -> Any:
@@ -80,13 +80,6 @@ def _state(model: DDP, optimizer: Any, buffers: bool = True) -> list[torch.Tenso
     return tensors
 
 
-def _digest(tensors: list[torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 def train_like_eager(
     model_name: str, optimizer: str, budget: float, steps: int, micro_batches: int = 1, batch_size: int = 4, bucket_cap_mb: float | None = None
 ) -> dict[str, Any]:
@@ -108,7 +101,7 @@ def train_like_eager(
         "losses_equal": all(torch.equal(a, b) for a, b in zip(eager_losses, losses)),
         "state_equal": bool(equal) and all(equal),
         "state_tensors": len(equal),
-        "digest": _digest(_state(ours, ours_opt, buffers=False)),
+        "digest": digest(_state(ours, ours_opt, buffers=False)),
         "num_recomputed": report.num_recomputed,
         "predicted_peak_bytes": report.predicted_peak_bytes,
         "measured_peak_bytes": report.measured_peak_bytes,
@@ -308,7 +301,7 @@ def distill_like_eager(budget: float, steps: int) -> dict[str, Any]:
         "losses_equal": all(torch.equal(a, b) for a, b in zip(eager_losses, losses)),
         "state_equal": all(torch.equal(a, b) for a, b in zip(_state(eager, eager_opt), _state(ours, ours_opt))),
         "ema_equal": all(torch.equal(a, b) for a, b in zip(*emas)),
-        "ema_digest": _digest(emas[1]),
+        "ema_digest": digest(emas[1]),
         "outside_inputs": sum(1 for i in step._last.tg.inputs if i.kind.value == "outside"),
         "num_recomputed": step.report.num_recomputed,
     }

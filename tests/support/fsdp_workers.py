@@ -7,7 +7,6 @@ test asserts on."""
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ from remat.measurement.data_parallel import shard_blocks
 import remat
 from remat.errors import CaptureError
 from remat.models import build_model, make_optimizer
+from tests.support.ranks import digest
 
 
 def _shard(model: torch.nn.Module, **options: Any) -> torch.nn.Module:
@@ -62,13 +62,6 @@ def _state(model: Any, optimizer: Any) -> list[torch.Tensor]:
     return tensors
 
 
-def _digest(tensors: list[torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 def train_like_eager(model_name: str, optimizer: str, budget: float, steps: int, micro_batches: int = 1, batch_size: int = 4) -> dict[str, Any]:
     """`steps` steps of eager FSDP2 and of remat on the same batches and random stream, each
     followed by an evaluation of both models through FSDP2 (which leaves the root gathered)."""
@@ -103,10 +96,10 @@ def train_like_eager(model_name: str, optimizer: str, budget: float, steps: int,
         "losses_equal": all(torch.equal(a, b) for a, b in zip(eager_losses, losses)),
         "state_equal": len(mine) == len(theirs) and all(torch.equal(a, b) for a, b in zip(mine, theirs)),
         "state_tensors": len(mine),
-        "eager_after_equal": torch.equal(*then) and _digest(_state(ours, ours_opt)) == _digest(_state(eager, eager_opt)),
+        "eager_after_equal": torch.equal(*then) and digest(_state(ours, ours_opt)) == digest(_state(eager, eager_opt)),
         "still_dtensors": all(type(p).__name__ == "DTensor" for p in ours.parameters()),
         "state_dtensors": all(type(v).__name__ == "DTensor" for st in ours_opt.state.values() for v in st.values() if v.ndim > 0),
-        "digest": _digest(mine),
+        "digest": digest(mine),
         "num_recomputed": report.num_recomputed,
         "gathers": sum(1 for n in nodes if "all_gather_into_tensor" in str(n.target)),
         "gathered_again": sum(1 for n in nodes if "all_gather_into_tensor" in str(n.target) and "recomputed" in n.name),
