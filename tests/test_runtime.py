@@ -33,7 +33,9 @@ def test_compiled_step_is_bitwise_eager_and_within_budget(model_name, batch_size
     spec = build_model(model_name, batch_size)
     opt = make_optimizer(optimizer, spec.model.parameters())
     step_fn = make_train_step(spec.loss_fn, zero_grad_first=True)
-    budgets: list[float | int] = [1.0, 0.5]
+    # A fraction and the tightest reachable budget (1.0, no recomputation, is run by the
+    # rewriter's, lean-op and randomized tests).
+    budgets: list[float | int] = [0.5]
     budgets.append(_tightest_feasible(step_fn, spec.model, opt, spec.batch))
     for budget in budgets:
         model, o = twin(spec.model, opt)
