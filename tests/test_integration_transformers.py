@@ -133,6 +133,7 @@ def test_under_ddp_with_accumulation_it_trains_like_trainer():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
+    assert "DONE rank 0" in done.stderr and "DONE rank 1" in done.stderr  # both ranks trained to the end
     line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
     result = json.loads(line[len("RESULT "):])
     assert result["remat"]["wrapped"] == "DistributedDataParallel"
