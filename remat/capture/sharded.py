@@ -360,7 +360,8 @@ def check_shard_reads(tg: Any, sharding: Sharding | None) -> None:
     its all-gather and in the optimizer's elementwise update: there it would see one shard."""
     if sharding is None:
         return
-    placeholders = {n.name: n for n in tg.gm.graph.nodes if n.op == "placeholder"}
+    nodes = {n.name: n for n in tg.gm.graph.nodes}
+    placeholders = {name: n for name, n in nodes.items() if n.op == "placeholder"}
     aten = torch.ops.aten
     gathered_from = {ALL_GATHER, aten.cat.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default}
 
@@ -375,7 +376,7 @@ def check_shard_reads(tg: Any, sharding: Sharding | None) -> None:
                 "module's forward, or leave the model unsharded"
             )
     for param, grad_name in tg.grad_nodes.items():
-        users = outside(_node(tg, grad_name))
+        users = outside(nodes[grad_name])
         if users:
             raise CaptureError(
                 f"train_step reads the gradient of {param} before the optimizer's update ({users[0].target}: clip_grad_norm_ "
@@ -383,6 +384,3 @@ def check_shard_reads(tg: Any, sharding: Sharding | None) -> None:
                 "part: remat does not capture that yet; drop it, or leave the model unsharded"
             )
 
-
-def _node(tg: Any, name: str) -> torch.fx.Node:
-    return next(n for n in tg.gm.graph.nodes if n.name == name)

@@ -22,7 +22,7 @@ from tests.support.ranks import digest
 
 
 def _shard(model: torch.nn.Module, **options: Any) -> torch.nn.Module:
-    """shard_blocks with FSDP2 options (the refusals' mixed precision)."""
+    """shard_blocks; with FSDP2 options (the refusals' mixed precision), fully_shard on the root alone."""
     if not options:
         return shard_blocks(model)
     fully_shard(model, **options)
