@@ -25,14 +25,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from remat.errors import BudgetError
 from remat.integrations.transformers import RematTrainer
 from remat.measurement.plots import save_figure, wrapped_title
 from remat.models import build_model
-from remat.profile.allocator import cpu_memory_events, quiet_stdio
+from remat.profile.allocator import cpu_memory_events, cpu_memory_profile
 
 
 class _StepMeter(TrainerCallback):
@@ -40,25 +39,20 @@ class _StepMeter(TrainerCallback):
 
     def __init__(self, measure_step: int):
         self.measure_step, self.seconds, self.peak_bytes = measure_step, {}, None
-        self._start, self._prof = 0.0, None
+        self._start, self._prof, self._profiling = 0.0, None, None
 
     def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         if state.global_step + 1 == self.measure_step:
-            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            with quiet_stdio():
-                self._prof.start()
+            self._profiling = cpu_memory_profile()
+            self._prof = self._profiling.__enter__()
         self._start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         self.seconds[state.global_step] = time.perf_counter() - self._start
         if self._prof is not None:
-            with quiet_stdio():
-                self._prof.stop()
-            running = peak = 0
-            for _, nbytes in cpu_memory_events(self._prof):
-                running += nbytes
-                peak = max(peak, running)
-            self.peak_bytes, self._prof = peak, None
+            self._profiling.__exit__(None, None, None)
+            levels = [live for _, _, live in cpu_memory_events(self._prof)]
+            self.peak_bytes, self._prof = max([0, *levels]), None
 
 
 def _dataset(name: str, batch_size: int, steps: int) -> list[dict[str, torch.Tensor]]:

@@ -32,12 +32,10 @@ def test_bitwise_equal_to_eager_ddp_on_every_rank(model, optimizer, budget, micr
         if bucket_cap_mb is not None:
             assert r["collectives"] >= 4, (rank, r)
         assert r["losses_equal"] and r["state_equal"] and r["state_tensors"] > 0, (rank, r)
-        # One graph on every rank: the same prediction. The measured peak is the prediction,
-        # or above it by gradients that gloo's worker thread let go of a moment after the
-        # wait returned (a reduced gradient freed by its update just then is freed late).
+        # One graph on every rank: the same prediction, and the measured peak is the
+        # prediction (within 1%; every thread's frees counted: remat.profile.allocator).
         assert r["predicted_peak_bytes"] == results[0]["predicted_peak_bytes"]
-        slack = 0.01 * r["predicted_peak_bytes"] + 2 * r["largest_gradient_bytes"]
-        assert -0.01 * r["predicted_peak_bytes"] <= r["measured_peak_bytes"] - r["predicted_peak_bytes"] <= slack, (rank, r)
+        assert abs(r["measured_peak_bytes"] - r["predicted_peak_bytes"]) <= 0.01 * r["predicted_peak_bytes"], (rank, r)
     # Parameters and optimizer state are the same on both ranks (buffers are each rank's
     # own after its last forward, as in eager DDP), and so is the order of the collectives.
     assert results[0]["digest"] == results[1]["digest"]

@@ -31,15 +31,11 @@ def test_bitwise_equal_to_eager_fsdp2_on_every_rank(optimizer, budget, micro_bat
         assert r["num_recomputed"] > 0 and r["gathered_again"] > 0, (rank, r)
         assert r["gathers"] == r["sharded_modules"] * micro_batches + r["gathered_again"], (rank, r)
         assert r["reduce_scatters"] == r["sharded_modules"] * micro_batches, (rank, r)
-        # One plan on every rank, within the budget. The allocator's measured peak is the
-        # prediction give or take the buffers of one module's collectives: gloo allocates
-        # temporaries beside them on its worker threads (an all-gather's output again, a
-        # reduce-scatter's input again), and lets a finished collective's buffers go when
-        # the thread is next scheduled, which on a loaded machine may fall in this step or
-        # the next (docs/DESIGN-distributed.md, "Measured against predicted").
+        # One plan on every rank, within the budget, and the allocator's measured peak is
+        # the prediction, gloo's buffers included (its worker threads free them, and the
+        # measurement counts every thread's frees: remat.profile.allocator).
         assert r["predicted_peak_bytes"] == results[0]["predicted_peak_bytes"] <= r["budget_bytes"]
-        slack = 0.01 * r["predicted_peak_bytes"] + 4 * r["largest_module_gradient_bytes"]
-        assert abs(r["measured_peak_bytes"] - r["predicted_peak_bytes"]) <= slack, (rank, r)
+        assert abs(r["measured_peak_bytes"] - r["predicted_peak_bytes"]) <= 0.01 * r["predicted_peak_bytes"], (rank, r)
     assert results[0]["digest"] == results[1]["digest"]  # the ranks agree
 
 

@@ -4,6 +4,7 @@ inactive times, the JSON round trip, and that profiling leaves the user's state 
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from remat.memory.analysis import ROLES, Role, analyze
 from remat.capture.capture import capture
 from remat.errors import PlanError
 from remat.models import build_model, make_optimizer, make_train_step
+from remat.profile.allocator import measure_peak
 from remat.profile.profiler import profile
 from remat.profile.profiles import Profile, graph_fingerprint
 from remat.measurement.report import (
@@ -221,3 +223,32 @@ def test_report_files_and_tables(profiled, tmp_path):
         assert needle in text
     console.print(breakdown_table({"activation": 3 * 2**20, "parameter": 2**20}))
     assert "75.0" in console.export_text()
+
+
+def test_measured_peak_sees_frees_on_other_threads():
+    """A tensor made here and let go on another thread (as gloo's workers let go of a
+    collective's buffers) is freed for the measurement: the peak of two such tensors in
+    turn is one of them, and nothing is left at the end. Allocations on another thread
+    count too."""
+    mib = 2**20
+
+    def hand_over() -> None:
+        for _ in range(3):
+            box = [torch.ones(mib // 4)]  # 1 MiB, held only by the list
+            worker = threading.Thread(target=box.clear)
+            worker.start()
+            worker.join()
+
+    measured = measure_peak(hand_over)
+    assert measured.peak_bytes == mib and measured.end_bytes == 0, measured
+
+    made: list[torch.Tensor] = []
+
+    def made_elsewhere() -> None:
+        worker = threading.Thread(target=lambda: made.append(torch.ones(mib // 2)))
+        worker.start()
+        worker.join()
+        torch.ones(mib // 4)  # an event on this thread, where the level is read
+
+    measured = measure_peak(made_elsewhere)
+    assert measured.peak_bytes == 3 * mib and measured.end_bytes == 2 * mib, measured

@@ -2,20 +2,32 @@
 
 On CUDA: the caching allocator's peak (`max_memory_allocated` after a reset). On CPU: the
 CPU allocator's own allocation and free events, recorded by `torch.profiler` with
-`profile_memory=True`; the running sum's maximum is the peak. That sees scratch buffers
+`profile_memory=True`; the highest level they reach is the peak. That sees scratch buffers
 kernels allocate inside themselves, which a tracker of op outputs misses. Process RSS is
 no measure (the C allocator keeps freed pages).
+
+The profiler records only the events of the thread it runs on, but a tensor is not always
+freed there: gloo's worker threads drop a finished collective's buffers (inputs, outputs,
+temporaries), often after the caller has moved on. A running sum of the caller's events
+never sees those frees and climbs with every collective (hundreds of MiB over one FSDP2
+step). So while measuring, the CPU allocator's process-wide count is switched on (c10's
+`caffe2_report_cpu_memory_usage` flag: every thread's allocations and frees counted
+under one lock) and each recorded event carries that count: the level at the event, all
+threads included. It is read at the caller's events, so a worker's allocation between two
+of them counts from the next one on. Where the flag cannot be reached (a libc10 that does
+not export it) the caller's running sum stands in.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from remat.gc_pause import gc_paused
 
@@ -52,15 +64,72 @@ def quiet_stdio() -> Iterator[None]:
         os.close(devnull)
 
 
-def cpu_memory_events(prof: profile) -> list[tuple[int, int]]:
-    """(time ns, bytes: + allocation / - free) of the CPU allocator, in time order."""
-    events = [
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-    ]
+def _process_wide_flag() -> ctypes.c_bool | None:
+    """c10's switch for counting every thread's CPU allocations, or None where not exported."""
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")
+    try:
+        return ctypes.c_bool.in_dll(ctypes.CDLL(lib), "FLAGS_caffe2_report_cpu_memory_usage")
+    except (OSError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def cpu_memory_profile() -> Iterator[profile]:
+    """A started `torch.profiler` recording the CPU allocator's events with the process-wide
+    count on, quiet, the garbage collector paused (a collection inside would free tensors at
+    a moment of its own), the level read as it starts and as it stops; stopped on exit."""
+    flag = _process_wide_flag()
+    was = flag.value if flag is not None else False
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with gc_paused():
+        if flag is not None:
+            flag.value = True
+        with quiet_stdio():
+            prof.start()
+        try:
+            _read_level()
+            yield prof
+        finally:
+            _read_level()
+            with quiet_stdio():
+                prof.stop()
+            if flag is not None:
+                flag.value = was
+
+
+_LEVEL_MARK = "remat: allocator level"
+
+
+def _read_level() -> None:
+    """An allocation and its free on this thread, marked: the free's event carries the bytes
+    live at this moment (other threads' frees since the caller's last event included)."""
+    with record_function(_LEVEL_MARK):
+        torch.empty(1)
+
+
+def cpu_memory_events(prof: profile) -> list[tuple[int, int, int]]:
+    """(time ns, bytes: + allocation / - free, bytes live) of the CPU allocator, in time order.
+
+    Bytes live are relative to just before the first event: the process's, every thread's,
+    where the profile was taken with `cpu_memory_profile`; else those of the threads the
+    profiler records (the running sum of the events)."""
+    events: list[tuple[int, int, int]] = []
+    stack = [(e, False) for e in prof.profiler.kineto_results.experimental_event_tree()]
+    while stack:
+        e, marked = stack.pop()
+        marked = marked or e.name == _LEVEL_MARK
+        stack.extend((c, marked) for c in e.children)
+        fields = e.extra_fields
+        if isinstance(fields, torch._C._profiler._ExtraFields_Allocation) and fields.device.type == "cpu":
+            if not marked:
+                events.append((e.start_time_ns, fields.alloc_size, fields.total_allocated))
+            elif fields.alloc_size < 0:  # a reading of the level (`_read_level`): no change of its own
+                events.append((e.start_time_ns, 0, fields.total_allocated))
     events.sort(key=lambda x: x[0])
-    return events
+    if not events:
+        return []
+    base = events[0][2] - events[0][1]
+    return [(t, nbytes, total - base) for t, nbytes, total in events]
 
 
 def measure_step_peak(fn: Callable[[], Any], device: str | torch.device, model: torch.nn.Module) -> Measured:
@@ -93,20 +162,10 @@ def measure_peak(fn: Callable[[], Any], device: str | torch.device = "cpu") -> M
         )
     if device.type != "cpu":
         raise ValueError(f"cannot measure memory on device {device}: only cpu and cuda are supported")
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with gc_paused():
-        with quiet_stdio():
-            prof.start()
-        try:
-            result = fn()
-        finally:
-            with quiet_stdio():
-                prof.stop()
-    running = peak = 0
-    for _, nbytes in cpu_memory_events(prof):
-        running += nbytes
-        peak = max(peak, running)
-    return Measured(result, peak, running)
+    with cpu_memory_profile() as prof:
+        result = fn()
+    levels = [live for _, _, live in cpu_memory_events(prof)]
+    return Measured(result, max([0, *levels]), levels[-1] if levels else 0)
 
 
 def persistent_bytes(model: Any, optimizer: Any, batch: Any = None) -> int:

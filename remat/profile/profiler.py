@@ -33,8 +33,7 @@ from remat.capture.step_inputs import flat_inputs
 from remat.capture.train_graph import InputKind, TrainGraph
 from remat.capture.cpu_strides import CORRECTED_STRIDES
 from remat.errors import CaptureError, PlanError, RematError
-from remat.gc_pause import gc_paused
-from remat.profile.allocator import quiet_stdio, cpu_memory_events, measure_peak
+from remat.profile.allocator import cpu_memory_events, cpu_memory_profile, measure_peak
 from remat.profile.repeats import find_repeats, pooled_medians
 from remat.memory.simulator import Timeline, simulate
 
@@ -196,21 +195,14 @@ def _memory_run_cpu(runner: _NodeRunner, inputs: list[torch.Tensor]) -> _NodeMem
     Frees of values past their last use happen between one node's range and the next
     one's start, so they count for the node that let them go.
     """
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import record_function
 
     def hook(i: int, fn: Callable[[], Any]) -> Any:
         with record_function(f"{_LABEL}{i}"):
             return fn()
 
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with gc_paused():
-        with quiet_stdio():
-            prof.start()
-        try:
-            runner.run(inputs, hook)
-        finally:
-            with quiet_stdio():
-                prof.stop()
+    with cpu_memory_profile() as prof:
+        runner.run(inputs, hook)
     n = runner.num_ops
     begin = np.full(n, -1, dtype=np.int64)
     for e in prof.profiler.kineto_results.events():
@@ -226,14 +218,14 @@ def _memory_run_cpu(runner: _NodeRunner, inputs: list[torch.Tensor]) -> _NodeMem
     peak = np.zeros(n, dtype=np.int64)
     running = 0
     current = -1  # position in `order` of the node whose events we are reading
-    for t, nbytes in cpu_memory_events(prof):
+    for t, nbytes, live in cpu_memory_events(prof):
         pos = bisect.bisect_right(starts, t) - 1
         while current < pos:  # entering later nodes: they start from what is live now
             current += 1
             if current > 0:
                 live_after[order[current - 1]] = running
             peak[order[current]] = running
-        running += nbytes
+        running = live
         if current >= 0:
             node = order[current]
             if nbytes > 0:

@@ -110,7 +110,6 @@ def train_like_eager(model_name: str, optimizer: str, budget: float, steps: int,
         "measured_peak_bytes": report.measured_peak_bytes,
         "sharded_modules": len(_gathered_modules(ours)),
         # A module's gradients are reduce-scattered from one buffer (FSDP2's layout)
-        "largest_module_gradient_bytes": max(sum(p.numel() * p.element_size() for p in ps) for ps in _gathered_modules(ours)),
     }
 
 
