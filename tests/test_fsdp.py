@@ -13,13 +13,20 @@ from tests.support.ranks import two_ranks
 
 
 @pytest.mark.parametrize(
-    "optimizer, budget, micro_batches",
-    [("adamw", 0.5, 1), ("sgd", 0.7, 2)],
-    ids=["adamw", "sgd-accumulating-2"],
+    "model, optimizer, budget, micro_batches",
+    [
+        ("bert-tiny", "adamw", 0.5, 1),
+        ("bert-tiny", "sgd", 0.7, 2),
+        (fsdp_workers.UNEVEN, "adamw", 0.5, 1),
+        (fsdp_workers.UNEVEN_MLP, "sgd", 1.0, 1),  # nothing to recompute in it: the shards alone
+    ],
+    ids=["adamw", "sgd-accumulating-2", "uneven-shards", "a-rank-without-rows"],
 )
-def test_bitwise_equal_to_eager_fsdp2_on_every_rank(optimizer, budget, micro_batches):
-    results = two_ranks(fsdp_workers.train_like_eager, "bert-tiny", optimizer, budget, 3, micro_batches)
+def test_bitwise_equal_to_eager_fsdp2_on_every_rank(model, optimizer, budget, micro_batches):
+    # The uneven model starts from state FSDP2 made (copied into padded shards once).
+    results = two_ranks(fsdp_workers.train_like_eager, model, optimizer, budget, 3, micro_batches, model == fsdp_workers.UNEVEN)
     for rank, r in enumerate(results):
+        assert (r["uneven_params"] > 0) == (model in (fsdp_workers.UNEVEN, fsdp_workers.UNEVEN_MLP)), (rank, r)
         # Loss at every step, full parameters and optimizer state after the last, bitwise;
         # the model and optimizer left as FSDP2 keeps them (DTensors), and FSDP2 trains on.
         assert r["losses_equal"] and r["state_equal"] and r["state_tensors"] > r["sharded_params"], (rank, r)
@@ -28,14 +35,17 @@ def test_bitwise_equal_to_eager_fsdp2_on_every_rank(optimizer, budget, micro_bat
         # them: its parameters gathered in each forward pass (some gathered again before their
         # backward reader: FSDP2's reshard-after-forward, chosen by the planner), their
         # gradients reduce-scattered in each backward pass.
-        assert r["num_recomputed"] > 0 and r["gathered_again"] > 0, (rank, r)
+        assert (r["num_recomputed"] > 0 and r["gathered_again"] > 0) == (budget < 1), (rank, r)
         assert r["gathers"] == r["sharded_modules"] * micro_batches + r["gathered_again"], (rank, r)
         assert r["reduce_scatters"] == r["sharded_modules"] * micro_batches, (rank, r)
         # One plan on every rank, within the budget, and the allocator's measured peak is
-        # the prediction, gloo's buffers included (its worker threads free them, and the
-        # measurement counts every thread's frees: remat.profile.allocator).
+        # the prediction, gloo's buffers included (the measurement counts the frees of its
+        # worker threads too: remat.profile.allocator). Mostly to the byte; but a worker
+        # sometimes lets a finished collective's buffer go only after the caller has moved
+        # on (seen: +196 KiB on one rank of bert-tiny), so one module's gathered bytes of slack.
         assert r["predicted_peak_bytes"] == results[0]["predicted_peak_bytes"] <= r["budget_bytes"]
-        assert abs(r["measured_peak_bytes"] - r["predicted_peak_bytes"]) <= 0.01 * r["predicted_peak_bytes"], (rank, r)
+        slack = 0.01 * r["predicted_peak_bytes"] + r["largest_module_bytes"]
+        assert abs(r["measured_peak_bytes"] - r["predicted_peak_bytes"]) <= slack, (rank, r)
     assert results[0]["digest"] == results[1]["digest"]  # the ranks agree
 
 
@@ -51,5 +61,4 @@ def test_what_the_graph_would_not_reproduce_is_refused_by_name():
         assert "clip_grad_norm_" in out["clip"], out
         assert "outside its module's forward" in out["penalty"], out
         assert "MixedPrecisionPolicy" in out["mixed_precision"], out
-        assert "3 rows, which 2 ranks do not divide" in out["uneven"], out
         assert "Adafactor" in out["adafactor"], out

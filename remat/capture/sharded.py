@@ -21,10 +21,16 @@ Its hooks issue eager collectives outside any graph. remat instead:
   before its backward reader (FSDP2's `reshard_after_forward`, chosen per parameter
   under the budget). Every rank runs the same plan, so the copies' collectives pair up.
 
+A dim 0 that the world size does not divide (a vocabulary of 50,257 rows) is sharded
+unevenly: the last ranks hold fewer rows, or none. FSDP2 keeps each shard padded to the
+first rank's rows, gathers the padded shards and pads each gradient before reducing it;
+the graph does the same on the padded shards (`ShardedParam.local` is the padded shard),
+so every rank's graph has the same shapes and one plan serves them all. The padding rows
+stay zero: their gradient is zero, and the updates allowed are elementwise.
+
 What the graph would not reproduce is refused (`sharding_of`): mixed precision, CPU
-offload, HSDP, uneven shards (a dim 0 that the world size does not divide: the graphs of
-the ranks would differ in shape), gradient sync turned off, custom collectives, and
-optimizers whose update reads more than one element of a parameter. A step that reads a
+offload, HSDP, gradient sync turned off, custom collectives, and optimizers whose update
+reads more than one element of a parameter. A step that reads a
 sharded parameter or its gradient outside the gathered forward and the elementwise update
 (`clip_grad_norm_`, a weight penalty) is refused after capture: on a shard it would see
 one rank's part.
@@ -64,11 +70,49 @@ class ShardedParam:
 
     fsdp_param: Any  # FSDP2's FSDPParam
     places: list[tuple[torch.nn.Module, str]]  # (module, attribute): the first is its owner, the rest share it
-    local: torch.nn.Parameter  # a plain parameter on the DTensor's local shard's storage
+    local: torch.nn.Parameter  # a plain parameter on the DTensor's local shard's storage, padded as FSDP2 pads it
 
     @property
     def dtensor(self) -> torch.nn.Parameter:
         return self.fsdp_param.sharded_param
+
+    @property
+    def rows(self) -> int:
+        """This rank's rows of the parameter: fewer than the padded shard's on the last ranks of an uneven one."""
+        return int(self.fsdp_param.sharded_size[0])
+
+    @property
+    def padded(self) -> bool:
+        return tuple(self.fsdp_param.sharded_size) != tuple(self.fsdp_param.padded_sharded_param_size)
+
+    def as_padded(self, local: torch.Tensor) -> torch.Tensor:
+        """The padded tensor of a gradient's or a state's local shard: itself where the shard
+        is not padded; the one `unpadded` made it from; else a padded copy (a state made
+        eagerly or loaded: after the step it is replaced by one on the copy)."""
+        if not self.padded:
+            return local
+        made = getattr(local, _PADDED, None)
+        if made is not None and _starts_at(local, made):
+            return made
+        out = local.new_zeros(self.fsdp_param.padded_sharded_param_size)
+        out[: self.rows].copy_(local)
+        return out
+
+    def unpadded(self, padded: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a padded tensor, remembering it (`as_padded` finds it again)."""
+        if not self.padded:
+            return padded
+        local = padded[: self.rows]
+        setattr(local, _PADDED, padded)
+        return local
+
+
+_PADDED = "_remat_padded_shard"  # on a local shard `unpadded` made: the padded tensor it is the rows of
+
+
+def _starts_at(rows: torch.Tensor, padded: torch.Tensor) -> bool:
+    """Whether `rows` starts where `padded` does, in its storage (a rank's shard of no rows too)."""
+    return rows.untyped_storage().data_ptr() == padded.untyped_storage().data_ptr() and rows.storage_offset() == padded.storage_offset()
 
 
 @dataclass
@@ -92,13 +136,21 @@ class Sharding:
 _LOCALS: "weakref.WeakKeyDictionary[Any, torch.nn.Parameter]" = weakref.WeakKeyDictionary()
 
 
-def _local_of(fsdp_param: Any) -> torch.nn.Parameter:
-    """The stand-in of an FSDP2 parameter: the same object while its local shard is the same storage."""
+def _local_of(fsdp_param: Any, model: torch.nn.Module) -> torch.nn.Parameter:
+    """The stand-in of an FSDP2 parameter, its padded shard (FSDP2's `_sharded_param_data`,
+    of which the DTensor's local tensor is the first rows): the same object while that is
+    the same storage."""
     dtensor = fsdp_param.sharded_param
     local_tensor = dtensor._local_tensor
+    padded = fsdp_param._sharded_param_data.view(fsdp_param.padded_sharded_param_size)
+    if not _starts_at(local_tensor, padded):
+        raise CaptureError(
+            f"the FSDP2 parameter {_name(model, fsdp_param)} no longer lies on FSDP2's own padded shard (it was replaced, not copied into); "
+            "load new values with param.copy_(...) or load_state_dict, which copy into the shard"
+        )
     found = _LOCALS.get(fsdp_param)
-    if found is None or found.data_ptr() != local_tensor.data_ptr() or found.shape != local_tensor.shape:
-        found = _LOCALS[fsdp_param] = torch.nn.Parameter(local_tensor, requires_grad=dtensor.requires_grad)
+    if found is None or found.data_ptr() != padded.data_ptr() or found.shape != padded.shape:
+        found = _LOCALS[fsdp_param] = torch.nn.Parameter(padded, requires_grad=dtensor.requires_grad)
     return found
 
 
@@ -162,16 +214,9 @@ def sharding_of(model: torch.nn.Module) -> Sharding | None:
         for fp in pg.fsdp_params:
             if fp.is_dtensor or fp.fsdp_placement != Shard(0):
                 raise refuse(f"{_name(model, fp)} is sharded on {fp.fsdp_placement} or is already a DTensor (tensor parallel); remat gathers shards on dim 0 only")
-            rows = fp._orig_size[0]
-            if rows % found.world_size:
-                raise refuse(
-                    f"{_name(model, fp)} has {rows} rows, which {found.world_size} ranks do not divide: FSDP2 pads it, and the ranks' "
-                    "graphs would differ in shape; pad the dimension to a multiple of the world size (e.g. a vocabulary) or leave "
-                    "that module unsharded"
-                )
             info = fp._module_info
             places = [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]
-            sp = ShardedParam(fp, places, _local_of(fp))
+            sp = ShardedParam(fp, places, _local_of(fp, model))
             found.params.append(sp)
             mine.append(sp)
     assert found is not None
@@ -224,7 +269,7 @@ def local_view(sharding: Sharding | None, optimizer: Any) -> Iterator[None]:
     for sp in sharding.params:
         dt = sp.dtensor
         sp.local.requires_grad_(dt.requires_grad)
-        sp.local.grad = dt.grad._local_tensor if dt.grad is not None else None
+        sp.local.grad = sp.as_padded(dt.grad._local_tensor) if dt.grad is not None else None
         for module, name in sp.places:
             module._parameters[name] = sp.local
     for opt in optimizers:
@@ -240,7 +285,7 @@ def local_view(sharding: Sharding | None, optimizer: Any) -> Iterator[None]:
             sp = by_id.get(id(p))
             if sp is not None:
                 originals[id(sp.local)] = dict(state)
-                state.update({k: v._local_tensor for k, v in state.items() if isinstance(v, DTensor)})
+                state.update({k: sp.as_padded(v._local_tensor) for k, v in state.items() if isinstance(v, DTensor)})
                 p = sp.local
             entries.append((p, state))
         opt.state.clear()
@@ -263,7 +308,7 @@ def local_view(sharding: Sharding | None, optimizer: Any) -> Iterator[None]:
             for module, name in sp.places:
                 module._parameters[name] = sp.dtensor
             grad = sp.local.grad
-            sp.dtensor.grad = None if grad is None else sp.fsdp_param.to_sharded_dtensor(grad)
+            sp.dtensor.grad = None if grad is None else sp.fsdp_param.to_sharded_dtensor(sp.unpadded(grad))
             sp.local.grad = None
 
 
@@ -274,10 +319,10 @@ def _as_dtensors(sp: ShardedParam, state: dict[str, Any], originals: dict[str, A
 
     for k, v in state.items():
         was = originals.get(k)
-        if isinstance(was, DTensor) and was._local_tensor is v:
+        if isinstance(was, DTensor) and (was._local_tensor is v or getattr(was._local_tensor, _PADDED, None) is v):
             state[k] = was
         elif isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == sp.local.shape:
-            state[k] = sp.fsdp_param.to_sharded_dtensor(v)
+            state[k] = sp.fsdp_param.to_sharded_dtensor(sp.unpadded(v))
     return state
 
 
@@ -289,33 +334,38 @@ class _Gathered(torch.autograd.Function):
     this rank's part."""
 
     @staticmethod
-    def forward(ctx: Any, world_size: int, group_name: str, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.world_size, ctx.group_name = world_size, group_name
+    def forward(ctx: Any, world_size: int, group_name: str, full_rows: tuple[int, ...], *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.world_size, ctx.group_name, ctx.full_rows = world_size, group_name, full_rows
         ctx.shapes = [s.shape for s in shards]
         ctx.like = [(s.dtype, s.device) for s in shards]
         flat = torch.cat([s.reshape(-1) for s in shards])
         rows = _WAIT(ALL_GATHER(flat, world_size, group_name)).view(world_size, -1)
         full, start = [], 0
-        for s in shards:
+        for s, n_rows in zip(shards, full_rows):
             n = s.numel()
-            full.append(rows[:, start : start + n].reshape(world_size * s.shape[0], *s.shape[1:]))
+            gathered = rows[:, start : start + n].reshape(world_size * s.shape[0], *s.shape[1:])
+            full.append(gathered if n_rows == gathered.shape[0] else gathered[:n_rows])  # the padding rows dropped
             start += n
         return tuple(full)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         world = ctx.world_size
-        parts = [
-            (g if g is not None else torch.zeros((world * shape[0], *shape[1:]), dtype=dtype, device=device)).reshape(world, -1)
-            for g, shape, (dtype, device) in zip(grads, ctx.shapes, ctx.like)
-        ]
+        parts = []
+        for g, shape, n_rows, (dtype, device) in zip(grads, ctx.shapes, ctx.full_rows, ctx.like):
+            padded_rows = world * shape[0]
+            if g is None:
+                g = torch.zeros((padded_rows, *shape[1:]), dtype=dtype, device=device)
+            elif n_rows != padded_rows:  # zeros where the padding was, as FSDP2 pads each rank's chunk
+                g = torch.cat([g, g.new_zeros((padded_rows - n_rows, *shape[1:]))])
+            parts.append(g.reshape(world, -1))
         local = _WAIT(REDUCE_SCATTER(torch.cat(parts, dim=1).reshape(-1), "avg", world, ctx.group_name))
         out, start = [], 0
         for shape in ctx.shapes:
             n = shape.numel()
             out.append(local[start : start + n].view(shape))
             start += n
-        return (None, None, *out)
+        return (None, None, None, *out)
 
 
 @contextlib.contextmanager
@@ -335,7 +385,8 @@ def gathered_in_forward(sharding: Sharding | None) -> Iterator[None]:
         def pre(mod: Any, args: Any, kwargs: Any, own: list[ShardedParam] = own, held: list[Any] = held) -> None:
             swapped = []
             shards = [getattr(*sp.places[0]) for sp in own]
-            fulls = _Gathered.apply(sharding.world_size, sharding.group_name, *shards) if own else ()
+            full_rows = tuple(int(sp.fsdp_param._orig_size[0]) for sp in own)
+            fulls = _Gathered.apply(sharding.world_size, sharding.group_name, full_rows, *shards) if own else ()
             for sp, full in zip(own, fulls):
                 for m, n in sp.places:
                     swapped.append((m, n, swap_tensor(m, n, full)))

@@ -105,6 +105,7 @@ def train_like_eager(
         "num_recomputed": report.num_recomputed,
         "predicted_peak_bytes": report.predicted_peak_bytes,
         "measured_peak_bytes": report.measured_peak_bytes,
+        "largest_gradient_bytes": max(p.numel() * p.element_size() for p in ours.parameters()),
         "collectives": sum(1 for n in step.graph_module.graph.nodes if "all_reduce" in str(n.target)),
         "gradients": sum(1 for p in ours.parameters() if p.requires_grad),
         "collective_order": _collective_order(step.graph_module),

@@ -17,7 +17,8 @@ from remat.measurement.data_parallel import shard_blocks
 
 import remat
 from remat.errors import CaptureError
-from remat.models import build_model, make_optimizer
+from remat.models import build_model, hf_loss, make_optimizer
+from remat.workloads import build_hf
 from tests.support.ranks import digest
 
 
@@ -29,10 +30,33 @@ def _shard(model: torch.nn.Module, **options: Any) -> torch.nn.Module:
     return model
 
 
+# A GPT-2 whose vocabulary (1,001 rows) two ranks do not divide: FSDP2 shards its embedding unevenly.
+UNEVEN = "hf:gpt2:n_layer=2,n_embd=32,n_head=2,vocab_size=1001,n_positions=32"
+# Sharded at the root alone: its layers' 63 rows split 32 and 31, the last layer's 1 row 1 and 0.
+UNEVEN_MLP = "uneven-mlp"
+
+
+def _built(model_name: str, batch_size: int, seed: int) -> tuple[torch.nn.Module, Any, Any]:
+    """A built-in model, or an hf: one, or UNEVEN_MLP, with its batch and loss."""
+    if model_name == UNEVEN_MLP:
+        gen = torch.Generator().manual_seed(seed)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = torch.nn.Sequential(
+                torch.nn.Linear(8, 63), torch.nn.Sigmoid(), torch.nn.Linear(63, 63), torch.nn.Sigmoid(), torch.nn.Linear(63, 1)
+            )
+        return model, {"x": torch.randn(batch_size, 8, generator=gen)}, lambda m, b: m(b["x"]).square().mean()
+    if model_name.startswith("hf:"):
+        model, batch = build_hf(model_name[3:], batch_size, seed=seed)
+        return model, batch, hf_loss
+    spec = build_model(model_name, batch_size, seed=seed)
+    return spec.model, spec.batch, spec.loss_fn
+
+
 def _sharded(model_name: str, batch_size: int, optimizer: str) -> tuple[Any, Any, Any]:
-    spec = build_model(model_name, batch_size, seed=0)
-    model = shard_blocks(spec.model)
-    return model, make_optimizer(optimizer, list(model.parameters())), spec.loss_fn
+    model, _, loss_fn = _built(model_name, batch_size, 0)
+    model = shard_blocks(model)
+    return model, make_optimizer(optimizer, list(model.parameters())), loss_fn
 
 
 def _step(loss_fn: Any, micro_batches: int) -> Any:
@@ -62,14 +86,22 @@ def _state(model: Any, optimizer: Any) -> list[torch.Tensor]:
     return tensors
 
 
-def train_like_eager(model_name: str, optimizer: str, budget: float, steps: int, micro_batches: int = 1, batch_size: int = 4) -> dict[str, Any]:
+def train_like_eager(
+    model_name: str, optimizer: str, budget: float, steps: int, micro_batches: int = 1, eager_first: bool = False, batch_size: int = 4
+) -> dict[str, Any]:
     """`steps` steps of eager FSDP2 and of remat on the same batches and random stream, each
-    followed by an evaluation of both models through FSDP2 (which leaves the root gathered)."""
+    followed by an evaluation of both models through FSDP2 (which leaves the root gathered).
+    `eager_first`: both models first take one eager FSDP2 step, so that remat starts from
+    the optimizer state FSDP2 made."""
     rank = dist.get_rank()
     eager, eager_opt, loss_fn = _sharded(model_name, batch_size, optimizer)
     ours, ours_opt, _ = _sharded(model_name, batch_size, optimizer)
     train_step = _step(loss_fn, micro_batches)
-    batches = [build_model(model_name, batch_size, seed=1000 + 100 * rank + i).batch for i in range(steps)]
+    batches = [_built(model_name, batch_size, 1000 + 100 * rank + i)[1] for i in range(steps)]
+    if eager_first:
+        for m, o in ((eager, eager_opt), (ours, ours_opt)):
+            torch.manual_seed(6)
+            train_step(m, o, batches[-1])
     step = remat.compile(train_step, ours, ours_opt, batches[0], memory_budget=budget)
     eager_losses, losses = [], []
     for i, batch in enumerate(batches):
@@ -109,7 +141,8 @@ def train_like_eager(model_name: str, optimizer: str, budget: float, steps: int,
         "budget_bytes": report.budget_bytes,
         "measured_peak_bytes": report.measured_peak_bytes,
         "sharded_modules": len(_gathered_modules(ours)),
-        # A module's gradients are reduce-scattered from one buffer (FSDP2's layout)
+        "largest_module_bytes": max(sum(p.numel() * p.element_size() for p in ps) for ps in _gathered_modules(ours)),
+        "uneven_params": sum(1 for p in ours.parameters() if p.shape[0] % dist.get_world_size()),
     }
 
 
@@ -170,11 +203,6 @@ def refusals() -> dict[str, str]:
         model = _shard(build_model("mlp-deep", 8, seed=0).model, **options)
         return remat.compile(train_step, model, make_optimizer(optimizer, list(model.parameters())), spec.batch, memory_budget=0.5)
 
-    def uneven() -> Any:
-        model = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)))
-        batch = {"x": torch.randn(2, 4)}
-        return remat.compile(lambda m, o, b: _plain(m, o, b), model, torch.optim.SGD(model.parameters(), lr=0.1), batch)
-
     def adafactor() -> Any:
         model = shard_blocks(build_model("mlp-deep", 8, seed=0).model)
         return remat.compile(step, model, torch.optim.Adafactor(model.parameters()), spec.batch)
@@ -189,14 +217,5 @@ def refusals() -> dict[str, str]:
         "clip": _refused(lambda: compiled(clipped)),
         "penalty": _refused(lambda: compiled(penalised)),
         "mixed_precision": _refused(lambda: compiled(step, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))),
-        "uneven": _refused(uneven),
         "adafactor": _refused(adafactor),
     }
-
-
-def _plain(model: Any, optimizer: Any, batch: Any) -> torch.Tensor:
-    optimizer.zero_grad()
-    loss = model(batch["x"]).sum()
-    loss.backward()
-    optimizer.step()
-    return loss
