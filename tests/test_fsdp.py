@@ -15,7 +15,7 @@ from tests.support.ranks import two_ranks
 @pytest.mark.parametrize(
     "model, optimizer, budget, micro_batches",
     [
-        ("bert-tiny", "adamw", 0.5, 1),
+        ("bert-tiny", "adamw", 0.6, 1),
         ("bert-tiny", "sgd", 0.7, 2),
         (fsdp_workers.UNEVEN, "adamw", 0.5, 1),
         (fsdp_workers.UNEVEN_MLP, "sgd", 1.0, 1),  # nothing to recompute in it: the shards alone
@@ -23,8 +23,11 @@ from tests.support.ranks import two_ranks
     ids=["adamw", "sgd-accumulating-2", "uneven-shards", "a-rank-without-rows"],
 )
 def test_bitwise_equal_to_eager_fsdp2_on_every_rank(model, optimizer, budget, micro_batches):
-    # The uneven model starts from state FSDP2 made (copied into padded shards once).
-    results = two_ranks(fsdp_workers.train_like_eager, model, optimizer, budget, 3, micro_batches, model == fsdp_workers.UNEVEN)
+    # The uneven model starts from state FSDP2 made (copied into padded shards once); the
+    # first clips its gradients (clip_grad_norm_ to 0.05, which clips: its norm returned
+    # beside the loss, compared too).
+    eager_first, clip = model == fsdp_workers.UNEVEN, (0.05 if optimizer == "adamw" and model == "bert-tiny" else None)
+    results = two_ranks(fsdp_workers.train_like_eager, model, optimizer, budget, 3, micro_batches, eager_first, clip)
     for rank, r in enumerate(results):
         assert (r["uneven_params"] > 0) == (model in (fsdp_workers.UNEVEN, fsdp_workers.UNEVEN_MLP)), (rank, r)
         # Loss at every step, full parameters and optimizer state after the last, bitwise;
@@ -41,10 +44,11 @@ def test_bitwise_equal_to_eager_fsdp2_on_every_rank(model, optimizer, budget, mi
         # One plan on every rank, within the budget, and the allocator's measured peak is
         # the prediction, gloo's buffers included (the measurement counts the frees of its
         # worker threads too: remat.profile.allocator). Mostly to the byte; but a worker
-        # sometimes lets a finished collective's buffer go only after the caller has moved
-        # on (seen: +196 KiB on one rank of bert-tiny), so one module's gathered bytes of slack.
+        # sometimes lets a finished collective's buffers go only after the caller has moved
+        # on (seen: +196 KiB on one rank of bert-tiny; +28 KiB, a reduce-scatter's input and
+        # output, on the small MLP), so twice one module's bytes of slack.
         assert r["predicted_peak_bytes"] == results[0]["predicted_peak_bytes"] <= r["budget_bytes"]
-        slack = 0.01 * r["predicted_peak_bytes"] + r["largest_module_bytes"]
+        slack = 0.01 * r["predicted_peak_bytes"] + 2 * r["largest_module_bytes"]
         assert abs(r["measured_peak_bytes"] - r["predicted_peak_bytes"]) <= slack, (rank, r)
     assert results[0]["digest"] == results[1]["digest"]  # the ranks agree
 
@@ -58,7 +62,9 @@ def test_a_rank_that_fails_stops_every_rank_with_its_error():
 def test_what_the_graph_would_not_reproduce_is_refused_by_name():
     for out in two_ranks(fsdp_workers.refusals):
         assert "make the optimizer after fully_shard(model)" in out["optimizer_first"], out
-        assert "clip_grad_norm_" in out["clip"], out
+        assert "1.0-norm of sharded gradients" in out["one_norm"] and "use norm_type=2" in out["one_norm"], out
+        assert "reads the gradient of" in out["gradient_sum"] and "aten.sum" in out["gradient_sum"], out
+        assert "shards unevenly" in out["uneven_clip"] and "pad_to_multiple_of" in out["uneven_clip"], out
         assert "outside its module's forward" in out["penalty"], out
         assert "MixedPrecisionPolicy" in out["mixed_precision"], out
         assert "Adafactor" in out["adafactor"], out

@@ -22,7 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
 from remat.gc_pause import gc_paused
-from remat.capture import data_parallel, hyperparams, param_hooks, sharded
+from remat.capture import data_parallel, hyperparams, param_hooks, sharded, sharded_norms
 from remat.capture.state import kept_numbers, kept_tensors, logged_numbers, outside_tensors, read_numbers, scheduler_calls, step_outputs, module_hooks, step_prints, train_modes, user_code
 from remat.capture.cpu_strides import CpuLikeEager
 from remat.errors import CaptureError
@@ -246,6 +246,7 @@ def capture(
             if dp is not None:
                 stack.enter_context(data_parallel.traced_forward(model, synced))
             stack.enter_context(sharded.gathered_in_forward(shards))
+            stack.enter_context(sharded_norms.norms_across_shards(shards, t_params, params))
             stack.enter_context(only_passed_step(optimizer))
             if optimizer is not None:
                 stack.enter_context(optimizer_on(optimizer, real_to_name, t_params, t_states))

@@ -32,8 +32,9 @@ What the graph would not reproduce is refused (`sharding_of`): mixed precision, 
 offload, HSDP, gradient sync turned off, custom collectives, and optimizers whose update
 reads more than one element of a parameter. A step that reads a
 sharded parameter or its gradient outside the gathered forward and the elementwise update
-(`clip_grad_norm_`, a weight penalty) is refused after capture: on a shard it would see
-one rank's part.
+(a weight penalty) is refused after capture: on a shard it would see one rank's part. The
+gradients' 2-norm and their scaling by it (`clip_grad_norm_`) are captured as DTensor
+computes them (`sharded_norms`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import torch.fx
 
 from remat.capture.data_parallel import DataParallel
 from remat.capture.optimizers import each
+from remat.capture.sharded_norms import NORM_OPS, SCALING_OPS
 from remat.capture.train_graph import InputKind, Phase
 from remat.errors import CaptureError
 
@@ -427,11 +429,12 @@ def check_shard_reads(tg: Any, sharding: Sharding | None) -> None:
                 "module's forward, or leave the model unsharded"
             )
     for param, grad_name in tg.grad_nodes.items():
-        users = outside(nodes[grad_name])
+        # Its 2-norm (reduced across the ranks while tracing: sharded_norms) and its scaling
+        # by a number (clip_grad_norm_) read it as a DTensor would; nothing else may.
+        users = [u for u in outside(nodes[grad_name]) if u.target not in NORM_OPS + SCALING_OPS]
         if users:
             raise CaptureError(
-                f"train_step reads the gradient of {param} before the optimizer's update ({users[0].target}: clip_grad_norm_ "
-                "or a gradient statistic?); under FSDP2 it is this rank's shard of it, so a norm over it would be one rank's "
-                "part: remat does not capture that yet; drop it, or leave the model unsharded"
+                f"train_step reads the gradient of {param} before the optimizer's update ({users[0].target}); under FSDP2 "
+                "it is this rank's shard of it, so the value would be one rank's part: remat captures its 2-norm and scaling "
+                "it (clip_grad_norm_) and nothing else yet; drop that read, or leave the model unsharded"
             )
-

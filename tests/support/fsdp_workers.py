@@ -59,7 +59,10 @@ def _sharded(model_name: str, batch_size: int, optimizer: str) -> tuple[Any, Any
     return model, make_optimizer(optimizer, list(model.parameters())), loss_fn
 
 
-def _step(loss_fn: Any, micro_batches: int) -> Any:
+def _step(loss_fn: Any, micro_batches: int, clip: float | None = None) -> Any:
+    """Forward and backward over `micro_batches` parts, optionally the gradients clipped to a
+    2-norm of `clip` (returned after the loss, whole: as torchtitan reads a DTensor norm), the update."""
+
     def train_step(model: Any, optimizer: Any, batch: Any) -> torch.Tensor:
         parts = [batch] if micro_batches == 1 else [{k: v.chunk(micro_batches)[i] for k, v in batch.items()} for i in range(micro_batches)]
         total = None
@@ -67,11 +70,18 @@ def _step(loss_fn: Any, micro_batches: int) -> Any:
             loss = loss_fn(model, part) / len(parts)
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
+        norm = None if clip is None else _full(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
         optimizer.step()
         optimizer.zero_grad()
-        return total
+        return total if norm is None else (total, norm)
 
     return train_step
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Two steps' returns (a loss, or a loss and a norm) bitwise equal."""
+    a, b = (x if isinstance(x, tuple) else (x,) for x in (a, b))
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def _full(t: Any) -> torch.Tensor:
@@ -87,8 +97,9 @@ def _state(model: Any, optimizer: Any) -> list[torch.Tensor]:
 
 
 def train_like_eager(
-    model_name: str, optimizer: str, budget: float, steps: int, micro_batches: int = 1, eager_first: bool = False, batch_size: int = 4
-) -> dict[str, Any]:
+    model_name: str, optimizer: str, budget: float, steps: int, micro_batches: int = 1, eager_first: bool = False,
+    clip: float | None = None, batch_size: int = 4,
+) -> dict[str, Any]:  # fmt: skip
     """`steps` steps of eager FSDP2 and of remat on the same batches and random stream, each
     followed by an evaluation of both models through FSDP2 (which leaves the root gathered).
     `eager_first`: both models first take one eager FSDP2 step, so that remat starts from
@@ -96,7 +107,7 @@ def train_like_eager(
     rank = dist.get_rank()
     eager, eager_opt, loss_fn = _sharded(model_name, batch_size, optimizer)
     ours, ours_opt, _ = _sharded(model_name, batch_size, optimizer)
-    train_step = _step(loss_fn, micro_batches)
+    train_step = _step(loss_fn, micro_batches, clip)
     batches = [_built(model_name, batch_size, 1000 + 100 * rank + i)[1] for i in range(steps)]
     if eager_first:
         for m, o in ((eager, eager_opt), (ours, ours_opt)):
@@ -125,10 +136,10 @@ def train_like_eager(
     report = step.report
     nodes = list(step.graph_module.graph.nodes)
     return {
-        "losses_equal": all(torch.equal(a, b) for a, b in zip(eager_losses, losses)),
+        "losses_equal": all(_same(a, b) for a, b in zip(eager_losses, losses)),
         "state_equal": len(mine) == len(theirs) and all(torch.equal(a, b) for a, b in zip(mine, theirs)),
         "state_tensors": len(mine),
-        "eager_after_equal": torch.equal(*then) and digest(_state(ours, ours_opt)) == digest(_state(eager, eager_opt)),
+        "eager_after_equal": _same(*then) and digest(_state(ours, ours_opt)) == digest(_state(eager, eager_opt)),
         "still_dtensors": all(type(p).__name__ == "DTensor" for p in ours.parameters()),
         "state_dtensors": all(type(v).__name__ == "DTensor" for st in ours_opt.state.values() for v in st.values() if v.ndim > 0),
         "digest": digest(mine),
@@ -184,13 +195,21 @@ def refusals() -> dict[str, str]:
     loss_fn = spec.loss_fn
     step = _step(loss_fn, 1)
 
-    def clipped(model: Any, optimizer: Any, batch: Any) -> torch.Tensor:
+    def clipped_by_1_norm(model: Any, optimizer: Any, batch: Any) -> torch.Tensor:
         optimizer.zero_grad()
         loss = loss_fn(model, batch)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=1.0)
         optimizer.step()
         return loss
+
+    def gradient_sum(model: Any, optimizer: Any, batch: Any) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = loss_fn(model, batch)
+        loss.backward()
+        total = sum(p.grad.sum() for p in model.parameters())
+        optimizer.step()
+        return total
 
     def penalised(model: Any, optimizer: Any, batch: Any) -> torch.Tensor:
         optimizer.zero_grad()
@@ -203,6 +222,10 @@ def refusals() -> dict[str, str]:
         model = _shard(build_model("mlp-deep", 8, seed=0).model, **options)
         return remat.compile(train_step, model, make_optimizer(optimizer, list(model.parameters())), spec.batch, memory_budget=0.5)
 
+    def uneven_clipped() -> Any:
+        model, opt, uneven_loss = _sharded(UNEVEN, 2, "adamw")
+        return remat.compile(_step(uneven_loss, 1, clip=1.0), model, opt, _built(UNEVEN, 2, 1)[1])
+
     def adafactor() -> Any:
         model = shard_blocks(build_model("mlp-deep", 8, seed=0).model)
         return remat.compile(step, model, torch.optim.Adafactor(model.parameters()), spec.batch)
@@ -214,7 +237,9 @@ def refusals() -> dict[str, str]:
 
     return {
         "optimizer_first": _refused(optimizer_first),
-        "clip": _refused(lambda: compiled(clipped)),
+        "one_norm": _refused(lambda: compiled(clipped_by_1_norm)),
+        "gradient_sum": _refused(lambda: compiled(gradient_sum)),
+        "uneven_clip": _refused(uneven_clipped),
         "penalty": _refused(lambda: compiled(penalised)),
         "mixed_precision": _refused(lambda: compiled(step, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))),
         "adafactor": _refused(adafactor),
