@@ -64,6 +64,7 @@ def test_what_the_graph_would_not_reproduce_is_refused_by_name():
         assert "make the optimizer after fully_shard(model)" in out["optimizer_first"], out
         assert "1.0-norm of sharded gradients" in out["one_norm"] and "use norm_type=2" in out["one_norm"], out
         assert "reads the gradient of" in out["gradient_sum"] and "aten.sum" in out["gradient_sum"], out
+        assert "together with other tensors" in out["mixed_norms"], out
         assert "shards unevenly" in out["uneven_clip"] and "pad_to_multiple_of" in out["uneven_clip"], out
         assert "outside its module's forward" in out["penalty"], out
         assert "MixedPrecisionPolicy" in out["mixed_precision"], out

@@ -56,8 +56,14 @@ class ShardNorms(TorchDispatchMode):
             grads = self.grads()
             first = args[0]
             tensors = first if isinstance(first, (list, tuple)) else [first]
-            if tensors and all(id(t) in grads for t in tensors):
+            ours = [id(t) in grads for t in tensors]
+            if tensors and all(ours):
                 return self._norms(func, args, kwargs, [grads[id(t)] for t in tensors])
+            if any(ours):  # sharded gradients beside other tensors: no DTensor placement says what that is
+                raise CaptureError(
+                    "train_step takes norms of sharded gradients together with other tensors in one call; under FSDP2 "
+                    "remat reduces the norms of the gradients alone across the ranks: take those in a call of their own"
+                )
         elif func is _aten.stack.default and args[0] and all(id(t) in self.partial for t in args[0]):
             return self._mark(func(*args, **kwargs))
         if self.partial:

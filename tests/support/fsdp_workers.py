@@ -203,6 +203,14 @@ def refusals() -> dict[str, str]:
         optimizer.step()
         return loss
 
+    def mixed_norms(model: Any, optimizer: Any, batch: Any) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = loss_fn(model, batch)
+        loss.backward()
+        norms = torch._foreach_norm([p.grad for p in model.parameters()] + [loss.detach().reshape(1)])
+        optimizer.step()
+        return loss + norms[0]
+
     def gradient_sum(model: Any, optimizer: Any, batch: Any) -> torch.Tensor:
         optimizer.zero_grad()
         loss = loss_fn(model, batch)
@@ -239,6 +247,7 @@ def refusals() -> dict[str, str]:
         "optimizer_first": _refused(optimizer_first),
         "one_norm": _refused(lambda: compiled(clipped_by_1_norm)),
         "gradient_sum": _refused(lambda: compiled(gradient_sum)),
+        "mixed_norms": _refused(lambda: compiled(mixed_norms)),
         "uneven_clip": _refused(uneven_clipped),
         "penalty": _refused(lambda: compiled(penalised)),
         "mixed_precision": _refused(lambda: compiled(step, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))),
