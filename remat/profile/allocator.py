@@ -114,17 +114,24 @@ def cpu_memory_events(prof: profile) -> list[tuple[int, int, int]]:
     where the profile was taken with `cpu_memory_profile`; else those of the threads the
     profiler records (the running sum of the events)."""
     events: list[tuple[int, int, int]] = []
-    stack = [(e, False) for e in prof.profiler.kineto_results.experimental_event_tree()]
-    while stack:
-        e, marked = stack.pop()
-        marked = marked or e.name == _LEVEL_MARK
-        stack.extend((c, marked) for c in e.children)
-        fields = e.extra_fields
-        if isinstance(fields, torch._C._profiler._ExtraFields_Allocation) and fields.device.type == "cpu":
-            if not marked:
-                events.append((e.start_time_ns, fields.alloc_size, fields.total_allocated))
-            elif fields.alloc_size < 0:  # a reading of the level (`_read_level`): no change of its own
-                events.append((e.start_time_ns, 0, fields.total_allocated))
+    allocation = torch._C._profiler._EventType.Allocation
+
+    def visit(nodes: Any, marked: bool) -> None:  # recursion as deep as ops nest
+        for e in nodes:
+            if e.tag == allocation:
+                fields = e.extra_fields
+                if fields.device.type != "cpu":
+                    continue
+                if not marked:
+                    events.append((e.start_time_ns, fields.alloc_size, fields.total_allocated))
+                elif fields.alloc_size < 0:  # a reading of the level (`_read_level`): no change of its own
+                    events.append((e.start_time_ns, 0, fields.total_allocated))
+            else:
+                children = e.children
+                if children:
+                    visit(children, marked or e.name == _LEVEL_MARK)
+
+    visit(prof.profiler.kineto_results.experimental_event_tree(), False)
     events.sort(key=lambda x: x[0])
     if not events:
         return []
