@@ -34,9 +34,10 @@ def test_bitwise_equal_to_eager_ddp_on_every_rank(model, optimizer, budget, micr
         assert r["losses_equal"] and r["state_equal"] and r["state_tensors"] > 0, (rank, r)
         # One graph on every rank: the same prediction, and the measured peak is the
         # prediction (every thread's frees counted: remat.profile.allocator), give or take
-        # a gradient that gloo's worker let go of after the caller had moved on.
+        # a collective's buffers (up to two gradients' bytes) that gloo's worker let go of
+        # after the caller had moved on.
         assert r["predicted_peak_bytes"] == results[0]["predicted_peak_bytes"]
-        slack = 0.01 * r["predicted_peak_bytes"] + r["largest_gradient_bytes"]
+        slack = 0.01 * r["predicted_peak_bytes"] + 2 * r["largest_gradient_bytes"]
         assert abs(r["measured_peak_bytes"] - r["predicted_peak_bytes"]) <= slack, (rank, r)
     # Parameters and optimizer state are the same on both ranks (buffers are each rank's
     # own after its last forward, as in eager DDP), and so is the order of the collectives.
