@@ -157,6 +157,12 @@ def train_like_eager(
     }
 
 
+def uneven_cases() -> tuple[dict[str, Any], dict[str, Any]]:
+    """train_like_eager on the two unevenly sharded models, in one process group: UNEVEN
+    (SGD at 0.6, two micro-batches, from the state FSDP2 made) and UNEVEN_MLP (no recomputation)."""
+    return train_like_eager(UNEVEN, "sgd", 0.6, 3, 2, True), train_like_eager(UNEVEN_MLP, "sgd", 1.0, 3, 1)
+
+
 def failing_capture() -> str:
     """Rank 1's step raises while it is captured; returns what this rank raised."""
     model, opt, loss_fn = _sharded("bert-tiny", 2, "sgd")
