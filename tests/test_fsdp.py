@@ -6,7 +6,6 @@ holds what each rank runs."""
 
 from __future__ import annotations
 
-
 from tests.support import fsdp_workers
 from tests.support.ranks import two_ranks
 
