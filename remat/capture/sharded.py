@@ -79,6 +79,11 @@ class ShardedParam:
         return self.fsdp_param.sharded_param
 
     @property
+    def full_rows(self) -> int:
+        """The parameter's rows, whole (its dim 0 before sharding)."""
+        return int(self.fsdp_param._orig_size[0])
+
+    @property
     def rows(self) -> int:
         """This rank's rows of the parameter: fewer than the padded shard's on the last ranks of an uneven one."""
         return int(self.fsdp_param.sharded_size[0])
@@ -387,7 +392,7 @@ def gathered_in_forward(sharding: Sharding | None) -> Iterator[None]:
         def pre(mod: Any, args: Any, kwargs: Any, own: list[ShardedParam] = own, held: list[Any] = held) -> None:
             swapped = []
             shards = [getattr(*sp.places[0]) for sp in own]
-            full_rows = tuple(int(sp.fsdp_param._orig_size[0]) for sp in own)
+            full_rows = tuple(sp.full_rows for sp in own)
             fulls = _Gathered.apply(sharding.world_size, sharding.group_name, full_rows, *shards) if own else ()
             for sp, full in zip(own, fulls):
                 for m, n in sp.places:

@@ -115,7 +115,7 @@ def norms_across_shards(sharding: Any, traced_params: dict[str, torch.Tensor], r
     if sharding is None:
         yield
         return
-    uneven_of_local = {id(sp.local): sp.fsdp_param._orig_size[0] % sharding.world_size != 0 for sp in sharding.params}
+    uneven_of_local = {id(sp.local): sp.full_rows % sharding.world_size != 0 for sp in sharding.params}
     uneven = {n: uneven_of_local[id(p)] for n, p in real_params.items() if id(p) in uneven_of_local}
 
     def grads() -> dict[int, tuple[str, bool]]:
