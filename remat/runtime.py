@@ -16,17 +16,18 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from remat import ranks
+from remat import failed_step, ranks
 from remat import build as pipeline
 from remat.capture import data_parallel, sharded
 from remat.capture.state import read_numbers
 from remat.budget import parse_budget
-from remat.ops import op_facts
+from remat.passes import inductor_regions
 from remat.capture.capture import capture
 from remat.capture.step_inputs import ModelView, batch_leaf_names, run_captured
-from remat.capture.train_graph import InputKind, TrainGraph, TrainStep
+from remat.capture.train_graph import TrainGraph, TrainStep
 from remat.errors import BudgetError, CaptureError, RematError
 from remat.profile.allocator import measure_step_peak
+from remat.profile.profiler import node_peaks
 from remat.planners.plan import Plan
 from remat.planners import DEFAULT_PLANNER, make_plan
 from remat.profile.profiles import Profile, graph_fingerprint
@@ -52,6 +53,9 @@ class StepReport:
     num_recomputed: int = 0
     compile_seconds: float = 0.0
     copies: int = 0
+    backend: str = "eager"
+    regions: int = 0  # Inductor-compiled regions (backend "inductor")
+    region_splits: int = 0  # of them, split because the step's measured peak was over the bound in one
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -69,6 +73,9 @@ class StepReport:
             "updates_in_backward": bool(self.plan and self.plan.updates_in_backward),
             "updates_note": self.plan.updates_note if self.plan else "",
             "lean_ops": list(self.plan.lean_ops) if self.plan else [],
+            "backend": self.backend,
+            "regions": self.regions,
+            "region_splits": self.region_splits,
         }
 
 
@@ -121,6 +128,7 @@ class RematStep:
     # Let backward ops write their result into an input buffer that dies there (the same
     # kernel through its out= overload: bitwise the same values, one buffer fewer).
     lean_ops: bool = True
+    backend: str = "eager"  # or "inductor": the plan's regions compiled (passes.inductor_regions), not bitwise
     _graphs: dict[Any, CompiledGraph] = field(default_factory=dict)
     _structure: str | None = None
     _last: CompiledGraph | None = None
@@ -137,10 +145,13 @@ class RematStep:
     def __post_init__(self) -> None:
         # Parse now: a bad budget is an error at compile time, not at the first step.
         self._budget = parse_budget(self.memory_budget) if self.memory_budget is not None else None
+        inductor_regions.check_backend(self.backend)
         # A DDP or FSDP2 model: every rank compiles and runs the same graph, agreed stage by stage (remat.ranks).
         self._sharded = sharded.is_sharded(self.model)
         shards = sharded.sharding_of(self.model) if self._sharded else None
         self._dp = data_parallel.data_parallel_of(self.model) or (shards.ranks() if shards else None)
+        if self._dp is not None and self.backend != "eager":
+            raise RematError(f"backend {self.backend!r} is not supported with DDP or FSDP2; use backend='eager'")
 
     @property
     def report(self) -> StepReport:
@@ -278,7 +289,7 @@ class RematStep:
         plan: Plan | None = None
         budget_bytes: int | None = None
         if self._budget is None:
-            gm = tg.gm
+            gm, phase = tg.gm, tg.phase
             predicted = baseline.peak_bytes
         else:
             budget_bytes = self._budget.to_bytes(baseline.persistent_bytes, baseline.step_peak_bytes)
@@ -304,11 +315,15 @@ class RematStep:
                 )
                 return self._compile(batch)
 
-            def rewritten() -> tuple[int, torch.fx.GraphModule]:
+            def rewritten() -> tuple[int, torch.fx.GraphModule, dict]:
                 applied = plan.apply(index)
-                return applied.peak_bytes, applied.runnable()
+                return applied.peak_bytes, applied.runnable(), applied.index.tg.phase
 
-            predicted, gm = self._agreed("applying the plan", rewritten)
+            predicted, gm, phase = self._agreed("applying the plan", rewritten)
+        gm = inductor_regions.for_backend(
+            self.backend, gm, phase, bound_bytes=(budget_bytes or predicted) - baseline.persistent_bytes, progress=self.progress,
+            node_peaks=lambda g: node_peaks(g, tg, self.model, self.optimizer, batch),
+        )  # fmt: skip
         report = StepReport(
             profile=prof,
             plan=plan,
@@ -319,6 +334,9 @@ class RematStep:
             num_recomputed=plan.num_recomputed if plan else 0,
             copies=sum(1 for n in gm.graph.nodes if n.name.endswith("_recomputed")),
             compile_seconds=time.perf_counter() - start,
+            backend=self.backend,
+            regions=len(gm.meta["regions"].regions) if "regions" in gm.meta else 0,
+            region_splits=gm.meta["regions"].splits if "regions" in gm.meta else 0,
         )
         return CompiledGraph(tg=tg, gm=gm, report=report)
 
@@ -363,7 +381,7 @@ class RematStep:
         try:
             result = run_captured(compiled.tg, compiled.gm, self.model, inputs, view)
         except Exception as e:
-            _ChangedOnFailure.note(e, compiled)
+            failed_step.note_changes(e, compiled.tg, compiled.gm)
             if dp is not None:
                 ranks.note_collective_failure(e, dp)
             raise
@@ -371,76 +389,6 @@ class RematStep:
             data_parallel.after_step(self.model, dp)
         make_calls(compiled.tg.call.scheduler_calls, before_update=False)
         return result
-
-
-class _ChangedOnFailure:
-    """What a failed step had already changed in place, for its error.
-
-    The step writes persistent state in place: buffers (BatchNorm running statistics) in
-    the forward pass, parameters and optimizer state in the updates (at the end of the
-    step or, moved into the backward pass, as soon as each gradient is final). As in eager,
-    no second copy is kept to undo them: it would be memory the step holds beside the
-    plan. What a failure came after is read from where it was raised: the line of the
-    graph's code names the op, and the ops before it have run. Nothing is read before
-    the step, so a call that succeeds pays nothing for this.
-    """
-
-    _NOTED = (InputKind.PARAMETER, InputKind.OPTIMIZER_STATE, InputKind.BUFFER, InputKind.OUTSIDE)
-
-    @classmethod
-    def note(cls, error: Exception, compiled: CompiledGraph) -> None:
-        ran = _ops_ran_before(error, compiled.gm)
-        if ran is None:  # raised outside the graph's code: before it ran
-            return
-        inputs = compiled.tg.inputs
-        changed = [inputs[i] for i in _inputs_written(compiled.gm, ran) if inputs[i].kind in cls._NOTED]
-        buffers = [i.name for i in changed if i.kind is InputKind.BUFFER]
-        outside = [i.name for i in changed if i.kind is InputKind.OUTSIDE]
-        updated = [i.name for i in changed if i.kind in (InputKind.PARAMETER, InputKind.OPTIMIZER_STATE)]
-        if outside:
-            error.add_note(
-                f"remat: the step failed after writing {len(outside)} tensors outside the model in place (first: "
-                f"{outside[0]}); they are not restored"
-            )
-        if buffers:
-            error.add_note(
-                f"remat: the step failed after its forward pass had written {len(buffers)} buffers in place (first: "
-                f"{buffers[0]}), as eager's forward writes them (BatchNorm's running statistics); they are not restored"
-            )
-        if updated:
-            error.add_note(
-                f"remat: the step failed after optimizer updates had begun; {len(updated)} parameters or optimizer "
-                f"states (first: {updated[0]}) were already updated and are not restored"
-            )
-
-
-def _ops_ran_before(error: Exception, gm: Any) -> int | None:
-    """How many of `gm`'s nodes had run when `error` was raised in its code (None: it was
-    raised elsewhere). The traceback's line in the generated code maps to the node
-    (GraphModule's line map, read as dynamo reads it)."""
-    code = getattr(getattr(gm, "forward", None), "__code__", None)
-    lines = getattr(gm, "_lineno_map", None)
-    tb = error.__traceback__
-    while tb is not None and (code is None or tb.tb_frame.f_code is not code):
-        tb = tb.tb_next
-    if tb is None or not lines:
-        return None
-    index = lines.get(tb.tb_lineno - code.co_firstlineno)
-    return len(gm.graph.nodes) if index is None else index
-
-
-def _inputs_written(gm: torch.fx.GraphModule, ran: int) -> list[int]:
-    """Positions of the placeholders that the first `ran` nodes of `gm` wrote in place
-    (through a view of one, too)."""
-    nodes = list(gm.graph.nodes)
-    position = {n: i for i, n in enumerate(n for n in nodes if n.op == "placeholder")}
-    written: dict[int, None] = {}
-    for node in nodes[:ran]:
-        for arg in op_facts.written_args(node):
-            base = op_facts.viewed_base(arg)
-            if base in position:
-                written[position[base]] = None
-    return list(written)
 
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile
@@ -457,6 +405,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     profile_cache: dict[str, Profile] | None = None,
     updates_in_backward: bool = True,
     lean_ops: bool = True,
+    backend: str = "eager",
 ) -> RematStep:
     """Compile `train_step(model, optimizer, batch) -> loss` into a step that fits `memory_budget`.
 
@@ -470,6 +419,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     the step still leaves bitwise what eager leaves.
     `lean_ops`: backward ops may write their result into an input buffer that dies there
     (passes.lean_ops), where the kernel has an out= form: the same values, fewer bytes.
+    `backend`: "eager" runs the plan op by op, bitwise like eager PyTorch; "inductor" compiles
+    the plan's regions with Inductor (fused kernels, the plan's order and frees kept; not bitwise).
     The example batch is compiled right away, so errors surface here.
     """
     step = RematStep(
@@ -484,6 +435,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         profile_cache=profile_cache,
         updates_in_backward=updates_in_backward,
         lean_ops=lean_ops,
+        backend=backend,
     )
     with step._on_shards():
         step._last = step.compiled_for(example_batch)

@@ -23,7 +23,18 @@ def configure_run(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p, 'fraction of the activation peak (e.g. 0.5), an absolute cap ("6GiB", bytes), or "none" for no recomputation')
     p.add_argument("--steps", type=int, default=3, metavar="N", help="training steps to run after the measurements (default: 3)")
     p.add_argument("--pairs", type=int, default=5, metavar="K", help="alternating eager/remat timing pairs (default: 5)")
-    p.add_argument("--check", action="store_true", help="first compare 3 steps bitwise against eager PyTorch")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="first compare 3 steps against eager PyTorch: bitwise (backend eager), or within a stated tolerance of a float64 reference (inductor)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("eager", "inductor"),
+        default="eager",
+        help="eager: the plan runs op by op, bitwise like eager PyTorch (default); inductor: the plan's regions compiled by "
+        "Inductor (fused kernels, the plan's order kept; not bitwise)",
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument(
         "--deterministic",
@@ -108,6 +119,7 @@ def run_one(
     deterministic: bool = False,
     keep_grads: bool = False,
     lean_ops: bool = True,
+    backend: str = "eager",
 ) -> dict[str, Any]:
     """Compile, optionally check, measure and time one configuration; the `--json` object."""
     import torch
@@ -137,8 +149,10 @@ def run_one(
     eager_model, eager_opt = twin(spec.model, opt)
 
     t0 = time.perf_counter()
-    say(f"compiling {model} (batch {batch_size}, budget {budget}, planner {planner}) ...")
-    step = remat.compile(train_step, spec.model, opt, spec.batch, memory_budget=budget, planner=planner, progress=progress, lean_ops=lean_ops)
+    say(f"compiling {model} (batch {batch_size}, budget {budget}, planner {planner}, backend {backend}) ...")
+    step = remat.compile(
+        train_step, spec.model, opt, spec.batch, memory_budget=budget, planner=planner, progress=progress, lean_ops=lean_ops, backend=backend
+    )
     report = step.report
     say(
         f"compiled in {time.perf_counter() - t0:.1f} s: {report.num_recomputed} activations recomputed, "
@@ -148,7 +162,15 @@ def run_one(
     grads_match: bool | None = None
     mismatches: list[str] = []
     eager_nondeterministic = False
-    if check:
+    tolerance = None
+    if check and backend != "eager":
+        from remat.measurement.tolerance import check_within_tolerance
+
+        say("checking 3 steps against eager PyTorch and a float64 reference ...")
+        tolerance = check_within_tolerance(train_step, eager_model, eager_opt, spec.model, spec.optimizer, step, spec.batch, steps=3, seed=seed)
+        say(tolerance.summary())
+        grads_match, mismatches = tolerance.within, tolerance.failures
+    elif check:
         fresh = lambda: load_workload(model, batch_size, optimizer, device, seed, zero_grad_first=keep_grads)  # noqa: E731
         grads_match, mismatches, eager_nondeterministic = _check(train_step, eager_model, eager_opt, spec, step, seed, say, fresh)
     else:
@@ -205,6 +227,13 @@ def run_one(
         "updates_in_backward": bool(plan and plan.updates_in_backward), "updates_note": plan.updates_note if plan else "",
         "lean_ops": list(plan.lean_ops) if plan else [], "lean_ops_note": plan.meta.get("lean_ops_note", "") if plan else "",
         "grads_match": grads_match,
+        "backend": backend,
+        "regions": report.regions,
+        "region_splits": report.region_splits,
+        "tolerance": None if tolerance is None else {
+            "within": tolerance.within, "criterion": tolerance.criterion, "tensors_compared": tolerance.compared,
+            "largest_difference": tolerance.largest_difference, "largest_difference_at": tolerance.largest_where,
+        },
         "mismatches": mismatches[:20],
         "eager_nondeterministic": eager_nondeterministic,
         "compile_seconds": report.compile_seconds,
@@ -218,6 +247,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from remat.measurement.report import console_for
 
     if args.nproc != 1 or args.fsdp:
+        if args.backend != "eager":
+            from remat.cli.common import UsageError
+
+            raise UsageError("--backend inductor runs one process; with --nproc or --fsdp use the default backend (eager)")
         return _run_data_parallel(args)
     result = run_one(
         args.model,
@@ -233,6 +266,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         deterministic=args.deterministic,
         keep_grads=args.keep_grads,
         lean_ops=not args.no_lean_ops,
+        backend=args.backend,
     )
     if args.json:
         print(json.dumps(result))
@@ -247,7 +281,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"{result['num_recomputed']} activations recomputed"
             + ("; optimizer updates in the backward pass" if result["updates_in_backward"] else "")
             + (f"; {len(result['lean_ops'])} backward ops write into a dying input" if result["lean_ops"] else "")
-            + ("" if result["grads_match"] is None else f"; bitwise equal to eager: {result['grads_match']}")
+            + ("" if result["grads_match"] is None or result["tolerance"] else f"; bitwise equal to eager: {result['grads_match']}")
+            + (f"; {result['regions']} regions compiled by Inductor" if result["backend"] == "inductor" else "")
+            + ("" if not result["tolerance"] else f"; within tolerance of eager: {result['grads_match']} "
+               f"(largest difference {result['tolerance']['largest_difference']:.3g})")
         )
     return 0 if result["grads_match"] is not False else 1
 

@@ -15,13 +15,11 @@ simulate, then measure")."""
 from __future__ import annotations
 
 import bisect
-import contextlib
 import operator
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -34,6 +32,7 @@ from remat.capture.train_graph import InputKind, TrainGraph
 from remat.capture.cpu_strides import CORRECTED_STRIDES
 from remat.errors import CaptureError, PlanError, RematError
 from remat.profile.allocator import cpu_memory_events, cpu_memory_profile, measure_peak
+from remat.progress import progress_bar
 from remat.profile.repeats import find_repeats, pooled_medians
 from remat.memory.simulator import Timeline, simulate
 
@@ -284,28 +283,6 @@ def _profiling_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: Any, ba
     return out
 
 
-@contextlib.contextmanager
-def _progress(enabled: bool, total: int, what: str) -> Iterator[Callable[[str], None]]:
-    """A progress bar on stderr; yields `advance(next_description)`."""
-    if not enabled:
-        yield lambda desc: None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    console = Console(file=sys.stderr)
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
-    ) as bar:
-        task = bar.add_task(what, total=total)
-        yield lambda desc: bar.update(task, advance=1, description=desc)
-
-
 def _device_of(tg: TrainGraph, device: str | torch.device | None) -> torch.device:
     dev = torch.device(device if device is not None else tg.device)
     captured = torch.device(tg.device)
@@ -361,7 +338,7 @@ def profile(
         inputs = _profiling_inputs(tg, model, optimizer, batch)
         total = warmup + runs + 2
         times: list[np.ndarray] = []
-        with _progress(progress, total, "warm-up" if warmup else "timing") as advance:
+        with progress_bar(progress, total, "warm-up" if warmup else "timing") as advance:
             for i in range(warmup + runs):
                 t = _time_run_cuda(runner, inputs, dev) if is_cuda else _time_run_cpu(runner, inputs, check_layout=i == 0)
                 if i >= warmup:
@@ -381,6 +358,19 @@ def profile(
     prof.meta["repeats"] = repeats.summary()
     prof.meta["pooled_repeats"] = pool_repeats
     return prof
+
+
+def node_peaks(gm: torch.fx.GraphModule, tg: TrainGraph, model: torch.nn.Module, optimizer: Any, batch: Any) -> dict[str, int]:
+    """One run of `gm` (a graph that runs `tg`'s step: a rewrite, compiled regions) on clones of
+    the state, node by node: each op node's measured peak of step memory (bytes above the
+    level before the step). Leaves the model, optimizer and RNG as it found them."""
+    dev = torch.device(tg.device)
+    runner = _NodeRunner(gm)
+    with torch.random.fork_rng(devices=[dev.index] if dev.type == "cuda" else []), torch.no_grad():
+        inputs = _profiling_inputs(tg, model, optimizer, batch)
+        mem = _memory_run_cuda(runner, inputs, dev) if dev.type == "cuda" else _memory_run_cpu(runner, inputs)
+        del inputs
+    return {s.node.name: int(mem.peak[runner.op_index[s.node]]) for s in runner.steps if s.node.op == "call_function"}
 
 
 def _assemble(

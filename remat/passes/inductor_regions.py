@@ -1,0 +1,272 @@
+"""Compiled regions: runs of the planned graph's ops compiled by Inductor, in the plan's order.
+
+The graph a plan made (its order, its recompute copies, its frees) is cut into regions:
+the longest runs of consecutive ops of one kind (forward, backward, update, or recompute
+copies) that Inductor may take: tensor ops with no side effect (no in-place or out=
+variants, no random draws, no collectives, no Python numbers out). Every other op runs as
+before and ends a region. Each region becomes one call, where its ops were, of a function
+Inductor compiled for it alone, so fusion stays inside the region: a recomputed op is never
+fused with its original or moved next to it, and what runs between regions (replayed random
+ops on eager's generator, in-place updates) keeps its place. A region takes its inputs boxed
+(a list that Inductor's code empties and frees as it goes), so an input whose last use is in
+the region is freed there rather than held to the region's end.
+
+A view that leaves its region is made again, eagerly, right after the region's call, so that
+it aliases what it aliased in the graph (a parameter's transpose read after its update).
+
+Not bitwise: fused kernels round differently from eager's; `measurement.check` compares a
+compiled step with eager under a tolerance.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+from remat.capture.train_graph import Phase
+from remat.ops import op_facts
+from remat.progress import progress_bar
+
+RECOMPUTE = "recompute"
+MIN_OPS = 2  # a region of one op is left to eager: nothing to fuse, and a call's host cost to pay
+
+
+@dataclass
+class Region:
+    name: str  # also the name of its call's node
+    kind: str  # a Phase's value, or RECOMPUTE
+    ops: list[str]  # the graph's node names it runs, in order
+    compile_seconds: float = 0.0
+
+
+@dataclass
+class Regions:
+    """What `compile_regions` made, kept on the compiled module as `gm.meta["regions"]`."""
+
+    regions: list[Region] = field(default_factory=list)
+    splits: int = 0  # regions split in two because the step's measured peak was in them, over the bound
+    measured_peak_bytes: int | None = None  # the step's, above the level before it, where measured
+
+    @property
+    def ops(self) -> int:
+        return sum(len(r.ops) for r in self.regions)
+
+    @property
+    def compile_seconds(self) -> float:
+        return sum(r.compile_seconds for r in self.regions)
+
+
+def node_kinds(gm: torch.fx.GraphModule, phase: dict[str, Phase], copies: set[str]) -> dict[str, str]:
+    """Each call_function node's kind: RECOMPUTE for a copy, else its phase (None-free: a node
+    of no phase, added by a pass, is of the kind of the ops after it, as the rewriter does)."""
+    kinds: dict[str, str] = {}
+    following = Phase.OPTIMIZER.value
+    for node in reversed([n for n in gm.graph.nodes if n.op == "call_function"]):
+        if node.name in copies:
+            kinds[node.name] = RECOMPUTE
+        elif node.name in phase:
+            kinds[node.name] = following = Phase(phase[node.name]).value
+        else:
+            kinds[node.name] = following
+    return kinds
+
+
+def _tensor_value(node: torch.fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def compilable(node: torch.fx.Node) -> bool:
+    """Whether Inductor may take this op into a region: a side-effect-free aten op on tensors."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target.namespace != "aten" or target._schema.is_mutable or op_facts.is_random(node) or op_facts.written_args(node):
+        return False
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return all(isinstance(v, torch.Tensor) for v in val) and all(op_facts.is_getitem(u) for u in node.users)
+    return isinstance(val, torch.Tensor) and val.device.type in ("cpu", "cuda")
+
+
+def _runs(gm: torch.fx.GraphModule, kinds: dict[str, str], starts: set[str]) -> list[list[torch.fx.Node]]:
+    runs: list[list[torch.fx.Node]] = []
+    run: list[torch.fx.Node] = []
+    members: set[torch.fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        joins = compilable(node) or (op_facts.is_getitem(node) and node.args[0] in members and _tensor_value(node))
+        if joins and run and (kinds[node.name] != kinds[run[0].name] or node.name in starts) and not op_facts.is_getitem(node):
+            runs.append(run)
+            run, members = [], set()
+        if joins:
+            run.append(node)
+            members.add(node)
+        elif run:
+            runs.append(run)
+            run, members = [], set()
+    if run:
+        runs.append(run)
+    return [r for r in runs if sum(1 for n in r if not op_facts.is_getitem(n) and not _is_view(n)) >= MIN_OPS]
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    return op_facts._returns_view(node.target)
+
+
+def _box(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The inputs of a region in a list the region empties (its own reference is the only one)."""
+    return list(tensors)
+
+
+def _fresh_input(node: torch.fx.Node) -> torch.Tensor:
+    v = node.meta["val"]
+    return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+
+
+def _region_module(owner: torch.fx.GraphModule, run: list[torch.fx.Node]) -> tuple[torch.fx.GraphModule, list[torch.fx.Node], list[torch.fx.Node], list[torch.fx.Node]]:
+    """The run as a graph of its own: its inputs, its tensor outputs, and its escaping views
+    (made again after the region from what they view)."""
+    inside = set(run)
+    escaping_views = [n for n in run if _is_view(n) and any(u not in inside for u in n.users)]
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    inputs: list[torch.fx.Node] = []
+
+    def read(n: torch.fx.Node) -> torch.fx.Node:
+        if n not in env:
+            env[n] = graph.placeholder(n.name)
+            env[n].meta = dict(n.meta)
+            inputs.append(n)
+        return env[n]
+
+    for node in run:
+        for a in node.all_input_nodes:
+            if a not in inside:
+                read(a)
+        env[node] = graph.node_copy(node, lambda a: env[a])
+    outputs: list[torch.fx.Node] = []
+    for node in run:
+        needed = [u for u in node.users if u not in inside] if node not in escaping_views else []
+        needed_by_views = any(v.args[0] is node for v in escaping_views)
+        if (needed or needed_by_views) and node not in escaping_views and node not in outputs:
+            outputs.append(node)
+    graph.output(tuple(env[o] for o in outputs))
+    return torch.fx.GraphModule(owner, graph), inputs, outputs, escaping_views
+
+
+def _inductor(sub: torch.fx.GraphModule, inputs: list[torch.fx.Node]) -> Callable[[list[torch.Tensor]], Any]:
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    example = [_fresh_input(n) for n in inputs]
+    decomposed = make_fx(sub, decomposition_table=select_decomp_table(), tracing_mode="fake")(*example)
+    return compile_fx_inner(decomposed, example)
+
+
+def _call(compiled: Callable[[list[torch.Tensor]], Any], name: str) -> Callable[[list[torch.Tensor]], Any]:
+    def region(args: list[torch.Tensor]) -> Any:
+        return compiled(args)
+
+    region.__name__ = region.__qualname__ = name
+    return region
+
+
+def compile_regions(
+    gm: torch.fx.GraphModule, kinds: dict[str, str], starts: set[str] = frozenset(), compiler: Callable[..., Any] = _inductor, progress: bool = False
+) -> torch.fx.GraphModule:
+    """A new module that runs `gm` with its regions compiled (`gm` is left as it was); a
+    region never runs across an op named in `starts`."""
+    runs = _runs(gm, kinds, starts)
+    with progress_bar(progress, len(runs), "compiling regions") as advance:
+        return _with_regions(gm, kinds, runs, compiler, advance)
+
+
+def _with_regions(
+    gm: torch.fx.GraphModule, kinds: dict[str, str], runs: list[list[torch.fx.Node]], compiler: Callable[..., Any], advance: Callable[[str], None]
+) -> torch.fx.GraphModule:
+    first_of = {run[0]: i for i, run in enumerate(runs)}
+    in_run = {n: i for i, run in enumerate(runs) for n in run}
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    made = Regions()
+    for node in gm.graph.nodes:
+        if node in in_run and node not in first_of:
+            continue
+        if node not in first_of:
+            env[node] = graph.node_copy(node, lambda a: env[a])
+            continue
+        i = first_of[node]
+        run = runs[i]
+        sub, inputs, outputs, views = _region_module(gm, run)
+        name = f"region_{i}_{kinds[run[0].name]}"
+        start = time.perf_counter()
+        compiled = compiler(sub, inputs)
+        advance(f"compiled {name} ({len(run)} ops)")
+        box = graph.call_function(_box, tuple(env[a] for a in inputs), name=name + "_inputs")
+        call = graph.call_function(_call(compiled, name), (box,), name=name)
+        made.regions.append(Region(call.name, kinds[run[0].name], [n.name for n in run], time.perf_counter() - start))
+        for j, out in enumerate(outputs):
+            env[out] = graph.call_function(operator.getitem, (call, j), name=out.name)
+            env[out].meta = dict(out.meta)
+        for view in views:
+            env[view] = graph.node_copy(view, lambda a: env[a])
+    new = torch.fx.GraphModule(gm, graph)
+    new.meta["regions"] = made
+    return new
+
+
+BACKENDS = ("eager", "inductor")
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        from remat.errors import RematError
+
+        raise RematError(f"backend {backend!r} is not one remat runs: pick one of {', '.join(map(repr, BACKENDS))}")
+
+
+MAX_SPLITS = 16
+
+
+def for_backend(
+    backend: str,
+    gm: torch.fx.GraphModule,
+    phase: dict[str, Phase],
+    *,
+    bound_bytes: int | None = None,
+    node_peaks: Callable[[torch.fx.GraphModule], dict[str, int]] | None = None,
+    progress: bool = False,
+) -> torch.fx.GraphModule:
+    """The module that runs `gm` on `backend`: `gm` itself on eager; on Inductor, `gm` with its
+    regions compiled. Given `node_peaks` (a measured run: each node's peak of step memory),
+    a region whose measured peak is over `bound_bytes` is split in two and the step compiled
+    again, until the step's peak is within the bound or the region holding it is too small
+    to compile (its ops then run eagerly, as planned)."""
+    if backend == "eager":
+        return gm
+    from remat.passes.rewriter import RECOMPUTED_SUFFIX
+
+    kinds = node_kinds(gm, phase, {n.name for n in gm.graph.nodes if n.name.endswith(RECOMPUTED_SUFFIX)})
+    starts: set[str] = set()
+    while True:
+        compiled = compile_regions(gm, kinds, starts, progress=progress)
+        made: Regions = compiled.meta["regions"]
+        made.splits = len(starts)
+        if node_peaks is None:
+            return compiled
+        peaks = node_peaks(compiled)
+        at = max(peaks, key=peaks.__getitem__)
+        made.measured_peak_bytes = peaks[at]
+        region = next((r for r in made.regions if r.name == at), None)
+        if bound_bytes is None or peaks[at] <= bound_bytes or region is None or len(starts) >= MAX_SPLITS:
+            return compiled
+        nodes = {n.name: n for n in gm.graph.nodes}
+        ops = [n for n in region.ops if not op_facts.is_getitem(nodes[n])]
+        starts.add(ops[len(ops) // 2])
