@@ -109,14 +109,14 @@ def test_no_import_cycle():
 # own folder. Folders are layers; the top-level modules are placed among them.
 LAYERS = [
     {"errors"},
-    {"serialize", "gc_pause", "defaults", "budget", "launch", "models"},
+    {"serialize", "gc_pause", "defaults", "budget", "launch", "models", "progress"},
     {"ops"},  # what remat knows of single ops
     {"capture"},  # one iteration traced into a TrainGraph, the user's Python state, a call's inputs
     {"memory"},  # the memory model: analysis, graph index, schedule, simulator
     {"passes", "profile"},  # graph passes; measuring a graph
     {"planners"},
     {"build", "workloads"},
-    {"ranks"},
+    {"ranks", "failed_step"},
     {"runtime"},
     {"remat"},  # the package's public names
     {"measurement", "integrations"},  # measuring plans; remat inside Trainer, Lightning

@@ -80,12 +80,22 @@ def _use_deterministic_algorithms() -> None:
     torch.use_deterministic_algorithms(True)
 
 
-def _check(train_step: Any, eager_model: Any, eager_opt: Any, spec: Any, step: Any, seed: int, say: Any, fresh: Any) -> tuple[bool, list[str], bool]:
+def _check(
+    train_step: Any, eager_model: Any, eager_opt: Any, spec: Any, step: Any, seed: int, say: Any, fresh: Any, backend: str
+) -> tuple[bool, list[str], bool, Any]:
     """--check: 3 steps against eager, bitwise; where they differ, whether eager differs from
-    itself (a nondeterministic kernel), said if so. (match, mismatches, eager differs from itself)"""
+    itself (a nondeterministic kernel), said if so. A compiled backend: within a tolerance of
+    eager and a float64 reference. (match, mismatches, eager differs from itself, the tolerance result)"""
     import torch
 
     from remat.measurement.check import check_against_eager, eager_differs_from_itself
+    from remat.measurement.tolerance import check_within_tolerance
+
+    if backend != "eager":
+        say("checking 3 steps against eager PyTorch and a float64 reference ...")
+        tolerance = check_within_tolerance(train_step, eager_model, eager_opt, spec.model, spec.optimizer, step, spec.batch, steps=3, seed=seed)
+        say(tolerance.summary())
+        return tolerance.within, tolerance.failures, False, tolerance
 
     say("checking 3 steps against eager PyTorch ...")
     result = check_against_eager(train_step, eager_model, eager_opt, spec.model, spec.optimizer, step, spec.batch, steps=3, seed=seed)
@@ -100,7 +110,7 @@ def _check(train_step: Any, eager_model: Any, eager_opt: Any, spec: Any, step: A
             f"from the same state; first: {itself[0]}): a kernel is nondeterministic, so no comparison can be "
             "bitwise. Compare with --deterministic."
         )
-    return result.match, result.mismatches, bool(itself)
+    return result.match, result.mismatches, bool(itself), None
 
 
 def run_one(
@@ -108,19 +118,10 @@ def run_one(
     batch_size: int,
     budget: Any,
     *,
-    planner: str = DEFAULT_PLANNER,
-    optimizer: str = "sgd",
-    steps: int = 3,
-    pairs: int = 5,
-    check: bool = False,
-    device: str = "cpu",
-    seed: int = 0,
-    progress: bool = True,
-    deterministic: bool = False,
-    keep_grads: bool = False,
-    lean_ops: bool = True,
-    backend: str = "eager",
-) -> dict[str, Any]:
+    planner: str = DEFAULT_PLANNER, optimizer: str = "sgd", steps: int = 3, pairs: int = 5, check: bool = False,
+    device: str = "cpu", seed: int = 0, progress: bool = True, deterministic: bool = False, keep_grads: bool = False,
+    lean_ops: bool = True, backend: str = "eager",
+) -> dict[str, Any]:  # fmt: skip
     """Compile, optionally check, measure and time one configuration; the `--json` object."""
     import torch
     import torch.utils._pytree as pytree
@@ -159,20 +160,10 @@ def run_one(
         f"predicted peak {report.predicted_peak_bytes / GiB:.3f} GiB (no recomputation: {report.baseline_peak_bytes / GiB:.3f} GiB)"
     )
 
-    grads_match: bool | None = None
-    mismatches: list[str] = []
-    eager_nondeterministic = False
-    tolerance = None
-    if check and backend != "eager":
-        from remat.measurement.tolerance import check_within_tolerance
-
-        say("checking 3 steps against eager PyTorch and a float64 reference ...")
-        tolerance = check_within_tolerance(train_step, eager_model, eager_opt, spec.model, spec.optimizer, step, spec.batch, steps=3, seed=seed)
-        say(tolerance.summary())
-        grads_match, mismatches = tolerance.within, tolerance.failures
-    elif check:
+    grads_match, mismatches, eager_nondeterministic, tolerance = None, [], False, None
+    if check:
         fresh = lambda: load_workload(model, batch_size, optimizer, device, seed, zero_grad_first=keep_grads)  # noqa: E731
-        grads_match, mismatches, eager_nondeterministic = _check(train_step, eager_model, eager_opt, spec, step, seed, say, fresh)
+        grads_match, mismatches, eager_nondeterministic, tolerance = _check(train_step, eager_model, eager_opt, spec, step, seed, say, fresh, backend)
     else:
         step(spec.batch)  # the first step of a shape measures its peak
         train_step(eager_model, eager_opt, spec.batch)
@@ -227,13 +218,8 @@ def run_one(
         "updates_in_backward": bool(plan and plan.updates_in_backward), "updates_note": plan.updates_note if plan else "",
         "lean_ops": list(plan.lean_ops) if plan else [], "lean_ops_note": plan.meta.get("lean_ops_note", "") if plan else "",
         "grads_match": grads_match,
-        "backend": backend,
-        "regions": report.regions,
-        "region_splits": report.region_splits,
-        "tolerance": None if tolerance is None else {
-            "within": tolerance.within, "criterion": tolerance.criterion, "tensors_compared": tolerance.compared,
-            "largest_difference": tolerance.largest_difference, "largest_difference_at": tolerance.largest_where,
-        },
+        "backend": backend, "regions": report.regions, "region_splits": report.region_splits,
+        "tolerance": None if tolerance is None else tolerance.to_dict(),
         "mismatches": mismatches[:20],
         "eager_nondeterministic": eager_nondeterministic,
         "compile_seconds": report.compile_seconds,

@@ -37,6 +37,12 @@ class ToleranceResult:
     failures: list[str] = field(default_factory=list)
     criterion: str = CRITERION
 
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "within": self.within, "criterion": self.criterion, "tensors_compared": self.compared,
+            "largest_difference": self.largest_difference, "largest_difference_at": self.largest_where,
+        }  # fmt: skip
+
     def summary(self) -> str:
         head = "within tolerance of eager" if self.within else f"{len(self.failures)} tensors outside the tolerance"
         detail = f"largest |difference| from eager {self.largest_difference:.3g} ({self.largest_where})"

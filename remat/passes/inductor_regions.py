@@ -21,6 +21,7 @@ compiled step with eager under a tolerance.
 from __future__ import annotations
 
 import operator
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -30,7 +31,6 @@ import torch.fx
 
 from remat.capture.train_graph import Phase
 from remat.ops import op_facts
-from remat.progress import progress_bar
 
 RECOMPUTE = "recompute"
 MIN_OPS = 2  # a region of one op is left to eager: nothing to fuse, and a call's host cost to pay
@@ -93,14 +93,33 @@ def compilable(node: torch.fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and val.device.type in ("cpu", "cuda")
 
 
+def _written_by_out_calls(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The values an out= call writes into (lean variants), with the op that made each. They
+    stay eager's: the out= call was planned for the layout eager's kernel gives, and a buffer
+    of another layout (Inductor's) would make the kernel allocate a new one."""
+    written: set[torch.fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        for arg in node.target._schema.arguments:
+            out = node.kwargs.get(arg.name) if arg.is_out else None
+            if isinstance(out, torch.fx.Node):
+                base = op_facts.viewed_base(out)
+                written.add(base)
+                if op_facts.is_getitem(base):
+                    written.add(base.args[0])
+    return written
+
+
 def _runs(gm: torch.fx.GraphModule, kinds: dict[str, str], starts: set[str]) -> list[list[torch.fx.Node]]:
+    eager_made = _written_by_out_calls(gm)
     runs: list[list[torch.fx.Node]] = []
     run: list[torch.fx.Node] = []
     members: set[torch.fx.Node] = set()
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        joins = compilable(node) or (op_facts.is_getitem(node) and node.args[0] in members and _tensor_value(node))
+        joins = node not in eager_made and (compilable(node) or (op_facts.is_getitem(node) and node.args[0] in members and _tensor_value(node)))
         if joins and run and (kinds[node.name] != kinds[run[0].name] or node.name in starts) and not op_facts.is_getitem(node):
             runs.append(run)
             run, members = [], set()
@@ -122,11 +141,6 @@ def _is_view(node: torch.fx.Node) -> bool:
 def _box(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """The inputs of a region in a list the region empties (its own reference is the only one)."""
     return list(tensors)
-
-
-def _fresh_input(node: torch.fx.Node) -> torch.Tensor:
-    v = node.meta["val"]
-    return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
 
 
 def _region_module(owner: torch.fx.GraphModule, run: list[torch.fx.Node]) -> tuple[torch.fx.GraphModule, list[torch.fx.Node], list[torch.fx.Node], list[torch.fx.Node]]:
@@ -160,18 +174,58 @@ def _region_module(owner: torch.fx.GraphModule, run: list[torch.fx.Node]) -> tup
     return torch.fx.GraphModule(owner, graph), inputs, outputs, escaping_views
 
 
-def _inductor(sub: torch.fx.GraphModule, inputs: list[torch.fx.Node]) -> Callable[[list[torch.Tensor]], Any]:
+def _inductor(sub: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callable[[list[torch.Tensor]], Any]:
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    example = [_fresh_input(n) for n in inputs]
+    _keep_eager_layouts(sub, example)
     decomposed = make_fx(sub, decomposition_table=select_decomp_table(), tracing_mode="fake")(*example)
-    return compile_fx_inner(decomposed, example)
+    # Not Inductor's own choice of channels-last for convolutions: outputs in eager's layout.
+    with torch._inductor.config.patch(layout_optimization=False):
+        return compile_fx_inner(decomposed, example)
 
 
-def _call(compiled: Callable[[list[torch.Tensor]], Any], name: str) -> Callable[[list[torch.Tensor]], Any]:
-    def region(args: list[torch.Tensor]) -> Any:
+def _keep_eager_layouts(sub: torch.fx.GraphModule, example: list[torch.Tensor]) -> None:
+    """Make each output of the region in the layout eager's kernels give it. Inductor picks the
+    layout of an output it is not told, and a trace's strides can differ from a CPU kernel's,
+    while the ops after the region were planned with eager's: a mismatched layout makes the
+    next kernel copy its input (bytes the plan does not hold). Read from one eager run of the
+    region's own graph."""
+    from torch._inductor import inductor_prims
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
+
+    with torch.no_grad():
+        strides = [o.stride() if isinstance(o, torch.Tensor) and dense(o) else None for o in sub(*example)]
+    output = next(n for n in sub.graph.nodes if n.op == "output")
+    values = list(output.args[0])
+    with sub.graph.inserting_before(output):
+        for i, (value, stride) in enumerate(zip(values, strides)):
+            if stride is not None:  # Inductor picks the layout of an output it is not told (channels-last here and there)
+                values[i] = sub.graph.call_function(inductor_prims.force_stride_order, (value, list(stride)))
+    output.args = (tuple(values),)
+    sub.recompile()
+
+
+class _Compiled:
+    """A region's function, compiled at its first call with that call's inputs as the examples:
+    their real strides (a CPU kernel's output may be laid out otherwise than its trace says),
+    which Inductor's code then checks at every call."""
+
+    def __init__(self, sub: torch.fx.GraphModule, compiler: Callable[..., Any], region: Region):
+        self.sub, self.compiler, self.region = sub, compiler, region
+        self.fn: Callable[[list[torch.Tensor]], Any] | None = None
+
+    def __call__(self, args: list[torch.Tensor]) -> Any:
+        if self.fn is None:
+            start = time.perf_counter()
+            self.fn = self.compiler(self.sub, args)
+            self.region.compile_seconds = time.perf_counter() - start
+        return self.fn(args)
+
+
+def _call(compiled: _Compiled, name: str) -> Callable[[list[torch.Tensor]], Any]:
+    def region(args: list[torch.Tensor]) -> Any:  # fx's code calls functions
         return compiled(args)
 
     region.__name__ = region.__qualname__ = name
@@ -179,18 +233,17 @@ def _call(compiled: Callable[[list[torch.Tensor]], Any], name: str) -> Callable[
 
 
 def compile_regions(
-    gm: torch.fx.GraphModule, kinds: dict[str, str], starts: set[str] = frozenset(), compiler: Callable[..., Any] = _inductor, progress: bool = False
+    gm: torch.fx.GraphModule,
+    kinds: dict[str, str],
+    starts: set[str] = frozenset(),
+    compiler: Callable[..., Any] = _inductor,
+    compiled: dict[tuple[str, ...], _Compiled] | None = None,
 ) -> torch.fx.GraphModule:
     """A new module that runs `gm` with its regions compiled (`gm` is left as it was); a
-    region never runs across an op named in `starts`."""
+    region never runs across an op named in `starts`. Each region compiles at its first call;
+    `compiled` (by the region's ops) keeps them for a later cut of the same graph."""
     runs = _runs(gm, kinds, starts)
-    with progress_bar(progress, len(runs), "compiling regions") as advance:
-        return _with_regions(gm, kinds, runs, compiler, advance)
-
-
-def _with_regions(
-    gm: torch.fx.GraphModule, kinds: dict[str, str], runs: list[list[torch.fx.Node]], compiler: Callable[..., Any], advance: Callable[[str], None]
-) -> torch.fx.GraphModule:
+    compiled = {} if compiled is None else compiled
     first_of = {run[0]: i for i, run in enumerate(runs)}
     in_run = {n: i for i, run in enumerate(runs) for n in run}
     graph = torch.fx.Graph()
@@ -206,12 +259,13 @@ def _with_regions(
         run = runs[i]
         sub, inputs, outputs, views = _region_module(gm, run)
         name = f"region_{i}_{kinds[run[0].name]}"
-        start = time.perf_counter()
-        compiled = compiler(sub, inputs)
-        advance(f"compiled {name} ({len(run)} ops)")
+        key = tuple(n.name for n in run)
+        if key not in compiled:
+            compiled[key] = _Compiled(sub, compiler, Region(name, kinds[run[0].name], list(key)))
         box = graph.call_function(_box, tuple(env[a] for a in inputs), name=name + "_inputs")
-        call = graph.call_function(_call(compiled, name), (box,), name=name)
-        made.regions.append(Region(call.name, kinds[run[0].name], [n.name for n in run], time.perf_counter() - start))
+        call = graph.call_function(_call(compiled[key], name), (box,), name=name)
+        compiled[key].region.name = call.name
+        made.regions.append(compiled[key].region)
         for j, out in enumerate(outputs):
             env[out] = graph.call_function(operator.getitem, (call, j), name=out.name)
             env[out].meta = dict(out.meta)
@@ -243,24 +297,30 @@ def for_backend(
     bound_bytes: int | None = None,
     node_peaks: Callable[[torch.fx.GraphModule], dict[str, int]] | None = None,
     progress: bool = False,
+    compiler: Callable[..., Any] | None = None,
 ) -> torch.fx.GraphModule:
     """The module that runs `gm` on `backend`: `gm` itself on eager; on Inductor, `gm` with its
     regions compiled. Given `node_peaks` (a measured run: each node's peak of step memory),
     a region whose measured peak is over `bound_bytes` is split in two and the step compiled
     again, until the step's peak is within the bound or the region holding it is too small
-    to compile (its ops then run eagerly, as planned)."""
+    to compile (its ops then run eagerly, as planned). `compiler(region_module, input_nodes)`
+    returns a function of the boxed inputs (`_inductor` by default)."""
     if backend == "eager":
         return gm
     from remat.passes.rewriter import RECOMPUTED_SUFFIX
 
     kinds = node_kinds(gm, phase, {n.name for n in gm.graph.nodes if n.name.endswith(RECOMPUTED_SUFFIX)})
     starts: set[str] = set()
+    made_before: dict[tuple[str, ...], _Compiled] = {}
     while True:
-        compiled = compile_regions(gm, kinds, starts, progress=progress)
+        compiled = compile_regions(gm, kinds, starts, compiler=compiler or _inductor, compiled=made_before)
         made: Regions = compiled.meta["regions"]
         made.splits = len(starts)
         if node_peaks is None:
             return compiled
+        if progress:
+            print(f"remat: compiling {len(made.regions)} regions with Inductor ...", file=sys.stderr, flush=True)
+        node_peaks(compiled)  # the first run compiles the new regions: measured in the next
         peaks = node_peaks(compiled)
         at = max(peaks, key=peaks.__getitem__)
         made.measured_peak_bytes = peaks[at]
