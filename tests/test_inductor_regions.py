@@ -76,9 +76,10 @@ def test_inductor_step_is_within_tolerance_and_its_measured_peak_within_the_budg
     assert not snapshot_differences(before, model_snapshot(model))  # compiling changed nothing of the user's
     report = step.report
     assert report.backend == "inductor" and report.regions > 0 and report.num_recomputed > 0
-    result = check_within_tolerance(train_step, eager_model, eager_opt, model, opt, step, batch, steps=3)
+    result = check_within_tolerance(train_step, eager_model, eager_opt, model, opt, step, batch, steps=2, loss_steps=3)
     assert result.within, result.failures[:3]
-    assert result.compared >= 3 * 2 * len(list(model.parameters()))
+    assert result.compared >= 2 * 2 * len(list(model.parameters()))
+    assert len(result.losses) == 3 and result.largest_loss_difference < 1e-4
     assert report.measured_peak_bytes is not None and report.measured_peak_bytes <= report.budget_bytes
     # Dropout's masks come from eager's generator, replayed: the losses of a further step agree.
     torch.manual_seed(7)

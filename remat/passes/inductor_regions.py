@@ -80,16 +80,35 @@ def _tensor_value(node: torch.fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 
 
-def compilable(node: torch.fx.Node) -> bool:
-    """Whether Inductor may take this op into a region: a side-effect-free aten op on tensors."""
+# BatchNorm in training mode writes its running statistics in place. In a region it runs as
+# its functional form, which returns the new statistics, copied into the buffers right after
+# the region (nothing in between reads them: a buffer read by any other op keeps it eager).
+_BATCH_NORMS = (torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default)
+_RUNNING_STATS = (3, 4)  # running_mean, running_var
+
+
+def _functional_batch_norm(node: torch.fx.Node, kinds: dict[str, str]) -> bool:
+    """A BatchNorm whose statistics nothing else of its kind reads (its backward reads them,
+    unused in training, in another region: after the copy)."""
+    if node.target not in _BATCH_NORMS:
+        return False
+    stats = [node.args[i] for i in _RUNNING_STATS]
+    others = [u for s in stats if isinstance(s, torch.fx.Node) for u in s.users if u is not node]
+    return all(isinstance(s, torch.fx.Node) for s in stats) and all(kinds.get(u.name) != kinds[node.name] for u in others)
+
+
+def compilable(node: torch.fx.Node, kinds: dict[str, str]) -> bool:
+    """Whether Inductor may take this op into a region: an aten op on tensors with no side
+    effect, or one whose side effect is its running statistics (a BatchNorm)."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
-    if target.namespace != "aten" or target._schema.is_mutable or op_facts.is_random(node) or op_facts.written_args(node):
+    side_effect = op_facts.written_args(node) and not _functional_batch_norm(node, kinds)
+    if target.namespace != "aten" or target._schema.is_mutable or op_facts.is_random(node) or side_effect:
         return False
     val = node.meta.get("val")
-    if isinstance(val, (tuple, list)):
-        return all(isinstance(v, torch.Tensor) for v in val) and all(op_facts.is_getitem(u) for u in node.users)
+    if isinstance(val, (tuple, list)):  # a tuple (some None: outputs not asked for) read by getitem
+        return all(v is None or isinstance(v, torch.Tensor) for v in val) and all(op_facts.is_getitem(u) for u in node.users)
     return isinstance(val, torch.Tensor) and val.device.type in ("cpu", "cuda")
 
 
@@ -111,27 +130,45 @@ def _written_by_out_calls(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     return written
 
 
-def _runs(gm: torch.fx.GraphModule, kinds: dict[str, str], starts: set[str]) -> list[list[torch.fx.Node]]:
+@dataclass
+class _Run:
+    nodes: list[torch.fx.Node] = field(default_factory=list)
+    # In-place ops on a buffer nothing else reads (BatchNorm's batch count): run just before
+    # the region, so that they do not cut it in two.
+    hoisted: list[torch.fx.Node] = field(default_factory=list)
+
+    def compiles(self) -> bool:
+        return sum(1 for n in self.nodes if not op_facts.is_getitem(n) and not _is_view(n)) >= MIN_OPS
+
+
+def _hoistable(node: torch.fx.Node) -> bool:
+    written = op_facts.written_args(node)
+    return bool(written) and all(a.op == "placeholder" for a in node.all_input_nodes) and all(len(w.users) == 1 for w in written)
+
+
+def _runs(gm: torch.fx.GraphModule, kinds: dict[str, str], starts: set[str]) -> list[_Run]:
     eager_made = _written_by_out_calls(gm)
-    runs: list[list[torch.fx.Node]] = []
-    run: list[torch.fx.Node] = []
-    members: set[torch.fx.Node] = set()
+    runs: list[_Run] = []
+    run, members = _Run(), set()
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        joins = node not in eager_made and (compilable(node) or (op_facts.is_getitem(node) and node.args[0] in members and _tensor_value(node)))
-        if joins and run and (kinds[node.name] != kinds[run[0].name] or node.name in starts) and not op_facts.is_getitem(node):
+        joins = node not in eager_made and (
+            compilable(node, kinds) or (op_facts.is_getitem(node) and node.args[0] in members and _tensor_value(node))
+        )
+        if joins and run.nodes and (kinds[node.name] != kinds[run.nodes[0].name] or node.name in starts) and not op_facts.is_getitem(node):
             runs.append(run)
-            run, members = [], set()
+            run, members = _Run(), set()
         if joins:
-            run.append(node)
+            run.nodes.append(node)
             members.add(node)
-        elif run:
+        elif run.nodes and _hoistable(node):
+            run.hoisted.append(node)
+        elif run.nodes:
             runs.append(run)
-            run, members = [], set()
-    if run:
-        runs.append(run)
-    return [r for r in runs if sum(1 for n in r if not op_facts.is_getitem(n) and not _is_view(n)) >= MIN_OPS]
+            run, members = _Run(), set()
+    runs.append(run)
+    return [r for r in runs if r.compiles()]
 
 
 def _is_view(node: torch.fx.Node) -> bool:
@@ -143,9 +180,17 @@ def _box(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return list(tensors)
 
 
-def _region_module(owner: torch.fx.GraphModule, run: list[torch.fx.Node]) -> tuple[torch.fx.GraphModule, list[torch.fx.Node], list[torch.fx.Node], list[torch.fx.Node]]:
-    """The run as a graph of its own: its inputs, its tensor outputs, and its escaping views
-    (made again after the region from what they view)."""
+@dataclass
+class _RegionGraph:
+    module: torch.fx.GraphModule
+    inputs: list[torch.fx.Node]  # the outer graph's values it reads
+    outputs: list[torch.fx.Node]  # the outer graph's values it makes, its first outputs
+    views: list[torch.fx.Node]  # views of them read outside, made again after the region
+    writes: list[tuple[torch.fx.Node, int]]  # (buffer, output position): copied into the buffer after the region
+
+
+def _region_module(owner: torch.fx.GraphModule, run: list[torch.fx.Node]) -> _RegionGraph:
+    """The run as a graph of its own."""
     inside = set(run)
     escaping_views = [n for n in run if _is_view(n) and any(u not in inside for u in n.users)]
     graph = torch.fx.Graph()
@@ -159,19 +204,25 @@ def _region_module(owner: torch.fx.GraphModule, run: list[torch.fx.Node]) -> tup
             inputs.append(n)
         return env[n]
 
+    new_stats: list[tuple[torch.fx.Node, torch.fx.Node]] = []  # (buffer, its new value in the region)
     for node in run:
         for a in node.all_input_nodes:
             if a not in inside:
                 read(a)
         env[node] = graph.node_copy(node, lambda a: env[a])
+        if op_facts.written_args(node):  # a BatchNorm: its functional form (compilable says which)
+            env[node].target = torch.ops.aten._native_batch_norm_legit_functional.default
+            for k, i in enumerate(_RUNNING_STATS):
+                new_stats.append((node.args[i], graph.call_function(operator.getitem, (env[node], 3 + k))))
     outputs: list[torch.fx.Node] = []
     for node in run:
         needed = [u for u in node.users if u not in inside] if node not in escaping_views else []
         needed_by_views = any(v.args[0] is node for v in escaping_views)
         if (needed or needed_by_views) and node not in escaping_views and node not in outputs:
             outputs.append(node)
-    graph.output(tuple(env[o] for o in outputs))
-    return torch.fx.GraphModule(owner, graph), inputs, outputs, escaping_views
+    graph.output(tuple(env[o] for o in outputs) + tuple(new for _, new in new_stats))
+    writes = [(buffer, len(outputs) + k) for k, (buffer, _) in enumerate(new_stats)]
+    return _RegionGraph(torch.fx.GraphModule(owner, graph), inputs, outputs, escaping_views, writes)
 
 
 def _inductor(sub: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callable[[list[torch.Tensor]], Any]:
@@ -244,8 +295,8 @@ def compile_regions(
     `compiled` (by the region's ops) keeps them for a later cut of the same graph."""
     runs = _runs(gm, kinds, starts)
     compiled = {} if compiled is None else compiled
-    first_of = {run[0]: i for i, run in enumerate(runs)}
-    in_run = {n: i for i, run in enumerate(runs) for n in run}
+    first_of = {run.nodes[0]: i for i, run in enumerate(runs)}
+    in_run = {n: i for i, run in enumerate(runs) for n in run.nodes + run.hoisted}
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     made = Regions()
@@ -257,20 +308,24 @@ def compile_regions(
             continue
         i = first_of[node]
         run = runs[i]
-        sub, inputs, outputs, views = _region_module(gm, run)
-        name = f"region_{i}_{kinds[run[0].name]}"
-        key = tuple(n.name for n in run)
+        for op in run.hoisted:
+            env[op] = graph.node_copy(op, lambda a: env[a])
+        region = _region_module(gm, run.nodes)
+        name = f"region_{i}_{kinds[run.nodes[0].name]}"
+        key = tuple(n.name for n in run.nodes)
         if key not in compiled:
-            compiled[key] = _Compiled(sub, compiler, Region(name, kinds[run[0].name], list(key)))
-        box = graph.call_function(_box, tuple(env[a] for a in inputs), name=name + "_inputs")
+            compiled[key] = _Compiled(region.module, compiler, Region(name, kinds[node.name], list(key)))
+        box = graph.call_function(_box, tuple(env[a] for a in region.inputs), name=name + "_inputs")
         call = graph.call_function(_call(compiled[key], name), (box,), name=name)
         compiled[key].region.name = call.name
         made.regions.append(compiled[key].region)
-        for j, out in enumerate(outputs):
+        for j, out in enumerate(region.outputs):
             env[out] = graph.call_function(operator.getitem, (call, j), name=out.name)
             env[out].meta = dict(out.meta)
-        for view in views:
+        for view in region.views:
             env[view] = graph.node_copy(view, lambda a: env[a])
+        for buffer, j in region.writes:
+            graph.call_function(torch.ops.aten.copy_.default, (env[buffer], graph.call_function(operator.getitem, (call, j))))
     new = torch.fx.GraphModule(gm, graph)
     new.meta["regions"] = made
     return new
