@@ -26,6 +26,16 @@ def _mlp(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
     return model, optimizer, batch
 
 
+def _conv_bn(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
+    """BatchNorm in training mode: its statistics written in place, and its batch count."""
+    torch.manual_seed(seed)
+    blocks = [nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()) for _ in range(4)]
+    model = nn.Sequential(*blocks, nn.Flatten(), nn.Linear(8 * 8 * 8, 5))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batch = {"x": torch.randn(16, 8, 8, 8), "y": torch.randint(0, 5, (16,))}
+    return model, optimizer, batch
+
+
 def train_step(model, optimizer, batch):
     optimizer.zero_grad()
     loss = nn.functional.cross_entropy(model(batch["x"]), batch["y"])
@@ -45,13 +55,14 @@ def _runs_python(sub, inputs):
     return run
 
 
-def test_regions_run_by_a_plain_compiler_are_bitwise_and_recompute_in_the_backward_pass(monkeypatch):
-    """The cutting, boxing and re-made views alone: with regions that run their own graph,
-    the step must stay bitwise equal to eager."""
+@pytest.mark.parametrize("make, budget", [(_mlp, 0.4), (_conv_bn, 0.7)], ids=["mlp-dropout-layernorm", "conv-batchnorm"])
+def test_regions_run_by_a_plain_compiler_are_bitwise_and_recompute_in_the_backward_pass(monkeypatch, make, budget):
+    """The cutting, boxing, re-made views and BatchNorm's statistics copied after the region
+    alone: with regions that run their own graph, the step must stay bitwise equal to eager."""
     monkeypatch.setattr(inductor_regions, "_inductor", _runs_python)
-    model, opt, batch = _mlp()
+    model, opt, batch = make()
     eager_model, eager_opt = twin(model, opt)
-    step = remat.compile(train_step, model, opt, batch, memory_budget=0.4, backend="inductor")
+    step = remat.compile(train_step, model, opt, batch, memory_budget=budget, backend="inductor")
     compiled = step.graph_module
     made = compiled.meta["regions"]
     assert made.regions and any(r.kind == RECOMPUTE for r in made.regions)
@@ -64,6 +75,8 @@ def test_regions_run_by_a_plain_compiler_are_bitwise_and_recompute_in_the_backwa
         if region.kind == RECOMPUTE:
             assert order.index(region.name) > last_forward
     assert step.report.num_recomputed > 0 and step.report.regions == len(made.regions)
+    if make is _conv_bn:  # the whole forward pass is one region: BatchNorm and its batch count do not cut it
+        assert [r.kind for r in made.regions].count("forward") == 1
     result = check_against_eager(train_step, eager_model, eager_opt, model, opt, step, batch, steps=3)
     assert result.match, result.mismatches[:5]
 

@@ -48,7 +48,8 @@ def configure_bench(p: argparse.ArgumentParser) -> None:
         "--baselines",
         default="hf,sequential",
         metavar="NAME,...",
-        help=f"from: {', '.join(BASELINES)}, or none (default: hf,sequential; compile runs at each budget)",
+        help=f"from: {', '.join(BASELINES)}, or none (default: hf,sequential; compile and remat-inductor run at each budget; "
+        "compile at budget 1 is torch.compile without checkpointing)",
     )
     p.add_argument("--optimizer", default="sgd", metavar="NAME", help=f"one of: {', '.join(OPTIMIZER_NAMES)} (default: sgd)")
     p.add_argument("--planner", default=DEFAULT_PLANNER, help=f"remat planner (default: {DEFAULT_PLANNER})")
@@ -82,8 +83,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if unknown:
             raise UsageError(f"unknown baseline {unknown[0]!r}; available baselines: {', '.join(BASELINES)}")
         budgets = _fractions(args.budgets)
-        if "compile" in baselines and not [b for b in budgets if not isinstance(b, str)]:
-            raise UsageError("the compile baseline runs at remat's budgets: give --budgets")
+        for at_budgets in ("compile", "remat-inductor"):
+            if at_budgets in baselines and not [b for b in budgets if not isinstance(b, str)]:
+                raise UsageError(f"{at_budgets} runs at remat's budgets: give --budgets with fractions")
         out = Path(args.out) if args.out else Path("runs") / f"bench-{args.model}"
         files = bench(
             args.model,

@@ -11,7 +11,11 @@ which the benchmark records as a result rather than a crash.
 - `sequential`: `torch.utils.checkpoint.checkpoint_sequential` with √n segments over the
   model's block sequence (`block_sequence`);
 - `compile`: `torch.compile` (inductor) with
-  `torch._functorch.config.activation_memory_budget`; its times include kernel fusion.
+  `torch._functorch.config.activation_memory_budget`; its times include kernel fusion
+  (at budget 1: torch.compile without checkpointing);
+- `hf-compile`: Hugging Face's per-block checkpointing under `torch.compile`.
+
+(`remat-inductor` in a bench's list is remat itself with `backend="inductor"`, at each budget.)
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from remat.models import LossFn, make_train_step
 
 TrainStep = Callable[[nn.Module, Any, Any], torch.Tensor]
 
-BASELINES: tuple[str, ...] = ("hf", "sequential", "compile")
+BASELINES: tuple[str, ...] = ("hf", "sequential", "compile", "hf-compile", "remat-inductor")
 
 
 class NotSupported(RematError):
@@ -178,4 +182,7 @@ def make_baseline(name: str, model: nn.Module, loss_fn: LossFn, budget: float | 
         if budget is None:
             raise ValueError("the compile baseline needs a budget fraction")
         return compiled_checkpointing(model, loss_fn, budget, **kw)
+    if name == "hf-compile":
+        hf_checkpointing(model, loss_fn)
+        return compiled_checkpointing(model, loss_fn, 1.0, **kw)
     raise ValueError(f"unknown baseline {name!r}; available baselines: {', '.join(BASELINES)}")

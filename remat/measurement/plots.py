@@ -16,7 +16,10 @@ if TYPE_CHECKING:  # annotations only: the frontier's files import this module t
 
 
 # Method names: "eager", "remat@0.5", "hf", "sequential", "compile@0.5".
-METHOD_COLORS = {"eager": "#4c72b0", "remat": "#c44e52", "hf": "#55a868", "sequential": "#dd8452", "compile": "#8172b3"}
+METHOD_COLORS = {
+    "eager": "#4c72b0", "remat": "#c44e52", "remat-inductor": "#e377c2", "hf": "#55a868", "sequential": "#dd8452", "compile": "#8172b3",
+    "hf-compile": "#8c564b",
+}  # fmt: skip
 
 
 METHOD_LABELS = {
@@ -25,6 +28,8 @@ METHOD_LABELS = {
     "hf": "HF gradient_checkpointing_enable()",
     "sequential": "checkpoint_sequential (√n)",
     "compile": "torch.compile + activation_memory_budget",
+    "remat-inductor": "remat, regions compiled by Inductor",
+    "hf-compile": "HF checkpointing under torch.compile",
 }
 
 
@@ -201,7 +206,7 @@ def plot_tradeoff(doc: dict[str, Any], path: Path) -> Path:
     cols = min(n, 4)
     rows = math.ceil(n / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 4.2 * rows + 0.8), squeeze=False)
-    markers = {"eager": "s", "remat": "o", "hf": "^", "sequential": "D", "compile": "P"}
+    markers = {"eager": "s", "remat": "o", "remat-inductor": "*", "hf": "^", "sequential": "D", "compile": "P", "hf-compile": "v"}
     seen: dict[str, Any] = {}
     for k, b in enumerate(sizes):
         ax = axes[k // cols][k % cols]

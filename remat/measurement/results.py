@@ -20,7 +20,7 @@ RESULTS_VERSION = 1
 
 @dataclass(frozen=True)
 class Method:
-    kind: str  # eager, remat, hf, sequential, compile
+    kind: str  # eager, remat, remat-inductor, hf, sequential, compile, hf-compile
     budget: float | str | None = None  # a fraction; "min": the smallest peak its planner reaches; "=hf": hf's measured peak
 
     @property
@@ -31,11 +31,12 @@ class Method:
 
 
 def methods_for(budgets: list[float | str], baselines: list[str]) -> list[Method]:
-    """Eager first, then remat at each budget, then the baselines (compile at each fraction)."""
+    """Eager first, then remat at each budget, then the baselines (compile and remat-inductor
+    at each fraction)."""
     out = [Method("eager")] + [Method("remat", b) for b in budgets]
     for name in baselines:
-        if name == "compile":
-            out += [Method("compile", b) for b in budgets if not isinstance(b, str)]
+        if name in ("compile", "remat-inductor"):
+            out += [Method(name, b) for b in budgets if not isinstance(b, str)]
         else:
             out.append(Method(name))
     return out
@@ -101,7 +102,7 @@ class Results:
 
 
 def _method_order(name: str) -> tuple[int, float]:
-    order = ["eager", "remat", "hf", "sequential", "compile"]
+    order = ["eager", "remat", "remat-inductor", "hf", "sequential", "compile", "hf-compile"]
     kind = method_kind(name)
     tail = name.split("@")[1] if "@" in name else "0"
     budget = float(tail) if tail.replace(".", "", 1).isdigit() else (-1.0 if tail == "min" else -2.0)  # then min, then =baseline

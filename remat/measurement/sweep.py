@@ -160,7 +160,7 @@ def _method_step(
     import remat
     from remat.measurement.baselines import make_baseline
 
-    if m.kind == "remat":
+    if m.kind in ("remat", "remat-inductor"):
         budget = m.budget
         if budget == "min":
             budget = smallest_reachable_peak(prof, spec, spec.optimizer, spec.train_step, planner)
@@ -173,7 +173,8 @@ def _method_step(
                 raise ValueError(f"budget {budget}: no measured peak of {budget[1:]!r} at batch {batch_size} in the results yet")
             budget = int(other["peak_bytes"])
             rec["notes"] = f"planned at {m.budget[1:]}'s measured peak: {budget / MiB:,.1f} MiB"
-        step = remat.compile(spec.train_step, mm, mo, spec.batch, memory_budget=budget, planner=planner, profile_cache=profile_cache)
+        backend = "inductor" if m.kind == "remat-inductor" else "eager"
+        step = remat.compile(spec.train_step, mm, mo, spec.batch, memory_budget=budget, planner=planner, profile_cache=profile_cache, backend=backend)
         rep = step.report
         rec.update(
             predicted_peak_bytes=rep.predicted_peak_bytes,

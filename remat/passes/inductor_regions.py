@@ -133,17 +133,26 @@ def _written_by_out_calls(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
 @dataclass
 class _Run:
     nodes: list[torch.fx.Node] = field(default_factory=list)
-    # In-place ops on a buffer nothing else reads (BatchNorm's batch count): run just before
-    # the region, so that they do not cut it in two.
+    # Ops that read nothing the region makes and that nothing else depends on in order: an
+    # in-place op on a buffer nothing else reads (BatchNorm's batch count), arithmetic on
+    # Python numbers (an update's step size). Run just before the region, they do not cut it.
     hoisted: list[torch.fx.Node] = field(default_factory=list)
 
     def compiles(self) -> bool:
         return sum(1 for n in self.nodes if not op_facts.is_getitem(n) and not _is_view(n)) >= MIN_OPS
 
 
-def _hoistable(node: torch.fx.Node) -> bool:
+def _hoistable(node: torch.fx.Node, members: set[torch.fx.Node]) -> bool:
+    if any(a in members for a in node.all_input_nodes) or op_facts.is_random(node):
+        return False
     written = op_facts.written_args(node)
-    return bool(written) and all(a.op == "placeholder" for a in node.all_input_nodes) and all(len(w.users) == 1 for w in written)
+    if written:
+        return all(a.op == "placeholder" for a in node.all_input_nodes) and all(len(w.users) == 1 for w in written)
+    if isinstance(node.meta.get("val"), (torch.Tensor, tuple, list)):
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):  # a tensor's number (_local_scalar_dense)
+        return not node.target._schema.is_mutable
+    return getattr(node.target, "__module__", None) in ("_operator", "math", "builtins")  # Python arithmetic
 
 
 def _runs(gm: torch.fx.GraphModule, kinds: dict[str, str], starts: set[str]) -> list[_Run]:
@@ -162,7 +171,7 @@ def _runs(gm: torch.fx.GraphModule, kinds: dict[str, str], starts: set[str]) -> 
         if joins:
             run.nodes.append(node)
             members.add(node)
-        elif run.nodes and _hoistable(node):
+        elif run.nodes and _hoistable(node, members):
             run.hoisted.append(node)
         elif run.nodes:
             runs.append(run)
@@ -232,17 +241,18 @@ def _inductor(sub: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callabl
 
     _keep_eager_layouts(sub, example)
     decomposed = make_fx(sub, decomposition_table=select_decomp_table(), tracing_mode="fake")(*example)
-    # Not Inductor's own choice of channels-last for convolutions: outputs in eager's layout.
-    with torch._inductor.config.patch(layout_optimization=False):
-        return compile_fx_inner(decomposed, example)
+    # Every output is one the user sees: Inductor keeps the strides it was traced with (those
+    # forced above) and picks its own layouts (channels-last convolutions) only inside.
+    output = next(n for n in decomposed.graph.nodes if n.op == "output")
+    output.meta["user_visible_output_idxs"] = list(range(len(output.args[0])))
+    return compile_fx_inner(decomposed, example)
 
 
 def _keep_eager_layouts(sub: torch.fx.GraphModule, example: list[torch.Tensor]) -> None:
-    """Make each output of the region in the layout eager's kernels give it. Inductor picks the
-    layout of an output it is not told, and a trace's strides can differ from a CPU kernel's,
-    while the ops after the region were planned with eager's: a mismatched layout makes the
-    next kernel copy its input (bytes the plan does not hold). Read from one eager run of the
-    region's own graph."""
+    """Make each output of the region in the layout eager's kernels give it: a trace's strides
+    can differ from a CPU kernel's, and the ops after the region were planned with eager's
+    (a mismatched layout makes the next kernel copy its input: bytes the plan does not hold).
+    Read from one eager run of the region's own graph."""
     from torch._inductor import inductor_prims
     from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
 
