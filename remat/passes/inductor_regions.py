@@ -20,6 +20,7 @@ compiled step with eager under a tolerance.
 
 from __future__ import annotations
 
+import functools
 import operator
 import sys
 import time
@@ -97,12 +98,38 @@ def _functional_batch_norm(node: torch.fx.Node, kinds: dict[str, str]) -> bool:
     return all(isinstance(s, torch.fx.Node) for s in stats) and all(kinds.get(u.name) != kinds[node.name] for u in others)
 
 
+@functools.lru_cache(maxsize=None)
+def functional_overload(target: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The overload of an out= op that returns its result instead (threshold_backward.grad_input:
+    threshold_backward.default), or None."""
+    wanted = [(a.name, str(a.type)) for a in target._schema.arguments if not a.is_out]
+    for name in target.overloadpacket.overloads():
+        op = getattr(target.overloadpacket, name)
+        if not op._schema.is_mutable and [(a.name, str(a.type)) for a in op._schema.arguments] == wanted:
+            return op
+    return None
+
+
+def _out_names(node: torch.fx.Node) -> list[str]:
+    """The names of the out= arguments this call passes (a lean variant writing into a dying input)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return []
+    return [a.name for a in node.target._schema.arguments if a.is_out and a.name in node.kwargs]
+
+
 def compilable(node: torch.fx.Node, kinds: dict[str, str]) -> bool:
     """Whether Inductor may take this op into a region: an aten op on tensors with no side
-    effect, or one whose side effect is its running statistics (a BatchNorm)."""
+    effect, one whose side effect is its running statistics (a BatchNorm), or an out= call
+    that has a functional form (a lean variant: in a region, Inductor places the buffers)."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
+    if not all(_tensor_value(a) for a in node.all_input_nodes):
+        # A Python number made at run time (an update's bias correction from its step count):
+        # a region traced with it would keep the first value as a constant.
+        return False
+    if _out_names(node):
+        return target.namespace == "aten" and functional_overload(target) is not None and not op_facts.is_random(node)
     side_effect = op_facts.written_args(node) and not _functional_batch_norm(node, kinds)
     if target.namespace != "aten" or target._schema.is_mutable or op_facts.is_random(node) or side_effect:
         return False
@@ -112,16 +139,16 @@ def compilable(node: torch.fx.Node, kinds: dict[str, str]) -> bool:
     return isinstance(val, torch.Tensor) and val.device.type in ("cpu", "cuda")
 
 
-def _written_by_out_calls(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+def _written_by_out_calls(gm: torch.fx.GraphModule, compiled: set[torch.fx.Node]) -> set[torch.fx.Node]:
     """The values an out= call writes into (lean variants), with the op that made each. They
     stay eager's: the out= call was planned for the layout eager's kernel gives, and a buffer
     of another layout (Inductor's) would make the kernel allocate a new one."""
     written: set[torch.fx.Node] = set()
     for node in gm.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        if node in compiled:  # in a region: its functional form, which writes into nothing
             continue
-        for arg in node.target._schema.arguments:
-            out = node.kwargs.get(arg.name) if arg.is_out else None
+        for name in _out_names(node):
+            out = node.kwargs[name]
             if isinstance(out, torch.fx.Node):
                 base = op_facts.viewed_base(out)
                 written.add(base)
@@ -156,7 +183,18 @@ def _hoistable(node: torch.fx.Node, members: set[torch.fx.Node]) -> bool:
 
 
 def _runs(gm: torch.fx.GraphModule, kinds: dict[str, str], starts: set[str]) -> list[_Run]:
-    eager_made = _written_by_out_calls(gm)
+    """The regions: cut, then cut again while an out= call left outside every region writes
+    into a value a region would make (that value must then be eager's)."""
+    eager_made: set[torch.fx.Node] = set()
+    while True:
+        runs = _cut(gm, kinds, starts, eager_made)
+        more = _written_by_out_calls(gm, {n for r in runs for n in r.nodes}) - eager_made
+        if not more:
+            return runs
+        eager_made |= more
+
+
+def _cut(gm: torch.fx.GraphModule, kinds: dict[str, str], starts: set[str], eager_made: set[torch.fx.Node]) -> list[_Run]:
     runs: list[_Run] = []
     run, members = _Run(), set()
     for node in gm.graph.nodes:
@@ -189,6 +227,12 @@ def _box(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return list(tensors)
 
 
+def _nodes_in(args: Any) -> list[torch.fx.Node]:
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg(args, found.append)
+    return found
+
+
 @dataclass
 class _RegionGraph:
     module: torch.fx.GraphModule
@@ -215,11 +259,19 @@ def _region_module(owner: torch.fx.GraphModule, run: list[torch.fx.Node]) -> _Re
 
     new_stats: list[tuple[torch.fx.Node, torch.fx.Node]] = []  # (buffer, its new value in the region)
     for node in run:
-        for a in node.all_input_nodes:
+        outs = _out_names(node)
+        kwargs = {k: v for k, v in node.kwargs.items() if k not in outs}
+        for a in _nodes_in((node.args, kwargs)):
             if a not in inside:
                 read(a)
-        env[node] = graph.node_copy(node, lambda a: env[a])
-        if op_facts.written_args(node):  # a BatchNorm: its functional form (compilable says which)
+        if outs:  # a lean variant: its functional form
+            env[node] = graph.create_node(
+                "call_function", functional_overload(node.target), *torch.fx.node.map_arg((node.args, kwargs), lambda a: env[a]), name=node.name
+            )
+            env[node].meta = dict(node.meta)
+        else:
+            env[node] = graph.node_copy(node, lambda a: env[a])
+        if not outs and op_facts.written_args(node):  # a BatchNorm: its functional form (compilable says which)
             env[node].target = torch.ops.aten._native_batch_norm_legit_functional.default
             for k, i in enumerate(_RUNNING_STATS):
                 new_stats.append((node.args[i], graph.call_function(operator.getitem, (env[node], 3 + k))))
