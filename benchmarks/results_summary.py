@@ -104,6 +104,17 @@ def _trainer(doc: dict[str, Any]) -> str:
     )
 
 
+def _regions(doc: dict[str, Any]) -> str:
+    ratio = doc["activation_peak_bytes_measured"] / doc["eager_activation_peak_bytes"]
+    off = doc["peak_bytes_measured"] - doc["predicted_peak_bytes"]
+    tol = doc["tolerance"] or {}
+    return (
+        f"{doc['model']} batch {doc['batch_size']} at {doc['budget']}, {doc['regions']} regions: {ratio:.2f}× of eager's activation "
+        f"peak (measured {'=' if off == 0 else f'{off:+,} B from'} predicted) at {doc['overhead_ratio']:.2f}× eager's time; "
+        f"within tolerance: {'yes' if tol.get('within') else 'no'}"
+    )
+
+
 def _gpu(doc: dict[str, Any]) -> str:
     return (
         f"BERT-base batch {doc['batch_size']} at {doc['budget']} ({doc['planner']}): measured peak "
@@ -128,6 +139,10 @@ ROWS: list[tuple[str, str, Callable[[Any], str], str | None, str]] = [
     ("Multi-tensor optimizers", "docs/update-buckets/update_buckets.json", _buckets,
      "python benchmarks/update_buckets.py --models bert-tiny --batch-size 1 --budget 0.6 --pairs 21", CPU),
     ("Hugging Face Trainer", "docs/trainer/trainer.json", _trainer, None, CPU),
+    ("Compiled regions (Inductor)", "docs/inductor/resnet152-b4-0.3.json", _regions,
+     "remat run --model resnet152 --batch-size 4 --budget 0.3 --backend inductor --check --pairs 5 --json", CPU),
+    ("", "docs/inductor/bert-b8-0.33.json", _regions,
+     "remat run --model bert --batch-size 8 --budget 0.33 --backend inductor --check --pairs 5 --json", CPU),
     ("On a GPU", "docs/cuda/run-bert-b32-0.5-det.json", _gpu, "benchmarks/cuda_runs.sh", "NVIDIA H100, torch 2.11"),
 ]  # fmt: skip
 

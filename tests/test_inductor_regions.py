@@ -26,10 +26,24 @@ def _mlp(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
     return model, optimizer, batch
 
 
+class _Residual(nn.Module):
+    """A ResNet block as torchvision writes it: an in-place ReLU and `out += identity`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn, self.relu = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn(self.conv(x))
+        out += x
+        return self.relu(out)
+
+
 def _conv_bn(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
-    """BatchNorm in training mode: its statistics written in place, and its batch count."""
+    """BatchNorm in training mode (its statistics and batch count written in place), in-place
+    activations, and SGD's momentum buffers updated in place."""
     torch.manual_seed(seed)
-    blocks = [nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()) for _ in range(4)]
+    blocks = [_Residual() for _ in range(4)]
     model = nn.Sequential(*blocks, nn.Flatten(), nn.Linear(8 * 8 * 8, 5))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     batch = {"x": torch.randn(16, 8, 8, 8), "y": torch.randint(0, 5, (16,))}

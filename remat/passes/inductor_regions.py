@@ -110,6 +110,31 @@ def functional_overload(target: torch._ops.OpOverload) -> torch._ops.OpOverload 
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _out_of_place(target: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """add_.Tensor's add.Tensor: the same op returning a new tensor, or None."""
+    name = target.overloadpacket.__name__
+    packet = getattr(torch.ops.aten, name[:-1], None) if name.endswith("_") else None
+    op = getattr(packet, target._overloadname, None) if packet is not None else None
+    return op if op is not None and not op._schema.is_mutable else None
+
+
+def _private_in_place(node: torch.fx.Node) -> torch._ops.OpOverload | None:
+    """The out-of-place form of an in-place op on an activation nothing else reads (a residual's
+    `out += identity`, an in-place ReLU): in a region, nothing can tell the two apart."""
+    written = op_facts.written_args(node)
+    if len(written) != 1 or not node.args or written[0] is not node.args[0]:
+        return None
+    w = written[0]
+    made_by = w.args[0] if op_facts.is_getitem(w) else w
+    if made_by.op != "call_function" or not isinstance(made_by.target, torch._ops.OpOverload) or _is_view(made_by):
+        return None
+    # Made fresh, or by an in-place op on such an activation (`relu_` after `+=`); never an
+    # in-place result on another tensor's storage (a momentum buffer's).
+    fresh = not made_by.target._schema.is_mutable or _private_in_place(made_by) is not None
+    return _out_of_place(node.target) if fresh and set(w.users) == {node} else None
+
+
 def _out_names(node: torch.fx.Node) -> list[str]:
     """The names of the out= arguments this call passes (a lean variant writing into a dying input)."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
@@ -130,6 +155,8 @@ def compilable(node: torch.fx.Node, kinds: dict[str, str]) -> bool:
         return False
     if _out_names(node):
         return target.namespace == "aten" and functional_overload(target) is not None and not op_facts.is_random(node)
+    if target._schema.is_mutable and target.namespace == "aten" and not op_facts.is_random(node) and _private_in_place(node) is not None:
+        return True
     side_effect = op_facts.written_args(node) and not _functional_batch_norm(node, kinds)
     if target.namespace != "aten" or target._schema.is_mutable or op_facts.is_random(node) or side_effect:
         return False
@@ -271,6 +298,9 @@ def _region_module(owner: torch.fx.GraphModule, run: list[torch.fx.Node]) -> _Re
             env[node].meta = dict(node.meta)
         else:
             env[node] = graph.node_copy(node, lambda a: env[a])
+            if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
+                env[node].target = _private_in_place(node)  # an in-place op on a private activation
+                continue
         if not outs and op_facts.written_args(node):  # a BatchNorm: its functional form (compilable says which)
             env[node].target = torch.ops.aten._native_batch_norm_legit_functional.default
             for k, i in enumerate(_RUNNING_STATS):
