@@ -188,8 +188,8 @@ def _ema_in_place(i, m, o):
 
 
 def _dropout_schedule(i, m, o):
-    """Dropout lowered every two steps, by setting each nn.Dropout's p (a plain attribute)."""
-    if i % 2 == 1:
+    """Dropout lowered after the third step, by setting each nn.Dropout's p (a plain attribute)."""
+    if i == 2:
         for module in m.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = max(0.0, module.p - 0.05)
