@@ -17,9 +17,9 @@ from remat.passes.inductor_regions import RECOMPUTE
 from remat.passes.rewriter import RECOMPUTED_SUFFIX
 
 
-def _mlp(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
+def _mlp(seed: int = 0, depth: int = 6) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
     torch.manual_seed(seed)
-    layers = [nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Dropout(0.1), nn.LayerNorm(64)) for _ in range(6)]
+    layers = [nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Dropout(0.1), nn.LayerNorm(64)) for _ in range(depth)]
     model = nn.Sequential(*layers, nn.Linear(64, 5))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batch = {"x": torch.randn(128, 64), "y": torch.randint(0, 5, (128,))}
@@ -96,7 +96,7 @@ def test_regions_run_by_a_plain_compiler_are_bitwise_and_recompute_in_the_backwa
 
 
 def test_inductor_step_is_within_tolerance_and_its_measured_peak_within_the_budget():
-    model, opt, batch = _mlp(1)
+    model, opt, batch = _mlp(1, depth=4)
     eager_model, eager_opt = twin(model, opt)
     before = model_snapshot(model)
     step = remat.compile(train_step, model, opt, batch, memory_budget=0.4, backend="inductor")
