@@ -201,7 +201,16 @@ def test_random_models_train_bitwise_like_eager_within_budget(spec: RandomSpec) 
     check_example(spec, steps=3)
 
 
-def test_a_random_factory_op_copied_into_the_backward_pass_draws_what_it_drew() -> None:
+def test_a_random_factory_op_copied_into_the_backward_pass_draws_what_it_drew(monkeypatch) -> None:
+    # Every node priced alike: which plan the planner picks among those at the reachable
+    # peak must not hang on this machine's timings (under load it once kept the draw).
+    import numpy as np
+
+    from remat.profile import profiler
+
+    timed = profiler._time_run_cpu
+    monkeypatch.setattr(profiler, "_time_run_cpu", lambda runner, inputs, check_layout=False: (
+        timed(runner, inputs, check_layout=check_layout), np.full(runner.num_ops, 1e-5))[1])
     outcome = check_example(RANDOM_FACTORY_REPLAYED, steps=3)
     assert outcome.replayed > 0, outcome
 
