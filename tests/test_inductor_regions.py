@@ -96,10 +96,10 @@ def test_regions_run_by_a_plain_compiler_are_bitwise_and_recompute_in_the_backwa
 
 
 def test_inductor_step_is_within_tolerance_and_its_measured_peak_within_the_budget():
-    model, opt, batch = _mlp(1, depth=4)
+    model, opt, batch = _mlp(1, depth=3)
     eager_model, eager_opt = twin(model, opt)
     before = model_snapshot(model)
-    step = remat.compile(train_step, model, opt, batch, memory_budget=0.4, backend="inductor")
+    step = remat.compile(train_step, model, opt, batch, memory_budget=0.5, backend="inductor")
     assert not snapshot_differences(before, model_snapshot(model))  # compiling changed nothing of the user's
     report = step.report
     assert report.backend == "inductor" and report.regions > 0 and report.num_recomputed > 0
