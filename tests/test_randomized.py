@@ -39,7 +39,7 @@ from tests.support.random_models import (
     reuse_profiles,
 )
 
-CI_EXAMPLES = 15  # the suite stays under 10 minutes; benchmarks/long_randomized.py runs thousands
+CI_EXAMPLES = 10  # the suite stays under 10 minutes; benchmarks/long_randomized.py runs thousands
 CI_MAX_OPS = 10
 
 # Minimal models of the failures the randomized runs found (see docs/RESULTS.md).
