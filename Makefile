@@ -17,11 +17,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
-# --no-compile: Python compiles what it imports when it first imports it, not the thousands
-# of modules torch and transformers ship (half the install's time).
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --no-compile -c constraints.txt -e '.[test]'
+	$(VENV)/bin/pip install -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 # Build outputs and caches; keeps .venv (reinstalling torch is slow).
