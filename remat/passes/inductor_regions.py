@@ -57,14 +57,10 @@ class Regions:
     def ops(self) -> int:
         return sum(len(r.ops) for r in self.regions)
 
-    @property
-    def compile_seconds(self) -> float:
-        return sum(r.compile_seconds for r in self.regions)
-
 
 def node_kinds(gm: torch.fx.GraphModule, phase: dict[str, Phase], copies: set[str]) -> dict[str, str]:
-    """Each call_function node's kind: RECOMPUTE for a copy, else its phase (None-free: a node
-    of no phase, added by a pass, is of the kind of the ops after it, as the rewriter does)."""
+    """Each call_function node's kind: RECOMPUTE for a copy, else its phase (a node of no phase,
+    added by a pass, is of the kind of the ops after it, as the rewriter does)."""
     kinds: dict[str, str] = {}
     following = Phase.OPTIMIZER.value
     for node in reversed([n for n in gm.graph.nodes if n.op == "call_function"]):
