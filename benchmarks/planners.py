@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.models.split(","):
         model, batch = item.split(":")
         index, prof = _graph(model, int(batch), args.optimizer, profiles, args.runs)
-        ns = {n.name: n.seconds for n in prof.nodes}
+        ns = prof.seconds_by_node()
         base = evaluate(index, set(), ns).timeline
         for budget in args.budgets.split(","):
             budget_bytes = parse_budget(budget).to_bytes(base.persistent_bytes, base.step_peak_bytes)

@@ -37,15 +37,16 @@ def samples_of(model: str, batch: int, optimizer: str, runs: int):  # type: igno
 
     from remat import build as pipeline
     from remat.profile import profiler
+    from remat.profile.node_runner import NodeRunner, time_run_cpu
     from remat.workloads import load
 
     spec = load(model, batch, optimizer)
     pl = pipeline.build(spec.train_step, spec.model, spec.optimizer, spec.batch, runs=1)
-    runner = profiler._NodeRunner(pl.tg.gm)
+    runner = NodeRunner(pl.tg.gm)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         inputs = profiler._profiling_inputs(pl.tg, spec.model, spec.optimizer, spec.batch)
-        profiler._time_run_cpu(runner, inputs)
-        samples = np.stack([profiler._time_run_cpu(runner, inputs) for _ in range(runs)])
+        time_run_cpu(runner, inputs)
+        samples = np.stack([time_run_cpu(runner, inputs) for _ in range(runs)])
     return pl, samples
 
 

@@ -115,6 +115,14 @@ def _regions(doc: dict[str, Any]) -> str:
     )
 
 
+def _time_model(doc: dict[str, Any]) -> str:
+    parts = []
+    for r in doc["rows"]:
+        parts.append(f"{r['model']} b{r['batch_size']} {r['backend']} {r['error']:+.0%}")
+    within = sum(abs(r["error"]) <= 0.10 for r in doc["rows"])
+    return f"predicted step time against measured, {within} of {len(doc['rows'])} runs within 10%: " + ", ".join(parts)
+
+
 def _gpu(doc: dict[str, Any]) -> str:
     return (
         f"BERT-base batch {doc['batch_size']} at {doc['budget']} ({doc['planner']}): measured peak "
@@ -143,6 +151,8 @@ ROWS: list[tuple[str, str, Callable[[Any], str], str | None, str]] = [
      "remat run --model resnet152 --batch-size 4 --budget 0.3 --backend inductor --check --pairs 5 --json", CPU),
     ("", "docs/inductor/bert-b8-0.33.json", _regions,
      "remat run --model bert --batch-size 8 --budget 0.33 --backend inductor --check --pairs 5 --json", CPU),
+    ("Time model (host and device)", "docs/time-model/time_model.json", _time_model,
+     "python benchmarks/time_model.py --out docs/time-model", CPU),
     ("On a GPU", "docs/cuda/run-bert-b32-0.5-det.json", _gpu, "benchmarks/cuda_runs.sh", "NVIDIA H100, torch 2.11"),
 ]  # fmt: skip
 

@@ -27,7 +27,9 @@ from remat.capture.step_inputs import ModelView, batch_leaf_names, run_captured
 from remat.capture.train_graph import TrainGraph, TrainStep
 from remat.errors import BudgetError, CaptureError, RematError
 from remat.profile.allocator import measure_step_peak
-from remat.profile.profiler import node_peaks
+from remat.profile.profiler import node_costs, node_peaks
+from remat.profile.time_model import StepTime, simulate_time
+from remat.planners.evaluate import baseline_of, step_time
 from remat.planners.plan import Plan
 from remat.planners import DEFAULT_PLANNER, make_plan
 from remat.profile.profiles import Profile, graph_fingerprint
@@ -56,6 +58,7 @@ class StepReport:
     backend: str = "eager"
     regions: int = 0  # Inductor-compiled regions (backend "inductor")
     region_splits: int = 0  # of them, split because the step's measured peak was over the bound in one
+    predicted_time: StepTime | None = None  # the graph's ops on the host and device timelines (time_model)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -76,6 +79,8 @@ class StepReport:
             "backend": self.backend,
             "regions": self.regions,
             "region_splits": self.region_splits,
+            "predicted_graph_seconds": self.predicted_time.seconds if self.predicted_time else None,
+            "time_model": self.predicted_time.to_dict() if self.predicted_time else None,
         }
 
 
@@ -291,9 +296,10 @@ class RematStep:
         if self._budget is None:
             gm, phase = tg.gm, tg.phase
             predicted = baseline.peak_bytes
+            predicted_time = step_time(index, baseline_of(index).schedule, prof.op_costs())
         else:
             budget_bytes = self._budget.to_bytes(baseline.persistent_bytes, baseline.step_peak_bytes)
-            node_seconds = {n.name: n.seconds for n in prof.nodes}
+            node_seconds = prof.seconds_by_node()
 
             def make() -> Plan:
                 return make_plan(
@@ -315,15 +321,18 @@ class RematStep:
                 )
                 return self._compile(batch)
 
-            def rewritten() -> tuple[int, torch.fx.GraphModule, dict]:
+            def rewritten() -> tuple[int, torch.fx.GraphModule, dict, StepTime]:
                 applied = plan.apply(index)
-                return applied.peak_bytes, applied.runnable(), applied.index.tg.phase
+                return applied.peak_bytes, applied.runnable(), applied.index.tg.phase, step_time(applied.index, applied.schedule, prof.op_costs())
 
-            predicted, gm, phase = self._agreed("applying the plan", rewritten)
+            predicted, gm, phase, predicted_time = self._agreed("applying the plan", rewritten)
         gm = inductor_regions.for_backend(
             self.backend, gm, phase, bound_bytes=(budget_bytes or predicted) - baseline.persistent_bytes, progress=self.progress,
             node_peaks=lambda g: node_peaks(g, tg, self.model, self.optimizer, batch),
         )  # fmt: skip
+        if self.backend != "eager":  # the compiled regions timed as nodes of the graph that runs
+            costs = node_costs(gm, tg, self.model, self.optimizer, batch)
+            predicted_time = simulate_time(list(costs.host.values()), list(costs.device.values()), costs.synchronous)
         report = StepReport(
             profile=prof,
             plan=plan,
@@ -337,6 +346,7 @@ class RematStep:
             backend=self.backend,
             regions=len(gm.meta["regions"].regions) if "regions" in gm.meta else 0,
             region_splits=gm.meta["regions"].splits if "regions" in gm.meta else 0,
+            predicted_time=predicted_time,
         )
         return CompiledGraph(tg=tg, gm=gm, report=report)
 

@@ -103,6 +103,9 @@ def test_inductor_step_is_within_tolerance_and_its_measured_peak_within_the_budg
     assert not snapshot_differences(before, model_snapshot(model))  # compiling changed nothing of the user's
     report = step.report
     assert report.backend == "inductor" and report.regions > 0 and report.num_recomputed > 0
+    # The time model prices the graph that runs: each region one op, timed as it runs.
+    ops = [n for n in step.graph_module.graph.nodes if n.op == "call_function"]
+    assert report.predicted_time.ops == len(ops) and report.predicted_time.seconds > 0
     result = check_within_tolerance(train_step, eager_model, eager_opt, model, opt, step, batch, steps=2, loss_steps=3)
     assert result.within, result.failures[:3]
     assert result.compared >= 2 * 2 * len(list(model.parameters()))

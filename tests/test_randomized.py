@@ -208,8 +208,8 @@ def test_a_random_factory_op_copied_into_the_backward_pass_draws_what_it_drew(mo
 
     from remat.profile import profiler
 
-    timed = profiler._time_run_cpu
-    monkeypatch.setattr(profiler, "_time_run_cpu", lambda runner, inputs, check_layout=False: (
+    timed = profiler.time_run_cpu
+    monkeypatch.setattr(profiler, "time_run_cpu", lambda runner, inputs, check_layout=False: (
         timed(runner, inputs, check_layout=check_layout), np.full(runner.num_ops, 1e-5))[1])
     outcome = check_example(RANDOM_FACTORY_REPLAYED, steps=3)
     assert outcome.replayed > 0, outcome

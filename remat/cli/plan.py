@@ -88,7 +88,7 @@ def plan_command(
         prof.model, prof.batch_size, prof.optimizer = model, batch_size, optimizer
         prof.meta["seed"] = seed
         files["profile"] = prof.to_json(out / "profile.json")
-    node_seconds = {n.name: n.seconds for n in prof.nodes}
+    node_seconds = prof.seconds_by_node()
 
     baseline = baseline_of(index)
     budget_bytes = parsed.to_bytes(baseline.timeline.persistent_bytes, baseline.timeline.step_peak_bytes)

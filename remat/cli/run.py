@@ -214,6 +214,11 @@ def run_one(
         **call_time.fields(timing.b_seconds),
         "predicted_overhead_ratio": (base_iter + predicted_overhead) / base_iter if base_iter else None,
         "predicted_overhead_seconds": predicted_overhead,
+        # The time model's step: the graph's ops on the host and device timelines, plus the
+        # host's own work around the graph as measured (call_host_seconds).
+        "predicted_graph_seconds": report.predicted_time.seconds if report.predicted_time else None,
+        "predicted_iteration_seconds": report.predicted_time.seconds + call_time.host_seconds if report.predicted_time else None,
+        "time_model": report.predicted_time.to_dict() if report.predicted_time else None,
         "num_recomputed": report.num_recomputed,
         "recompute_ops": report.copies,
         "updates_in_backward": bool(plan and plan.updates_in_backward), "updates_note": plan.updates_note if plan else "",
@@ -266,6 +271,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"time ratio remat/eager {result['overhead_ratio']:.3f} "
             f"(spread {result['overhead_ratio_spread'][0]:.3f}-{result['overhead_ratio_spread'][1]:.3f}); "
             f"{result['num_recomputed']} activations recomputed"
+            + (f"; step {result['iteration_seconds'] * 1e3:.1f} ms measured / {result['predicted_iteration_seconds'] * 1e3:.1f} ms predicted"
+               if result["predicted_iteration_seconds"] else "")
             + ("; optimizer updates in the backward pass" if result["updates_in_backward"] else "")
             + (f"; {len(result['lean_ops'])} backward ops write into a dying input" if result["lean_ops"] else "")
             + ("" if result["grads_match"] is None or result["tolerance"] else f"; bitwise equal to eager: {result['grads_match']}")

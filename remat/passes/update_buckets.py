@@ -52,11 +52,11 @@ def is_multi_tensor(node: torch.fx.Node) -> bool:
         node.op == "call_function"
         and isinstance(target, torch._ops.OpOverload)
         and target.__name__.startswith(("_foreach_", "_fused_"))
-        and _positions(node) > 1
+        and positions(node) > 1
     )
 
 
-def _positions(node: torch.fx.Node) -> int:
+def positions(node: torch.fx.Node) -> int:
     """The length of the op's lists (an empty list, such as a fused Adam's max_exp_avg_sqs
     without amsgrad, is a list of no position)."""
     lengths = {len(a) for a in [*node.args, *node.kwargs.values()] if isinstance(a, (list, tuple)) and a}
@@ -98,7 +98,7 @@ def split_foreach(tg: TrainGraph) -> tuple[TrainGraph, dict[str, tuple[str, int]
     for node in nodes:
         if tg.phase.get(node.name) is Phase.OPTIMIZER and is_multi_tensor(node):
             split[node] = []
-            for i in range(_positions(node)):
+            for i in range(positions(node)):
                 part = _copy_at(graph, node, [i], env, f"{node.name}__at{i}")
                 split[node].append(part)
                 phase[part.name] = Phase.OPTIMIZER

@@ -8,11 +8,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
+import torch.fx
+
 from remat.budget import format_bytes
 from remat.errors import BudgetError, PlanError
 from remat.memory.schedule import GraphIndex, RebuildPolicy, Schedule, build_schedule, recompute_seconds
 from remat.memory.simulator import ScheduleIntervals, Timeline, schedule_intervals, simulate_schedule
+from remat.passes.update_buckets import made_from, positions
 from remat.planners.bound import PeakLowerBound
+from remat.profile.time_model import OpCosts, StepTime, fresh_pages_seconds, simulate_time
 from remat.planners.plan import Plan, Recomputed, graph_fingerprint_of
 
 
@@ -44,6 +49,35 @@ def evaluate(
     made = schedule_intervals(index, schedule, touches=True) if touches else None
     timeline = simulate_schedule(index, schedule, made=made)
     return Evaluation(schedule, timeline, recompute_seconds(schedule, node_seconds), made)
+
+
+def step_time(index: GraphIndex, schedule: Schedule, costs: OpCosts) -> StepTime:
+    """The schedule's ops on the host and device timelines (time_model), each priced as
+    the captured op it runs; a bucket of a multi-tensor update at its share of the op's
+    list positions on the device and a whole issue on the host; an op that writes into a
+    dying input (lean_ops) less the fresh pages its own output would have cost."""
+    captured = index.captured or index
+    lean = index.tg.lean_into
+    host, device = [], []
+    for step in schedule.steps:
+        name = step.node
+        if name in costs.device:
+            host.append(costs.host[name])
+            saved = 0.0
+            if name in lean and not step.copy:
+                saved = fresh_pages_seconds(_output_bytes(index.node_map[name]), costs.first_touch_seconds_per_byte)
+            device.append(max(0.0, costs.device[name] - saved))
+            continue
+        whole = made_from(name)
+        share = positions(index.node_map[name]) / max(1, positions(captured.node_map[whole]))
+        host.append(costs.host[whole])
+        device.append(costs.device[whole] * min(1.0, share))
+    return simulate_time(host, device, costs.synchronous)
+
+
+def _output_bytes(node: torch.fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
 def baseline_of(index: GraphIndex) -> Evaluation:

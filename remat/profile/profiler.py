@@ -6,7 +6,8 @@ state, with the global RNG saved and restored: profiling must not train the user
 model, nor move the RNG stream that the user's next step will draw dropout masks from.
 
 Per node: the median time over several runs after a warm-up (or, on request, pooled with
-the same node's in the other repeats of a repeated block: profile.repeats), the bytes it allocated,
+the same node's in the other repeats of a repeated block: profile.repeats), scaled so that
+the nodes add up to the median run (time_model.scaled_to_runs); the bytes it allocated,
 the bytes the step held after it and the most it held while it ran. The step's peak is
 also measured on the compiled GraphModule itself (not the interpreter loop), and set
 beside the simulator's prediction from the static analysis (DESIGN.md, "Memory:
@@ -15,8 +16,6 @@ simulate, then measure")."""
 from __future__ import annotations
 
 import bisect
-import operator
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -24,13 +23,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.fx
-from torch.fx.node import map_arg
 
 from remat.memory.analysis import ROLES, GraphAnalysis, Role, analyze
 from remat.capture.step_inputs import flat_inputs
 from remat.capture.train_graph import InputKind, TrainGraph
-from remat.capture.cpu_strides import CORRECTED_STRIDES
-from remat.errors import CaptureError, PlanError, RematError
+from remat.errors import PlanError, RematError
+from remat.profile.node_runner import NodeRunner, time_run_cpu, time_run_cuda, time_whole_runs
+from remat.profile.time_model import OpCosts, first_touch_seconds_per_byte, line_seconds, scaled_to_runs, synchronous
 from remat.profile.allocator import cpu_memory_events, cpu_memory_profile, measure_peak
 from remat.progress import progress_bar
 from remat.profile.repeats import find_repeats, pooled_medians
@@ -50,145 +49,13 @@ _CUDA_GRANULARITY = 512  # the CUDA caching allocator rounds every block up to t
 
 
 @dataclass
-class _Step:
-    node: torch.fx.Node
-    free_after: list[torch.fx.Node]  # values whose last use is this node (codegen's `x = None`)
-
-
-def _schedule(gm: torch.fx.GraphModule) -> tuple[list[torch.fx.Node], list[_Step], torch.fx.Node]:
-    """Placeholders, the op steps with what each frees, and the output node.
-
-    Mirrors fx codegen: a value is dropped right after its last user, and a value no one
-    uses right after it is made.
-    """
-    nodes = list(gm.graph.nodes)
-    last_user: dict[torch.fx.Node, torch.fx.Node] = {}
-    for node in reversed(nodes):
-        for inp in node.all_input_nodes:
-            last_user.setdefault(inp, node)
-    frees: dict[torch.fx.Node, list[torch.fx.Node]] = {}
-    for value, user in last_user.items():
-        frees.setdefault(user, []).append(value)
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    output = next(n for n in nodes if n.op == "output")
-    steps: list[_Step] = []
-    for node in nodes:
-        if node.op in ("placeholder", "output"):
-            continue
-        free = list(frees.get(node, []))
-        if node not in last_user:  # no users: dropped at once
-            free.append(node)
-        steps.append(_Step(node, free))
-    return placeholders, steps, output
-
-
-class _NodeRunner:
-    """Runs the graph one node at a time; `hook(i, fn)` wraps the call of op node i."""
-
-    def __init__(self, gm: torch.fx.GraphModule):
-        self.gm = gm
-        self.placeholders, self.steps, self.output = _schedule(gm)
-        self.op_index = {}
-        i = 0
-        for s in self.steps:
-            if s.node.op == "call_function":
-                self.op_index[s.node] = i
-                i += 1
-        self.num_ops = i
-
-    def run(self, inputs: list[torch.Tensor], hook: Callable[[int, Callable[[], Any]], Any], check_layout: bool = False) -> None:
-        """One step, node by node. `check_layout`: refuse the graph at the first CPU op whose
-        real output strides differ from the trace's (see `_check_layout`)."""
-        env: dict[torch.fx.Node, Any] = dict(zip(self.placeholders, inputs))
-        lookup = env.__getitem__
-        for s in self.steps:
-            node = s.node
-            if node.op == "call_function":
-                args = map_arg(node.args, lookup)
-                kwargs = map_arg(node.kwargs, lookup)
-                target = node.target
-                env[node] = hook(self.op_index[node], lambda: target(*args, **kwargs))
-                del args, kwargs
-                if check_layout:
-                    _check_layout(node, env[node])
-            elif node.op == "get_attr":
-                obj: Any = self.gm
-                for part in str(node.target).split("."):
-                    obj = getattr(obj, part)
-                env[node] = obj
-            else:
-                raise RematError(f"cannot profile graph node {node.name} of kind {node.op!r}")
-            for dead in s.free_after:
-                env.pop(dead, None)
-        env.clear()
-
-
-def _check_layout(node: torch.fx.Node, value: Any) -> None:
-    """Refuse a CPU op whose real output has other strides than its fake one in the trace.
-
-    The trace decides views, copies and reshapes from the fake strides; where a fake
-    kernel predicts other strides than the real one (cpu_strides.CpuLikeEager corrects
-    the ones known), the step would fail on real tensors or not match eager bitwise.
-    Dimensions of size 1 have no meaningful stride and are ignored.
-    """
-    source = node.args[0] if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node) else node
-    if source.target in CORRECTED_STRIDES:  # its fake output is followed by the real strides' view
-        return
-    fake = node.meta.get("val")
-    reals = value if isinstance(value, (list, tuple)) else [value]
-    fakes = fake if isinstance(fake, (list, tuple)) else [fake]
-    for real, f in zip(reals, fakes):
-        if not isinstance(real, torch.Tensor) or not isinstance(f, torch.Tensor) or real.device.type != "cpu":
-            continue
-        if tuple(real.shape) != tuple(f.shape):
-            continue
-        if any(d > 1 and a != b for d, a, b in zip(real.shape, real.stride(), f.stride())):
-            raise CaptureError(
-                f"the captured step does not match the real kernels: {node.target} ({node.name}) makes a tensor of "
-                f"shape {tuple(real.shape)} with strides {real.stride()} on the CPU, where PyTorch's fake kernel "
-                f"predicted {f.stride()}, so the trace may hold views that fail or that do not match eager. Make the "
-                "op's inputs contiguous (.contiguous()) in the model, and please report the op."
-            )
-
-
-def _time_run_cpu(runner: _NodeRunner, inputs: list[torch.Tensor], check_layout: bool = False) -> np.ndarray:
-    times = np.zeros(runner.num_ops, dtype=np.float64)
-    clock = time.perf_counter
-
-    def hook(i: int, fn: Callable[[], Any]) -> Any:
-        t0 = clock()
-        out = fn()
-        times[i] = clock() - t0
-        return out
-
-    runner.run(inputs, hook, check_layout)
-    return times
-
-
-def _time_run_cuda(runner: _NodeRunner, inputs: list[torch.Tensor], device: torch.device) -> np.ndarray:
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(runner.num_ops)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(runner.num_ops)]
-
-    def hook(i: int, fn: Callable[[], Any]) -> Any:
-        starts[i].record()
-        out = fn()
-        ends[i].record()
-        return out
-
-    torch.cuda.synchronize(device)
-    runner.run(inputs, hook)
-    torch.cuda.synchronize(device)
-    return np.array([s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)], dtype=np.float64)
-
-
-@dataclass
 class _NodeMemory:
     allocated: np.ndarray
     live_after: np.ndarray
     peak: np.ndarray
 
 
-def _memory_run_cpu(runner: _NodeRunner, inputs: list[torch.Tensor]) -> _NodeMemory:
+def _memory_run_cpu(runner: NodeRunner, inputs: list[torch.Tensor]) -> _NodeMemory:
     """One run under the profiler; each allocator event goes to the node last started.
 
     Frees of values past their last use happen between one node's range and the next
@@ -240,7 +107,7 @@ def _memory_run_cpu(runner: _NodeRunner, inputs: list[torch.Tensor]) -> _NodeMem
     return _NodeMemory(allocated, live_after, peak)
 
 
-def _memory_run_cuda(runner: _NodeRunner, inputs: list[torch.Tensor], device: torch.device) -> _NodeMemory:
+def _memory_run_cuda(runner: NodeRunner, inputs: list[torch.Tensor], device: torch.device) -> _NodeMemory:
     n = runner.num_ops
     allocated = np.zeros(n, dtype=np.int64)
     live_after = np.zeros(n, dtype=np.int64)
@@ -329,7 +196,7 @@ def profile(
     dev = _device_of(tg, device)
     is_cuda = dev.type == "cuda"
     analysis = analysis if analysis is not None else analyze(tg)
-    runner = _NodeRunner(tg.gm)
+    runner = NodeRunner(tg.gm)
     if runner.num_ops != analysis.num_nodes:
         raise RematError(f"graph has {runner.num_ops} op nodes but its analysis {analysis.num_nodes}; analyse this graph")
 
@@ -338,11 +205,14 @@ def profile(
         inputs = _profiling_inputs(tg, model, optimizer, batch)
         total = warmup + runs + 2
         times: list[np.ndarray] = []
+        host_times: list[np.ndarray] = []  # CUDA: each op's issuing on the host
         with progress_bar(progress, total, "warm-up" if warmup else "timing") as advance:
             for i in range(warmup + runs):
-                t = _time_run_cuda(runner, inputs, dev) if is_cuda else _time_run_cpu(runner, inputs, check_layout=i == 0)
+                t, host = time_run_cuda(runner, inputs, dev) if is_cuda else (time_run_cpu(runner, inputs, check_layout=i == 0), None)
                 if i >= warmup:
                     times.append(t)
+                    if host is not None:
+                        host_times.append(host)
                 advance("timing" if i + 1 < warmup + runs else "memory per node")
             mem = _memory_run_cuda(runner, inputs, dev) if is_cuda else _memory_run_cpu(runner, inputs)
             advance("measured peak")
@@ -352,9 +222,15 @@ def profile(
         del inputs
 
     repeats = find_repeats(tg)
-    seconds = pooled_medians(np.stack(times), repeats) if pool_repeats else np.median(np.stack(times), axis=0)
+    samples = np.stack(times)
+    seconds = scaled_to_runs(samples, pooled_medians(samples, repeats) if pool_repeats else None)
     timeline = simulate(analysis, granularity=_CUDA_GRANULARITY if is_cuda else 1)
     prof = _assemble(tg, analysis, timeline, seconds, mem, measured.peak_bytes, dev, warmup, runs)
+    if host_times:
+        for node, host in zip(prof.nodes, np.median(np.stack(host_times), axis=0)):
+            node.host_seconds = float(host)
+    prof.line_seconds = line_seconds(str(dev))
+    prof.first_touch_seconds_per_byte = first_touch_seconds_per_byte(str(dev))
     prof.meta["repeats"] = repeats.summary()
     prof.meta["pooled_repeats"] = pool_repeats
     return prof
@@ -365,12 +241,32 @@ def node_peaks(gm: torch.fx.GraphModule, tg: TrainGraph, model: torch.nn.Module,
     the state, node by node: each op node's measured peak of step memory (bytes above the
     level before the step). Leaves the model, optimizer and RNG as it found them."""
     dev = torch.device(tg.device)
-    runner = _NodeRunner(gm)
+    runner = NodeRunner(gm)
     with torch.random.fork_rng(devices=[dev.index] if dev.type == "cuda" else []), torch.no_grad():
         inputs = _profiling_inputs(tg, model, optimizer, batch)
         mem = _memory_run_cuda(runner, inputs, dev) if dev.type == "cuda" else _memory_run_cpu(runner, inputs)
         del inputs
     return {s.node.name: int(mem.peak[runner.op_index[s.node]]) for s in runner.steps if s.node.op == "call_function"}
+
+
+def node_costs(gm: torch.fx.GraphModule, tg: TrainGraph, model: torch.nn.Module, optimizer: Any, batch: Any, runs: int = 3) -> OpCosts:
+    """Each op node's host and device cost in `gm` (a graph that runs `tg`'s step: compiled
+    regions), timed in `gm`'s own code (node_runner.time_whole_runs) over `runs` runs on
+    clones of the state after one warm-up. Leaves the model, optimizer and RNG as it found them."""
+    dev = torch.device(tg.device)
+    with torch.random.fork_rng(devices=[dev.index] if dev.type == "cuda" else []), torch.no_grad():
+        inputs = _profiling_inputs(tg, model, optimizer, batch)
+        device_runs, host_runs = time_whole_runs(gm, inputs, runs + 1, dev)
+        del inputs
+    line = line_seconds(str(dev))
+    names = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+    device, host = scaled_to_runs(device_runs[1:]), np.median(host_runs[1:], axis=0)
+    on_host = dev.type == "cuda"  # a CPU's op time is its issuing: host cost is the line alone
+    return OpCosts(
+        host={n: line + (float(host[i]) if on_host else 0.0) for i, n in enumerate(names)},
+        device={n: float(device[i]) for i, n in enumerate(names)},
+        synchronous=synchronous(dev),
+    )
 
 
 def _assemble(

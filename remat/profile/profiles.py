@@ -18,6 +18,7 @@ from remat.capture.train_graph import TrainGraph
 from remat.errors import PlanError
 from remat.serialize import check_fields, dump_document, load_document
 from remat.memory.simulator import Timeline
+from remat.profile.time_model import OpCosts, synchronous
 
 from remat.capture.train_graph import Phase
 
@@ -37,10 +38,11 @@ class NodeProfile:
     name: str
     target: str  # the op, e.g. "aten.addmm.default"
     phase: str
-    seconds: float  # median over the timed runs
+    seconds: float  # median over the timed runs, scaled so the nodes add up to the median run (time_model.scaled_to_runs)
     allocated_bytes: int  # bytes allocated while it ran, outputs and scratch (CUDA: the most added at once)
     live_bytes_after: int  # bytes the step holds once it ran and dead values were dropped
     peak_bytes: int  # the most bytes the step held while it ran
+    host_seconds: float | None = None  # CUDA: median time to issue it (a CPU runs it as it issues it: `seconds`)
 
 
 @dataclass
@@ -69,7 +71,7 @@ class Profile:
     tensors: list[TensorProfile]
     phase_bounds: dict[str, tuple[int, int]]  # phase -> [first rank, last rank + 1)
     phase_seconds: dict[str, float]
-    iteration_seconds: float  # sum of the nodes' median times
+    iteration_seconds: float  # sum of the nodes' times: the median run
     persistent_by_role: dict[str, int]
     persistent_bytes: int
     simulated_peak_bytes: int
@@ -81,6 +83,8 @@ class Profile:
     timeline: dict[str, list[int]]  # role -> non-persistent bytes live during each rank (simulated)
     warmup: int = 1
     runs: int = 3
+    line_seconds: float = 0.0  # per op, the generated code's cost that node timing misses (time_model.line_seconds)
+    first_touch_seconds_per_byte: float = 0.0  # writing freshly mapped pages (time_model.first_touch_seconds_per_byte)
     model: str | None = None
     batch_size: int | None = None
     optimizer: str | None = None
@@ -111,9 +115,21 @@ class Profile:
     def node_seconds(self) -> np.ndarray:
         return np.array([n.seconds for n in self.nodes], dtype=np.float64)
 
+    def op_costs(self) -> OpCosts:
+        """Each node's host and device cost (time_model): on a CPU the node's time is both
+        its issuing and its running, and only the generated code's line is added as host
+        cost; on CUDA the host cost is the measured issuing plus that line."""
+        line = self.line_seconds
+        return OpCosts(
+            host={n.name: line + (n.host_seconds or 0.0) for n in self.nodes},
+            device={n.name: n.seconds for n in self.nodes},
+            synchronous=synchronous(self.device),
+            first_touch_seconds_per_byte=self.first_touch_seconds_per_byte,
+        )
+
     def seconds_by_node(self) -> dict[str, float]:
-        """Node name -> median seconds: what the planners take."""
-        return {n.name: n.seconds for n in self.nodes}
+        """Node name -> what one run of it costs the step (time_model.op_seconds): what the planners take."""
+        return self.op_costs().seconds_by_node()
 
     def scratch_by_node(self) -> dict[str, int]:
         """Bytes each node held beyond what the simulator sees: its kernel's scratch.

@@ -305,3 +305,9 @@ def distill_like_eager(budget: float, steps: int) -> dict[str, Any]:
         "outside_inputs": sum(1 for i in step._last.tg.inputs if i.kind.value == "outside"),
         "num_recomputed": step.report.num_recomputed,
     }
+
+
+def several(calls: list[tuple[str, tuple]]) -> list[Any]:
+    """Each (name of a function of this module, its arguments) run in turn on this rank: the
+    results in order. Cases share one spawn, since starting two ranks is most of a small case's time."""
+    return [globals()[name](*args) for name, args in calls]
