@@ -365,7 +365,7 @@ def test_an_op_whose_real_strides_differ_from_the_trace_is_refused(monkeypatch: 
     import sys
 
     monkeypatch.setattr(sys.modules["remat.capture.cpu_strides"], "_cpu_output_strides", lambda func, args: None)
-    monkeypatch.setattr(sys.modules["remat.profile.profiler"], "CORRECTED_STRIDES", frozenset())
+    monkeypatch.setattr(sys.modules["remat.profile.node_runner"], "CORRECTED_STRIDES", frozenset())
     model, opt, batch = build(MSE_ON_TRANSPOSE)
     with pytest.raises(CaptureError, match="does not match the real kernels: aten.mse_loss_backward"):
         remat.compile(make_train_step(MSE_ON_TRANSPOSE), model, opt, batch, memory_budget=0.5, profile_runs=1)

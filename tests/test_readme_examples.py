@@ -29,7 +29,7 @@ if {eager}:
     class _EagerStep:
         def __init__(self, train_step, model, optimizer, batch, **options):
             self._call = lambda b: train_step(model, optimizer, b)
-            self.report = types.SimpleNamespace(predicted_peak_bytes=0, measured_peak_bytes=0)
+            self.report = types.SimpleNamespace(predicted_peak_bytes=0, measured_peak_bytes=0, predicted_time=types.SimpleNamespace(seconds=0.0))
         def __call__(self, batch):
             return self._call(batch)
     remat.compile = _EagerStep
