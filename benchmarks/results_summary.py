@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "RESULTS.md"
 BEGIN, END = "<!-- summary: benchmarks/results_summary.py -->", "<!-- end of summary -->"
 CPU = "CPU, 2 cores, torch 2.13.0+cpu"
+H100 = "NVIDIA H100, torch 2.11.0+cu130"
 
 
 def _date(path: Path) -> str:
@@ -124,10 +125,13 @@ def _time_model(doc: dict[str, Any]) -> str:
 
 
 def _gpu(doc: dict[str, Any]) -> str:
+    equal = "within tolerance" if doc.get("backend") == "inductor" else "bitwise: " + ("yes" if doc["grads_match"] else "no")
+    backend = ", Inductor regions" if doc.get("backend") == "inductor" else ""
     return (
-        f"BERT-base batch {doc['batch_size']} at {doc['budget']} ({doc['planner']}): measured peak "
-        f"{doc['peak_bytes_measured'] / 2**20:,.0f} MiB against {doc['predicted_peak_bytes'] / 2**20:,.0f} predicted, "
-        f"{doc['overhead_ratio']:.2f}× eager's time; not measured since random-op replay and moved updates"
+        f"{doc['model']} batch {doc['batch_size']} at {doc['budget']} ({doc['optimizer']}{backend}): "
+        f"{doc['activation_peak_bytes_measured'] / doc['eager_activation_peak_bytes']:.2f}× of eager's activation peak, "
+        f"allocated peak {doc['peak_bytes_measured'] / 2**20:,.0f} MiB against {doc['predicted_peak_bytes'] / 2**20:,.0f} "
+        f"predicted, {doc['overhead_ratio']:.2f}× eager's time; {equal}"
     )
 
 
@@ -153,7 +157,10 @@ ROWS: list[tuple[str, str, Callable[[Any], str], str | None, str]] = [
      "remat run --model bert --batch-size 8 --budget 0.33 --backend inductor --check --pairs 5 --json", CPU),
     ("Time model (host and device)", "docs/time-model/time_model.json", _time_model,
      "python benchmarks/time_model.py --out docs/time-model", CPU),
-    ("On a GPU", "docs/cuda/run-bert-b32-0.5-det.json", _gpu, "benchmarks/cuda_runs.sh", "NVIDIA H100, torch 2.11"),
+    ("On a GPU", "docs/cuda/run-bert-b32-0.5-det.json", _gpu, "benchmarks/cuda_runs.sh docs/cuda run", H100),
+    ("", "docs/cuda/run-bert-b8-0.6-adamw-det.json", _gpu, "benchmarks/cuda_runs.sh docs/cuda run", H100),
+    ("", "docs/cuda/run-resnet152-b8-0.6.json", _gpu, "benchmarks/cuda_runs.sh docs/cuda run", H100),
+    ("", "docs/cuda/run-bert-b8-0.33-inductor.json", _gpu, "benchmarks/cuda_runs.sh docs/cuda run", H100),
 ]  # fmt: skip
 
 

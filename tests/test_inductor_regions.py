@@ -154,3 +154,20 @@ def test_the_tolerance_check_fails_a_step_that_is_off():
 
     result = check_within_tolerance(train_step, eager_model, eager_opt, model, opt, off, batch, steps=2)
     assert not result.within and any("parameter 0.0.weight" in f for f in result.failures)
+
+
+def test_a_region_given_inputs_laid_out_otherwise_than_at_its_first_call_compiles_for_them():
+    """Inductor's code asserts the strides it was compiled with. A region before this one may
+    compile in a later cut and hand over another layout (on CUDA, Inductor pads rows): the
+    region must run, compiled again for that layout, not fail."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output((graph.call_function(torch.ops.aten.add.Tensor, (graph.call_function(torch.ops.aten.mul.Tensor, (x, 2.0)), 1.0)),))
+    region = inductor_regions.Region("region_0_forward", "forward", ["mul", "add"])
+    compiled = inductor_regions._Compiled(torch.fx.GraphModule(torch.nn.Module(), graph), inductor_regions._inductor, region)
+    dense = torch.randn(4, 6)
+    padded = torch.randn(4, 8)[:, :6]  # rows padded to 8
+    for value in (dense, padded, dense):
+        (out,) = compiled([value])
+        assert torch.equal(out, value * 2.0 + 1.0)
+    assert len(compiled.fns) == 2 and region.compile_seconds > 0

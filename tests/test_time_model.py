@@ -90,3 +90,52 @@ def test_only_outputs_above_the_mmap_threshold_pay_for_fresh_pages():
     assert per_byte >= 0.0 and first_touch_seconds_per_byte("cuda") == 0.0
     assert fresh_pages_seconds(MMAP_THRESHOLD_BYTES, 1e-9) == 0.0  # reused from the heap
     assert fresh_pages_seconds(2 * MMAP_THRESHOLD_BYTES, 1e-9) == pytest.approx(2 * MMAP_THRESHOLD_BYTES * 1e-9)
+
+
+def test_on_cuda_the_device_is_held_while_the_host_queues_each_chunk_of_timed_ops(monkeypatch):
+    """The call order `CudaOpTimer` gives the device, read through stand-ins for CUDA's
+    events and spinning kernel: a host run records no events and holds nothing; a device
+    run holds the device before every chunk of ops, for twice their host time, and each op
+    sits between its own two events with no hold between them."""
+    from remat.profile import node_runner
+
+    log: list[tuple[str, object]] = []
+
+    class Event:
+        def __init__(self, enable_timing: bool = False):
+            self.at = None
+
+        def record(self):
+            self.at = len(log)
+            log.append(("event", self))
+
+        def elapsed_time(self, end):
+            return float(end.at - self.at)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("hold", cycles)))
+    monkeypatch.setattr(node_runner, "_sleep_cycles_per_second", lambda index: 1e9)
+    graph = torch.fx.Graph()
+    x = y = graph.placeholder("x")
+    for _ in range(40):
+        y = graph.call_function(torch.ops.aten.add.Tensor, (y, x))
+    graph.output(y)
+    runner = node_runner.NodeRunner(torch.fx.GraphModule(torch.nn.Module(), graph))
+    def run_op(i, fn):
+        log.append(("op", i))
+        return fn()
+
+    timer = node_runner.CudaOpTimer(runner.num_ops, torch.device("cuda", 0))
+    host = timer.host_run(lambda: runner.run([torch.ones(1)], lambda i, fn: timer.call(i, lambda: run_op(i, fn))))
+    assert [k for k, _ in log] == ["op"] * 40 and (host > 0).all()
+    log.clear()
+    host = np.full(40, 1e-5)
+    device = timer.device_run(lambda: runner.run([torch.ones(1)], lambda i, fn: timer.call(i, lambda: run_op(i, fn))), host)
+    holds = [(j, c) for j, (k, c) in enumerate(log) if k == "hold"]
+    assert [c for _, c in holds] == [int((2 * 16 * 1e-5 + node_runner.HOLD_MARGIN_SECONDS) * 1e9)] * 2 + [int((2 * 8 * 1e-5 + node_runner.HOLD_MARGIN_SECONDS) * 1e9)]
+    ops_at = {c: j for j, (k, c) in enumerate(log) if k == "op"}
+    assert [log[j + 2] for j, _ in holds] == [("op", 0), ("op", 16), ("op", 32)]  # a hold, then the op's start event
+    for i, j in ops_at.items():  # start event, the op, end event: nothing else inside the pair
+        assert log[j - 1][0] == "event" and log[j + 1][0] == "event"
+    assert (device == 2e-3).all()  # each pair: the two log entries up to its end, as milliseconds

@@ -17,7 +17,9 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+
+from remat.profile.time_model import median_seconds
 
 
 @dataclass(frozen=True)
@@ -36,15 +38,6 @@ class CallTime:
             "call_host_warm_seconds": self.warm_host_seconds,
             "graph_seconds": call_seconds - self.host_seconds,
         }
-
-
-def median_seconds(fn: Callable[[], Any], calls: int) -> float:
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 class _TimedGraph:

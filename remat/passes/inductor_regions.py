@@ -323,7 +323,10 @@ def _inductor(sub: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callabl
     # forced above) and picks its own layouts (channels-last convolutions) only inside.
     output = next(n for n in decomposed.graph.nodes if n.op == "output")
     output.meta["user_visible_output_idxs"] = list(range(len(output.args[0])))
-    return compile_fx_inner(decomposed, example)
+    # No padded strides (Inductor pads a CUDA tensor's rows to an aligned length): an output
+    # must have eager's strides, which the next region and the plan's byte counts assume.
+    with torch._inductor.config.patch(comprehensive_padding=False, pad_outputs=False):
+        return compile_fx_inner(decomposed, example)
 
 
 def _keep_eager_layouts(sub: torch.fx.GraphModule, example: list[torch.Tensor]) -> None:
@@ -349,18 +352,21 @@ def _keep_eager_layouts(sub: torch.fx.GraphModule, example: list[torch.Tensor]) 
 class _Compiled:
     """A region's function, compiled at its first call with that call's inputs as the examples:
     their real strides (a CPU kernel's output may be laid out otherwise than its trace says),
-    which Inductor's code then checks at every call."""
+    which Inductor's code then checks at every call. Inputs laid out otherwise later (a region
+    before it compiled in a later cut) get a function of their own."""
 
     def __init__(self, sub: torch.fx.GraphModule, compiler: Callable[..., Any], region: Region):
         self.sub, self.compiler, self.region = sub, compiler, region
-        self.fn: Callable[[list[torch.Tensor]], Any] | None = None
+        self.fns: dict[tuple[Any, ...], Callable[[list[torch.Tensor]], Any]] = {}
 
     def __call__(self, args: list[torch.Tensor]) -> Any:
-        if self.fn is None:
+        layout = tuple((a.shape, a.stride(), a.storage_offset()) if isinstance(a, torch.Tensor) else None for a in args)
+        fn = self.fns.get(layout)
+        if fn is None:
             start = time.perf_counter()
-            self.fn = self.compiler(self.sub, args)
-            self.region.compile_seconds = time.perf_counter() - start
-        return self.fn(args)
+            fn = self.fns[layout] = self.compiler(self.sub, args)
+            self.region.compile_seconds += time.perf_counter() - start
+        return fn(args)
 
 
 def _call(compiled: _Compiled, name: str) -> Callable[[list[torch.Tensor]], Any]:

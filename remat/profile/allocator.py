@@ -37,10 +37,13 @@ class Measured:
     result: Any
     peak_bytes: int  # most bytes allocated at once during the call, above what was live before
     end_bytes: int  # bytes still allocated (by the call) when it returned
-    # CUDA only: the most bytes of segments the caching allocator reserved during the call
-    # beyond those it held at the start (after emptying its cache). An out-of-memory
-    # happens when reserving fails, so this, not the allocated peak, is what must fit the
-    # card; the gap between the two is the allocator's rounding and fragmentation. None on CPU.
+    # CUDA only: the most bytes of segments the caching allocator held during the call,
+    # above the bytes allocated at its start (after emptying its cache). The segments that
+    # hold what was live at the start have room left over, which the call's tensors fill
+    # first: counted above the reserved bytes at the start, that room would go unseen and
+    # this could read below the allocated peak. An out-of-memory happens when reserving
+    # fails, so this, not the allocated peak, is what must fit the card; the gap between
+    # the two is the allocator's rounding and fragmentation. None on CPU.
     reserved_peak_bytes: int | None = None
 
 
@@ -157,7 +160,6 @@ def measure_peak(fn: Callable[[], Any], device: str | torch.device = "cpu") -> M
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # segments cached by earlier runs would hide this run's need
         start = torch.cuda.memory_allocated(device)
-        start_reserved = torch.cuda.memory_reserved(device)
         torch.cuda.reset_peak_memory_stats(device)
         result = fn()
         torch.cuda.synchronize(device)
@@ -165,7 +167,7 @@ def measure_peak(fn: Callable[[], Any], device: str | torch.device = "cpu") -> M
             result,
             torch.cuda.max_memory_allocated(device) - start,
             torch.cuda.memory_allocated(device) - start,
-            torch.cuda.max_memory_reserved(device) - start_reserved,
+            torch.cuda.max_memory_reserved(device) - start,
         )
     if device.type != "cpu":
         raise ValueError(f"cannot measure memory on device {device}: only cpu and cuda are supported")

@@ -27,7 +27,7 @@ import functools
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -138,6 +138,16 @@ def _tiny_graph(ops: int) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
+def median_seconds(fn: Callable[[], Any], calls: int) -> float:
+    """The median wall time of `calls` calls of `fn`."""
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def fresh_pages_seconds(nbytes: int, per_byte: float) -> float:
     """What an op's output of `nbytes` costs in page faults where it is freshly mapped."""
     return nbytes * per_byte if nbytes > MMAP_THRESHOLD_BYTES else 0.0
@@ -153,17 +163,8 @@ def first_touch_seconds_per_byte(device: str = "cpu", runs: int = 5) -> float:
         return 0.0
     x = torch.ones(FIRST_TOUCH_BYTES // 4)
     block = torch.empty_like(x)
-
-    def median(fn: Any) -> float:
-        times = []
-        for _ in range(runs):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    fresh = median(lambda: x * 2)
-    given = median(lambda: torch.mul(x, 2, out=block))
+    fresh = median_seconds(lambda: x * 2, runs)
+    given = median_seconds(lambda: torch.mul(x, 2, out=block), runs)
     return max(0.0, fresh - given) / FIRST_TOUCH_BYTES
 
 
