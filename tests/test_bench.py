@@ -261,3 +261,25 @@ def test_demo_table_shows_time_ratios(tmp_path, capsys):
     assert len(rows) == 2, out
     for line in rows:  # the ratio with its range, e.g. "1.032 (0.98–1.10)", not milliseconds
         assert re.search(r"\d\.\d{3} \(\d\.\d\d–\d\.\d\d\)", line), line
+
+
+def test_latency_over_one_batch_size_is_a_bar_a_method_named_on_the_axis(tmp_path, monkeypatch):
+    """Over one batch size, points over one x stack into an unreadable column under the
+    legend: a bar a method, each named on the axis, its time / eager's beside it."""
+    from remat.measurement import plots
+
+    runs = [
+        {"batch_size": 8, "method": m, "status": "ok", "seconds": s, "ratio_to_eager": r, "ratio_min": r * 0.9, "ratio_max": r * 1.1}
+        for m, s, r in (("eager", 1.0, 1.0), ("remat@0.5", 1.1, 1.1), ("hf", 1.3, 1.3))
+    ]
+    doc = {"runs": runs, "meta": {"model": "bert", "device": "cpu", "optimizer": "sgd"}}
+    figures = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: figures.append(fig))
+    plots.plot_latency_vs_batch(doc, tmp_path / "latency.png")
+    (fig,) = figures
+    left, right = fig.axes
+    assert [t.get_text() for t in left.get_yticklabels()] == [plots._label(m) for m in ("eager", "remat@0.5", "hf")]
+    assert sorted(round(p.get_width(), 6) for p in right.patches) == [1.0, 1.1, 1.3]
+    two = {"runs": runs + [dict(r, batch_size=16) for r in runs], "meta": doc["meta"]}
+    plots.plot_latency_vs_batch(two, tmp_path / "latency2.png")
+    assert len(figures[1].axes[0].get_lines()) == 3  # a line a method over several batch sizes

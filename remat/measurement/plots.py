@@ -151,7 +151,10 @@ def _series(doc: dict[str, Any], name: str, key: str) -> tuple[list[int], list[f
 
 
 def plot_latency_vs_batch(doc: dict[str, Any], path: Path) -> Path:
-    """(c): median seconds per iteration vs batch size, and the ratio to eager (min–max bars)."""
+    """(c): median seconds per iteration vs batch size, and the ratio to eager (min–max bars);
+    over one batch size, a bar a method."""
+    if len(_batch_sizes(doc)) == 1:
+        return _latency_bars(doc, path)
     plt = _plt()
     names = _method_names(doc)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
@@ -171,23 +174,16 @@ def plot_latency_vs_batch(doc: dict[str, Any], path: Path) -> Path:
         ax.minorticks_off()
         ax.set_xlabel("mini-batch size")
         ax.grid(alpha=0.3)
-    ax1.set_yscale("log")
-    from matplotlib.ticker import LogLocator, ScalarFormatter
-
-    ax1.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    ax1.yaxis.set_major_formatter(ScalarFormatter())
-    ax1.yaxis.set_minor_formatter(ScalarFormatter())
+    _log_y(ax1)
     ax1.set_ylabel("iteration time, median (s, log scale)")
     ax1.set_title("iteration latency")
     ax2.axhline(1.0, color="0.4", linewidth=0.8)
     ratios = [y for name in names for y in _series(doc, name, "ratio_to_eager")[1]]
     if ratios and max(ratios) > 4:  # one plan at the edge of reach (tens of ×) would flatten the rest
-        ax2.set_yscale("log")
-        ax2.yaxis.set_major_formatter(ScalarFormatter())
-        ax2.yaxis.set_minor_formatter(ScalarFormatter())
+        _log_y(ax2)
     ax2.set_ylabel("time / eager (median of rounds; bars: min–max)")
     ax2.set_title("time overhead vs eager (same process, round-robin)")
-    ax2.legend(fontsize=8)
+    ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     meta = doc["meta"]
     note = "; dashed: torch.compile (times include kernel fusion)" if _has_compile(doc) else ""
     wrapped_title(fig, f"{meta['model']} ({meta['device']}, {meta['optimizer']}){note}")
@@ -195,6 +191,51 @@ def plot_latency_vs_batch(doc: dict[str, Any], path: Path) -> Path:
     save_figure(fig, path)
     plt.close(fig)
     return path
+
+
+def _latency_bars(doc: dict[str, Any], path: Path) -> Path:
+    """One batch size: a bar a method, its milliseconds per iteration and its time / eager
+    (min–max), methods named on the axis (a column of points over one x is unreadable)."""
+    plt = _plt()
+    names = [n for n in _method_names(doc) if _series(doc, n, "seconds")[0]]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 1.2 + 0.42 * len(names)), sharey=True)
+    rows = list(range(len(names)))[::-1]  # the first method on top
+    colors = [_color(n, _method_names(doc)) for n in names]
+    ms = [_series(doc, n, "seconds")[1][0] * 1e3 for n in names]
+    ax1.barh(rows, ms, color=colors, edgecolor="black", linewidth=0.5)
+    ax1.set_yticks(rows, [_label(n) for n in names], fontsize=8)
+    ax1.set_xlabel("ms per iteration (median)")
+    ax1.set_title("iteration latency")
+    ratios = [_series(doc, n, "ratio_to_eager") for n in names]
+    for row, color, (_, ys, spread) in zip(rows, colors, ratios):
+        if ys:
+            (lo, hi), y = spread[0], ys[0]
+            ax2.barh(row, y, color=color, edgecolor="black", linewidth=0.5, xerr=[[y - lo], [hi - y]], capsize=3)
+    ax2.axvline(1.0, color="0.4", linewidth=0.8)
+    ax2.set_xlabel("time / eager (median of rounds; bars: min–max)")
+    ax2.set_title("time overhead vs eager (same process, round-robin)")
+    for ax in (ax1, ax2):
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_axisbelow(True)
+    meta = doc["meta"]
+    note = "; torch.compile's times include kernel fusion" if _has_compile(doc) else ""
+    wrapped_title(fig, f"{meta['model']} ({meta['device']}, {meta['optimizer']}), batch {_batch_sizes(doc)[0]}{note}")
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)
+    return path
+
+
+def _log_y(ax: Any) -> None:
+    """A log y axis labelled at 1, 2 and 5 of each decade alone, in plain numbers: labels at
+    every minor tick (0.3, 0.4, ... 0.9) overlap where a decade is short."""
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    ax.set_yscale("log")
+    axis = ax.yaxis
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(ScalarFormatter())
+    axis.set_minor_formatter(NullFormatter())
 
 
 def plot_tradeoff(doc: dict[str, Any], path: Path) -> Path:
