@@ -16,7 +16,7 @@ def progress_bar(enabled: bool, total: int, what: str) -> Iterator[Callable[[str
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = Console(file=sys.stderr)
+    console = Console(file=sys.stderr, emoji=False)  # a model named hf:llama:... is no emoji code
     with Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),

@@ -373,7 +373,7 @@ def console_for(file: Any = None) -> Any:
 
     file = file if file is not None else sys.stdout
     tty = hasattr(file, "isatty") and file.isatty()
-    return Console(file=file, width=None if tty else 120)
+    return Console(file=file, width=None if tty else 120, emoji=False)  # hf:llama:... is a model, not an emoji code
 
 
 def print_summary(profile: Profile, console: Any = None, top_k: int = 10) -> None:
