@@ -68,6 +68,14 @@ def save_figure(fig: Any, path: Path) -> None:
     fig.savefig(path, dpi=130, bbox_inches="tight")
 
 
+def _finish(fig: Any, path: Path) -> Path:
+    """Laid out, saved and closed."""
+    fig.tight_layout()
+    save_figure(fig, path)
+    _plt().close(fig)
+    return path
+
+
 def _has_compile(doc: dict[str, Any]) -> bool:
     return any(method_kind(r["method"]) == "compile" and r.get("status") == "ok" for r in doc["runs"])
 
@@ -133,10 +141,7 @@ def plot_peak_vs_batch(doc: dict[str, Any], path: Path) -> Path:
     ax.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)
-    fig.tight_layout()
-    save_figure(fig, path)
-    plt.close(fig)
-    return path
+    return _finish(fig, path)
 
 
 def _series(doc: dict[str, Any], name: str, key: str) -> tuple[list[int], list[float], list[tuple[float, float]]]:
@@ -187,10 +192,7 @@ def plot_latency_vs_batch(doc: dict[str, Any], path: Path) -> Path:
     meta = doc["meta"]
     note = "; dashed: torch.compile (times include kernel fusion)" if _has_compile(doc) else ""
     wrapped_title(fig, f"{meta['model']} ({meta['device']}, {meta['optimizer']}){note}")
-    fig.tight_layout()
-    save_figure(fig, path)
-    plt.close(fig)
-    return path
+    return _finish(fig, path)
 
 
 def _latency_bars(doc: dict[str, Any], path: Path) -> Path:
@@ -220,10 +222,7 @@ def _latency_bars(doc: dict[str, Any], path: Path) -> Path:
     meta = doc["meta"]
     note = "; torch.compile's times include kernel fusion" if _has_compile(doc) else ""
     wrapped_title(fig, f"{meta['model']} ({meta['device']}, {meta['optimizer']}), batch {_batch_sizes(doc)[0]}{note}")
-    fig.tight_layout()
-    save_figure(fig, path)
-    plt.close(fig)
-    return path
+    return _finish(fig, path)
 
 
 def _log_y(ax: Any) -> None:
@@ -293,7 +292,7 @@ def plot_frontier(fr: "Frontier", path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     colors = {"mutwo": "#c44e52", "chen": "#4c72b0", "milp": "#55a868", "refined": "#8172b2"}
-    labels = {"mutwo": "μ-TWO (greedy)", "chen": "Chen √n segments", "milp": "exact (MILP)", "refined": "μ-TWO, picks taken back"}
+    labels = {"mutwo": "μ-TWO (greedy)", "chen": "Chen √n segments", "milp": "exact (MILP)", "refined": "default (μ-TWO, then a local search)"}
     fig, ax = plt.subplots(figsize=(9, 5.5), dpi=120)
     for planner in fr.planners:
         pts = sorted((p for p in fr.points if p.planner == planner and p.status == "ok"), key=lambda p: p.predicted_peak_bytes or 0)
