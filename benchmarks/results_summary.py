@@ -131,7 +131,8 @@ def _gpu(doc: dict[str, Any]) -> str:
         f"{doc['model']} batch {doc['batch_size']} at {doc['budget']} ({doc['optimizer']}{backend}): "
         f"{doc['activation_peak_bytes_measured'] / doc['eager_activation_peak_bytes']:.2f}× of eager's activation peak, "
         f"allocated peak {doc['peak_bytes_measured'] / 2**20:,.0f} MiB against {doc['predicted_peak_bytes'] / 2**20:,.0f} "
-        f"predicted, {doc['overhead_ratio']:.2f}× eager's time; {equal}"
+        f"predicted, {doc['overhead_ratio']:.2f}× eager's time (graph {doc['graph_seconds'] * 1e3:.1f} ms, "
+        f"time model {doc['predicted_graph_seconds'] * 1e3:.1f} ms); {equal}"
     )
 
 

@@ -133,7 +133,7 @@ def test_on_cuda_the_device_is_held_while_the_host_queues_each_chunk_of_timed_op
     host = np.full(40, 1e-5)
     device = timer.device_run(lambda: runner.run([torch.ones(1)], lambda i, fn: timer.call(i, lambda: run_op(i, fn))), host)
     holds = [(j, c) for j, (k, c) in enumerate(log) if k == "hold"]
-    assert [c for _, c in holds] == [int((2 * 16 * 1e-5 + node_runner.HOLD_MARGIN_SECONDS) * 1e9)] * 2 + [int((2 * 8 * 1e-5 + node_runner.HOLD_MARGIN_SECONDS) * 1e9)]
+    assert [c for _, c in holds] == [int((node_runner.HOLD_HOST_FACTOR * 16 * 1e-5 + node_runner.HOLD_MARGIN_SECONDS) * 1e9)] * 2 + [int((node_runner.HOLD_HOST_FACTOR * 8 * 1e-5 + node_runner.HOLD_MARGIN_SECONDS) * 1e9)]
     ops_at = {c: j for j, (k, c) in enumerate(log) if k == "op"}
     assert [log[j + 2] for j, _ in holds] == [("op", 0), ("op", 16), ("op", 32)]  # a hold, then the op's start event
     for i, j in ops_at.items():  # start event, the op, end event: nothing else inside the pair

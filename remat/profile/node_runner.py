@@ -136,7 +136,8 @@ def time_run_cpu(runner: NodeRunner, inputs: list[torch.Tensor], check_layout: b
 
 
 HOLD_CHUNK_OPS = 16  # ops issued behind one hold of the device
-HOLD_MARGIN_SECONDS = 2e-4
+HOLD_HOST_FACTOR = 3.0  # a hold lasts this many times its ops' host time (the events add to it)
+HOLD_MARGIN_SECONDS = 1e-3
 MAX_HOLD_SECONDS = 0.05
 SLEEP_CALIBRATION_CYCLES = 10_000_000
 
@@ -165,7 +166,7 @@ class CudaOpTimer:
     queued) and the device times from another (`device_run`), in which the device is held
     by a spinning kernel (`torch.cuda._sleep`) before each `HOLD_CHUNK_OPS` ops, long
     enough for the host to queue them all: each pair then brackets its op's kernels alone.
-    A hold lasts twice the host time of its ops in the host run (at most
+    A hold lasts three times the host time of its ops in the host run and 1 ms (at most
     `MAX_HOLD_SECONDS`), and its time falls between two ops' pairs, on none."""
 
     def __init__(self, num_ops: int, device: torch.device):
@@ -197,7 +198,7 @@ class CudaOpTimer:
             self.host[i] = time.perf_counter() - start
             return out
         if i % HOLD_CHUNK_OPS == 0:
-            seconds = min(MAX_HOLD_SECONDS, 2.0 * float(self.holding[i : i + HOLD_CHUNK_OPS].sum()) + HOLD_MARGIN_SECONDS)
+            seconds = min(MAX_HOLD_SECONDS, HOLD_HOST_FACTOR * float(self.holding[i : i + HOLD_CHUNK_OPS].sum()) + HOLD_MARGIN_SECONDS)
             torch.cuda._sleep(max(1, int(seconds * _sleep_cycles_per_second(self.device.index))))
         self.events[i][0].record()
         out = fn()
