@@ -3,11 +3,11 @@
 # within tolerance with Inductor regions; allocated and reserved peaks, time ratio) on
 # BERT-base and ResNet-152, then `remat bench` sweeps against the usual checkpointing
 # baselines. The run and alloc sections take about 6 minutes on an H100, the bench 3.
-#   benchmarks/cuda_runs.sh OUTDIR [run|alloc|bench|all]
+#   benchmarks/cuda_runs.sh OUTDIR [run|alloc|graph|bench|all]
 # Uses the `python3` on PATH with remat importable from this checkout (PYTHONPATH).
 set -u
 cd "$(dirname "$0")/.."
-out=${1:?usage: cuda_runs.sh OUTDIR [run|alloc|bench|all]}
+out=${1:?usage: cuda_runs.sh OUTDIR [run|alloc|graph|bench|all]}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 R="python3 -m remat.cli"
@@ -28,6 +28,10 @@ case "${2:-all}" in
     run resnet152-b4-0.6 --model resnet152 --batch-size 4 --budget 0.6 --deterministic
     run resnet152-b8-0.6 --model resnet152 --batch-size 8 --budget 0.6 --deterministic
     run bert-b8-0.33-inductor --model bert --batch-size 8 --budget 0.33 --backend inductor --pairs 5 ;;&
+  all|graph)   # the step replayed as one CUDA graph
+    run resnet152-b8-0.6-graph --model resnet152 --batch-size 8 --budget 0.6 --deterministic --cuda-graph
+    run bert-b8-0.6-graph --model bert --batch-size 8 --budget 0.6 --deterministic --cuda-graph
+    run bert-b32-0.5-graph --model bert --batch-size 32 --budget 0.5 --deterministic --cuda-graph ;;&
   all|alloc)   # the caching allocator's reserved peak with expandable segments (less fragmentation)
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run bert-b8-none-expandable --model bert --batch-size 8 --budget none
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run bert-b8-0.6-expandable --model bert --batch-size 8 --budget 0.6 ;;&

@@ -21,7 +21,7 @@ from remat import build as pipeline
 from remat.capture import data_parallel, sharded
 from remat.capture.state import read_numbers
 from remat.budget import parse_budget
-from remat.passes import inductor_regions
+from remat.passes import cuda_graph as cuda_graphs, inductor_regions
 from remat.capture.capture import capture
 from remat.capture.step_inputs import ModelView, batch_leaf_names, run_captured
 from remat.capture.train_graph import TrainGraph, TrainStep
@@ -59,6 +59,9 @@ class StepReport:
     regions: int = 0  # Inductor-compiled regions (backend "inductor")
     region_splits: int = 0  # of them, split because the step's measured peak was over the bound in one
     predicted_time: StepTime | None = None  # the graph's ops on the host and device timelines (time_model)
+    cuda_graph: bool = False  # replayed as a CUDA graph (passes.cuda_graph)
+    cuda_graph_captures: int = 0  # captures so far: the first, then one per changed key
+    cuda_graph_pool_bytes: int | None = None  # what the last capture reserved for the graph's memory
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -81,6 +84,9 @@ class StepReport:
             "region_splits": self.region_splits,
             "predicted_graph_seconds": self.predicted_time.seconds if self.predicted_time else None,
             "time_model": self.predicted_time.to_dict() if self.predicted_time else None,
+            "cuda_graph": self.cuda_graph,
+            "cuda_graph_captures": self.cuda_graph_captures,
+            "cuda_graph_pool_bytes": self.cuda_graph_pool_bytes,
         }
 
 
@@ -92,6 +98,7 @@ class CompiledGraph:
     measured: bool = False
     step_values: tuple[tuple[str, Any], ...] = ()  # the Python values it was traced with (python_state)
     call_inputs: CallInputs | None = None  # its inputs at each call, made at the first
+    cuda_graph: cuda_graphs.CudaGraphStep | None = None  # runs gm as a CUDA graph (cuda_graph=True)
 
     def inputs(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> tuple[list[torch.Tensor], ModelView]:
         if self.call_inputs is None:
@@ -134,6 +141,7 @@ class RematStep:
     # kernel through its out= overload: bitwise the same values, one buffer fewer).
     lean_ops: bool = True
     backend: str = "eager"  # or "inductor": the plan's regions compiled (passes.inductor_regions), not bitwise
+    cuda_graph: bool = False  # replay the graph as a CUDA graph after its first call (passes.cuda_graph)
     _graphs: dict[Any, CompiledGraph] = field(default_factory=dict)
     _structure: str | None = None
     _last: CompiledGraph | None = None
@@ -157,6 +165,8 @@ class RematStep:
         self._dp = data_parallel.data_parallel_of(self.model) or (shards.ranks() if shards else None)
         if self._dp is not None and self.backend != "eager":
             raise RematError(f"backend {self.backend!r} is not supported with DDP or FSDP2; use backend='eager'")
+        if self._dp is not None and self.cuda_graph:
+            raise RematError("cuda_graph=True is not supported with DDP or FSDP2 (their collectives run outside the graph); use cuda_graph=False")
 
     @property
     def report(self) -> StepReport:
@@ -288,6 +298,11 @@ class RematStep:
             tg, self.model, self.optimizer, batch, runs=self.profile_runs, progress=self.progress, profile_cache=self.profile_cache
         )
         analysis, prof, index = built.analysis, built.profile, built.index
+        if self.cuda_graph:
+            if torch.device(tg.device).type != "cuda":
+                raise RematError(f"cuda_graph=True replays the step on a GPU; this step runs on {tg.device}. Use cuda_graph=False")
+            index.replayable = set()  # a replay sets the generator on the host, which a CUDA graph cannot capture
+        costs = prof.op_costs().replayed() if self.cuda_graph else prof.op_costs()
         if self._dp is not None:  # one memory model on every rank: rank 0's measured scratch
             index.scratch = ranks.from_root(self._dp, index.scratch)
         baseline = simulate(analysis, scratch=index.scratch)
@@ -296,9 +311,10 @@ class RematStep:
         if self._budget is None:
             gm, phase = tg.gm, tg.phase
             predicted = baseline.peak_bytes
-            predicted_time = step_time(index, baseline_of(index).schedule, prof.op_costs())
+            predicted_time = step_time(index, baseline_of(index).schedule, costs)
         else:
             budget_bytes = self._budget.to_bytes(baseline.persistent_bytes, baseline.step_peak_bytes)
+            # Priced as issued op by op even when replayed as a CUDA graph: the plans measured on a GPU.
             node_seconds = prof.seconds_by_node()
 
             def make() -> Plan:
@@ -323,7 +339,7 @@ class RematStep:
 
             def rewritten() -> tuple[int, torch.fx.GraphModule, dict, StepTime]:
                 applied = plan.apply(index)
-                return applied.peak_bytes, applied.runnable(), applied.index.tg.phase, step_time(applied.index, applied.schedule, prof.op_costs())
+                return applied.peak_bytes, applied.runnable(), applied.index.tg.phase, step_time(applied.index, applied.schedule, costs)
 
             predicted, gm, phase, predicted_time = self._agreed("applying the plan", rewritten)
         gm = inductor_regions.for_backend(
@@ -331,8 +347,9 @@ class RematStep:
             node_peaks=lambda g: node_peaks(g, tg, self.model, self.optimizer, batch),
         )  # fmt: skip
         if self.backend != "eager":  # the compiled regions timed as nodes of the graph that runs
-            costs = node_costs(gm, tg, self.model, self.optimizer, batch)
-            predicted_time = simulate_time(list(costs.host.values()), list(costs.device.values()), costs.synchronous)
+            region_costs = node_costs(gm, tg, self.model, self.optimizer, batch)
+            region_costs = region_costs.replayed() if self.cuda_graph else region_costs
+            predicted_time = simulate_time(list(region_costs.host.values()), list(region_costs.device.values()), region_costs.synchronous)
         report = StepReport(
             profile=prof,
             plan=plan,
@@ -347,8 +364,10 @@ class RematStep:
             regions=len(gm.meta["regions"].regions) if "regions" in gm.meta else 0,
             region_splits=gm.meta["regions"].splits if "regions" in gm.meta else 0,
             predicted_time=predicted_time,
+            cuda_graph=self.cuda_graph,
         )
-        return CompiledGraph(tg=tg, gm=gm, report=report)
+        runner = cuda_graphs.CudaGraphStep(gm, tg.inputs, cuda_graphs.CudaBackend(torch.device(tg.device))) if self.cuda_graph else None
+        return CompiledGraph(tg=tg, gm=gm, report=report, cuda_graph=runner)
 
     def __call__(self, batch: Any) -> torch.Tensor:
         with self._on_shards():
@@ -389,7 +408,7 @@ class RematStep:
         """One step; on failure, its error says what the step had already changed in place."""
         dp = compiled.tg.call.data_parallel
         try:
-            result = run_captured(compiled.tg, compiled.gm, self.model, inputs, view)
+            result = run_captured(compiled.tg, compiled.cuda_graph or compiled.gm, self.model, inputs, view)
         except Exception as e:
             failed_step.note_changes(e, compiled.tg, compiled.gm)
             if dp is not None:
@@ -397,6 +416,9 @@ class RematStep:
             raise
         if dp is not None:
             data_parallel.after_step(self.model, dp)
+        if isinstance(compiled.cuda_graph, cuda_graphs.CudaGraphStep):  # (a stand-in while its call is timed)
+            compiled.report.cuda_graph_captures = compiled.cuda_graph.captures
+            compiled.report.cuda_graph_pool_bytes = compiled.cuda_graph.pool_bytes
         make_calls(compiled.tg.call.scheduler_calls, before_update=False)
         return result
 
@@ -416,6 +438,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     updates_in_backward: bool = True,
     lean_ops: bool = True,
     backend: str = "eager",
+    cuda_graph: bool = False,
 ) -> RematStep:
     """Compile `train_step(model, optimizer, batch) -> loss` into a step that fits `memory_budget`.
 
@@ -431,6 +454,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     (passes.lean_ops), where the kernel has an out= form: the same values, fewer bytes.
     `backend`: "eager" runs the plan op by op, bitwise like eager PyTorch; "inductor" compiles
     the plan's regions with Inductor (fused kernels, the plan's order and frees kept; not bitwise).
+    `cuda_graph`: on a GPU, after the first call, replay the step as one CUDA graph (static
+    shapes; the batch copied into the graph's buffers; random ops not recomputed; a changed
+    hyperparameter or a moved tensor captures again): passes/cuda_graph.py.
     The example batch is compiled right away, so errors surface here.
     """
     step = RematStep(
@@ -446,6 +472,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         updates_in_backward=updates_in_backward,
         lean_ops=lean_ops,
         backend=backend,
+        cuda_graph=cuda_graph,
     )
     with step._on_shards():
         step._last = step.compiled_for(example_batch)

@@ -14,7 +14,7 @@ from remat.models import build_model, make_train_step
 from remat.passes.update_buckets import made_from
 from remat.passes.update_placement import moved_index
 from remat.planners.evaluate import step_time
-from remat.profile.time_model import MMAP_THRESHOLD_BYTES, first_touch_seconds_per_byte, fresh_pages_seconds, op_seconds, scaled_to_runs, simulate_time
+from remat.profile.time_model import MMAP_THRESHOLD_BYTES, OpCosts, first_touch_seconds_per_byte, fresh_pages_seconds, op_seconds, scaled_to_runs, simulate_time
 
 
 def _by_recurrence(host: np.ndarray, device: np.ndarray) -> float:
@@ -46,6 +46,14 @@ def test_many_tiny_ops_cost_their_issuing_and_large_ones_their_kernels():
     assert op_seconds(np.array([1.0]), np.array([2.0]), synchronous=True).tolist() == [3.0]
     with pytest.raises(ValueError, match="differ in length"):
         simulate_time(np.ones(3), np.ones(2), synchronous=False)
+
+
+def test_ops_replayed_as_a_cuda_graph_cost_their_kernels_alone():
+    costs = OpCosts(host={"a": 10e-6, "b": 10e-6}, device={"a": 1e-6, "b": 3e-6}, synchronous=False)
+    assert costs.seconds_by_node() == {"a": 10e-6, "b": 10e-6}  # each issued from Python: the host is the bottleneck
+    replayed = costs.replayed()
+    assert replayed.seconds_by_node() == {"a": 1e-6, "b": 3e-6}
+    assert simulate_time(list(replayed.host.values()), list(replayed.device.values()), False).seconds == pytest.approx(4e-6)
 
 
 def test_node_times_keep_their_medians_ratios_and_add_up_to_the_median_run():

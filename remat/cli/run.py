@@ -38,6 +38,12 @@ def configure_run(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="with --device cuda: after its first call, replay the step as one CUDA graph (static shapes; random ops "
+        "not recomputed; bitwise like the graph it replays)",
+    )
+    p.add_argument(
         "--deterministic",
         action="store_true",
         help="deterministic kernels (torch.use_deterministic_algorithms): some kernels (atomic adds on a GPU, "
@@ -115,13 +121,11 @@ def _check(
 
 
 def run_one(
-    model: str,
-    batch_size: int,
-    budget: Any,
+    model: str, batch_size: int, budget: Any,
     *,
     planner: str = DEFAULT_PLANNER, optimizer: str = "sgd", steps: int = 3, pairs: int = 5, check: bool = False,
     device: str = "cpu", seed: int = 0, progress: bool = True, deterministic: bool = False, keep_grads: bool = False,
-    lean_ops: bool = True, backend: str = "eager",
+    lean_ops: bool = True, backend: str = "eager", cuda_graph: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Compile, optionally check, measure and time one configuration; the `--json` object."""
     import torch
@@ -153,8 +157,9 @@ def run_one(
     t0 = time.perf_counter()
     say(f"compiling {model} (batch {batch_size}, budget {budget}, planner {planner}, backend {backend}) ...")
     step = remat.compile(
-        train_step, spec.model, opt, spec.batch, memory_budget=budget, planner=planner, progress=progress, lean_ops=lean_ops, backend=backend
-    )
+        train_step, spec.model, opt, spec.batch, memory_budget=budget, planner=planner, progress=progress, lean_ops=lean_ops,
+        backend=backend, cuda_graph=cuda_graph,
+    )  # fmt: skip
     report = step.report
     say(
         f"compiled in {time.perf_counter() - t0:.1f} s: {report.num_recomputed} activations recomputed, "
@@ -225,6 +230,7 @@ def run_one(
         "lean_ops": list(plan.lean_ops) if plan else [], "lean_ops_note": plan.meta.get("lean_ops_note", "") if plan else "",
         "grads_match": grads_match,
         "backend": backend, "regions": report.regions, "region_splits": report.region_splits,
+        **{k: v for k, v in report.to_dict().items() if k.startswith("cuda_graph")},
         "tolerance": None if tolerance is None else tolerance.to_dict(),
         "mismatches": mismatches[:20],
         "eager_nondeterministic": eager_nondeterministic,
@@ -243,7 +249,15 @@ def cmd_run(args: argparse.Namespace) -> int:
             from remat.cli.common import UsageError
 
             raise UsageError("--backend inductor runs one process; with --nproc or --fsdp use the default backend (eager)")
+        if args.cuda_graph:
+            from remat.cli.common import UsageError
+
+            raise UsageError("--cuda-graph runs one process; with --nproc or --fsdp leave it out")
         return _run_data_parallel(args)
+    if args.cuda_graph and not args.device.startswith("cuda"):
+        from remat.cli.common import UsageError
+
+        raise UsageError(f"--cuda-graph replays the step on a GPU: use it with --device cuda (got --device {args.device})")
     result = run_one(
         args.model,
         args.batch_size,
@@ -259,6 +273,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         keep_grads=args.keep_grads,
         lean_ops=not args.no_lean_ops,
         backend=args.backend,
+        cuda_graph=args.cuda_graph,
     )
     if args.json:
         print(json.dumps(result))

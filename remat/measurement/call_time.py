@@ -59,8 +59,9 @@ def measure_call_time(step: Any, batch: Any, calls: int = 30, steps: int = 5) ->
     compiled = step.compiled_for(batch)
     guards = median_seconds(lambda: step.compiled_for(batch), calls)
     inputs = median_seconds(lambda: compiled.inputs(step.model, step.optimizer, batch), calls)
-    timed = _TimedGraph(compiled.gm)
-    compiled.gm = timed
+    runs = "cuda_graph" if compiled.cuda_graph is not None else "gm"  # what the step calls to run its graph
+    timed = _TimedGraph(getattr(compiled, runs))
+    setattr(compiled, runs, timed)
     host = []
     try:
         for _ in range(steps):
@@ -69,8 +70,8 @@ def measure_call_time(step: Any, batch: Any, calls: int = 30, steps: int = 5) ->
             start = time.perf_counter()
             step(batch)
             host.append(time.perf_counter() - start - timed.seconds)
-        compiled.gm = lambda *inputs: timed.returned
+        setattr(compiled, runs, lambda *inputs: timed.returned)
         warm = median_seconds(lambda: step(batch), calls)
     finally:
-        compiled.gm = timed.gm
+        setattr(compiled, runs, timed.gm)
     return CallTime(guards, inputs, statistics.median(host), warm)

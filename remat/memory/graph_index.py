@@ -349,7 +349,7 @@ class GraphIndex:
         if name in self._always_copyable():
             return None
         if name in self.random and name not in self.replayable:
-            why = rng_replay.replay_problem(self.node_map[name])
+            why = rng_replay.replay_problem(self.node_map[name]) or "replay is off: a CUDA graph cannot set the generator's state"
             return f"{name} is a random op that cannot be replayed ({why}): its output must be kept"
         node = self.node_map[name]
         if node.target not in op_facts.STATE_FREE_TWINS:

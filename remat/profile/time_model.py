@@ -23,10 +23,11 @@ calibrates it, `fresh_pages_seconds` applies it.
 
 from __future__ import annotations
 
+
 import functools
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -49,6 +50,10 @@ class OpCosts:
     device: dict[str, float]
     synchronous: bool  # the host waits for each op (a CPU)
     first_touch_seconds_per_byte: float = 0.0  # writing freshly mapped pages (first_touch_seconds_per_byte())
+
+    def replayed(self) -> "OpCosts":
+        """The costs of the ops replayed as one CUDA graph: the host issues the graph, not each op."""
+        return replace(self, host=dict.fromkeys(self.host, 0.0))
 
     def seconds_by_node(self) -> dict[str, float]:
         """What one run of each op costs the step alone (`op_seconds`): what the planners add up."""
