@@ -54,7 +54,8 @@ class CudaBackend:
     def capture(self, fn: Callable[[], Any]) -> tuple[Any, Callable[[], None]]:
         """`fn`'s outputs as captured (not yet computed) and the replay."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=self.stream):
+        # thread_local: a loader's pin-memory thread may call CUDA while the step is captured.
+        with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
             out = fn()
         return out, graph.replay
 
