@@ -301,7 +301,7 @@ class RematStep:
         if self.cuda_graph:
             if torch.device(tg.device).type != "cuda":
                 raise RematError(f"cuda_graph=True replays the step on a GPU; this step runs on {tg.device}. Use cuda_graph=False")
-            index.replayable = set()  # a replay sets the generator on the host, which a CUDA graph cannot capture
+            index.forbid_replay("a replay sets the generator's state on the host, which a CUDA graph cannot capture")
         costs = prof.op_costs().replayed() if self.cuda_graph else prof.op_costs()
         if self._dp is not None:  # one memory model on every rank: rank 0's measured scratch
             index.scratch = ranks.from_root(self._dp, index.scratch)

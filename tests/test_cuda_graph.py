@@ -10,9 +10,16 @@ import warnings
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
 import remat
+from remat import build as pipeline
+from remat.capture.capture import capture
 from remat.errors import RematError
+from remat.memory.simulator import simulate
+from remat.models import build_model, make_optimizer, make_train_step
+from remat.ops import rng_replay
+from remat.planners import make_plan
 from remat.measurement.check import twin
 from remat.passes.cuda_graph import CudaGraphStep
 
@@ -42,19 +49,14 @@ class StandInGraphs:
             self.replays += 1
             new = fn()
             with torch.no_grad():
-                for o, n in zip(_flat(out), _flat(new)):
-                    o.copy_(n)
+                for o, n in zip(pytree.tree_leaves(out), pytree.tree_leaves(new)):
+                    if isinstance(o, torch.Tensor):
+                        o.copy_(n)
 
         return out, replay
 
     def reserved_bytes(self) -> int:
         return 0
-
-
-def _flat(out):
-    if isinstance(out, torch.Tensor):
-        return [out]
-    return [t for o in out for t in _flat(o)] if isinstance(out, (list, tuple)) else []
 
 
 def _mlp():
@@ -172,3 +174,23 @@ def test_on_a_gpu_adamw_keeps_one_graph_only_with_its_step_count_on_the_gpu(fuse
         assert step.report.cuda_graph_captures == 1 and not caught
     else:  # a host number read by the update at capture: every step is a capture, and the warning says what to do
         assert step.report.cuda_graph_captures == 4 and "fused=True" in str(caught[0].message)
+
+
+def test_with_replay_forbidden_no_plan_replays_a_random_op_in_any_index_derived_from_it():
+    spec = build_model("bert-tiny", 4)  # dropout in every layer
+    opt = make_optimizer("sgd", spec.model.parameters())
+    tg = capture(make_train_step(spec.loss_fn), spec.model, opt, spec.batch, frozenset())
+
+    def replays(forbidden: bool) -> int:
+        built = pipeline.build_on(tg, spec.model, opt, spec.batch, runs=1)
+        if forbidden:  # before any plan, as the runtime does
+            built.index.forbid_replay("a CUDA graph cannot set the generator's state")
+            assert built.index.indexed(tg, same_nodes=False).replayable == set()  # a pass's graph with other nodes
+        base = simulate(built.analysis, scratch=built.index.scratch)
+        budget = base.persistent_bytes + int(0.45 * (base.peak_bytes - base.persistent_bytes))
+        plan = make_plan("refined", built.index, built.profile.seconds_by_node(), budget)
+        assert plan.num_recomputed > 0
+        return sum(isinstance(n.target, rng_replay.Replay) for n in plan.apply(built.index).runnable().graph.nodes)
+
+    assert replays(forbidden=False) > 0  # the budget recomputes dropout where replay is allowed
+    assert replays(forbidden=True) == 0

@@ -242,21 +242,16 @@ def run_one(
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from remat.cli.common import UsageError
     from remat.measurement.report import console_for
 
     if args.nproc != 1 or args.fsdp:
         if args.backend != "eager":
-            from remat.cli.common import UsageError
-
             raise UsageError("--backend inductor runs one process; with --nproc or --fsdp use the default backend (eager)")
         if args.cuda_graph:
-            from remat.cli.common import UsageError
-
             raise UsageError("--cuda-graph runs one process; with --nproc or --fsdp leave it out")
         return _run_data_parallel(args)
     if args.cuda_graph and not args.device.startswith("cuda"):
-        from remat.cli.common import UsageError
-
         raise UsageError(f"--cuda-graph replays the step on a GPU: use it with --device cuda (got --device {args.device})")
     result = run_one(
         args.model,

@@ -73,6 +73,7 @@ class GraphIndex:
     # `update_placement.moved_index`); None for the captured graph itself.
     captured: "GraphIndex | None" = None
     updates_moved: bool = False  # private optimizer updates run in the backward pass
+    replay_off: str | None = None  # why no random op of this graph is replayed (forbid_replay); None: replay as rng_replay allows
     lean_ops: list[str] = field(default_factory=list)  # nodes that write into a dying input (lean_ops)
     # Ops a pass made from others (update_buckets merges split multi-tensor ops): the
     # captured op whose measured kernel scratch each is taken to need.
@@ -132,7 +133,15 @@ class GraphIndex:
         `same_nodes` is False), analysed as `analysis` where given."""
         derived = GraphIndex.build(tg, analysis or analyze(tg), like=self if same_nodes else None)
         derived.captured = self.captured or self
+        if self.replay_off is not None:
+            derived.forbid_replay(self.replay_off)
         return derived
+
+    def forbid_replay(self, why: str) -> None:
+        """No random op of this graph, or of one derived from it later, is replayed (`why`):
+        plans keep their outputs. Called before any plan is made (derived indices are cached)."""
+        self.replay_off = why
+        self.replayable = set()
 
     def derived(self, key: str, derive: Callable[[], tuple]) -> tuple:
         """`derive()` computed once and cached under `key`; the derived index shares this
@@ -349,7 +358,7 @@ class GraphIndex:
         if name in self._always_copyable():
             return None
         if name in self.random and name not in self.replayable:
-            why = rng_replay.replay_problem(self.node_map[name]) or "replay is off: a CUDA graph cannot set the generator's state"
+            why = rng_replay.replay_problem(self.node_map[name]) or self.replay_off
             return f"{name} is a random op that cannot be replayed ({why}): its output must be kept"
         node = self.node_map[name]
         if node.target not in op_facts.STATE_FREE_TWINS:

@@ -29,12 +29,14 @@ call, on a stream of its own, and what it reserves is the graph's memory from th
 
 from __future__ import annotations
 
+import collections
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from remat.capture.train_graph import GraphInput, InputKind
 from remat.errors import RematError
@@ -72,23 +74,6 @@ def _use_count(t: torch.Tensor) -> int | None:
     return None if counter is None else int(counter(t.untyped_storage()._cdata))
 
 
-def _flat_tensors(out: Any) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (list, tuple)):
-        return [t for o in out for t in _flat_tensors(o)]
-    return []
-
-
-def _alias(out: Any) -> Any:
-    """`out` with each tensor a new tensor on the same memory (handed out; the originals stay the graph's)."""
-    if isinstance(out, torch.Tensor):
-        return out.detach()
-    if isinstance(out, (list, tuple)):
-        return type(out)(_alias(o) for o in out)
-    return out
-
-
 class CudaGraphStep:
     """Calls like the runnable graph `gm(*inputs) -> (outputs, grads)`, replaying it as a CUDA graph."""
 
@@ -107,7 +92,8 @@ class CudaGraphStep:
         self._static: list[Any] = []
         self._out: Any = None
         self._replay: Callable[[], None] | None = None
-        self._handed: list[tuple[weakref.ref[torch.Tensor], torch.Tensor, int | None]] = []
+        # Each tensor handed out by the last replay: (it, weakly; the graph's own; its storage; that storage's use count then).
+        self._handed: list[tuple[weakref.ref[torch.Tensor], torch.Tensor, int, int | None]] = []
 
     def __call__(self, *inputs: Any) -> Any:
         self.calls += 1
@@ -182,25 +168,28 @@ class CudaGraphStep:
         self.captures += 1
 
     def _hand_out(self) -> Any:
-        handed = _alias(self._out)
-        pairs = list(zip(_flat_tensors(handed), _flat_tensors(self._out)))
-        self._handed = [(weakref.ref(t), original, _use_count(original)) for t, original in pairs]
+        """The outputs as new tensors on the graph's memory (the graph keeps its own to write into)."""
+        handed = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, self._out)
+        pairs = zip(pytree.tree_leaves(handed), pytree.tree_leaves(self._out))
+        self._handed = [
+            (weakref.ref(t), original, original.untyped_storage().data_ptr(), _use_count(original))
+            for t, original in pairs
+            if isinstance(t, torch.Tensor)
+        ]
         return handed
 
     def _release(self) -> None:
         """Move what the user still holds of the last replay's outputs out of the graph's memory."""
-        dead: dict[int, int] = {}  # storage -> aliases of it no longer held
-        for ref, original, _ in self._handed:
-            dead[original.untyped_storage().data_ptr()] = dead.get(original.untyped_storage().data_ptr(), 0) + (ref() is None)
-        for _, original, count in self._handed:
+        dead = collections.Counter(storage for ref, _, storage, _ in self._handed if ref() is None)  # aliases let go
+        for _, original, storage, count in self._handed:
             now = _use_count(original)
-            if count is not None and now is not None and now > count - dead[original.untyped_storage().data_ptr()]:
+            if count is not None and now is not None and now > count - dead[storage]:
                 raise RematError(
                     "cuda_graph=True: a view of a tensor the last step returned (an output, or a parameter's .grad) is "
                     "still held, and the next replay writes into its memory. Keep a copy (`.clone()`) instead of the view, "
                     "or compile with cuda_graph=False"
                 )
-        for ref, _, _ in self._handed:
+        for ref, _, _, _ in self._handed:
             t = ref()
             if t is not None:
                 with torch.no_grad():

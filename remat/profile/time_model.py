@@ -23,7 +23,6 @@ calibrates it, `fresh_pages_seconds` applies it.
 
 from __future__ import annotations
 
-
 import functools
 import statistics
 import time
