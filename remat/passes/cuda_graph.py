@@ -19,7 +19,7 @@ What a replay cannot see is kept out of it or checked at every call:
 - Random ops draw from the device's generator, which the capture makes graph-safe (each
   replay draws what eager's step would); replaying a random op's state for a recomputed
   copy sets the generator on the host, which a graph cannot capture, so with CUDA graphs
-  the planner keeps random ops' outputs (GraphIndex.replayable emptied by the runtime).
+  the planner keeps random ops' outputs (`GraphIndex.forbid_replay`, called by the runtime).
 
 The first `WARMUP_CALLS` calls run the graph as it is (its peak is measured there, as
 without CUDA graphs; libraries initialise on first use); the capture happens at the next
