@@ -20,7 +20,7 @@ from remat import failed_step, ranks
 from remat import build as pipeline
 from remat.capture import data_parallel, sharded
 from remat.capture.state import read_numbers
-from remat.budget import parse_budget
+from remat.budget import format_bytes, parse_budget
 from remat.passes import cuda_graph as cuda_graphs, inductor_regions
 from remat.capture.capture import capture
 from remat.capture.step_inputs import ModelView, batch_leaf_names, run_captured
@@ -233,6 +233,14 @@ class RematStep:
         self._graphs[(shapes, compiled.step_values)] = compiled
         return compiled
 
+    def _earlier_budget_bytes(self, budget_bytes: int) -> int | None:
+        """The largest budget in bytes of a batch shape already compiled, where the budget is a
+        fraction and that is above `budget_bytes` (this shape's fraction); else None."""
+        if self._budget is None or not self._budget.is_fraction:
+            return None
+        earlier = max((g.report.budget_bytes for g in self._graphs.values() if g.report.budget_bytes is not None), default=None)
+        return earlier if earlier is not None and earlier > budget_bytes else None
+
     def _warn_changed(self, before: tuple[tuple[str, Any], ...]) -> None:
         """Name the values, changed since the last graph of this shape was compiled, that
         the graph about to be compiled holds as constants."""
@@ -325,17 +333,31 @@ class RematStep:
             try:
                 plan = make() if self._dp is None else ranks.share_plan(self._dp, make)
             except BudgetError:
-                if self._dp is None or self._reduce_per_gradient or not data_parallel.reduces_in_buckets(tg.gm):
-                    raise
-                # Every rank got this error (rank 0 plans for all): every rank captures again.
-                self._reduce_per_gradient = True
+                earlier = self._earlier_budget_bytes(budget_bytes)
+                if earlier is None:
+                    if self._dp is None or self._reduce_per_gradient or not data_parallel.reduces_in_buckets(tg.gm):
+                        raise
+                    # Every rank got this error (rank 0 plans for all): every rank captures again.
+                    self._reduce_per_gradient = True
+                    warnings.warn(
+                        "remat: with DDP's gradient buckets no plan fits the budget (a bucket's gradients stay alive until "
+                        "the bucket is reduced); the step is compiled again with each gradient all-reduced on its own: "
+                        "more collectives, less memory",
+                        stacklevel=3,
+                    )
+                    return self._compile(batch)
+                # A smaller batch (a loader's last) has the same floor of weights, gradients and
+                # optimizer state under fewer activations, so a fraction of its own activation
+                # peak can be out of reach where the larger batch's was not.
+                shapes = ", ".join(str(tuple(shape)) for shape, _, _ in _signature(batch)[1])
                 warnings.warn(
-                    "remat: with DDP's gradient buckets no plan fits the budget (a bucket's gradients stay alive until "
-                    "the bucket is reduced); the step is compiled again with each gradient all-reduced on its own: "
-                    "more collectives, less memory",
-                    stacklevel=3,
+                    f"remat: for the batch shaped {shapes}, {self._budget.describe()} is {format_bytes(budget_bytes)}, "
+                    f"below any plan's peak; it is planned under {format_bytes(earlier)}, the budget of a batch shape "
+                    "compiled before, so the step holds no more memory than it already did",
+                    stacklevel=5,  # the user's call of the step
                 )
-                return self._compile(batch)
+                budget_bytes = earlier
+                plan = make() if self._dp is None else ranks.share_plan(self._dp, make)
 
             def rewritten() -> tuple[int, torch.fx.GraphModule, dict, StepTime]:
                 applied = plan.apply(index)

@@ -171,3 +171,41 @@ def test_a_region_given_inputs_laid_out_otherwise_than_at_its_first_call_compile
         (out,) = compiled([value])
         assert torch.equal(out, value * 2.0 + 1.0)
     assert len(compiled.fns) == 2 and region.compile_seconds > 0
+
+
+def test_a_view_that_a_decomposition_makes_impossible_is_taken_as_a_reshape():
+    """Hugging Face's GPT-2 concatenates its keys onto a legacy empty tensor: eager's cat
+    returns a contiguous copy, which the captured graph then views, but the decomposition
+    Inductor traces keeps the transposed strides of the other input, where that view is
+    impossible. Inside a region a view is a value, so it may copy."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def attention_scores(x):
+        k = x.view(2, 16, 4, 8).transpose(1, 2)
+        k = torch.cat([torch.tensor([]), k], -2)
+        return torch.matmul(k, k.transpose(-1, -2))
+
+    x = torch.randn(2, 16, 32)
+    owner = make_fx(attention_scores)(x)
+    run = [n for n in owner.graph.nodes if n.op == "call_function"]
+    region = inductor_regions._region_module(owner, run)
+    inputs = [x if n.op == "placeholder" else getattr(owner, n.target) for n in region.inputs]
+    compiled = inductor_regions._Compiled(region.module, inductor_regions._inductor, inductor_regions.Region("r", "forward", [n.name for n in run]))
+    (out,) = compiled(inputs)
+    assert not compiled.region.error
+    torch.testing.assert_close(out, attention_scores(x))
+
+
+def test_a_region_inductor_cannot_compile_runs_op_by_op_with_a_warning(monkeypatch):
+    def fails(sub, inputs):
+        raise RuntimeError("no lowering for this op\nmore detail")
+
+    monkeypatch.setattr(inductor_regions, "_inductor", fails)
+    model, opt, batch = _mlp(4, depth=3)
+    eager_model, eager_opt = twin(model, opt)
+    with pytest.warns(UserWarning, match=r"could not compile region_\d+_\w+ .*RuntimeError: no lowering for this op\. It runs op by op"):
+        step = remat.compile(train_step, model, opt, batch, memory_budget=0.5, backend="inductor")
+    made = step.graph_module.meta["regions"]
+    assert made.regions and all(r.error == "RuntimeError: no lowering for this op" for r in made.regions)
+    result = check_against_eager(train_step, eager_model, eager_opt, model, opt, step, batch, steps=2)
+    assert result.match, result.mismatches[:5]  # the regions' own graphs, run op by op: eager's kernels

@@ -340,3 +340,33 @@ def test_a_step_returning_python_numbers_gives_them_back_as_eager_does_each_step
     # A number no input gives (a scheduler's get_last_lr()) would be the traced one at every step.
     with pytest.raises(CaptureError, match=r"returned the Python number 0\.5 \(output 1\), which no tensor or optimizer setting gives"):
         remat.compile(lambda m, o, b: (_mse_step(m, o, b), 0.5), *twin(model, opt), batch, memory_budget=None)
+
+
+def test_a_smaller_last_batch_out_of_reach_of_its_fraction_is_planned_under_the_budget_before_it():
+    """A loader's last batch is often smaller: the same weights, gradients and optimizer state
+    under fewer activations, where a fraction of its own activation peak can be below every
+    plan. Training goes on at the budget the larger batch ran under, said in a warning."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Dropout(0.1)) for _ in range(8)], torch.nn.Linear(256, 10))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    full = (torch.randn(512, 256), torch.randint(0, 10, (512,)))
+    last = (full[0][:100], full[1][:100])
+
+    def train_step(model, optimizer, batch):  # clipping keeps every gradient to the update: a high floor
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        return loss
+
+    with pytest.raises(BudgetError, match="no .*plan fits the budget"):  # the last batch alone, at the same fraction
+        remat.compile(train_step, *twin(model, opt), last, memory_budget=0.4, profile_runs=1, measure=False)
+    step = remat.compile(train_step, model, opt, full, memory_budget=0.4, profile_runs=1)
+    budget = step.report.budget_bytes
+    with pytest.warns(UserWarning, match=r"batch shaped \(100, 256\), \(100,\), 0.4 of the activation peak .* planned under .* the budget of a batch shape compiled before"):
+        step(last)
+    assert step.report.budget_bytes == budget and step.report.measured_peak_bytes <= budget
+    eager_model, eager_opt = twin(model, opt)
+    result = check_against_eager(train_step, eager_model, eager_opt, model, opt, step, last, steps=2)
+    assert result.match, result.mismatches[:5]

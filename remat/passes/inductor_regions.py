@@ -20,10 +20,12 @@ compiled step with eager under a tolerance.
 
 from __future__ import annotations
 
+import copy
 import functools
 import operator
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -43,6 +45,7 @@ class Region:
     kind: str  # a Phase's value, or RECOMPUTE
     ops: list[str]  # the graph's node names it runs, in order
     compile_seconds: float = 0.0
+    error: str = ""  # why Inductor could not compile it, where it could not: it then runs op by op
 
 
 @dataclass
@@ -265,6 +268,13 @@ class _RegionGraph:
     writes: list[tuple[torch.fx.Node, int]]  # (buffer, output position): copied into the buffer after the region
 
 
+# Inside a region a view is a value (nothing in it writes in place), so it may copy: a
+# decomposition can lay a tensor out otherwise than eager's kernel did (a cat with a legacy
+# empty tensor keeps its other input's transposed strides), and the captured view of it is
+# then impossible. A view that leaves the region is made again from its base, eagerly.
+_VIEWS_AS_RESHAPES = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
 def _region_module(owner: torch.fx.GraphModule, run: list[torch.fx.Node]) -> _RegionGraph:
     """The run as a graph of its own."""
     inside = set(run)
@@ -297,6 +307,8 @@ def _region_module(owner: torch.fx.GraphModule, run: list[torch.fx.Node]) -> _Re
             if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
                 env[node].target = _private_in_place(node)  # an in-place op on a private activation
                 continue
+            if node.target in _VIEWS_AS_RESHAPES:
+                env[node].target = torch.ops.aten.reshape.default
         if not outs and op_facts.written_args(node):  # a BatchNorm: its functional form (compilable says which)
             env[node].target = torch.ops.aten._native_batch_norm_legit_functional.default
             for k, i in enumerate(_RUNNING_STATS):
@@ -317,6 +329,7 @@ def _inductor(sub: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callabl
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    sub = copy.deepcopy(sub)  # the region's own graph stays as planned: a layout compiled later, or run eagerly
     _keep_eager_layouts(sub, example)
     decomposed = make_fx(sub, decomposition_table=select_decomp_table(), tracing_mode="fake")(*example)
     # Every output is one the user sees: Inductor keeps the strides it was traced with (those
@@ -364,7 +377,18 @@ class _Compiled:
         fn = self.fns.get(layout)
         if fn is None:
             start = time.perf_counter()
-            fn = self.fns[layout] = self.compiler(self.sub, args)
+            try:
+                fn = self.compiler(self.sub, args)
+            except Exception as e:  # noqa: BLE001 - Inductor failing on one region's graph costs its speed, not the step
+                self.region.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                warnings.warn(
+                    f"remat: Inductor could not compile {self.region.name} ({len(self.region.ops)} ops, from "
+                    f"{self.region.ops[0]} to {self.region.ops[-1]}): {self.region.error}. It runs op by op, as planned; "
+                    "the rest of the step keeps its compiled regions",
+                    stacklevel=2,
+                )
+                fn = torch.fx.Interpreter(self.sub).boxed_run
+            self.fns[layout] = fn
             self.region.compile_seconds += time.perf_counter() - start
         return fn(args)
 
