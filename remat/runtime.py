@@ -58,6 +58,7 @@ class StepReport:
     backend: str = "eager"
     regions: int = 0  # Inductor-compiled regions (backend "inductor")
     region_splits: int = 0  # of them, split because the step's measured peak was over the bound in one
+    regions_slower: int = 0  # regions left to run op by op: they took longer compiled (timed at compile time)
     predicted_time: StepTime | None = None  # the graph's ops on the host and device timelines (time_model)
     cuda_graph: bool = False  # replayed as a CUDA graph (passes.cuda_graph)
     cuda_graph_captures: int = 0  # captures so far: the first, then one per changed key
@@ -82,6 +83,7 @@ class StepReport:
             "backend": self.backend,
             "regions": self.regions,
             "region_splits": self.region_splits,
+            "regions_slower": self.regions_slower,
             "predicted_graph_seconds": self.predicted_time.seconds if self.predicted_time else None,
             "time_model": self.predicted_time.to_dict() if self.predicted_time else None,
             "cuda_graph": self.cuda_graph,
@@ -367,6 +369,7 @@ class RematStep:
         gm = inductor_regions.for_backend(
             self.backend, gm, phase, bound_bytes=(budget_bytes or predicted) - baseline.persistent_bytes, progress=self.progress,
             node_peaks=lambda g: node_peaks(g, tg, self.model, self.optimizer, batch),
+            node_seconds=lambda g: node_costs(g, tg, self.model, self.optimizer, batch, runs=2).seconds_by_node(),
         )  # fmt: skip
         if self.backend != "eager":  # the compiled regions timed as nodes of the graph that runs
             region_costs = node_costs(gm, tg, self.model, self.optimizer, batch)
@@ -385,6 +388,7 @@ class RematStep:
             backend=self.backend,
             regions=len(gm.meta["regions"].regions) if "regions" in gm.meta else 0,
             region_splits=gm.meta["regions"].splits if "regions" in gm.meta else 0,
+            regions_slower=gm.meta["regions"].slower if "regions" in gm.meta else 0,
             predicted_time=predicted_time,
             cuda_graph=self.cuda_graph,
         )

@@ -74,6 +74,7 @@ def test_regions_run_by_a_plain_compiler_are_bitwise_and_recompute_in_the_backwa
     """The cutting, boxing, re-made views and BatchNorm's statistics copied after the region
     alone: with regions that run their own graph, the step must stay bitwise equal to eager."""
     monkeypatch.setattr(inductor_regions, "_inductor", _runs_python)
+    monkeypatch.setattr(inductor_regions, "_slower_regions", lambda *timings: [])  # every region kept, however it timed
     model, opt, batch = make()
     eager_model, eager_opt = twin(model, opt)
     step = remat.compile(train_step, model, opt, batch, memory_budget=budget, backend="inductor")
@@ -201,6 +202,7 @@ def test_a_region_inductor_cannot_compile_runs_op_by_op_with_a_warning(monkeypat
         raise RuntimeError("no lowering for this op\nmore detail")
 
     monkeypatch.setattr(inductor_regions, "_inductor", fails)
+    monkeypatch.setattr(inductor_regions, "_slower_regions", lambda *timings: [])  # kept as regions, to be seen
     model, opt, batch = _mlp(4, depth=3)
     eager_model, eager_opt = twin(model, opt)
     with pytest.warns(UserWarning, match=r"could not compile region_\d+_\w+ .*RuntimeError: no lowering for this op\. It runs op by op"):
@@ -209,3 +211,25 @@ def test_a_region_inductor_cannot_compile_runs_op_by_op_with_a_warning(monkeypat
     assert made.regions and all(r.error == "RuntimeError: no lowering for this op" for r in made.regions)
     result = check_against_eager(train_step, eager_model, eager_opt, model, opt, step, batch, steps=2)
     assert result.match, result.mismatches[:5]  # the regions' own graphs, run op by op: eager's kernels
+
+
+def test_a_region_slower_compiled_than_its_ops_one_by_one_runs_them_one_by_one(monkeypatch):
+    """Timed at compile time: each region's call (with its inputs' boxing) against its ops'
+    times in the planned graph. Here every op takes 1 and every region's call 6, so regions of
+    up to 6 nodes run op by op and longer ones stay compiled."""
+    model, opt, batch = _mlp(5)
+    step = remat.compile(train_step, model, opt, batch, memory_budget=0.4, measure=False)
+    gm, tg = step.graph_module, step._last.tg
+    whole = inductor_regions.for_backend("inductor", gm, tg.phase, compiler=_runs_python).meta["regions"].regions
+    assert any(len(r.ops) <= 6 for r in whole) and any(len(r.ops) > 6 for r in whole)
+
+    def seconds(g):
+        calls = {r.name for r in g.meta["regions"].regions} if "regions" in g.meta else set()
+        return {n.name: 5.0 if n.name in calls else 1.0 for n in g.graph.nodes if n.op == "call_function"}
+
+    kept = inductor_regions.for_backend("inductor", gm, tg.phase, compiler=_runs_python, node_seconds=seconds)
+    made = kept.meta["regions"]
+    assert sorted(r.ops for r in made.regions) == sorted(r.ops for r in whole if len(r.ops) > 6)
+    assert made.slower == sum(1 for r in whole if len(r.ops) <= 6)
+    left = {n.name for n in kept.graph.nodes}
+    assert all(op in left for r in whole if len(r.ops) <= 6 for op in r.ops)  # their ops, in the graph as planned

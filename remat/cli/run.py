@@ -229,7 +229,7 @@ def run_one(
         "updates_in_backward": bool(plan and plan.updates_in_backward), "updates_note": plan.updates_note if plan else "",
         "lean_ops": list(plan.lean_ops) if plan else [], "lean_ops_note": plan.meta.get("lean_ops_note", "") if plan else "",
         "grads_match": grads_match,
-        "backend": backend, "regions": report.regions, "region_splits": report.region_splits,
+        "backend": backend, "regions": report.regions, "region_splits": report.region_splits, "regions_slower": report.regions_slower,
         **{k: v for k, v in report.to_dict().items() if k.startswith("cuda_graph")},
         "tolerance": None if tolerance is None else tolerance.to_dict(),
         "mismatches": mismatches[:20],
@@ -287,6 +287,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             + (f"; {len(result['lean_ops'])} backward ops write into a dying input" if result["lean_ops"] else "")
             + ("" if result["grads_match"] is None or result["tolerance"] else f"; bitwise equal to eager: {result['grads_match']}")
             + (f"; {result['regions']} regions compiled by Inductor" if result["backend"] == "inductor" else "")
+            + (f" ({result['regions_slower']} more ran slower compiled: op by op)" if result.get("regions_slower") else "")
             + ("" if not result["tolerance"] else f"; within tolerance of eager: {result['grads_match']} "
                f"(largest difference {result['tolerance']['largest_difference']:.3g})")
         )

@@ -54,6 +54,7 @@ class Regions:
 
     regions: list[Region] = field(default_factory=list)
     splits: int = 0  # regions split in two because the step's measured peak was in them, over the bound
+    slower: int = 0  # regions left to run op by op because, compiled, they took longer (timed)
     measured_peak_bytes: int | None = None  # the step's, above the level before it, where measured
 
     @property
@@ -208,10 +209,11 @@ def _hoistable(node: torch.fx.Node, members: set[torch.fx.Node]) -> bool:
     return getattr(node.target, "__module__", None) in ("_operator", "math", "builtins")  # Python arithmetic
 
 
-def _runs(gm: torch.fx.GraphModule, kinds: dict[str, str], starts: set[str]) -> list[_Run]:
-    """The regions: cut, then cut again while an out= call left outside every region writes
-    into a value a region would make (that value must then be eager's)."""
-    eager_made: set[torch.fx.Node] = set()
+def _runs(gm: torch.fx.GraphModule, kinds: dict[str, str], starts: set[str], eager: set[str]) -> list[_Run]:
+    """The regions, none holding an op named in `eager`: cut, then cut again while an out=
+    call left outside every region writes into a value a region would make (that value
+    must then be eager's)."""
+    eager_made = {n for n in gm.graph.nodes if n.name in eager}
     while True:
         runs = _cut(gm, kinds, starts, eager_made)
         more = _written_by_out_calls(gm, {n for r in runs for n in r.nodes}) - eager_made
@@ -407,11 +409,13 @@ def compile_regions(
     starts: set[str] = frozenset(),
     compiler: Callable[..., Any] = _inductor,
     compiled: dict[tuple[str, ...], _Compiled] | None = None,
+    eager: set[str] = frozenset(),
 ) -> torch.fx.GraphModule:
     """A new module that runs `gm` with its regions compiled (`gm` is left as it was); a
-    region never runs across an op named in `starts`. Each region compiles at its first call;
-    `compiled` (by the region's ops) keeps them for a later cut of the same graph."""
-    runs = _runs(gm, kinds, starts)
+    region never runs across an op named in `starts` nor holds one named in `eager`. Each
+    region compiles at its first call; `compiled` (by the region's ops) keeps them for a
+    later cut of the same graph."""
+    runs = _runs(gm, kinds, starts, eager)
     compiled = {} if compiled is None else compiled
     first_of = {run.nodes[0]: i for i, run in enumerate(runs)}
     in_run = {n: i for i, run in enumerate(runs) for n in run.nodes + run.hoisted}
@@ -469,6 +473,7 @@ def for_backend(
     *,
     bound_bytes: int | None = None,
     node_peaks: Callable[[torch.fx.GraphModule], dict[str, int]] | None = None,
+    node_seconds: Callable[[torch.fx.GraphModule], dict[str, float]] | None = None,
     progress: bool = False,
     compiler: Callable[..., Any] | None = None,
 ) -> torch.fx.GraphModule:
@@ -476,17 +481,51 @@ def for_backend(
     regions compiled. Given `node_peaks` (a measured run: each node's peak of step memory),
     a region whose measured peak is over `bound_bytes` is split in two and the step compiled
     again, until the step's peak is within the bound or the region holding it is too small
-    to compile (its ops then run eagerly, as planned). `compiler(region_module, input_nodes)`
-    returns a function of the boxed inputs (`_inductor` by default)."""
+    to compile (its ops then run eagerly, as planned). Given `node_seconds` (a timed run:
+    each node's seconds), a region that took at least as long compiled as its ops one by one
+    in `gm` runs them one by one (on a CPU, Inductor calls the same library kernels for
+    convolutions and matrix products, and a region of a few small ops costs its call).
+    `compiler(region_module, input_nodes)` returns a function of the boxed inputs
+    (`_inductor` by default)."""
     if backend == "eager":
         return gm
     from remat.passes.rewriter import RECOMPUTED_SUFFIX
 
     kinds = node_kinds(gm, phase, {n.name for n in gm.graph.nodes if n.name.endswith(RECOMPUTED_SUFFIX)})
-    starts: set[str] = set()
     made_before: dict[tuple[str, ...], _Compiled] = {}
+
+    def cut(starts: set[str], eager: set[str]) -> torch.fx.GraphModule:
+        return compile_regions(gm, kinds, starts, compiler=compiler or _inductor, compiled=made_before, eager=eager)
+
+    starts: set[str] = set()
+    compiled = _fit(cut, starts, gm, bound_bytes, node_peaks, progress)
+    if node_seconds is None:
+        return compiled
+    slower = _slower_regions(compiled, node_seconds(compiled), node_seconds(gm))
+    if not slower:
+        return compiled
+    if progress:
+        print(f"remat: {len(slower)} regions ran slower compiled than op by op: they run op by op", file=sys.stderr, flush=True)
+    kept = cut(starts, {op for region in slower for op in region.ops})
+    made: Regions = kept.meta["regions"]
+    made.splits, made.slower = len(starts), len(slower)
+    if node_peaks is not None:  # op by op as planned, the peak can only fall: measured for the report
+        made.measured_peak_bytes = max(node_peaks(kept).values(), default=0)
+    return kept
+
+
+def _fit(
+    cut: Callable[[set[str], set[str]], torch.fx.GraphModule],
+    starts: set[str],
+    gm: torch.fx.GraphModule,
+    bound_bytes: int | None,
+    node_peaks: Callable[[torch.fx.GraphModule], dict[str, int]] | None,
+    progress: bool,
+) -> torch.fx.GraphModule:
+    """The regions, each split (its middle op added to `starts`) while the step's measured
+    peak is inside it and over `bound_bytes`."""
     while True:
-        compiled = compile_regions(gm, kinds, starts, compiler=compiler or _inductor, compiled=made_before)
+        compiled = cut(starts, set())
         made: Regions = compiled.meta["regions"]
         made.splits = len(starts)
         if node_peaks is None:
@@ -503,3 +542,17 @@ def for_backend(
         nodes = {n.name: n for n in gm.graph.nodes}
         ops = [n for n in region.ops if not op_facts.is_getitem(nodes[n])]
         starts.add(ops[len(ops) // 2])
+
+
+def _slower_regions(compiled: torch.fx.GraphModule, compiled_seconds: dict[str, float], op_seconds: dict[str, float]) -> list[Region]:
+    """The regions whose call (with the boxing of its inputs) took at least as long as their
+    ops one by one."""
+    calls = {n.name: n for n in compiled.graph.nodes if n.op == "call_function"}
+    slower = []
+    for region in compiled.meta["regions"].regions:
+        call = calls[region.name]
+        box = call.args[0].name if isinstance(call.args[0], torch.fx.Node) else None
+        seconds = compiled_seconds[region.name] + compiled_seconds.get(box, 0.0)
+        if seconds >= sum(op_seconds.get(op, 0.0) for op in region.ops):
+            slower.append(region)
+    return slower
