@@ -110,7 +110,9 @@ def _regions(doc: dict[str, Any]) -> str:
     off = doc["peak_bytes_measured"] - doc["predicted_peak_bytes"]
     tol = doc["tolerance"] or {}
     return (
-        f"{doc['model']} batch {doc['batch_size']} at {doc['budget']}, {doc['regions']} regions: {ratio:.2f}× of eager's activation "
+        f"{doc['model']} batch {doc['batch_size']} at {doc['budget']}, {doc['regions']} regions"
+        + (f" ({doc['regions_slower']} more left op by op, slower compiled)" if doc.get("regions_slower") else "")
+        + f": {ratio:.2f}× of eager's activation "
         f"peak (measured {'=' if off == 0 else f'{off:+,} B from'} predicted) at {doc['overhead_ratio']:.2f}× eager's time; "
         f"within tolerance: {'yes' if tol.get('within') else 'no'}"
     )
