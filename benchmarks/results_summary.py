@@ -123,7 +123,7 @@ def _time_model(doc: dict[str, Any]) -> str:
     for r in doc["rows"]:
         parts.append(f"{r['model']} b{r['batch_size']} {r['backend']} {r['error']:+.0%}")
     within = sum(abs(r["error"]) <= 0.10 for r in doc["rows"])
-    return f"predicted step time against measured, {within} of {len(doc['rows'])} runs within 10%: " + ", ".join(parts)
+    return f"predicted step time against measured (steps one after another), {within} of {len(doc['rows'])} runs within 10%: " + ", ".join(parts)
 
 
 def _gpu(doc: dict[str, Any]) -> str:

@@ -45,6 +45,7 @@ def test_factory_runs_bitwise_from_the_command_line(capsys, monkeypatch, factory
     # A call's host time before its graph runs, apart from the graph's.
     assert 0 < result["call_guards_seconds"] and 0 < result["call_inputs_seconds"] and 0 < result["call_host_warm_seconds"]
     assert result["call_host_seconds"] + result["graph_seconds"] == pytest.approx(result["iteration_seconds"])
+    assert result["back_to_back_seconds"] > result["call_host_seconds"]  # whole steps: the host's part and the graph
 
 
 @pytest.mark.parametrize(

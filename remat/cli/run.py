@@ -281,7 +281,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"time ratio remat/eager {result['overhead_ratio']:.3f} "
             f"(spread {result['overhead_ratio_spread'][0]:.3f}-{result['overhead_ratio_spread'][1]:.3f}); "
             f"{result['num_recomputed']} activations recomputed"
-            + (f"; step {result['iteration_seconds'] * 1e3:.1f} ms measured / {result['predicted_iteration_seconds'] * 1e3:.1f} ms predicted"
+            + (f"; step {result['back_to_back_seconds'] * 1e3:.1f} ms measured (steps one after another) / {result['predicted_iteration_seconds'] * 1e3:.1f} ms predicted"
                if result["predicted_iteration_seconds"] else "")
             + ("; optimizer updates in the backward pass" if result["updates_in_backward"] else "")
             + (f"; {len(result['lean_ops'])} backward ops write into a dying input" if result["lean_ops"] else "")
