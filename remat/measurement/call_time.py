@@ -12,7 +12,7 @@ Before each real step the previous gradients are dropped, outside the timer: fre
 is the step's own work (eager's zero_grad frees them too), milliseconds on BERT-base.
 The real steps' whole times are kept too: the step as a loop runs it, one after another
 (timed in pairs beside eager's step, a step of compiled kernels on a small model runs
-cold: bert-tiny's with Inductor regions 18% slower after an eager step than after itself).
+cold: bert-tiny's with Inductor regions 14–20% slower after an eager step than after itself).
 """
 
 from __future__ import annotations
