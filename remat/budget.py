@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Iterable
 
 from remat.errors import BudgetError
 
@@ -64,6 +65,14 @@ class Budget:
             return int(persistent_bytes + math.floor(self.fraction * baseline_step_peak_bytes))
         assert self.nbytes is not None
         return int(self.nbytes)
+
+    def for_later_shape(self, own_bytes: int, earlier_bytes: Iterable[int]) -> int | None:
+        """Where a fraction is out of reach for a later batch shape (a loader's smaller last
+        batch: the same weights, gradients and optimizer state under fewer activations), the
+        largest budget in bytes of the shapes compiled before, if above `own_bytes`: the step
+        then holds no more than it already did. Else None."""
+        earlier = max(earlier_bytes, default=None) if self.fraction is not None else None
+        return earlier if earlier is not None and earlier > own_bytes else None
 
     def describe(self) -> str:
         if self.fraction is not None:

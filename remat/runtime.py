@@ -235,14 +235,6 @@ class RematStep:
         self._graphs[(shapes, compiled.step_values)] = compiled
         return compiled
 
-    def _earlier_budget_bytes(self, budget_bytes: int) -> int | None:
-        """The largest budget in bytes of a batch shape already compiled, where the budget is a
-        fraction and that is above `budget_bytes` (this shape's fraction); else None."""
-        if self._budget is None or not self._budget.is_fraction:
-            return None
-        earlier = max((g.report.budget_bytes for g in self._graphs.values() if g.report.budget_bytes is not None), default=None)
-        return earlier if earlier is not None and earlier > budget_bytes else None
-
     def _warn_changed(self, before: tuple[tuple[str, Any], ...]) -> None:
         """Name the values, changed since the last graph of this shape was compiled, that
         the graph about to be compiled holds as constants."""
@@ -335,7 +327,7 @@ class RematStep:
             try:
                 plan = make() if self._dp is None else ranks.share_plan(self._dp, make)
             except BudgetError:
-                earlier = self._earlier_budget_bytes(budget_bytes)
+                earlier = self._budget.for_later_shape(budget_bytes, (g.report.budget_bytes or 0 for g in self._graphs.values()))
                 if earlier is None:
                     if self._dp is None or self._reduce_per_gradient or not data_parallel.reduces_in_buckets(tg.gm):
                         raise
@@ -348,9 +340,6 @@ class RematStep:
                         stacklevel=3,
                     )
                     return self._compile(batch)
-                # A smaller batch (a loader's last) has the same floor of weights, gradients and
-                # optimizer state under fewer activations, so a fraction of its own activation
-                # peak can be out of reach where the larger batch's was not.
                 shapes = ", ".join(str(tuple(shape)) for shape, _, _ in _signature(batch)[1])
                 warnings.warn(
                     f"remat: for the batch shaped {shapes}, {self._budget.describe()} is {format_bytes(budget_bytes)}, "

@@ -12,7 +12,7 @@ import remat
 from remat.errors import RematError
 from remat.measurement.check import check_against_eager, model_snapshot, snapshot_differences, twin
 from remat.measurement.tolerance import check_within_tolerance
-from remat.passes import inductor_regions
+from remat.passes import inductor_regions, region_compiler
 from remat.passes.inductor_regions import RECOMPUTE
 from remat.passes.rewriter import RECOMPUTED_SUFFIX
 
@@ -164,8 +164,8 @@ def test_a_region_given_inputs_laid_out_otherwise_than_at_its_first_call_compile
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     graph.output((graph.call_function(torch.ops.aten.add.Tensor, (graph.call_function(torch.ops.aten.mul.Tensor, (x, 2.0)), 1.0)),))
-    region = inductor_regions.Region("region_0_forward", "forward", ["mul", "add"])
-    compiled = inductor_regions._Compiled(torch.fx.GraphModule(torch.nn.Module(), graph), inductor_regions._inductor, region)
+    region = region_compiler.Region("region_0_forward", "forward", ["mul", "add"])
+    compiled = region_compiler.CompiledRegion(torch.fx.GraphModule(torch.nn.Module(), graph), region_compiler.inductor, region)
     dense = torch.randn(4, 6)
     padded = torch.randn(4, 8)[:, :6]  # rows padded to 8
     for value in (dense, padded, dense):
@@ -191,7 +191,7 @@ def test_a_view_that_a_decomposition_makes_impossible_is_taken_as_a_reshape():
     run = [n for n in owner.graph.nodes if n.op == "call_function"]
     region = inductor_regions._region_module(owner, run)
     inputs = [x if n.op == "placeholder" else getattr(owner, n.target) for n in region.inputs]
-    compiled = inductor_regions._Compiled(region.module, inductor_regions._inductor, inductor_regions.Region("r", "forward", [n.name for n in run]))
+    compiled = region_compiler.CompiledRegion(region.module, region_compiler.inductor, region_compiler.Region("r", "forward", [n.name for n in run]))
     (out,) = compiled(inputs)
     assert not compiled.region.error
     torch.testing.assert_close(out, attention_scores(x))
