@@ -225,6 +225,7 @@ def plan_mutwo(
     give_up_above_seconds: float | None = None,
     patience: int | None = None,
     bound_patience: int | None = None,
+    planner_name: str = "mutwo",  # the planner a refusal names: refined's, when refined runs this first
     **meta,
 ) -> MutwoResult:
     """μ-TWO's greedy on a graph: the first pick sequence whose simulated peak fits.
@@ -282,7 +283,7 @@ def plan_mutwo(
     if not result.fitted:
         # Pinned down only if the error is read: another graph or policy may well fit.
         reach = lambda: ev.smallest_peak(time_limit=0.0 if gave_up else REFINE_SECONDS)  # noqa: E731
-        raise no_plan_error("mutwo", budget_bytes, reach, baseline.peak_bytes, len(records))
+        raise no_plan_error(planner_name, budget_bytes, reach, baseline.peak_bytes, len(records))
     extra.update(ev.stats())
     extra["candidates"] = len(records)
     plan = assemble_plan(

@@ -72,7 +72,7 @@ COPY_WORK = 8
 
 def plan(index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, **meta) -> Plan:
     """The planner interface (remat.planners.make_plan): μ-TWO's plan of one graph."""
-    first = mutwo.plan(index, node_seconds, budget_bytes, **meta)
+    first = mutwo.plan(index, node_seconds, budget_bytes, planner_name="refined", **meta)
     first.planner = "refined"
     first.meta["refined"] = {"mutwo_overhead_seconds": first.predicted_overhead_seconds}
     return first
