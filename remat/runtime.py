@@ -28,7 +28,7 @@ from remat.capture.train_graph import TrainGraph, TrainStep
 from remat.errors import BudgetError, CaptureError, RematError
 from remat.profile.allocator import measure_step_peak
 from remat.profile.profiler import node_costs, node_peaks
-from remat.profile.time_model import StepTime, simulate_time
+from remat.profile.time_model import OpCosts, StepTime, simulate_time
 from remat.planners.evaluate import baseline_of, step_time
 from remat.planners.plan import Plan
 from remat.planners import DEFAULT_PLANNER, make_plan
@@ -355,13 +355,15 @@ class RematStep:
                 return applied.peak_bytes, applied.runnable(), applied.index.tg.phase, step_time(applied.index, applied.schedule, costs)
 
             predicted, gm, phase, predicted_time = self._agreed("applying the plan", rewritten)
+        timed: dict[torch.fx.GraphModule, OpCosts] = {}  # each graph timed once: the last one timed is often the one that runs
+        costs_of = lambda g: timed[g] if g in timed else timed.setdefault(g, node_costs(g, tg, self.model, self.optimizer, batch))  # noqa: E731
         gm = inductor_regions.for_backend(
             self.backend, gm, phase, bound_bytes=(budget_bytes or predicted) - baseline.persistent_bytes, progress=self.progress,
             node_peaks=lambda g: node_peaks(g, tg, self.model, self.optimizer, batch),
-            node_seconds=lambda g: node_costs(g, tg, self.model, self.optimizer, batch, runs=2).seconds_by_node(),
+            node_seconds=lambda g: costs_of(g).seconds_by_node(),
         )  # fmt: skip
         if self.backend != "eager":  # the compiled regions timed as nodes of the graph that runs
-            region_costs = node_costs(gm, tg, self.model, self.optimizer, batch)
+            region_costs = costs_of(gm)
             region_costs = region_costs.replayed() if self.cuda_graph else region_costs
             predicted_time = simulate_time(list(region_costs.host.values()), list(region_costs.device.values()), region_costs.synchronous)
         report = StepReport(
