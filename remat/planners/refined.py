@@ -101,7 +101,9 @@ def improve(index: GraphIndex, first: Plan, node_seconds: dict[str, float], budg
     cheapest = min(points, key=_Point.rank)
     # Exchanges from each policy's point that is not far behind the cheapest, the cheapest first.
     search.exchange_until = (search.simulations + EXCHANGE_SIMULATIONS, search.steps + EXCHANGE_STEPS)
-    near = sorted((p for p in points if p.cost <= EXCHANGE_FROM * cheapest.cost), key=_Point.rank)
+    # Measured from the cheapest, so a negative overhead (a plan predicted faster than the
+    # captured step: lean variants, moved updates) keeps the cheapest point among them.
+    near = sorted((p for p in points if p.cost - cheapest.cost <= (EXCHANGE_FROM - 1) * abs(cheapest.cost)), key=_Point.rank)
     best = min((search.exchange(p) for p in near), key=_Point.rank)
     exchanged = best
     alike = search.alike(best)
