@@ -80,6 +80,19 @@ class Budget:
         return f"{self.nbytes} bytes ({format_bytes(self.nbytes or 0)})"
 
 
+def not_held(measured: int, predicted: int, budget: int | None) -> str | None:
+    """What to tell the user when a step's measured peak went over its budget (a tensor the
+    memory model did not see: an op whose fake kernel gives a buffer fewer bytes than the
+    real one makes), or None when the budget held."""
+    if budget is None or measured <= budget:
+        return None
+    return (
+        f"remat: the step's measured peak, {format_bytes(measured)}, is over its budget of {format_bytes(budget)} "
+        f"(predicted {format_bytes(predicted)}): an op holds {format_bytes(measured - predicted)} the plan did not see. "
+        f"Lower the budget by that much to stay under it, and report the model (remat profile shows where it differs)."
+    )
+
+
 def format_bytes(nbytes: float) -> str:
     """Bytes in MiB or GiB, for messages."""
     if abs(nbytes) >= 2**30:

@@ -20,7 +20,7 @@ from remat import failed_step, ranks
 from remat import build as pipeline
 from remat.capture import data_parallel, sharded
 from remat.capture.state import read_numbers
-from remat.budget import format_bytes, parse_budget
+from remat.budget import format_bytes, not_held, parse_budget
 from remat.passes import cuda_graph as cuda_graphs, inductor_regions
 from remat.capture.capture import capture
 from remat.capture.step_inputs import ModelView, batch_leaf_names, run_captured
@@ -407,6 +407,8 @@ class RematStep:
             if measured.reserved_peak_bytes is not None:
                 compiled.report.measured_reserved_peak_bytes = compiled.report.persistent_bytes + measured.reserved_peak_bytes
             compiled.measured = True
+            if (over := not_held(compiled.report.measured_peak_bytes, compiled.report.predicted_peak_bytes, compiled.report.budget_bytes)) is not None:
+                warnings.warn(over, stacklevel=2)
             return measured.result
         return self._run(compiled, inputs, view)
 

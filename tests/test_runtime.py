@@ -370,3 +370,28 @@ def test_a_smaller_last_batch_out_of_reach_of_its_fraction_is_planned_under_the_
     eager_model, eager_opt = twin(model, opt)
     result = check_against_eager(train_step, eager_model, eager_opt, model, opt, step, last, steps=2)
     assert result.match, result.mismatches[:5]
+
+
+def test_a_measured_peak_over_the_budget_is_said_with_by_how_much(monkeypatch):
+    """A tensor the memory model does not see (an op whose fake kernel gives a buffer fewer
+    bytes than the real one) shows at the first step's measurement: the user is told the
+    budget was not held and by how much, not left to find out from an out-of-memory error."""
+    import remat.runtime as runtime
+
+    spec = build_model("mlp-deep", 32)
+    opt = make_optimizer("sgd", spec.model.parameters())
+    real = runtime.measure_step_peak
+
+    def with_a_hidden_buffer(fn, device, model):
+        measured = real(fn, device, model)
+        measured.peak_bytes += 1 << 20
+        return measured
+
+    monkeypatch.setattr(runtime, "measure_step_peak", with_a_hidden_buffer)
+    step = remat.compile(make_train_step(spec.loss_fn), spec.model, opt, spec.batch, memory_budget=0.6, profile_runs=1)
+    with pytest.warns(UserWarning, match=r"measured peak, .* is over its budget of .* holds 1\.0+ MiB the plan did not see. Lower the budget by that much"):
+        step(spec.batch)
+    assert step.report.measured_peak_bytes > step.report.budget_bytes
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(spec.batch)  # measured once: said once

@@ -35,6 +35,7 @@ from remat.capture.train_graph import CallContract, GraphInput, InputKind, Phase
 from remat.capture.state.python_state import no_python_state_changed, state_slots
 from remat.capture.traced_rng import no_host_random_drawn, no_rng_state_set
 from remat.capture.user_checkpoints import plain_checkpoints
+from remat.ops import training_workspace
 from remat.capture.step_inputs import batch_leaf_names, check_batch, describe, unique_named
 
 
@@ -278,6 +279,7 @@ def capture(
         check_no_accumulation(probe_gm, {n: params[n] for n in trainable}, optimizer)
     check_static_shapes(gm)
     check_graph_runnable(gm)
+    gm = training_workspace.swap_in(gm)
     groups: list[hyperparams.GroupSpec] = []
     if optimizer is not None:
         inputs = drop_unread_new_state(gm, inputs, optimizer, params, had_state)

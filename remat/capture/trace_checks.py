@@ -155,12 +155,8 @@ def check_static_shapes(gm: torch.fx.GraphModule) -> None:
 
 
 def check_graph_runnable(gm: torch.fx.GraphModule) -> None:
-    """Refuse ops whose traced form cannot run from a graph, or that make tensors the
-    analysis cannot measure (sparse ones), naming the way around.
-
-    oneDNN's LSTM layer returns an undefined workspace at run time (a tensor only on fake
-    tensors), and its backward, called from a graph, will not take one.
-    """
+    """Refuse ops that make tensors the analysis cannot measure (sparse ones), naming the
+    way around."""
     for node in gm.graph.nodes:
         sparse = [v for v in _vals(node) if v.layout is not torch.strided] if node.op == "call_function" else []
         if sparse:
@@ -168,12 +164,6 @@ def check_graph_runnable(gm: torch.fx.GraphModule) -> None:
                 f"an op in train_step makes a {str(sparse[0].layout).replace('torch.', '')} tensor ({node.target}), such "
                 "as the gradient of nn.Embedding(sparse=True): remat plans dense tensors only. Use sparse=False (a "
                 "dense gradient; SparseAdam then becomes Adam), or train this model without remat."
-            )
-        if node.target is torch.ops.aten.mkldnn_rnn_layer.default:
-            raise CaptureError(
-                "nn.LSTM on CPU runs oneDNN's fused layer (aten.mkldnn_rnn_layer), whose backward cannot run from a "
-                "captured graph. Set torch.backends.mkldnn.enabled = False before building the step (eager and remat "
-                "then both run PyTorch's own LSTM kernels), or train this model without remat."
             )
 
 
