@@ -783,3 +783,40 @@ def test_a_log_the_trace_cannot_repeat_is_refused_and_left_as_it_was(step, messa
     with pytest.raises(CaptureError, match=message):
         capture(step, torch.nn.Linear(4, 4), None, torch.randn(2, 4))
     assert _LOSSES == []
+
+
+class _ScriptedInside(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16)))
+        self.head = torch.nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+@pytest.mark.parametrize("scripted_whole", [False, True])
+def test_a_torchscript_module_trains_bitwise(scripted_whole):
+    """A scripted module's tables of parameters and submodules are torch.jit's own mappings,
+    not dicts: the checks at each call read them as mappings."""
+    import remat
+
+    def made():
+        torch.manual_seed(0)
+        return torch.jit.script(_ScriptedInside()) if scripted_whole else _ScriptedInside()
+
+    model, eager_model = made(), made()
+    opt, eager_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(eager_model.parameters(), lr=1e-2)
+    batches = [{"x": torch.randn(32, 16), "y": torch.randint(0, 5, (32,))} for _ in range(3)]
+
+    def step_fn(model, optimizer, batch):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    step = remat.compile(step_fn, model, opt, batches[0], memory_budget=None, profile_runs=1)
+    for batch in batches:
+        assert torch.equal(step(batch), step_fn(eager_model, eager_opt, batch))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), eager_model.parameters()))

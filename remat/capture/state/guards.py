@@ -63,7 +63,8 @@ class SameContents:
     def _items(self) -> list[Any]:
         return list(chain(
             map(operator.getitem, self.owners, self.keys),
-            chain.from_iterable(c.values() if isinstance(c, dict) else c for c in self.walked),
+            # (A scripted module's tables are torch.jit's own mappings: their values, too.)
+            chain.from_iterable(c.values() if hasattr(c, "values") else c for c in self.walked),
         ))  # fmt: skip
 
     def hold(self) -> bool:
