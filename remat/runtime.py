@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 from remat import failed_step, ranks
 from remat import build as pipeline
 from remat.capture import data_parallel, sharded
-from remat.capture.state import read_numbers
+from remat.capture.state import first_call, read_numbers
 from remat.budget import format_bytes, not_held, parse_budget
 from remat.passes import cuda_graph as cuda_graphs, inductor_regions
 from remat.capture.capture import capture
@@ -38,58 +38,7 @@ from remat.capture.state.guards import Guards
 from remat.capture.state.python_state import changed_values, state_slots, step_values
 from remat.capture.state.scheduler_calls import make_calls
 from remat.memory.simulator import simulate
-
-
-@dataclass
-class StepReport:
-    """What remat decided for one batch shape, and what it measured."""
-
-    profile: Profile
-    plan: Plan | None  # None: no recomputation (memory_budget=None)
-    budget_bytes: int | None
-    baseline_peak_bytes: int  # simulated, captured graph without recomputation
-    predicted_peak_bytes: int  # simulated, rewritten graph
-    persistent_bytes: int
-    measured_peak_bytes: int | None = None  # persistent + the allocator's peak of a real step
-    measured_reserved_peak_bytes: int | None = None  # CUDA: persistent + the segments that step reserved
-    num_recomputed: int = 0
-    compile_seconds: float = 0.0
-    copies: int = 0
-    backend: str = "eager"
-    regions: int = 0  # Inductor-compiled regions (backend "inductor")
-    region_splits: int = 0  # of them, split because the step's measured peak was over the bound in one
-    regions_slower: int = 0  # regions left to run op by op: they took longer compiled (timed at compile time)
-    predicted_time: StepTime | None = None  # the graph's ops on the host and device timelines (time_model)
-    cuda_graph: bool = False  # replayed as a CUDA graph (passes.cuda_graph)
-    cuda_graph_captures: int = 0  # captures so far: the first, then one per changed key
-    cuda_graph_pool_bytes: int | None = None  # what the last capture reserved for the graph's memory
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "budget_bytes": self.budget_bytes,
-            "baseline_peak_bytes": self.baseline_peak_bytes,
-            "predicted_peak_bytes": self.predicted_peak_bytes,
-            "measured_peak_bytes": self.measured_peak_bytes,
-            "measured_reserved_peak_bytes": self.measured_reserved_peak_bytes,
-            "persistent_bytes": self.persistent_bytes,
-            "num_recomputed": self.num_recomputed,
-            "recompute_ops": self.copies,
-            "compile_seconds": self.compile_seconds,
-            "planner": self.plan.planner if self.plan else None,
-            "predicted_overhead_seconds": self.plan.predicted_overhead_seconds if self.plan else 0.0,
-            "updates_in_backward": bool(self.plan and self.plan.updates_in_backward),
-            "updates_note": self.plan.updates_note if self.plan else "",
-            "lean_ops": list(self.plan.lean_ops) if self.plan else [],
-            "backend": self.backend,
-            "regions": self.regions,
-            "region_splits": self.region_splits,
-            "regions_slower": self.regions_slower,
-            "predicted_graph_seconds": self.predicted_time.seconds if self.predicted_time else None,
-            "time_model": self.predicted_time.to_dict() if self.predicted_time else None,
-            "cuda_graph": self.cuda_graph,
-            "cuda_graph_captures": self.cuda_graph_captures,
-            "cuda_graph_pool_bytes": self.cuda_graph_pool_bytes,
-        }
+from remat.step_report import StepReport
 
 
 @dataclass
@@ -155,6 +104,7 @@ class RematStep:
     _all_code: bool = False  # a capture could not record the code it ran: watch all the step's code can reach
     # A DDP step whose gradient buckets made the budget unreachable: gradients all-reduced one by one.
     _reduce_per_gradient: bool = False
+    _set_up: list[Any] = field(default_factory=list)  # first_call.SetUp of the graphs compiled since the last call, made at the next
     _hit: tuple[Any, Guards, CompiledGraph] | None = None  # the last graph found, and what its key was found from (guards)
 
     def __post_init__(self) -> None:
@@ -185,6 +135,8 @@ class RematStep:
     def compiled_for(self, batch: Any) -> CompiledGraph:
         """The compiled graph for this batch's shape, compiling it if it is new."""
         shapes = self._agreed("reading the batch", lambda: self._checked_signature(batch), summary=_shapes, differ="the batch's shapes and dtypes")
+        first_call.make(self._set_up)  # the first run's set-up of a graph compiled before: its key holds it
+        self._set_up = []
         same_state = self._hit is not None and self._hit[1].hold()
         if same_state and self._hit[0] == shapes:
             return self._hit[2]  # the Python state the key was found from is as it was
@@ -230,7 +182,9 @@ class RematStep:
         self._read -= constant
         self._constant |= constant
         self._signed |= set(tg.call.number_signs)
-        compiled.step_values = self._key_values()
+        with first_call.applied(tg.call.set_up):
+            compiled.step_values = self._key_values()
+        self._set_up += tg.call.set_up
         self._structure = _signature(batch)[0]
         self._graphs[(shapes, compiled.step_values)] = compiled
         return compiled

@@ -327,3 +327,61 @@ def test_the_quick_check_sees_a_submodule_of_another_module_replaced() -> None:
     assert g.hold()
     _TEACHER[1][0] = torch.nn.Dropout(0.1)
     assert not g.hold()
+
+
+FIRST_CALL_SHAPES: dict[tuple[int, ...], str] = {}  # a memo a model's forward fills once per shape
+
+
+class _SetsUpOnFirstCall(torch.nn.Module):
+    """A warn-once flag, a config made at the first call, a module-level memo: state the
+    first step sets and later steps leave."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(128, 128), torch.nn.Linear(128, 10)
+        self._warned, self._plan = False, None
+
+    def forward(self, x):
+        if not self._warned:
+            self._warned = True
+        if self._plan is None:
+            self._plan = {"width": x.shape[-1]}
+        FIRST_CALL_SHAPES.setdefault(tuple(x.shape), "seen")
+        return self.b(F.gelu(self.a(x)))
+
+
+def _step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(batch["x"]), batch["y"])
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def test_what_the_first_step_sets_once_is_set_when_the_step_first_runs_and_compiles_once() -> None:
+    FIRST_CALL_SHAPES.clear()
+    model, batches = _SetsUpOnFirstCall(), _batches()
+    eager_model = copy.deepcopy(model)
+    opt, eager_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
+    step = remat.compile(_step, model, opt, batches[0], memory_budget=None)
+    assert (model._warned, model._plan, FIRST_CALL_SHAPES) == (False, None, {})  # compiling changes nothing
+    for batch in batches:
+        assert torch.equal(step(batch), _step(eager_model, eager_opt, batch))
+        assert (model._warned, model._plan) == (eager_model._warned, eager_model._plan) == (True, {"width": 128})
+    assert FIRST_CALL_SHAPES == {(256, 128): "seen"}
+    assert len(step._graphs) == 1, "the first call found the graph its set-up keyed"
+    assert _same_parameters(model, eager_model)
+
+
+class _Toggles(_SetsUpOnFirstCall):
+    def forward(self, x):
+        self._warned = not self._warned  # changed at every step, and read: not a set-up
+        return self.b(F.gelu(self.a(x))) * (2.0 if self._warned else 1.0)
+
+
+def test_state_the_step_changes_at_every_step_is_still_refused() -> None:
+    model = _Toggles()
+    with pytest.raises(remat.CaptureError, match=r"model\._warned \(False -> True\)"):
+        remat.compile(_step, model, torch.optim.SGD(model.parameters(), lr=0.1), _batches(1)[0], memory_budget=None)
+    assert model._warned is False

@@ -32,6 +32,7 @@ from remat.capture.optimizers import as_one, only_passed_step
 from remat.capture.markers import marking_updates, MARKER, RECORD_FUNCTION_OPS, marker, marking_passes
 from remat.capture.trace_checks import branched_hyperparameters, check_graph_runnable, check_no_accumulation, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state
 from remat.capture.train_graph import CallContract, GraphInput, InputKind, Phase, TrainGraph, TrainStep
+from remat.capture.state import first_call
 from remat.capture.state.python_state import no_python_state_changed, state_slots
 from remat.capture.traced_rng import no_host_random_drawn, no_rng_state_set
 from remat.capture.user_checkpoints import plain_checkpoints
@@ -273,7 +274,8 @@ def capture(
         return _trace(traced, flat, symbols, sign_facts, hyper_values, numbers, model)
 
     ran: set[Any] = set()  # the user's code the traces ran: the step reads only what it names
-    gm, probe_gm, recorded_run = _traces(trace, model, train_step, slots, probe, seen, (grad_order, final_grads), ran, device)
+    set_ups: list[first_call.SetUp] = []
+    gm, probe_gm, recorded_run = _traces(trace, model, train_step, slots, probe, seen, (grad_order, final_grads), ran, device, set_ups)
     leaves_zero_grads = bool(final_grads) and ends_with_zero_grads(gm)
     if final_grads and not leaves_zero_grads:
         check_no_accumulation(probe_gm, {n: params[n] for n in trainable}, optimizer)
@@ -298,19 +300,21 @@ def capture(
     tg.call.scheduler_calls = scheduler_calls.checked(tg, recorded.scheduler_calls)
     tg.call.trainable, tg.call.leaves_zero_grads, tg.call.groups, tg.call.param_hooks = trainable, leaves_zero_grads, groups, hooks
     tg.call.code_read = frozenset(ran) if recorded_run else None
+    tg.call.set_up = set_ups
     return tg
 
 
 def _traces(
     trace: Callable[[], torch.fx.GraphModule], model: torch.nn.Module, train_step: TrainStep, slots: list[Any],
-    probe: dict[str, Any], seen: dict[str, Any], grads: tuple[list[str], list[str]], ran: set[Any], device: str,
+    probe: dict[str, Any], seen: dict[str, Any], grads: tuple[list[str], list[str]], ran: set[Any], device: str, set_ups: list[Any],
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule | None, bool]:  # fmt: skip
     """The graph, traced as eager's later steps run (a library's first-call set-up in place:
     module_hooks), and traced once more with the numbers the step keeps counted
     (kept_numbers); and where gradients stay set after the step, the step traced as the next
     one starts, with them set (for check_no_accumulation). The user's code that ran goes
     into `ran`, where it could be recorded (the third value: user_code.recording_run);
-    Python state and the model's hook tables are left as they were."""
+    Python state and the model's hook tables are left as they were; what the step's first
+    run sets once goes into `set_ups` (first_call), the graph traced as the later runs."""
     grad_order, final_grads = grads
     tables = module_hooks.HookTables.of(model)
     set_up: list[tuple[torch.nn.Module, str]] = []
@@ -328,6 +332,8 @@ def _traces(
             if tables.changed():
                 set_up = tables.added_attributes()
                 gm = module_hooks.traced_as_set_up(recorded_trace, model)
+            again, set_ups[:] = first_call.traced_as_set_up(watch, recorded_trace)
+            gm = again if set_ups else gm
             probe["numbers"] = watch.numbers_changed(frozenset((id(m), k) for m, k in set_up))
             gm = kept_numbers.traced_counting(recorded_trace, probe, seen) if probe["numbers"] else gm
             if final_grads:

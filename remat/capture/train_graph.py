@@ -72,6 +72,7 @@ class CallContract:
     # The user's code objects the traces ran: python_state watches what they name (None: not
     # recorded, user_code.recording_run; everything the step's code can reach is watched).
     code_read: frozenset[Any] | None = None
+    set_up: list[Any] = field(default_factory=list)  # first_call.SetUp: what the step's first run sets once, made when the graph first runs
     scheduler_calls: tuple[Any, ...] = ()  # scheduler_calls.SchedulerCall: scheduler.step() calls made again at each call
     leaves_zero_grads: bool = False  # the step ends with zero_grad(set_to_none=False): see ends_with_zero_grads
     groups: list[hyperparams.GroupSpec] = field(default_factory=list)  # what the update assumes of param_groups

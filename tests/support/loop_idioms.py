@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import types
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -394,6 +395,21 @@ def _refreeze(i, m, o):
     _dropout_frozen(m)
 
 
+def _first_run_flags(model):
+    model.warned_once, model.first_shape = False, None
+
+
+def _warn_once_step(model, optimizer, batch):
+    """Flags the step sets on its first run and reads at every run: a warning given once, a
+    shape noted at the first batch."""
+    if not model.warned_once:
+        warnings.warn("the first step runs: this is said once")
+        model.warned_once = True
+    if model.first_shape is None:
+        model.first_shape = tuple(batch["input_ids"].shape)
+    return plain_step(model, optimizer, batch)
+
+
 class _Trainer:
     """A trainer object whose method is the step: it counts steps and tokens, sums the
     losses and keeps the last one."""
@@ -471,6 +487,8 @@ IDIOMS = [
           setup=_hook_features),
     Idiom("losses logged into a list inside train_step (losses.append(loss.item()))", "works", step=_logging_step, logged=_LOSSES),
     Idiom("a loss weight in a settings object, annealed between steps", "works", step=_weighted_step, between=_hook(_anneal_weight)),
+    Idiom("a warning given once from a flag the step sets on its first run (if not model.warned_once: ...), a shape noted at the first batch",
+          "works", step=_warn_once_step, setup=_first_run_flags, kept=lambda m: (m.warned_once, m.first_shape)),
     Idiom("a trainer's method as train_step, counting steps and summing losses (self.global_step += 1, self.loss_sum += loss.item())",
           "works", step=_trainer_step, setup=_give_trainer, kept=lambda m: vars(m.trainer)),
 ]

@@ -58,7 +58,7 @@ NUMBERS = (bool, int, float)
 TRACED_NUMBERS = (torch.SymBool, torch.SymInt, torch.SymFloat)  # a number computed from tensors while tracing (`loss.item()`)
 _CONTAINERS = (list, tuple, dict, set, frozenset)
 _MOST_ITEMS = 10_000  # larger containers are not watched (each capture and step compares them)
-_NOT_PLAIN = object()
+NOT_PLAIN = object()
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class TensorSignature:
 
 def frozen(value: Any) -> Any:
     """A hashable copy of a plain value, or of a container (list, tuple, dict, set) of plain
-    values, tensors (their signatures) and such containers; a tensor's signature; _NOT_PLAIN
+    values, tensors (their signatures) and such containers; a tensor's signature; NOT_PLAIN
     for anything else (modules, objects)."""
     if isinstance(value, _PLAIN):
         return value
@@ -103,7 +103,7 @@ def frozen(value: Any) -> Any:
     try:
         return freeze(value, 0)
     except _Skip:
-        return _NOT_PLAIN
+        return NOT_PLAIN
 
 
 class _Skip(Exception):
@@ -246,17 +246,17 @@ def _watched(slots: list[tuple[Slot, Any]]) -> dict[str, _Watched]:
         if slot.library:
             continue
         fz = _snapshot(value)
-        if fz is not _NOT_PLAIN:
+        if fz is not NOT_PLAIN:
             out[slot.name] = _Watched(slot, value, fz)
     return out
 
 
-def _copied(value: Any) -> Any:
+def copied(value: Any) -> Any:
     """A container copied through its nested containers (for `frozen` values: bounded)."""
     if isinstance(value, dict):
-        return {k: _copied(v) for k, v in value.items()}
+        return {k: copied(v) for k, v in value.items()}
     if isinstance(value, _CONTAINERS):
-        return type(value)(_copied(v) for v in value)
+        return type(value)(copied(v) for v in value)
     return value
 
 
@@ -370,7 +370,8 @@ class StateWatch:
         self.held.update({name: parent.get() for name, (parent, _) in self.split.items()})
         self.before = _watched(slots)
         for w in self.before.values():
-            w.content = _copied(w.value)
+            w.content = copied(w.value)
+        self.set_up: set[str] = set()  # slots the step's first run sets once (first_call): put back, not refused
 
     def numbers_changed(self, set_up: frozenset[tuple[int, str]] = frozenset()) -> list[NumberChange]:
         """The slots the traces so far left holding another number (capture.state.kept_numbers),
@@ -378,7 +379,7 @@ class StateWatch:
         module_hooks), which capture puts back itself."""
         changes = []
         for slot, value in state_slots(self.model, self.train_step):
-            if slot.place() in set_up:
+            if slot.place() in set_up or slot.name in self.set_up:
                 continue
             w = self.before.get(slot.name)
             before = self.held.get(slot.name, MISSING)
@@ -399,7 +400,7 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
     held, before = watch.held, watch.before
     yield watch
     # A traced number in a slot watched before is named as a change (the message says where to log it).
-    kept = [slot for slot, value in state_slots(model, train_step) if _holds_traced_value(value, slot.name not in before)]
+    kept = [slot for slot, value in state_slots(model, train_step) if holds_traced_value(value, slot.name not in before)]
     for slot in kept:
         if slot.name not in before:
             slot.set(held.get(slot.name, MISSING))
@@ -413,8 +414,8 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
         value = w.slot.get()
         now = _snapshot(value)
         if now is not w.frozen and now != w.frozen:
-            text = shown(now) if now is not _NOT_PLAIN else "deleted" if value is MISSING else _short(repr(value))
-            if name not in kept_names:
+            text = shown(now) if now is not NOT_PLAIN else "deleted" if value is MISSING else _short(repr(value))
+            if name not in kept_names and name not in watch.set_up:
                 changed.append(f"{name} ({shown(w.frozen)} -> {text})")
             w.put_back()
     if changed:
@@ -435,15 +436,15 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
         )
 
 
-def _holds_traced_value(value: Any, numbers: bool, depth: int = 0) -> bool:
+def holds_traced_value(value: Any, numbers: bool, depth: int = 0) -> bool:
     """Whether `value` is, or a list, tuple or dict holds, a tensor (or if `numbers`, a
     number) made while tracing."""
     if isinstance(value, (FakeTensor, *(TRACED_NUMBERS if numbers else ()))):
         return True
     if depth < 3 and isinstance(value, (list, tuple)) and len(value) <= _MOST_ITEMS:
-        return any(_holds_traced_value(v, numbers, depth + 1) for v in value)
+        return any(holds_traced_value(v, numbers, depth + 1) for v in value)
     if depth < 3 and isinstance(value, dict) and len(value) <= _MOST_ITEMS:
-        return any(_holds_traced_value(v, numbers, depth + 1) for v in value.values())
+        return any(holds_traced_value(v, numbers, depth + 1) for v in value.values())
     return False
 
 

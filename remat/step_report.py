@@ -1,0 +1,62 @@
+"""What `remat.compile` decided for one batch shape, and what it measured: `step.report`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from remat.planners.plan import Plan
+from remat.profile.profiles import Profile
+from remat.profile.time_model import StepTime
+
+
+@dataclass
+class StepReport:
+    """What remat decided for one batch shape, and what it measured."""
+
+    profile: Profile
+    plan: Plan | None  # None: no recomputation (memory_budget=None)
+    budget_bytes: int | None
+    baseline_peak_bytes: int  # simulated, captured graph without recomputation
+    predicted_peak_bytes: int  # simulated, rewritten graph
+    persistent_bytes: int
+    measured_peak_bytes: int | None = None  # persistent + the allocator's peak of a real step
+    measured_reserved_peak_bytes: int | None = None  # CUDA: persistent + the segments that step reserved
+    num_recomputed: int = 0
+    compile_seconds: float = 0.0
+    copies: int = 0
+    backend: str = "eager"
+    regions: int = 0  # Inductor-compiled regions (backend "inductor")
+    region_splits: int = 0  # of them, split because the step's measured peak was over the bound in one
+    regions_slower: int = 0  # regions left to run op by op: they took longer compiled (timed at compile time)
+    predicted_time: StepTime | None = None  # the graph's ops on the host and device timelines (time_model)
+    cuda_graph: bool = False  # replayed as a CUDA graph (passes.cuda_graph)
+    cuda_graph_captures: int = 0  # captures so far: the first, then one per changed key
+    cuda_graph_pool_bytes: int | None = None  # what the last capture reserved for the graph's memory
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "budget_bytes": self.budget_bytes,
+            "baseline_peak_bytes": self.baseline_peak_bytes,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "measured_peak_bytes": self.measured_peak_bytes,
+            "measured_reserved_peak_bytes": self.measured_reserved_peak_bytes,
+            "persistent_bytes": self.persistent_bytes,
+            "num_recomputed": self.num_recomputed,
+            "recompute_ops": self.copies,
+            "compile_seconds": self.compile_seconds,
+            "planner": self.plan.planner if self.plan else None,
+            "predicted_overhead_seconds": self.plan.predicted_overhead_seconds if self.plan else 0.0,
+            "updates_in_backward": bool(self.plan and self.plan.updates_in_backward),
+            "updates_note": self.plan.updates_note if self.plan else "",
+            "lean_ops": list(self.plan.lean_ops) if self.plan else [],
+            "backend": self.backend,
+            "regions": self.regions,
+            "region_splits": self.region_splits,
+            "regions_slower": self.regions_slower,
+            "predicted_graph_seconds": self.predicted_time.seconds if self.predicted_time else None,
+            "time_model": self.predicted_time.to_dict() if self.predicted_time else None,
+            "cuda_graph": self.cuda_graph,
+            "cuda_graph_captures": self.cuda_graph_captures,
+            "cuda_graph_pool_bytes": self.cuda_graph_pool_bytes,
+        }
