@@ -52,8 +52,11 @@ def marking_passes(
         if calls["updates"]:
             raise CaptureError(
                 "train_step runs a backward pass after an optimizer update (updates in turns, as a GAN's discriminator "
-                "then generator): remat captures steps whose updates all come after their last backward pass, so such "
-                "a step must run eagerly."
+                "then generator): remat captures steps whose updates all come after their last backward pass. Compile "
+                "each turn as a step of its own, with its own optimizer, and call them one after the other: "
+                "remat.compile(d_step, model, opt_d, batch) and remat.compile(g_step, model, opt_g, batch), each step "
+                "calling model.zero_grad() before its backward (the other turn's gradients are then cleared, as eager's "
+                "next turn clears them)."
             )
 
     def grad(outputs, inputs, *a, **k):  # type: ignore[no-untyped-def]

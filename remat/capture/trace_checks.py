@@ -134,7 +134,9 @@ def _accelerate_accumulates() -> bool:
 
 
 def _read_before_cleared(preset: torch.fx.Node, marker: torch.fx.Node) -> bool:
-    users = [u for u in preset.users if u is not marker]
+    # A marker or the output is no read: a gradient the step never touches (a parameter no
+    # loss of this step reaches) is among the final gradients only because it was preset.
+    users = [u for u in preset.users if u.op == "call_function" and u.target is not MARKER]
     return bool(users) and users[0].target not in (torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar)
 
 
