@@ -41,6 +41,12 @@ from remat.memory.simulator import simulate
 from remat.step_report import StepReport
 
 
+# The profile of the last graph whose budget no plan reached. A plan depends on the op times
+# measured, so a compile of the same graph right after (at the peak the refusal named as
+# reachable) plans on the same times, and finds that plan again.
+_REFUSED: dict[str, Profile] = {}
+
+
 @dataclass
 class CompiledGraph:
     tg: TrainGraph
@@ -250,8 +256,10 @@ class RematStep:
             lambda: capture(self.train_step, self.model, self.optimizer, batch, frozenset(self._read), reduce_in_buckets=not self._reduce_per_gradient),
             summary=graph_fingerprint, differ="the captured graph",
         )  # fmt: skip
+        refused = _REFUSED.pop(graph_fingerprint(tg), None) if self.profile_cache is None else None
         built = pipeline.build_on(
-            tg, self.model, self.optimizer, batch, runs=self.profile_runs, progress=self.progress, profile_cache=self.profile_cache
+            tg, self.model, self.optimizer, batch, runs=self.profile_runs, progress=self.progress, profile_cache=self.profile_cache,
+            saved_profile=refused,
         )
         analysis, prof, index = built.analysis, built.profile, built.index
         if self.cuda_graph:
@@ -284,6 +292,8 @@ class RematStep:
                 earlier = self._budget.for_later_shape(budget_bytes, (g.report.budget_bytes or 0 for g in self._graphs.values()))
                 if earlier is None:
                     if self._dp is None or self._reduce_per_gradient or not data_parallel.reduces_in_buckets(tg.gm):
+                        _REFUSED.clear()
+                        _REFUSED[graph_fingerprint(tg)] = prof
                         raise
                     # Every rank got this error (rank 0 plans for all): every rank captures again.
                     self._reduce_per_gradient = True

@@ -395,3 +395,23 @@ def test_a_measured_peak_over_the_budget_is_said_with_by_how_much(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         step(spec.batch)  # measured once: said once
+
+
+def test_the_peak_a_refusal_names_as_reachable_compiles_right_after() -> None:
+    """A plan depends on the op times measured, which move from one profile to the next: a
+    compile right after a refusal, of the same graph, plans on the refused one's times, so
+    that the budget the refusal advised finds the plan it saw (a GRU's many small ops put
+    plans a few hundred bytes apart)."""
+    import remat.runtime as runtime
+    from tests.support.architectures import build
+
+    model, batch, _ = build("gru", "tiny")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step_fn = make_train_step(lambda m, b: m(**b).loss, zero_grad_first=True)
+    with pytest.raises(BudgetError) as refusal:
+        remat.compile(step_fn, *twin(model, opt), batch, memory_budget=0.2, profile_runs=1, measure=False)
+    (refused,) = runtime._REFUSED.values()
+    step = remat.compile(step_fn, model, opt, batch, memory_budget=refusal.value.reach.best, profile_runs=1)
+    assert step.report.profile is refused and not runtime._REFUSED
+    step(batch)
+    assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes <= refusal.value.reach.best

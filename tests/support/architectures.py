@@ -1,4 +1,5 @@
-"""Real `transformers` architectures for remat's checks, built from small configs with
+"""Real `transformers` architectures (and plain PyTorch recurrent and convolutional
+networks) for remat's checks, built from small configs with
 random weights (nothing is downloaded; attention forced to "eager", so attention is
 plain aten ops): `build` gives a model and a batch, `run_one` compiles one, checks it
 bitwise against eager over a few steps and, optionally, times it. Used by the tests and
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import re
 import traceback
+import types
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -112,6 +114,56 @@ def _bart(size: str, gen: torch.Generator):  # type: ignore[no-untyped-def]
     return BartForConditionalGeneration(config), _seq2seq_batch(s, gen), desc
 
 
+class _WithLoss(torch.nn.Module):
+    """A plain PyTorch network trained on a cross-entropy loss, called as transformers' models
+    are (`model(**batch).loss`), so that every architecture here runs the same step."""
+
+    def __init__(self, body: torch.nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> types.SimpleNamespace:
+        logits = self.body(inputs)
+        return types.SimpleNamespace(loss=torch.nn.functional.cross_entropy(logits.flatten(0, -2), labels.flatten()))
+
+
+class _Recurrent(torch.nn.Module):
+    def __init__(self, cell: type[torch.nn.RNNBase], s: dict) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(s["vocab"], s["hidden"])
+        self.rnn = cell(s["hidden"], s["hidden"], num_layers=2, batch_first=True, dropout=0.1, bidirectional=True)
+        self.head = torch.nn.Linear(2 * s["hidden"], s["vocab"])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.embed(ids))[0])
+
+
+def _recurrent(cell: type[torch.nn.RNNBase]):  # type: ignore[no-untyped-def]
+    def build(size: str, gen: torch.Generator):  # type: ignore[no-untyped-def]
+        s = SIZES[size]
+        seq = s["seq"] // 4  # a recurrent layer runs its steps one by one: a GRU's are ops of the graph
+        ids = torch.randint(0, s["vocab"], (s["batch"], seq), generator=gen)
+        desc = f"2 bidirectional layers, d {s['hidden']}, dropout 0.1, vocab {s['vocab']}; batch {s['batch']}×{seq} tokens"
+        return _WithLoss(_Recurrent(cell, s)), {"inputs": ids, "labels": torch.roll(ids, -1, 1)}, desc
+
+    return build
+
+
+def _conv_net(size: str, gen: torch.Generator):  # type: ignore[no-untyped-def]
+    s = SIZES[size]
+    c = s["hidden"] // 4
+    block = lambda i, o, stride: torch.nn.Sequential(  # noqa: E731
+        torch.nn.Conv2d(i, o, 3, stride=stride, padding=1), torch.nn.GroupNorm(4, o), torch.nn.SiLU(), torch.nn.Dropout2d(0.1))
+    body = torch.nn.Sequential(
+        block(3, c, 1), block(c, 2 * c, 2), block(2 * c, 4 * c, 2),
+        torch.nn.ConvTranspose2d(4 * c, 2 * c, 2, stride=2), torch.nn.InstanceNorm2d(2 * c, affine=True, track_running_stats=True),
+        torch.nn.Mish(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(2 * c, 10),
+    )
+    images = torch.randn(s["batch"], 3, s["image"], s["image"], generator=gen)
+    desc = f"3 conv blocks (GroupNorm, SiLU, Dropout2d), ConvTranspose2d, InstanceNorm2d, width {c}–{4 * c}; batch {s['batch']}×3×{s['image']}×{s['image']}"
+    return _WithLoss(body), {"inputs": images, "labels": torch.randint(0, 10, (s["batch"],), generator=gen)}, desc
+
+
 ARCHITECTURES: dict[str, Arch] = {
     a.name: a
     for a in [
@@ -120,6 +172,9 @@ ARCHITECTURES: dict[str, Arch] = {
         Arch("vit", "ViTForImageClassification: vision transformer", _vit),
         Arch("t5", "T5ForConditionalGeneration: encoder-decoder", _t5),
         Arch("bart", "BartForConditionalGeneration: encoder-decoder", _bart),
+        Arch("lstm", "nn.LSTM language model (oneDNN's layer on CPU)", _recurrent(torch.nn.LSTM)),
+        Arch("gru", "nn.GRU language model", _recurrent(torch.nn.GRU)),
+        Arch("convnet", "convolutions with group and instance norms, a transposed convolution", _conv_net),
     ]
 }
 
