@@ -5,6 +5,7 @@ first-call hooks are what eager's later steps see."""
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -385,3 +386,17 @@ def test_state_the_step_changes_at_every_step_is_still_refused() -> None:
     with pytest.raises(remat.CaptureError, match=r"model\._warned \(False -> True\)"):
         remat.compile(_step, model, torch.optim.SGD(model.parameters(), lr=0.1), _batches(1)[0], memory_budget=None)
     assert model._warned is False
+
+
+class _CachesATensorInAnObject(_SetsUpOnFirstCall):
+    def forward(self, x):
+        if self._plan is None:
+            self._plan = types.SimpleNamespace(scales=[x.mean()])  # a traced tensor inside an object made at the first call
+        return self.b(F.gelu(self.a(x))) * self._plan.scales[0]
+
+
+def test_an_object_made_at_the_first_call_holding_a_traced_tensor_is_refused_not_set_up() -> None:
+    model = _CachesATensorInAnObject()
+    with pytest.raises(remat.CaptureError, match=r"kept a tensor .* model\._plan\.scales"):
+        remat.compile(_step, model, torch.optim.SGD(model.parameters(), lr=0.1), _batches(1)[0], memory_budget=None)
+    assert model._plan is None

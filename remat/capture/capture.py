@@ -332,6 +332,7 @@ def _traces(
             if tables.changed():
                 set_up = tables.added_attributes()
                 gm = module_hooks.traced_as_set_up(recorded_trace, model)
+            watch.refuse_traced_tensors()
             again, set_ups[:] = first_call.traced_as_set_up(watch, recorded_trace)
             gm = again if set_ups else gm
             probe["numbers"] = watch.numbers_changed(frozenset((id(m), k) for m, k in set_up))

@@ -40,7 +40,7 @@ def traced_as_set_up(watch: StateWatch, retrace: Callable[[], Any]) -> tuple[Any
     slots it changed (but for counted numbers) are all left as they are by that trace, or
     (None, []) where none changed, or one changed again, or one holds a traced value."""
     changed = [w for w in watch.before.values() if _fingerprint(w.slot.get()) != _fingerprint(w.content) and not _counted(w)]
-    if not changed or any(holds_traced_value(w.slot.get(), True) for w in changed):
+    if not changed or any(_traced(w.slot.get()) for w in changed):
         return None, []
     first = [_fingerprint(w.slot.get()) for w in changed]
     gm = retrace()
@@ -75,6 +75,19 @@ def _put(slot: Slot, value: Any) -> None:
         now.extend(value) if isinstance(now, list) else now.update(value)
     else:
         slot.set(value)
+
+
+def _traced(value: Any, depth: int = 0) -> bool:
+    """Whether a value made while tracing holds a traced tensor or number, in a container or
+    in an object's fields (a cache object made at the first call): never left in the user's state."""
+    if holds_traced_value(value, True):
+        return True
+    fields = getattr(value, "__dict__", None) if not isinstance(value, type) else None
+    if depth < 3 and isinstance(fields, dict) and len(fields) <= _MOST_ITEMS:
+        return any(_traced(v, depth + 1) for v in fields.values())
+    if depth < 3 and isinstance(value, (list, tuple, dict)) and len(value) <= _MOST_ITEMS:
+        return any(_traced(v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return False
 
 
 def _counted(w: Any) -> bool:

@@ -373,6 +373,13 @@ class StateWatch:
             w.content = copied(w.value)
         self.set_up: set[str] = set()  # slots the step's first run sets once (first_call): put back, not refused
 
+    def refuse_traced_tensors(self) -> None:
+        """Refuse a tensor a trace left in the state (a cache made at the first call) before
+        the state is traced again: the next trace would read another trace's placeholder."""
+        kept = [slot.name for slot, value in state_slots(self.model, self.train_step) if holds_traced_value(value, False)]
+        if kept:
+            raise _kept_error(kept)
+
     def numbers_changed(self, set_up: frozenset[tuple[int, str]] = frozenset()) -> list[NumberChange]:
         """The slots the traces so far left holding another number (capture.state.kept_numbers),
         each put back; but for the places in `set_up` (a library's first-call mark:
@@ -398,16 +405,22 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
     before the capture."""
     watch = StateWatch(model, train_step, slots)
     held, before = watch.held, watch.before
-    yield watch
+    try:
+        yield watch
+    except BaseException:  # a capture that failed leaves the state as it found it too
+        for slot, value in state_slots(model, train_step):
+            if slot.name not in before and holds_traced_value(value, True):
+                slot.set(held.get(slot.name, MISSING))
+        _drop_new_keys(watch)
+        for w in before.values():
+            w.put_back()
+        raise
     # A traced number in a slot watched before is named as a change (the message says where to log it).
     kept = [slot for slot, value in state_slots(model, train_step) if holds_traced_value(value, slot.name not in before)]
     for slot in kept:
         if slot.name not in before:
             slot.set(held.get(slot.name, MISSING))
-    for parent, keys in watch.split.values():
-        held_now = parent.get()
-        for key in [k for k in held_now if k not in keys] if isinstance(held_now, dict) else []:
-            del held_now[key]
+    _drop_new_keys(watch)
     kept_names = {slot.name for slot in kept}
     changed = []
     for name, w in before.items():
@@ -427,13 +440,25 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
             "value, return it from train_step or append it to a list of your own code (a global, not a module's)."
         )
     if kept:
-        raise CaptureError(
-            f"train_step kept a tensor (or a number computed from one) in Python state: {_listed([s.name for s in kept])}. "
-            "Its Python code runs once, at capture: there the value is a traced placeholder, and at run time the graph "
-            "computes it but stores it nowhere, so it would never hold a step's value. Return it from train_step instead (a tuple "
-            "or dict of the loss and the tensors to keep), or, if nothing reads it after the step (features a forward "
-            "hook stored for the loss), drop it before train_step returns (.clear() the dict, del the attribute)."
-        )
+        raise _kept_error([s.name for s in kept])
+
+
+def _drop_new_keys(watch: StateWatch) -> None:
+    """The keys the traces added to a dict split by key, dropped."""
+    for parent, keys in watch.split.values():
+        held_now = parent.get()
+        for key in [k for k in held_now if k not in keys] if isinstance(held_now, dict) else []:
+            del held_now[key]
+
+
+def _kept_error(names: list[str]) -> CaptureError:
+    return CaptureError(
+        f"train_step kept a tensor (or a number computed from one) in Python state: {_listed(names)}. "
+        "Its Python code runs once, at capture: there the value is a traced placeholder, and at run time the graph "
+        "computes it but stores it nowhere, so it would never hold a step's value. Return it from train_step instead (a tuple "
+        "or dict of the loss and the tensors to keep), or, if nothing reads it after the step (features a forward "
+        "hook stored for the loss), drop it before train_step returns (.clear() the dict, del the attribute)."
+    )
 
 
 def holds_traced_value(value: Any, numbers: bool, depth: int = 0) -> bool:
