@@ -400,3 +400,35 @@ def test_an_object_made_at_the_first_call_holding_a_traced_tensor_is_refused_not
     with pytest.raises(remat.CaptureError, match=r"kept a tensor .* model\._plan\.scales"):
         remat.compile(_step, model, torch.optim.SGD(model.parameters(), lr=0.1), _batches(1)[0], memory_budget=None)
     assert model._plan is None
+
+
+class _SwapsALayerOnFirstCall(torch.nn.Module):
+    """A library's model that builds another layer at its first forward (BigBird switching
+    its attention type for short sequences)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(128, 128), torch.nn.Linear(128, 10)
+        self.act = torch.nn.ReLU()
+
+    def forward(self, x):
+        if isinstance(self.act, torch.nn.ReLU):
+            self.act = torch.nn.Sequential(torch.nn.Dropout(0.1), torch.nn.GELU())
+        return self.b(self.act(self.a(x)))
+
+
+def test_a_layer_replaced_at_the_first_call_is_refused_put_back_and_compiles_after_one_eager_step() -> None:
+    from remat.measurement.check import check_against_eager, twin
+
+    model, batches = _SwapsALayerOnFirstCall(), _batches()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    relu = model.act
+    with pytest.raises(remat.CaptureError, match=r"changed the model.s submodules .*\(model\.act\).* Run one step eagerly before compiling"):
+        remat.compile(_step, model, opt, batches[0], memory_budget=None)
+    assert model.act is relu
+    _step(model, opt, batches[0])  # as the error says
+    eager_model, eager_opt = twin(model, opt)
+    step = remat.compile(_step, model, opt, batches[1], memory_budget=None)
+    result = check_against_eager(_step, eager_model, eager_opt, model, opt, step, batches[1], steps=3)
+    assert result.match, result.summary()

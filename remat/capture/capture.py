@@ -316,7 +316,7 @@ def _traces(
     Python state and the model's hook tables are left as they were; what the step's first
     run sets once goes into `set_ups` (first_call), the graph traced as the later runs."""
     grad_order, final_grads = grads
-    tables = module_hooks.HookTables.of(model)
+    tables, submodules = module_hooks.HookTables.of(model), module_hooks.Submodules.of(model)
     set_up: list[tuple[torch.nn.Module, str]] = []
     probe_gm = None
     recorded = [True]
@@ -329,11 +329,12 @@ def _traces(
     try:
         with no_python_state_changed(model, train_step, slots) as watch:
             gm = recorded_trace()
+            submodules.refuse_replaced()
             if tables.changed():
                 set_up = tables.added_attributes()
                 gm = module_hooks.traced_as_set_up(recorded_trace, model)
             watch.refuse_traced_tensors()
-            again, set_ups[:] = first_call.traced_as_set_up(watch, recorded_trace)
+            again, set_ups[:] = first_call.traced_as_set_up(watch, recorded_trace, gm)
             gm = again if set_ups else gm
             probe["numbers"] = watch.numbers_changed(frozenset((id(m), k) for m, k in set_up))
             gm = kept_numbers.traced_counting(recorded_trace, probe, seen) if probe["numbers"] else gm
@@ -348,6 +349,7 @@ def _traces(
                     grad_order[:], final_grads[:] = kept
     finally:
         tables.put_back(set_up)
+        submodules.put_back()
     return gm, probe_gm, recorded[0]
 
 

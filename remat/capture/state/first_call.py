@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 
 from remat.capture.state.python_state import NOT_PLAIN, StateWatch, copied, frozen, holds_traced_value
 from remat.capture.state.slots import Slot
+from remat.ops.op_facts import is_random
 
 _MOST_ITEMS = 1024
 _COUNTS = (int, float)  # a number that changes by counting is kept_numbers', not a set-up
@@ -35,19 +36,25 @@ class SetUp:
     value: Any  # containers copied: the watch puts the slot's own container back as it was
 
 
-def traced_as_set_up(watch: StateWatch, retrace: Callable[[], Any]) -> tuple[Any, list[SetUp]]:
-    """After the first trace: (a trace from the state it left, the set-ups) where the watched
-    slots it changed (but for counted numbers) are all left as they are by that trace, or
-    (None, []) where none changed, or one changed again, or one holds a traced value."""
+def traced_as_set_up(watch: StateWatch, retrace: Callable[[], Any], first: Any) -> tuple[Any, list[SetUp]]:
+    """After the first trace (`first`, its graph): (a trace from the state it left, the
+    set-ups) where the watched slots it changed (but for counted numbers) are all left as
+    they are by that trace, or (None, []) where none changed, or one changed again, or one
+    holds a traced value, or the first trace drew random numbers the second does not (a
+    set-up that draws them: the graph could not draw them at the first run)."""
     changed = [w for w in watch.before.values() if _fingerprint(w.slot.get()) != _fingerprint(w.content) and not _counted(w)]
     if not changed or any(_traced(w.slot.get()) for w in changed):
         return None, []
-    first = [_fingerprint(w.slot.get()) for w in changed]
+    after_first = [_fingerprint(w.slot.get()) for w in changed]
     gm = retrace()
-    if [_fingerprint(w.slot.get()) for w in changed] != first:
+    if [_fingerprint(w.slot.get()) for w in changed] != after_first or _draws(gm) != _draws(first):
         return gm, []
     watch.set_up |= {w.slot.name for w in changed}
     return gm, [SetUp(w.slot, copied(w.slot.get())) for w in changed]
+
+
+def _draws(gm: Any) -> int:
+    return sum(1 for n in gm.graph.nodes if is_random(n))
 
 
 def make(set_ups: list[SetUp]) -> None:

@@ -74,6 +74,35 @@ class HookTables:
             vars(module).pop(key, None)
 
 
+@dataclass
+class Submodules:
+    """Each module's table of submodules, with what it held: a trace that replaces a layer
+    (a library setting the model up at its first call) is refused, and the tables put back."""
+
+    held: list[tuple[str, dict[str, Any], list[tuple[str, Any]]]]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> Submodules:
+        tables = [(prefix or "model", m._modules) for prefix, m in model.named_modules(remove_duplicate=True)]
+        return cls([(name, t, list(t.items())) for name, t in tables if isinstance(t, dict)])
+
+    def refuse_replaced(self) -> None:
+        changed = [f"{name}.{k}" for name, table, items in self.held for k in {**table, **dict(items)} if table.get(k) is not dict(items).get(k)]
+        if changed:
+            raise CaptureError(
+                f"train_step changed the model's submodules while it was traced ({', '.join(changed[:3])}): a library "
+                "setting the model up at its first call (BigBird switching its attention type for short sequences). "
+                "The graph would run the new modules while the first eager step also builds them (drawing random "
+                "numbers). Run one step eagerly before compiling, so that the model is as later steps find it."
+            )
+
+    def put_back(self) -> None:
+        for _, table, items in self.held:
+            if list(table.items()) != items:
+                table.clear()
+                table.update(items)
+
+
 def traced_as_set_up(trace: Callable[[], torch.fx.GraphModule], model: torch.nn.Module) -> torch.fx.GraphModule:
     """The step traced again with the hooks the first trace installed in place; refused if it
     installs more (eager would then add hooks at every step, which one graph cannot repeat)."""
