@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import os
@@ -171,12 +172,29 @@ _HEADS = (
 _SEQ_LEN = 128
 
 
+def _fields(text: str) -> list[str]:
+    """`text` split at the commas outside brackets: `depths=[1,1],hidden_sizes=[32,64]`."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch in "[(") - (ch in "])")
+        if ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    return [item for item in (*items, text[start:]) if item]
+
+
 def _config_overrides(text: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for item in filter(None, text.split(",")):
+    for item in _fields(text):
         key, sep, value = item.partition("=")
         if not sep or not key.isidentifier():
-            raise WorkloadError(f"config fields are key=value,key=value; got {item!r}")
+            raise WorkloadError(f"config fields are key=value,key=value (a list in brackets: depths=[1,1]); got {item!r}")
+        if value[:1] in "[(":
+            try:
+                out[key] = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                raise WorkloadError(f"config field {key}: {value!r} is not a list of numbers or strings") from None
+            continue
         for cast in (int, float):
             try:
                 out[key] = cast(value)

@@ -87,11 +87,20 @@ def test_factory_results_are_checked(tmp_path, monkeypatch):
                                        ("vit:num_hidden_layers=1,hidden_size=32,num_attention_heads=2,intermediate_size=64,image_size=32,patch_size=8", "ImageClassification"),
                                        # transformers lists two image heads for DeiT (with and without its teacher): the first is built
                                        ("xlnet:n_layer=1,d_model=32,n_head=2,d_inner=64,vocab_size=128", "LMHead"),  # no position limit (-1)
-                                       ("deit:num_hidden_layers=1,hidden_size=32,num_attention_heads=2,intermediate_size=64,image_size=32,patch_size=8", "DeiTForImageClassification")])
+                                       ("deit:num_hidden_layers=1,hidden_size=32,num_attention_heads=2,intermediate_size=64,image_size=32,patch_size=8", "DeiTForImageClassification"),
+                                       # list fields, in brackets
+                                       ("convnext:num_stages=2,depths=[1,1],hidden_sizes=[16,32],image_size=32", "ConvNextForImageClassification")])
 def test_hf_heads_and_batches(spec, head):
     model, batch = build_hf(spec, 2)
     assert head in type(model).__name__ and model.training
     assert torch.isfinite(model(**batch).loss)
+
+
+def test_a_config_field_that_is_not_a_list_of_literals_is_refused_by_name():
+    with pytest.raises(WorkloadError, match=r"config field depths: '\[1,a\]' is not a list"):
+        build_hf("convnext:depths=[1,a]", 2)
+    with pytest.raises(WorkloadError, match=r"a list in brackets: depths=\[1,1\]\); got 'depths'"):
+        build_hf("convnext:depths", 2)
 
 
 def test_a_hugging_face_mixture_of_experts_runs_bitwise_from_the_command_line(capsys):

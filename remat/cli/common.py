@@ -59,7 +59,7 @@ MODEL_HELP = (
     "a built-in model (mlp, mlp-deep, bert, bert-tiny, resnet152, resnet-tiny, gpt-narrow-6, gpt-narrow-20, "
     "gpt-narrow-60), hf:<model_type> "
     "(any transformers architecture with random weights, e.g. hf:gpt2; config fields may follow: "
-    "hf:llama:num_hidden_layers=2,hidden_size=256), or package.module:function (your factory returning "
+    "hf:llama:num_hidden_layers=2,hidden_size=256, lists in brackets: hf:convnext:depths=[1,1]), or package.module:function (your factory returning "
     "model, optimizer, batch, train_step)"
 )
 
