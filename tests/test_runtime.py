@@ -398,20 +398,19 @@ def test_a_measured_peak_over_the_budget_is_said_with_by_how_much(monkeypatch):
 
 
 def test_the_peak_a_refusal_names_as_reachable_compiles_right_after() -> None:
-    """A plan depends on the op times measured, which move from one profile to the next: a
-    compile right after a refusal, of the same graph, plans on the refused one's times, so
-    that the budget the refusal advised finds the plan it saw (a GRU's many small ops put
-    plans a few hundred bytes apart)."""
+    """A plan depends on the op times measured, which move from one profile to the next (a
+    GRU's many small ops put its plans a few hundred bytes apart): a compile right after a
+    refusal, of the same graph, plans on the refused one's times, so that the budget the
+    refusal advised finds the plan it saw."""
     import remat.runtime as runtime
-    from tests.support.architectures import build
 
-    model, batch, _ = build("gru", "tiny")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step_fn = make_train_step(lambda m, b: m(**b).loss, zero_grad_first=True)
+    spec = build_model("mlp-deep", 32)
+    opt = make_optimizer("adamw", spec.model.parameters())
+    step_fn = make_train_step(spec.loss_fn)
     with pytest.raises(BudgetError) as refusal:
-        remat.compile(step_fn, *twin(model, opt), batch, memory_budget=0.2, profile_runs=1, measure=False)
+        remat.compile(step_fn, *twin(spec.model, opt), spec.batch, memory_budget=0.01, profile_runs=1, measure=False)
     (refused,) = runtime._REFUSED.values()
-    step = remat.compile(step_fn, model, opt, batch, memory_budget=refusal.value.reach.best, profile_runs=1)
+    step = remat.compile(step_fn, spec.model, opt, spec.batch, memory_budget=refusal.value.reach.best, profile_runs=1)
     assert step.report.profile is refused and not runtime._REFUSED
-    step(batch)
+    step(spec.batch)
     assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes <= refusal.value.reach.best
