@@ -866,3 +866,47 @@ def test_a_step_whose_loss_reaches_some_parameters_and_penalises_a_gradient_trai
     assert step.report.num_recomputed > 0 and step.report.measured_peak_bytes == step.report.predicted_peak_bytes
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), eager_model.parameters()))
     assert all(p.grad is None for p in model.G.parameters())
+
+
+def test_a_step_clearing_every_gradient_before_backward_is_traced_once_and_one_that_does_not_twice(monkeypatch):
+    """Where zero_grad() cleared every trainable gradient before the first backward, the step
+    starts from no gradients whatever the step before left: no second trace with them preset.
+    Otherwise the second trace tells whether backward would add to them (and refuses if so)."""
+    import importlib
+
+    capture_module = importlib.import_module("remat.capture.capture")
+
+    traces = []
+    real = capture_module._trace
+    monkeypatch.setattr(capture_module, "_trace", lambda *a, **k: traces.append(1) or real(*a, **k))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def cleared_first(m, o, b):
+        o.zero_grad()
+        loss = m(b).sum()
+        loss.backward()
+        o.step()
+        return loss
+
+    def cleared_at_the_end(m, o, b):
+        loss = m(b).sum()
+        loss.backward()
+        o.step()
+        o.zero_grad()
+        return loss
+
+    def never_cleared(m, o, b):
+        loss = m(b).sum()
+        loss.backward()
+        o.step()
+        return loss
+
+    capture(cleared_first, model, opt, torch.randn(2, 4))
+    assert len(traces) == 1
+    capture(cleared_at_the_end, model, opt, torch.randn(2, 4))
+    assert len(traces) == 2  # nothing stays set after it: no preset trace either
+    traces.clear()
+    with pytest.raises(CaptureError, match="gradient accumulation across calls"):
+        capture(never_cleared, model, opt, torch.randn(2, 4))
+    assert len(traces) == 2

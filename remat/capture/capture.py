@@ -30,7 +30,7 @@ from remat.capture.optimizer_state import check_first_step_state, optimizer_on, 
 from remat.capture.optimizers import as_one, only_passed_step
 
 from remat.capture.markers import marking_updates, MARKER, RECORD_FUNCTION_OPS, marker, marking_passes
-from remat.capture.trace_checks import branched_hyperparameters, check_graph_runnable, check_no_accumulation, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state
+from remat.capture.trace_checks import branched_hyperparameters, check_graph_runnable, cleared_before_backward, check_no_accumulation, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state
 from remat.capture.train_graph import CallContract, GraphInput, InputKind, Phase, TrainGraph, TrainStep
 from remat.capture.state import first_call
 from remat.capture.state.python_state import no_python_state_changed, state_slots
@@ -215,7 +215,7 @@ def capture(
     grad_order: list[str] = []  # filled while tracing: names of the grads the "grads" marker holds
     final_grads: list[str] = []
     seen: dict[str, Any] = {}  # what the last trace saw: the return value's structure, backward() calls
-    probe: dict[str, Any] = {"preset_grads": False, "numbers": [], "as_numbers": False, "numbers_unread": frozenset()}  # check_no_accumulation; kept_numbers
+    probe: dict[str, Any] = {"preset_grads": False, "numbers": [], "as_numbers": False, "numbers_unread": frozenset(), "cleared_first": False}  # check_no_accumulation; kept_numbers
     # Floats the update branches on keep their sign; `symbols` names one a trace tripped on.
     sign_facts = {n: hyperparams.sign(v) for n, v in hyper_values.items() if hyperparams.parse_input_name(n)[1] in hyperparams.BRANCHED_KEYS}
     sign_facts.update(hyperparams.fixed_by_fused_kernels(optimizer))
@@ -256,10 +256,12 @@ def capture(
                 stack.callback(optimizer.register_step_pre_hook(marking_updates(calls)).remove)
             stack.enter_context(numbers.traced(t_numbers, symbols))
             stack.enter_context(passes)
+            stack.enter_context(cleared_before_backward(calls, cleared := set()))
             stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots))
             stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
             effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), set(map(id, args)))
             result = train_step(model, passed, t_batch)
+            probe["cleared_first"] = {id(t_params[n]) for n in trainable} <= cleared
             outside_tensors.check_no_gradient([held for held, _ in outside], t_outside)
         updates, update_values = effects.updates(probe["numbers_unread"])
         outputs, out_spec, returned = step_outputs.as_graph_outputs(result, update_values)
@@ -277,7 +279,7 @@ def capture(
     set_ups: list[first_call.SetUp] = []
     gm, probe_gm, recorded_run = _traces(trace, model, train_step, slots, probe, seen, (grad_order, final_grads), ran, device, set_ups)
     leaves_zero_grads = bool(final_grads) and ends_with_zero_grads(gm)
-    if final_grads and not leaves_zero_grads:
+    if probe_gm is not None and not leaves_zero_grads:
         check_no_accumulation(probe_gm, {n: params[n] for n in trainable}, optimizer)
     check_static_shapes(gm)
     check_graph_runnable(gm)
@@ -338,9 +340,10 @@ def _traces(
             gm = again if set_ups else gm
             probe["numbers"] = watch.numbers_changed(frozenset((id(m), k) for m, k in set_up))
             gm = kept_numbers.traced_counting(recorded_trace, probe, seen) if probe["numbers"] else gm
-            if final_grads:
+            if final_grads and not probe["cleared_first"]:
                 # Gradients stay set after the step, so the next step starts with them: it must
-                # clear them before its backward (the graph computes fresh ones).
+                # clear them before its backward (the graph computes fresh ones). A step whose
+                # zero_grad() cleared them all before its first backward does (no trace needed).
                 probe["preset_grads"] = True
                 kept = list(grad_order), list(final_grads)
                 try:

@@ -3,9 +3,10 @@ name, what remat cannot run as eager does, and passes that drop inputs nothing r
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.fx
@@ -85,6 +86,32 @@ def ends_with_zero_grads(gm: torch.fx.GraphModule) -> bool:
     output = next(n for n in gm.graph.nodes if n.op == "output")
     grads = output.args[0][1]
     return bool(grads) and all(g.target is torch.ops.aten.zero_.default for g in grads)
+
+
+@contextlib.contextmanager
+def cleared_before_backward(calls: dict[str, int], cleared: set[int]) -> Iterator[None]:
+    """While the block runs, the parameters (by id) that `zero_grad()` (optimizer's or
+    module's, setting gradients to None) clears before the first backward go into `cleared`.
+    A step that clears every trainable parameter so starts from no gradients whatever the
+    step before left: capture then needs no trace with gradients preset to tell
+    (check_no_accumulation)."""
+    optimizer_zero, module_zero = torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad
+
+    def on_optimizer(self, set_to_none: bool = True):  # type: ignore[no-untyped-def]
+        if set_to_none and calls["backward"] == 0:
+            cleared.update(id(p) for group in self.param_groups for p in group["params"])
+        return optimizer_zero(self, set_to_none)
+
+    def on_module(self, set_to_none: bool = True):  # type: ignore[no-untyped-def]
+        if set_to_none and calls["backward"] == 0:
+            cleared.update(map(id, self.parameters()))
+        return module_zero(self, set_to_none)
+
+    torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad = on_optimizer, on_module  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad = optimizer_zero, module_zero  # type: ignore[method-assign]
 
 
 def check_no_accumulation(probe_gm: torch.fx.GraphModule, trainable: dict[str, torch.Tensor], optimizer: Any) -> None:

@@ -39,16 +39,20 @@ class SetUp:
 def traced_as_set_up(watch: StateWatch, retrace: Callable[[], Any], first: Any) -> tuple[Any, list[SetUp]]:
     """After the first trace (`first`, its graph): (a trace from the state it left, the
     set-ups) where the watched slots it changed (but for counted numbers) are all left as
-    they are by that trace, or (None, []) where none changed, or one changed again, or one
-    holds a traced value, or the first trace drew random numbers the second does not (a
-    set-up that draws them: the graph could not draw them at the first run)."""
+    they are by that trace, or (None, []) where none changed, or one changed again (the
+    slots then as the first trace left them), or one holds a traced value, or the first
+    trace drew random numbers the second does not (a set-up that draws them: the graph
+    could not draw them at the first run)."""
     changed = [w for w in watch.before.values() if _fingerprint(w.slot.get()) != _fingerprint(w.content) and not _counted(w)]
     if not changed or any(_traced(w.slot.get()) for w in changed):
         return None, []
+    left = [copied(w.slot.get()) for w in changed]
     after_first = [_fingerprint(w.slot.get()) for w in changed]
     gm = retrace()
     if [_fingerprint(w.slot.get()) for w in changed] != after_first or _draws(gm) != _draws(first):
-        return gm, []
+        for w, value in zip(changed, left):  # as the first trace left them: the checks after it judge that change
+            _put(w.slot, value)
+        return None, []
     watch.set_up |= {w.slot.name for w in changed}
     return gm, [SetUp(w.slot, copied(w.slot.get())) for w in changed]
 
