@@ -80,11 +80,11 @@ class Budget:
         return f"{self.nbytes} bytes ({format_bytes(self.nbytes or 0)})"
 
 
-def not_held(measured: int, predicted: int, budget: int | None) -> str | None:
-    """What to tell the user when a step's measured peak went over its budget (a tensor the
-    memory model did not see: an op whose fake kernel gives a buffer fewer bytes than the
-    real one makes), or None when the budget held."""
-    if budget is None or measured <= budget:
+def not_held(measured: int, predicted: int, budget: int | None, slack: int = 0) -> str | None:
+    """What to tell the user when a step's measured peak went over its budget by more than
+    `slack` (a tensor the memory model did not see: an op whose fake kernel gives a buffer
+    fewer bytes than the real one makes), or None when the budget held."""
+    if budget is None or measured <= budget + slack:
         return None
     return (
         f"remat: the step's measured peak, {format_bytes(measured)}, is over its budget of {format_bytes(budget)} "

@@ -371,7 +371,13 @@ class RematStep:
             if measured.reserved_peak_bytes is not None:
                 compiled.report.measured_reserved_peak_bytes = compiled.report.persistent_bytes + measured.reserved_peak_bytes
             compiled.measured = True
-            if (over := not_held(compiled.report.measured_peak_bytes, compiled.report.predicted_peak_bytes, compiled.report.budget_bytes)) is not None:
+            # Not under DDP or FSDP2: gloo's worker threads free a collective's buffers after the step
+            # has moved on, which the peak counts (up to two gradients' bytes: tests/test_data_parallel.py).
+            # On a GPU the allocator's blocks put the measured peak a megabyte or so off the prediction.
+            slack = 0 if torch.device(compiled.tg.device).type == "cpu" else (compiled.report.budget_bytes or 0) // 100
+            report = compiled.report
+            over = None if self._dp is not None else not_held(report.measured_peak_bytes, report.predicted_peak_bytes, report.budget_bytes, slack)
+            if over is not None:
                 warnings.warn(over, stacklevel=2)
             return measured.result
         return self._run(compiled, inputs, view)

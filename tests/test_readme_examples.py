@@ -67,6 +67,7 @@ def _run(code: str, tmp_path: Path, eager: bool) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420)
     assert done.returncode == 0, f"the example failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    assert "remat:" not in done.stderr, f"remat warned:\n{done.stderr[-3000:]}"  # a new user's run says nothing it need not
     results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("result-*.json"))]
     assert results, done.stdout[-2000:]
     return results
