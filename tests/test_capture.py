@@ -882,31 +882,24 @@ def test_a_step_clearing_every_gradient_before_backward_is_traced_once_and_one_t
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def cleared_first(m, o, b):
-        o.zero_grad()
-        loss = m(b).sum()
-        loss.backward()
-        o.step()
-        return loss
+    def step_clearing(when):  # "first", "last" or "never"
+        def step(m, o, b):
+            if when == "first":
+                o.zero_grad()
+            loss = m(b).sum()
+            loss.backward()
+            o.step()
+            if when == "last":
+                o.zero_grad()
+            return loss
 
-    def cleared_at_the_end(m, o, b):
-        loss = m(b).sum()
-        loss.backward()
-        o.step()
-        o.zero_grad()
-        return loss
+        return step
 
-    def never_cleared(m, o, b):
-        loss = m(b).sum()
-        loss.backward()
-        o.step()
-        return loss
-
-    capture(cleared_first, model, opt, torch.randn(2, 4))
+    capture(step_clearing("first"), model, opt, torch.randn(2, 4))
     assert len(traces) == 1
-    capture(cleared_at_the_end, model, opt, torch.randn(2, 4))
+    capture(step_clearing("last"), model, opt, torch.randn(2, 4))
     assert len(traces) == 2  # nothing stays set after it: no preset trace either
     traces.clear()
     with pytest.raises(CaptureError, match="gradient accumulation across calls"):
-        capture(never_cleared, model, opt, torch.randn(2, 4))
+        capture(step_clearing("never"), model, opt, torch.randn(2, 4))
     assert len(traces) == 2
