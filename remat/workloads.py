@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import ast
 import importlib
 import inspect
 import os
@@ -183,26 +182,35 @@ def _fields(text: str) -> list[str]:
     return [item for item in (*items, text[start:]) if item]
 
 
+def _config_value(text: str) -> Any:
+    """One field's value: a number, true/false, a list in brackets of such values (quotes
+    optional: `attn_layers=[local,lsh]`), or else the text itself."""
+    text = text.strip()
+    if text[:1] in "[(":
+        if text[-1:] != {"[": "]", "(": ")"}[text[0]]:
+            raise ValueError(text)
+        items = [_config_value(item) for item in _fields(text[1:-1])]
+        return items if text[0] == "[" else tuple(items)
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            continue
+    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+
+
 def _config_overrides(text: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in _fields(text):
         key, sep, value = item.partition("=")
         if not sep or not key.isidentifier():
             raise WorkloadError(f"config fields are key=value,key=value (a list in brackets: depths=[1,1]); got {item!r}")
-        if value[:1] in "[(":
-            try:
-                out[key] = ast.literal_eval(value)
-            except (ValueError, SyntaxError):
-                raise WorkloadError(f"config field {key}: {value!r} is not a list of numbers or strings") from None
-            continue
-        for cast in (int, float):
-            try:
-                out[key] = cast(value)
-                break
-            except ValueError:
-                continue
-        else:
-            out[key] = {"true": True, "false": False}.get(value.lower(), value)
+        try:
+            out[key] = _config_value(value)
+        except ValueError:
+            raise WorkloadError(f"config field {key}: {value!r} has an unclosed bracket; a list is written [1,1] or [local,lsh]") from None
     return out
 
 

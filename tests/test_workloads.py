@@ -96,9 +96,17 @@ def test_hf_heads_and_batches(spec, head):
     assert torch.isfinite(model(**batch).loss)
 
 
-def test_a_config_field_that_is_not_a_list_of_literals_is_refused_by_name():
-    with pytest.raises(WorkloadError, match=r"config field depths: '\[1,a\]' is not a list"):
-        build_hf("convnext:depths=[1,a]", 2)
+def test_config_fields_parse_numbers_words_and_lists_with_or_without_quotes():
+    from remat.workloads import _config_overrides
+
+    assert _config_overrides("depths=[1,1],attn_layers=[local,'lsh'],scale=0.5,tie=false,act=gelu,pad=None,shape=(2,[3,x])") == {
+        "depths": [1, 1], "attn_layers": ["local", "lsh"], "scale": 0.5, "tie": False, "act": "gelu", "pad": None,
+        "shape": (2, [3, "x"])}
+
+
+def test_a_config_field_with_an_unclosed_bracket_is_refused_by_name():
+    with pytest.raises(WorkloadError, match=r"config field depths: '\[1,2' has an unclosed bracket"):
+        build_hf("convnext:depths=[1,2", 2)
     with pytest.raises(WorkloadError, match=r"a list in brackets: depths=\[1,1\]\); got 'depths'"):
         build_hf("convnext:depths", 2)
 

@@ -30,12 +30,13 @@ from remat.capture.optimizer_state import check_first_step_state, optimizer_on, 
 from remat.capture.optimizers import as_one, only_passed_step
 
 from remat.capture.markers import marking_updates, MARKER, RECORD_FUNCTION_OPS, marker, marking_passes
-from remat.capture.trace_checks import branched_hyperparameters, check_graph_runnable, cleared_before_backward, check_no_accumulation, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state
+from remat.capture.trace_checks import branched_hyperparameters, check_graph_runnable, cleared_before_backward, check_no_accumulation, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state, where_in_users_code
 from remat.capture.train_graph import CallContract, GraphInput, InputKind, Phase, TrainGraph, TrainStep
 from remat.capture.state import first_call
 from remat.capture.state.python_state import no_python_state_changed, state_slots
 from remat.capture.traced_rng import no_host_random_drawn, no_rng_state_set
 from remat.capture.user_checkpoints import plain_checkpoints
+from remat.ops import value_checks
 from remat.ops import training_workspace
 from remat.capture.step_inputs import batch_leaf_names, check_batch, describe, unique_named
 
@@ -154,7 +155,7 @@ def _as_stand_ins(t_params: dict[str, torch.Tensor], trainable: tuple[str, ...])
 
 def _trace(
     traced: Callable[..., Any], flat: list[torch.Tensor], symbols: dict[str, str], sign_facts: dict[str, int],
-    hyper_values: dict[str, float], numbers: read_numbers.Reading, model: torch.nn.Module,
+    hyper_values: dict[str, float], numbers: read_numbers.Reading, model: torch.nn.Module, checks: value_checks.ValueChecks,
 ) -> torch.fx.GraphModule:  # fmt: skip
     """make_fx of `traced`; a branch on a hyperparameter other than the known ones fixes its
     sign too (in `sign_facts`), and where its sign was not enough for an int, its value (a
@@ -163,7 +164,11 @@ def _trace(
     modes = [(m, m.training) for m in model.modules()]
     while True:
         try:
-            return make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=False)(*flat)
+            with checks.tracing():
+                gm = make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=False)(*flat)
+            if checks.finished():
+                continue
+            return gm
         except Exception as e:  # noqa: BLE001 - translated into a message a user can act on
             branched = branched_hyperparameters(e, symbols)
             if numbers.tripped(branched, other_failure=not any(name in hyper_values for name in branched)):
@@ -171,8 +176,11 @@ def _trace(
             new = [name for name in branched if name not in sign_facts]
             fixed = [name for name in branched if sign_facts.get(name, hyperparams.FIXED) != hyperparams.FIXED and type(hyper_values[name]) is int]
             if not new and not fixed:
+                if checks.retry(e, where_in_users_code(e)):
+                    continue
+                e = checks.refusal(e)
                 if isinstance(e, CaptureError):
-                    raise
+                    raise e
                 raise explain_trace_failure(e, model) from e
             sign_facts.update({name: hyperparams.sign(hyper_values[name]) for name in new})
             if not new:
@@ -221,6 +229,7 @@ def capture(
     sign_facts.update(hyperparams.fixed_by_fused_kernels(optimizer))
     symbols: dict[str, str] = {}
     recorded = _Recorded()  # filled while tracing
+    checks = value_checks.ValueChecks()  # branches on tensor values where one side raises: decided over the traces
 
     def traced(*args: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         it = iter(args)
@@ -273,7 +282,7 @@ def capture(
         return outputs, [g for _, g in grads]
 
     def trace() -> torch.fx.GraphModule:
-        return _trace(traced, flat, symbols, sign_facts, hyper_values, numbers, model)
+        return _trace(traced, flat, symbols, sign_facts, hyper_values, numbers, model, checks)
 
     ran: set[Any] = set()  # the user's code the traces ran: the step reads only what it names
     set_ups: list[first_call.SetUp] = []
@@ -283,7 +292,7 @@ def capture(
         check_no_accumulation(probe_gm, {n: params[n] for n in trainable}, optimizer)
     check_static_shapes(gm)
     check_graph_runnable(gm)
-    gm = training_workspace.swap_in(gm)
+    gm = training_workspace.swap_in(value_checks.hoisted(gm))
     groups: list[hyperparams.GroupSpec] = []
     if optimizer is not None:
         inputs = drop_unread_new_state(gm, inputs, optimizer, params, had_state)
@@ -302,7 +311,7 @@ def capture(
     tg.call.scheduler_calls = scheduler_calls.checked(tg, recorded.scheduler_calls)
     tg.call.trainable, tg.call.leaves_zero_grads, tg.call.groups, tg.call.param_hooks = trainable, leaves_zero_grads, groups, hooks
     tg.call.code_read = frozenset(ran) if recorded_run else None
-    tg.call.set_up = set_ups
+    tg.call.set_up, tg.call.value_checks = set_ups, checks.checks
     return tg
 
 

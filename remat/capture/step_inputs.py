@@ -21,6 +21,7 @@ from remat.capture.state import read_numbers, step_outputs, train_modes
 from remat.capture.optimizer_state import optimizer_states
 from remat.capture.optimizers import as_one
 from remat.capture.train_graph import GraphInput, InputKind, TrainGraph
+from remat.ops import value_checks
 
 
 def unique_named(items: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -211,8 +212,12 @@ def run_captured(
     # adds to the zeros the last step left; drop them now rather than hold them through the step.
     for p in params.values():
         p.grad = None
-    with torch.no_grad():
-        outputs, grads = gm(*inputs)
+    try:
+        with torch.no_grad():
+            outputs, grads = gm(*inputs)
+    except Exception as e:  # a value check that failed (inside a compiled region too) raises what eager raises
+        value_checks.raise_as_eager(e, tg.call.value_checks)
+        raise
     train_modes.make_mode_calls(model, tg)
     for p, g in zip(view.graded(tg.grad_names), grads):
         p.grad = g

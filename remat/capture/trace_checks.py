@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -214,6 +215,12 @@ def _where_in_users_code(frames: list) -> str:
     return ""
 
 
+def where_in_users_code(e: BaseException) -> str:
+    """_where_in_users_code of the frames `e` was raised through."""
+
+    return _where_in_users_code(traceback.extract_tb(e.__traceback__))
+
+
 def _fake_dispatch_of(e: BaseException) -> tuple[str, list[Any]] | None:
     """(the op, its flat arguments) being run on fake tensors when `e` was raised inside
     FakeTensorMode's dispatch (which holds them as `func`, `args` and `kwargs`), or None."""
@@ -230,7 +237,6 @@ def _fake_dispatch_of(e: BaseException) -> tuple[str, list[Any]] | None:
 def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) -> CaptureError:
     name = type(e).__name__
     first = str(e).strip().splitlines()[0] if str(e).strip() else name
-    import traceback
 
     frames = traceback.extract_tb(e.__traceback__)
     where = _where_in_users_code(frames)
@@ -262,12 +268,6 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
             f"from a tensor at every step{where}: a number one captured graph cannot hold. Give the layer a float "
             "momentum (the default is 0.1), or train without remat."
         )
-    if data_dependent and any(Path(f.filename).name == "clip_grad.py" for f in frames):
-        return CaptureError(
-            f"train_step clips gradients with error_if_nonfinite=True{where}, which raises on the norm's value: a "
-            "Python branch on tensor values that one captured graph cannot hold. Pass error_if_nonfinite=False (the "
-            "default) and check torch.isfinite on the norm clip_grad_norm_ returns, after the step."
-        )
     in_optimizer = [f for f in frames if Path(f.filename).parent.parts[-2:] == ("torch", "optim")]
     if data_dependent and any("fused" in f.name for f in in_optimizer):
         return CaptureError(
@@ -288,7 +288,8 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
         return CaptureError(
             f"train_step has data-dependent Python control flow or an op whose output shape depends "
             f"on tensor values ({name}: {first}){where}. Make the branch independent of tensor values "
-            "(e.g. use torch.where), or move it out of train_step."
+            "(e.g. use torch.where), or move it out of train_step. (A branch one side of which raises, as an input "
+            "check or an assert does, is held in the graph as a check; this one goes on either way.)"
         )
     if "DynamicOutputShape" in name:
         return CaptureError(

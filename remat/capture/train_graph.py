@@ -77,6 +77,7 @@ class CallContract:
     leaves_zero_grads: bool = False  # the step ends with zero_grad(set_to_none=False): see ends_with_zero_grads
     groups: list[hyperparams.GroupSpec] = field(default_factory=list)  # what the update assumes of param_groups
     data_parallel: Any = None  # data_parallel.DataParallel of a DDP-wrapped model: its gradients are averaged in the graph
+    value_checks: list[Any] = field(default_factory=list)  # value_checks.ValueCheck, by index: what a failed check raises
 
 
 @dataclass

@@ -160,7 +160,7 @@ class CudaGraphStep:
         except Exception as e:
             raise RematError(
                 f"cuda_graph=True: the step could not be captured as a CUDA graph ({type(e).__name__}: {e}). A step that "
-                "synchronises with the host (`.item()` on a GPU tensor, a data-dependent branch) or talks to other processes "
+                "synchronises with the host (`.item()` on a GPU tensor, a data-dependent branch, a check on a tensor's value such as an assert on the loss) or talks to other processes "
                 "cannot be captured; compile with cuda_graph=False"
             ) from e
         self.pool_bytes = self.backend.reserved_bytes() - before

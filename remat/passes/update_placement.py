@@ -12,7 +12,9 @@ op outside it that it must follow:
 - every other op that writes a storage it reads or writes (an accumulated gradient,
   `clip_grad_norm_` scaling it in place);
 - every other op that reads a storage it writes (the backward ops that read the old
-  value of the parameter, also through a view or a tied use).
+  value of the parameter, also through a view or a tied use);
+- every check on a tensor's value (ops.value_checks), so that a step whose check
+  fails has updated nothing.
 Ops of the update that read several parameters' tensors together (a norm over all
 gradients) keep those parameters' updates at the end. A multi-tensor `_foreach` kernel is
 split per parameter first and its updates moved in buckets (update_buckets). Scalar ops
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from remat.ops.value_checks import VALUE_CHECK_OP
 from remat.memory.analysis import GraphAnalysis, reordered_analysis
 from remat.passes import update_buckets
 from remat.memory.graph_index import GraphIndex
@@ -120,6 +123,9 @@ class UpdateFacts:
         update = [n for n in ops if tg.phase[n.name] is Phase.OPTIMIZER]
         self.in_update = {n.name for n in update}
         self.last_outside = max((r for r, n in enumerate(self.order) if n not in self.in_update), default=-1)
+        # No update runs before a check on a tensor's value (ops.value_checks): a step
+        # whose check fails leaves the parameters as eager leaves them.
+        self.last_check = max((r for r, n in enumerate(ops) if n.target is VALUE_CHECK_OP and n.name not in self.in_update), default=-1)
         self.readers: dict[int, list[int]] = {}
         self.writers: dict[int, list[int]] = {}
         for r, (n, read) in enumerate(zip(self.order, analysis.uses)):
@@ -181,7 +187,7 @@ class UpdateFacts:
             return -1, f"it needs {writing[0]}, which writes in place"
         read = {sid for n in names for a in self.node_map[n].all_input_nodes for sid in self.storages.get(a.name, [])}
         written = {sid for n in names for sid in self.writes[n]}
-        slot = max(self.outside_dep[n] for n in [*names, *helpers])
+        slot = max(self.last_check, *(self.outside_dep[n] for n in [*names, *helpers]))
         members = set(names)
         for sid in read | written:
             for r in self.writers.get(sid, []) + (self.readers.get(sid, []) if sid in written else []):

@@ -410,6 +410,20 @@ def _warn_once_step(model, optimizer, batch):
     return plain_step(model, optimizer, batch)
 
 
+def _checked_step(model, optimizer, batch):
+    """Checks on tensor values that raise where they fail: the labels against the
+    vocabulary, the loss and the gradient norm finite."""
+    if batch["labels"].max() >= model.config.vocab_size:
+        raise ValueError("a label is out of the vocabulary")
+    optimizer.zero_grad()
+    loss = model(**batch).loss
+    assert torch.isfinite(loss), "the loss is not finite"
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+    optimizer.step()
+    return loss
+
+
 class _Trainer:
     """A trainer object whose method is the step: it counts steps and tokens, sums the
     losses and keeps the last one."""
@@ -491,6 +505,8 @@ IDIOMS = [
           "works", step=_warn_once_step, setup=_first_run_flags, kept=lambda m: (m.warned_once, m.first_shape)),
     Idiom("a trainer's method as train_step, counting steps and summing losses (self.global_step += 1, self.loss_sum += loss.item())",
           "works", step=_trainer_step, setup=_give_trainer, kept=lambda m: vars(m.trainer)),
+    Idiom("checks that raise inside train_step: labels against the vocabulary, assert torch.isfinite(loss), "
+          "clip_grad_norm_(error_if_nonfinite=True)", "works", step=_checked_step),
 ]
 
 

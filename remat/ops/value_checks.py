@@ -1,0 +1,283 @@
+"""Checks on tensor values that a step's code raises on, held in the graph.
+
+Libraries validate what they are given (`if labels.max() >= vocab_size: raise ValueError`,
+a distribution's `validate_args`) and scripts assert on the loss (`assert
+torch.isfinite(loss)`). Each is a Python branch on a tensor's value, which one captured
+graph cannot hold in general. But where one side of the branch raises, the graph need
+not hold both: it takes the side that goes on and checks, at every call, that the value
+says so, raising what eager raises where it does not.
+
+While tracing, `Tensor.__bool__` of a tensor whose value is not known (the trace runs on
+fake tensors) is a *value check*: the trace is run with each side assumed in turn (in the
+order the checks come, `assumed`). A side on which the step's code raises (an exception
+from the user's or a library's code, not a tracing failure) is the failing side; the graph
+takes the other, with `remat::value_check(t, holds, index)` where the branch was, which
+raises `ValueCheckFailed` when `bool(t)` is not `holds`. Where neither side raises, the
+branch is real control flow and the trace fails as it would have (trace_checks explains
+it).
+
+At run time (`raise_as_eager`), a failed check raises the exception the failing side
+raised while tracing, with its message: the step stops there, as eager stops. No update
+runs before a check (update_placement keeps them after every check), so the parameters
+and the optimizer's state are as eager leaves them. What the forward pass updated in
+place before the check (a BatchNorm's running statistics) and the random numbers drawn up
+to it are as eager leaves them only where the graph's order is eager's up to that point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import re
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+from remat.errors import RematError
+
+VALUE_CHECK = "remat::value_check"
+_FAILED = re.compile(r"remat value check (\d+) failed")
+
+
+@torch.library.custom_op(VALUE_CHECK, mutates_args=())
+def value_check(t: torch.Tensor, holds: bool, index: int) -> None:
+    """Raise where `bool(t)` is not `holds` (check `index` of its step)."""
+    if bool(t) != holds:
+        raise ValueCheckFailed(f"remat value check {index} failed")
+
+
+@value_check.register_fake
+def _(t: torch.Tensor, holds: bool, index: int) -> None:
+    return None
+
+
+VALUE_CHECK_OP = torch.ops.remat.value_check.default
+torch.fx.node.has_side_effect(VALUE_CHECK_OP)
+
+
+class ValueCheckFailed(RuntimeError):
+    """Raised by a graph's value check; `raise_as_eager` turns it into what eager raises."""
+
+
+@dataclass
+class ValueCheck:
+    """One check: where the step branches, the side the graph takes, and what the other raises."""
+
+    where: str  # ", at file.py, line N: code" (trace_checks._where_in_users_code)
+    holds: bool
+    error_type: type[BaseException]
+    message: str
+
+
+@dataclass
+class _Trial:
+    """The check being decided: the sides tried so far and what each raised (None: it went on)."""
+
+    index: int
+    first: BaseException  # the trace's failure at the branch, reported where neither side raises
+    where: str
+    raised: dict[bool, BaseException | None] = field(default_factory=dict)
+
+
+class ValueChecks:
+    """The checks of one capture, decided over its traces (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.assumed: list[bool] = []
+        self.checks: list[ValueCheck] = []
+        self._trial: _Trial | None = None
+        self._reached = 0  # checks reached by the running trace
+
+    @contextlib.contextmanager
+    def tracing(self) -> Iterator[None]:
+        """Tensor.__bool__ on a tensor of unknown value takes the side assumed for it."""
+        plain = torch.Tensor.__bool__
+        self._reached = 0
+        checks = self
+
+        def checked_bool(t: torch.Tensor) -> bool:
+            try:
+                return plain(t)
+            except GuardOnDataDependentSymNode as e:
+                index = checks._reached
+                if index >= len(checks.assumed):
+                    e.remat_value_check = index  # type: ignore[attr-defined]
+                    raise
+                checks._reached += 1
+                holds = checks.assumed[index]
+                torch.ops.remat.value_check(t, holds, index)
+                return holds
+
+        torch.Tensor.__bool__ = checked_bool  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            torch.Tensor.__bool__ = plain  # type: ignore[method-assign]
+
+    def retry(self, e: BaseException, where: str) -> bool:
+        """After a trace failed with `e`: whether to trace again, with a side to try or the
+        side decided. False: `refusal(e)` is the trace's failure."""
+        trial = self._trial
+        if trial is not None:
+            # The side tried raised, or went on past the branch (to a later check, or to a
+            # failure of the trace itself, which the other side may not reach).
+            tried = self.assumed[trial.index]
+            trial.raised[tried] = e if _raised_by_code(e) and self._reached <= trial.index + 1 and _guard_of(e) is None else None
+            outcome = self._settle(trial)
+            if outcome == "refused":
+                return False
+            if outcome != tried:
+                return True
+            # Decided for the side just traced, which went on: to the next check, or to a failure of its own.
+        new = getattr(_guard_of(e), "remat_value_check", None)
+        if new is not None and new == len(self.assumed):
+            self._trial = _Trial(new, e, where)
+            self.assumed.append(True)
+            return True
+        return False
+
+    def finished(self) -> bool:
+        """After a trace succeeded: whether it must run again (a check not yet decided, or
+        decided for the other side)."""
+        trial = self._trial
+        if trial is None:
+            return False
+        tried = self.assumed[trial.index]
+        trial.raised[tried] = None
+        outcome = self._settle(trial)
+        if outcome == "refused":
+            raise self._refused
+        return outcome != tried
+
+    def _settle(self, trial: _Trial) -> bool | str:
+        """The other side to try ("again"), the side decided (the check recorded), or "refused"
+        where it cannot be decided."""
+        if len(trial.raised) < 2:
+            self.assumed[trial.index] = not self.assumed[trial.index]
+            return "again"
+        failing = [side for side, raised in trial.raised.items() if raised is not None]
+        self._trial = None
+        if len(failing) != 1:  # both went on (real control flow), or both raised (the failure is elsewhere)
+            self._refused = trial.first if not failing else trial.raised[False]
+            return "refused"
+        error = trial.raised[failing[0]]
+        assert error is not None
+        holds = not failing[0]
+        self.assumed[trial.index] = holds
+        self.checks.append(ValueCheck(trial.where, holds, type(error), str(error)))
+        return holds
+
+    def refusal(self, e: BaseException) -> BaseException:
+        """The failure to explain when a trace is not retried."""
+        return getattr(self, "_refused", None) or e
+
+
+def _guard_of(e: BaseException | None) -> BaseException | None:
+    while e is not None:
+        if isinstance(e, GuardOnDataDependentSymNode):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+_TORCH = Path(torch.__file__).parent
+_REMAT = Path(__file__).resolve().parents[1]
+
+
+def _raised_by_code(e: BaseException) -> bool:
+    """Whether `e` was raised by the step's or a library's own check (a `raise` or an
+    `assert` in Python code, torch.nn's and torch.distributions' included), not by the
+    trace itself (fake tensors, fx, remat)."""
+    if isinstance(e, RematError) or _guard_of(e) is not None:
+        return False
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return False
+    path = Path(frames[-1].filename).resolve()
+    if path.is_relative_to(_REMAT):
+        return False
+    if path.is_relative_to(_TORCH):
+        top = path.relative_to(_TORCH).parts[0]
+        return top in ("nn", "distributions", "optim", "functional.py", "autograd")
+    return not frames[-1].filename.startswith("<")
+
+
+def raise_as_eager(e: BaseException, checks: list[ValueCheck]) -> None:
+    """Where `e` is a failed value check of a graph with `checks`, raise what eager raises there."""
+    found = _FAILED.search(str(e))
+    if found is None or int(found.group(1)) >= len(checks):
+        return
+    check = checks[int(found.group(1))]
+    try:
+        error = check.error_type(check.message)
+    except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+        error = RuntimeError(f"{check.error_type.__name__}: {check.message}")
+    where = f" ({check.where.removeprefix(', at ')})" if check.where else ""
+    error.add_note(
+        f"remat: the step's graph checks this tensor value at every call{where} and raised what eager raises there; "
+        "it stopped before updating any parameter."
+    )
+    raise error from None
+
+
+def hoisted(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`gm` with each value check run as soon as what it reads is computed: the check and
+    the pure ops only it reads (`torch.isfinite(loss)` after backward()) move to right after
+    their inputs, so that a check on the loss comes before the backward pass and leaves the
+    updates free to move into it (update_placement keeps them after every check). The
+    `.item()` each check's trace began with, read by nothing, is dropped."""
+    graph = gm.graph
+    checks = [n for n in graph.nodes if n.target is VALUE_CHECK_OP]
+    if not checks:
+        return gm
+    for c in checks:
+        for user in list(c.args[0].users):
+            if user.target is torch.ops.aten._local_scalar_dense.default and not user.users:
+                graph.erase_node(user)
+    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    for c in checks:
+        rank = {n: i for i, n in enumerate(graph.nodes)}
+        chain = {c}
+        todo = list(c.all_input_nodes)
+        while todo:
+            n = todo.pop()
+            if n in chain or not _pure(n) or any(u not in chain for u in n.users):
+                continue
+            chain.add(n)
+            todo.extend(n.all_input_nodes)
+        # A node whose users were not all in the chain when first seen may join later: once more.
+        for n in sorted({a for m in chain for a in m.all_input_nodes} - chain, key=rank.__getitem__, reverse=True):
+            if _pure(n) and all(u in chain for u in n.users):
+                chain.add(n)
+        outside = {a for m in chain for a in m.all_input_nodes} - chain
+        after = _past_getitems(max([last_placeholder, *outside], key=rank.__getitem__))
+        for n in sorted(chain, key=rank.__getitem__):
+            if rank[n] > rank[after]:
+                after.append(n)
+                after = n
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _past_getitems(after: torch.fx.Node) -> torch.fx.Node:
+    """`after`, or the last of the getitems right after it that read the same tuple: a check
+    placed between two of them would cut a multi-output op's tuple off from its getitems."""
+    tuple_node = after.args[0] if after.target is operator.getitem else after
+    while after.next.op == "call_function" and after.next.target is operator.getitem and after.next.args[0] is tuple_node:
+        after = after.next
+    return after
+
+
+def _pure(n: torch.fx.Node) -> bool:
+    """An op that writes nothing and draws no random numbers (moving it changes nothing)."""
+    op = n.target
+    if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded in op.tags or op.namespace == "remat":
+        return False
+    return not any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)

@@ -1,0 +1,149 @@
+"""Branches on a tensor's value one side of which raises (a library's input check, an
+`assert` on the loss, clip_grad_norm_'s error_if_nonfinite, a distribution's argument
+validation) are held in the graph as checks: the step trains bitwise like eager, and a
+batch that fails a check raises what eager raises, with the parameters and the optimizer's
+state as eager leaves them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.errors import CaptureError
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 128), nn.GELU(), nn.Dropout(0.1), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 5))
+
+
+def _checked_step(model, optimizer, batch):
+    if batch["y"].max() >= 5:  # a library's check of its input: one side raises
+        raise ValueError("labels must be < 5")
+    optimizer.zero_grad()
+    loss = nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+    loss.backward()
+    assert torch.isfinite(loss), "the loss is not finite"
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+    optimizer.step()
+    return loss
+
+
+def _gradient_checked_step(model, optimizer, batch):
+    optimizer.zero_grad()
+    (model(batch["x"]).pow(2).mean() * batch["scale"]).backward()
+    # A check on the gradients: the updates cannot run before it.
+    if not torch.cat([p.grad.flatten() for p in model.parameters()]).isfinite().all():
+        raise FloatingPointError("a gradient is not finite")
+    optimizer.step()
+    return batch["scale"] * 1.0
+
+
+def _batch(g: torch.Generator, **change) -> dict[str, torch.Tensor]:
+    b = {"x": torch.randn(256, 16, generator=g), "y": torch.randint(0, 5, (256,), generator=g), "scale": torch.ones(())}
+    b.update(change)
+    return b
+
+
+def _failure(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - compared between eager and remat
+        return type(e), str(e).splitlines()[0]  # (pytest adds the values an assert saw on later lines)
+    return None
+
+
+def _same_state(a: nn.Module, b: nn.Module, opt_a, opt_b) -> bool:
+    same = all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    for p, q in zip(a.parameters(), b.parameters()):
+        sa, sb = opt_a.state[p], opt_b.state[q]
+        same &= sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    return same
+
+
+@pytest.mark.parametrize("step_fn", [_checked_step, _gradient_checked_step], ids=["input-and-loss-checks", "gradient-check"])
+def test_a_checked_step_trains_bitwise_and_a_failing_batch_raises_what_eager_raises(step_fn):
+    model, ref = _model(), _model()
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    step = remat.compile(step_fn, model, opt, _batch(g), memory_budget=0.9)
+    bad = [_batch(g, x=torch.full((256, 16), float("nan"))), _batch(g, scale=torch.tensor(float("inf")))]
+    if step_fn is _checked_step:
+        bad.append(_batch(g, y=torch.full((256,), 7)))
+    for i in range(6):
+        b = _batch(g) if i % 2 == 0 else bad[(i // 2) % len(bad)]
+        state = torch.get_rng_state()
+        got = _failure(lambda: step(b))
+        torch.set_rng_state(state)
+        want = _failure(lambda: step_fn(ref, ref_opt, b))
+        assert got == want, (i, got, want)
+        assert _same_state(model, ref, opt, ref_opt), i
+    # Checks on the input and the loss come before the backward pass, and the updates move
+    # into it; a check on every gradient keeps them after it.
+    assert step.report.plan.updates_in_backward == (step_fn is _checked_step) and len(step._graphs) == 1
+
+
+def test_the_failed_check_names_where_the_step_checks():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(2)
+    step = remat.compile(_checked_step, model, opt, _batch(g), memory_budget=0.9)
+    with pytest.raises(ValueError, match="labels must be < 5") as caught:
+        step(_batch(g, y=torch.full((256,), 9)))
+    assert "test_value_checks.py, line" in caught.value.__notes__[0] and "before updating any parameter" in caught.value.__notes__[0]
+
+
+def test_a_distribution_that_validates_its_arguments_trains_bitwise():
+    model, ref = _model(), _model()
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05)
+
+    def step_fn(model, optimizer, batch):
+        optimizer.zero_grad()
+        out = model(batch["x"])
+        z = torch.distributions.Normal(out[:, :2], nn.functional.softplus(out[:, 2:4]) + 1e-3).rsample()  # validate_args on
+        loss = z.pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    g = torch.Generator().manual_seed(3)
+    batches = [_batch(g) for _ in range(4)]
+    step = remat.compile(step_fn, model, opt, batches[0], memory_budget=0.9)
+    for b in batches:
+        state = torch.get_rng_state()
+        got = step(b)
+        torch.set_rng_state(state)
+        assert torch.equal(got, step_fn(ref, ref_opt, b))
+    assert _same_state(model, ref, opt, ref_opt)
+
+
+def test_a_branch_that_goes_on_either_way_is_still_refused():
+    model = _model()
+
+    def step_fn(model, optimizer, batch):
+        optimizer.zero_grad()
+        out = model(batch["x"])
+        loss = out.mean() if out.sum() > 0 else out.pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    with pytest.raises(CaptureError, match=r"data-dependent.*line \d+: loss = out\.mean\(\) if out\.sum\(\) > 0.*goes on either way"):
+        remat.compile(step_fn, model, torch.optim.SGD(model.parameters(), lr=0.1), _batch(torch.Generator().manual_seed(4)))
+
+
+def test_checks_hold_under_compiled_regions():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(5)
+    step = remat.compile(_checked_step, model, opt, _batch(g), memory_budget=0.9, backend="inductor")
+    assert torch.isfinite(step(_batch(g)))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(AssertionError, match="the loss is not finite"):
+        step(_batch(g, x=torch.full((256, 16), float("nan"))))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert step.report.backend == "inductor"
