@@ -91,6 +91,7 @@ class ValueChecks:
         self.checks: list[ValueCheck] = []
         self._trial: _Trial | None = None
         self._reached = 0  # checks reached by the running trace
+        self._refused: BaseException | None = None  # the failure to report where a check cannot be decided
 
     @contextlib.contextmanager
     def tracing(self) -> Iterator[None]:
@@ -126,7 +127,7 @@ class ValueChecks:
             # The side tried raised, or went on past the branch (to a later check, or to a
             # failure of the trace itself, which the other side may not reach).
             tried = self.assumed[trial.index]
-            trial.raised[tried] = e if _raised_by_code(e) and self._reached <= trial.index + 1 and _guard_of(e) is None else None
+            trial.raised[tried] = e if _raised_by_code(e) and self._reached <= trial.index + 1 else None
             outcome = self._settle(trial)
             if outcome == "refused":
                 return False
@@ -150,6 +151,7 @@ class ValueChecks:
         trial.raised[tried] = None
         outcome = self._settle(trial)
         if outcome == "refused":
+            assert self._refused is not None
             raise self._refused
         return outcome != tried
 
@@ -173,7 +175,7 @@ class ValueChecks:
 
     def refusal(self, e: BaseException) -> BaseException:
         """The failure to explain when a trace is not retried."""
-        return getattr(self, "_refused", None) or e
+        return self._refused or e
 
 
 def _guard_of(e: BaseException | None) -> BaseException | None:
