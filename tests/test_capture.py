@@ -447,10 +447,12 @@ def test_a_step_that_sets_the_generators_state_is_refused(seed_inside, message):
 _NUMPY_RNG = None
 
 
-def _drawing_step(draw):
+def _drawing_step(draw, checked=False):
     def step(model, opt, batch):
         opt.zero_grad()
         loss = model(batch).square().mean() * draw()  # a mixup coefficient drawn on the host
+        if checked:  # a value check: one of its traces fails after the draw
+            assert torch.isfinite(loss)
         loss.backward()
         opt.step()
         return loss
@@ -463,14 +465,15 @@ def _drawing_step(draw):
     [(lambda: random.random(), r"draws from Python's random module"), (lambda: np.random.beta(0.4, 0.4), r"draws from numpy's global generator"),
      (lambda: _NUMPY_RNG.random(), r"draws from global _NUMPY_RNG")],
 )  # fmt: skip
-def test_a_draw_from_pythons_or_numpys_generator_in_the_step_is_refused_and_their_states_put_back(draw, message):
+@pytest.mark.parametrize("checked", [False, True], ids=["plain", "with-a-value-check"])
+def test_a_draw_from_pythons_or_numpys_generator_in_the_step_is_refused_and_their_states_put_back(draw, message, checked):
     # Drawn once while tracing, it would be the same number at every step, with no error.
     global _NUMPY_RNG
     _NUMPY_RNG = np.random.default_rng(0)
     states = random.getstate(), np.random.get_state()[1].copy(), _NUMPY_RNG.bit_generator.state
     model = torch.nn.Linear(4, 4)
     with pytest.raises(CaptureError, match=message):
-        capture(_drawing_step(draw), model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 4))
+        capture(_drawing_step(draw, checked), model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 4))
     assert random.getstate() == states[0] and (np.random.get_state()[1] == states[1]).all()
     assert _NUMPY_RNG.bit_generator.state == states[2]
 

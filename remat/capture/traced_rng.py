@@ -96,10 +96,13 @@ def no_host_random_drawn(values: list[tuple[str, Any]]) -> Iterator[None]:
     putting their states back."""
     generators = _host_generators(values)
     before = [_state(g) for _, g in generators]
-    yield
-    drawn = [name for (name, g), state in zip(generators, before) if not _same(_state(g), state)]
-    for (_, g), state in zip(generators, before):
-        _restore(g, state)
+    drawn: list[str] = []
+    try:
+        yield
+    finally:  # a trace that fails (one side of a value check tried) puts them back too
+        drawn = [name for (name, g), state in zip(generators, before) if not _same(_state(g), state)]
+        for (_, g), state in zip(generators, before):
+            _restore(g, state)
     if drawn:
         raise CaptureError(
             f"train_step draws from {drawn[0]} while it runs: its Python code runs once, at capture, so every step "
