@@ -6,7 +6,7 @@ state as eager leaves them."""
 
 from __future__ import annotations
 
-import copy
+import types
 
 import pytest
 import torch
@@ -147,3 +147,33 @@ def test_checks_hold_under_compiled_regions():
         step(_batch(g, x=torch.full((256, 16), float("nan"))))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert step.report.backend == "inductor"
+
+
+def test_a_check_beside_a_tensor_the_step_keeps_in_the_users_object():
+    # One side of the check is traced to its failure: what that trace kept is put back.
+    model, ref = _model(), _model()
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    kept, ref_kept = types.SimpleNamespace(), types.SimpleNamespace()
+
+    def keeping(into):
+        def step_fn(model, optimizer, batch):
+            optimizer.zero_grad()
+            logits = model(batch["x"])
+            into.logits = logits.detach()
+            loss = nn.functional.cross_entropy(logits, batch["y"])
+            assert torch.isfinite(loss)
+            loss.backward()
+            optimizer.step()
+            return loss
+
+        return step_fn
+
+    g = torch.Generator().manual_seed(6)
+    batches = [_batch(g) for _ in range(3)]
+    step = remat.compile(keeping(kept), model, opt, batches[0], memory_budget=None)
+    assert not hasattr(kept, "logits")
+    for b in batches:
+        state = torch.get_rng_state()
+        got = step(b)
+        torch.set_rng_state(state)
+        assert torch.equal(got, keeping(ref_kept)(ref, ref_opt, b)) and torch.equal(kept.logits, ref_kept.logits)

@@ -44,9 +44,14 @@ def setting(slots: Callable[[], list[tuple[Slot, Any]]], inputs: set[int]) -> It
     with that tensor; each slot put back."""
     before = {slot.name: value for slot, value in slots()}
     set_: list[tuple[KeptTensor, Any]] = []
-    yield set_
-    for slot, value in slots():
-        held = before.get(slot.name, MISSING)
-        if isinstance(value, FakeTensor) and value is not held and id(value) not in inputs:
-            set_.append((KeptTensor(slot, keyed=held is MISSING), value))
-            slot.set(held)
+    traced = False
+    try:
+        yield set_
+        traced = True
+    finally:  # a trace that fails (one side of a value check tried) puts them back too
+        for slot, value in slots():
+            held = before.get(slot.name, MISSING)
+            if isinstance(value, FakeTensor) and value is not held and id(value) not in inputs:
+                if traced:
+                    set_.append((KeptTensor(slot, keyed=held is MISSING), value))
+                slot.set(held)
