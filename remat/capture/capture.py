@@ -36,7 +36,7 @@ from remat.capture.state import first_call
 from remat.capture.state.python_state import no_python_state_changed, state_slots
 from remat.capture.traced_rng import no_host_random_drawn, no_rng_state_set
 from remat.capture.user_checkpoints import plain_checkpoints
-from remat.ops import value_checks
+from remat.ops import ctc_loss, value_checks
 from remat.ops import training_workspace
 from remat.capture.step_inputs import batch_leaf_names, check_batch, describe, unique_named
 
@@ -411,11 +411,12 @@ class _Recorded:
 @contextlib.contextmanager
 def _step_patches(model: torch.nn.Module, recorded: _Recorded, updating: Callable[[], bool], slots: list[tuple[Any, Any]]) -> Iterator[None]:
     """What runs around train_step while it is traced, besides the markers: CPU kernels'
-    real strides, the user's checkpoints as plain calls, refusing generator state set and
+    real strides, CTC loss with static shapes, the user's checkpoints as plain calls, refusing generator state set and
     draws from Python's or numpy's generators, and recording train()/eval() and
     scheduler.step() calls."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(CpuLikeEager())
+        stack.enter_context(ctc_loss.static_shapes())
         stack.enter_context(plain_checkpoints())
         stack.enter_context(no_rng_state_set())
         stack.enter_context(no_host_random_drawn([(slot.name, value) for slot, value in slots]))

@@ -291,6 +291,14 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
             "(e.g. use torch.where), or move it out of train_step. (A branch one side of which raises, as an input "
             "check or an assert does, is held in the graph as a check; this one goes on either way.)"
         )
+    if "DynamicOutputShape" in name and "_ctc_loss" in first:
+        return CaptureError(
+            f"train_step computes a CTC loss on targets given as one concatenated 1-D tensor (as Hugging Face's CTC "
+            f"heads pass them){where}, whose forward variables have a shape that depends on the target lengths' "
+            "values. Pass the targets padded to (batch, longest) with the lengths as a tensor (nn.CTCLoss, "
+            "nn.functional.ctc_loss), which remat traces: for a Hugging Face CTC model, call it without labels and "
+            "compute the loss in train_step from its logits (log_softmax, transposed to (time, batch, classes))."
+        )
     if "DynamicOutputShape" in name:
         return CaptureError(
             f"an op in train_step returns a shape that depends on tensor values ({first}){where}; "

@@ -1,0 +1,87 @@
+"""CTC loss with the lengths as tensors (nn.CTCLoss): traced with a shape the trace can
+know (ops/ctc_loss.py), bitwise equal to eager's loss and gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.ops.ctc_loss import static_shapes
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("zero_infinity", [False, True])
+def test_the_padded_op_gives_eagers_loss_and_gradient(reduction, zero_infinity):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(30, 4, 12, generator=g, requires_grad=True)
+    targets = torch.randint(1, 12, (4, 9), generator=g)
+    input_lengths = torch.tensor([30, 25, 3, 30])  # the third cannot align its target: an infinite loss
+    target_lengths = torch.tensor([6, 0, 5, 7])  # shorter than the padding
+
+    def run():
+        loss = nn.functional.ctc_loss(x.log_softmax(2), targets, input_lengths, target_lengths, reduction=reduction, zero_infinity=zero_infinity)
+        return loss, torch.autograd.grad(loss.sum(), x)[0]
+
+    eager = run()
+    with static_shapes():
+        padded = run()
+    for a, b in zip(eager, padded):  # bitwise, NaN where eager has NaN (an infinite loss's gradient)
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+class _Recognizer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Sequential(nn.Conv1d(8, 32, 3, padding=1), nn.GELU(), nn.Conv1d(32, 32, 3, padding=1), nn.GELU())
+        self.head = nn.Linear(32, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.conv(x).permute(2, 0, 1)).log_softmax(2)  # (time, batch, classes)
+
+
+def test_a_model_trained_with_ctc_loss_runs_bitwise_under_remat():
+    torch.manual_seed(0)
+    model = _Recognizer()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    ctc = nn.CTCLoss(zero_infinity=True)
+
+    def step_fn(model, optimizer, batch):
+        optimizer.zero_grad()
+        loss = ctc(model(batch["x"]), batch["targets"], batch["input_lengths"], batch["target_lengths"])
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(16, 8, 64, generator=g), "targets": torch.randint(1, 12, (16, 20), generator=g),
+                "input_lengths": torch.randint(40, 65, (16,), generator=g), "target_lengths": torch.randint(1, 21, (16,), generator=g)}
+               for _ in range(4)]  # fmt: skip
+    batches[0]["target_lengths"][0] = 20  # the example batch's longest target fills the padding
+    step = remat.compile(step_fn, model, opt, batches[0], memory_budget=0.9)
+    for b in batches:
+        assert torch.equal(step(b), step_fn(ref, ref_opt, b))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes
+
+
+def test_concatenated_targets_are_refused_saying_to_pad_them():
+    from remat.errors import CaptureError
+
+    model = _Recognizer()
+
+    def step_fn(model, optimizer, batch):
+        optimizer.zero_grad()
+        lp = model(batch["x"])
+        loss = nn.functional.ctc_loss(lp, batch["targets"].flatten(), torch.full((2,), lp.shape[0]), torch.tensor([5, 5]))
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    batch = {"x": torch.randn(2, 8, 16), "targets": torch.randint(1, 12, (2, 5))}
+    with pytest.raises(CaptureError, match=r"CTC loss on targets given as one concatenated 1-D tensor.*padded to \(batch, longest\)"):
+        remat.compile(step_fn, model, torch.optim.SGD(model.parameters(), lr=0.1), batch, memory_budget=None)
