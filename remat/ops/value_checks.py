@@ -17,11 +17,11 @@ branch is real control flow and the trace fails as it would have (trace_checks e
 it).
 
 At run time (`raise_as_eager`), a failed check raises the exception the failing side
-raised while tracing, with its message: the step stops there, as eager stops. No update
-runs before a check (update_placement keeps them after every check), so the parameters
-and the optimizer's state are as eager leaves them. What the forward pass updated in
-place before the check (a BatchNorm's running statistics) and the random numbers drawn up
-to it are as eager leaves them only where the graph's order is eager's up to that point.
+raised while tracing, with its message: the step stops there, as eager stops. A check
+runs early (`hoisted`) but after every change to the user's state and every random draw
+that came before it, and no update runs before a check that came before it
+(update_placement), so the parameters, buffers, optimizer state and generator are as
+eager's were when it raised.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from remat.errors import RematError
+from remat.ops import op_facts
 
 VALUE_CHECK = "remat::value_check"
 _FAILED = re.compile(r"remat value check (\d+) failed")
@@ -221,7 +222,7 @@ def raise_as_eager(e: BaseException, checks: list[ValueCheck]) -> None:
     where = f" ({check.where.removeprefix(', at ')})" if check.where else ""
     error.add_note(
         f"remat: the step's graph checks this tensor value at every call{where} and raised what eager raises there; "
-        "it stopped before updating any parameter."
+        "the step stopped there, with no update run that eager's had not run."
     )
     raise error from None
 
@@ -229,7 +230,8 @@ def raise_as_eager(e: BaseException, checks: list[ValueCheck]) -> None:
 def hoisted(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """`gm` with each value check run as soon as what it reads is computed: the check and
     the pure ops only it reads (`torch.isfinite(loss)` after backward()) move to right after
-    their inputs, so that a check on the loss comes before the backward pass and leaves the
+    their inputs, but never before an op that changes the user's state or draws random
+    numbers, so that a check on the loss comes before the backward pass and leaves the
     updates free to move into it (update_placement keeps them after every check). The
     `.item()` each check's trace began with, read by nothing, is dropped."""
     graph = gm.graph
@@ -256,7 +258,14 @@ def hoisted(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             if _pure(n) and all(u in chain for u in n.users):
                 chain.add(n)
         outside = {a for m in chain for a in m.all_input_nodes} - chain
-        after = _past_getitems(max([last_placeholder, *outside], key=rank.__getitem__))
+        after = max([last_placeholder, *outside], key=rank.__getitem__)
+        # Not before an op that changes the user's state (writes a parameter, a buffer, the
+        # optimizer's state in place) or draws random numbers: where the check fails, the
+        # step has done what eager's had when it raised, and reads what eager's read.
+        for n in list(graph.nodes)[rank[after] + 1 : rank[c]]:
+            if op_facts.is_random(n) or any(_storage_root(w).op == "placeholder" for w in op_facts.written_args(n)):
+                after = n
+        after = _past_getitems(after)
         for n in sorted(chain, key=rank.__getitem__):
             if rank[n] > rank[after]:
                 after.append(n)
@@ -264,6 +273,20 @@ def hoisted(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _storage_root(node: torch.fx.Node) -> torch.fx.Node:
+    """The node that made the storage `node` is: back through views and in-place ops (whose
+    result is their first argument, as `param.mul_(...)` then `.addcdiv_(...)`)."""
+    while True:
+        node = op_facts.viewed_base(node)
+        target = node.target
+        if not (node.op == "call_function" and op_facts.written_args(node) and isinstance(target, torch._ops.OpOverload)):
+            return node
+        ret, first = target._schema.returns[0].alias_info if target._schema.returns else None, target._schema.arguments[0].alias_info
+        if ret is None or first is None or ret.before_set != first.before_set or not isinstance(node.args[0], torch.fx.Node):
+            return node
+        node = node.args[0]
 
 
 def _past_getitems(after: torch.fx.Node) -> torch.fx.Node:

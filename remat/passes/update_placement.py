@@ -14,7 +14,8 @@ op outside it that it must follow:
 - every other op that reads a storage it writes (the backward ops that read the old
   value of the parameter, also through a view or a tied use);
 - every check on a tensor's value (ops.value_checks), so that a step whose check
-  fails has updated nothing.
+  fails has updated nothing; a check after `optimizer.step()` began keeps every update
+  in place.
 Ops of the update that read several parameters' tensors together (a norm over all
 gradients) keep those parameters' updates at the end. A multi-tensor `_foreach` kernel is
 split per parameter first and its updates moved in buckets (update_buckets). Scalar ops
@@ -134,6 +135,10 @@ class UpdateFacts:
             for sid in writes[n]:
                 self.writers.setdefault(sid, []).append(r)
         self._assign(update, _owners_of_inputs(tg, analysis))
+        late_check = next((n for n in update if n.target is VALUE_CHECK_OP), None)
+        for param in self.groups if late_check is not None else ():
+            # A check after optimizer.step() began sees every update eager ran before it, and no other.
+            self.shared.setdefault(param, f"{late_check.name} checks a tensor's value after the update began")
 
     def _assign(self, update: list[torch.fx.Node], owner: dict[int, str]) -> None:
         """Each update op's parameter, by what it reads (through other update ops): one
