@@ -191,3 +191,40 @@ def test_a_check_beside_a_tensor_the_step_keeps_in_the_users_object():
         got = step(b)
         torch.set_rng_state(state)
         assert torch.equal(got, keeping(ref_kept)(ref, ref_opt, b)) and torch.equal(kept.logits, ref_kept.logits)
+
+
+class _LayerDrop(nn.Module):
+    def __init__(self, rate: float) -> None:
+        super().__init__()
+        self.layers, self.rate = nn.ModuleList(nn.Linear(16, 16) for _ in range(3)), rate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:  # as Hugging Face's models drop layers
+            skip = False
+            if self.training and self.rate > 0:
+                skip = torch.rand([]) < self.rate
+            if not skip:
+                x = torch.tanh(layer(x))
+        return x
+
+
+def _layerdrop_step(model, optimizer, batch):
+    optimizer.zero_grad()
+    loss = model(batch["x"]).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def test_layerdrop_is_refused_as_a_random_branch_and_its_advice_works():
+    model = _LayerDrop(0.1)
+    batch = {"x": torch.randn(64, 16)}
+    with pytest.raises(CaptureError, match=r"branches on a random draw.*line \d+: if not skip:.*Set the rate to 0"):
+        remat.compile(_layerdrop_step, model, torch.optim.SGD(model.parameters(), lr=0.1), batch, memory_budget=None)
+    model.rate = 0.0  # the advice
+    ref = _LayerDrop(0.0)
+    ref.load_state_dict(model.state_dict())
+    step = remat.compile(_layerdrop_step, model, torch.optim.SGD(model.parameters(), lr=0.1), batch, memory_budget=None)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        assert torch.equal(step(batch), _layerdrop_step(ref, ref_opt, batch))

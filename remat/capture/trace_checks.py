@@ -4,6 +4,7 @@ name, what remat cannot run as eager does, and passes that drop inputs nothing r
 from __future__ import annotations
 
 import contextlib
+import linecache
 import sys
 import traceback
 from pathlib import Path
@@ -215,6 +216,17 @@ def _where_in_users_code(frames: list) -> str:
     return ""
 
 
+def _drawn_just_before(frames: list) -> bool:
+    """Whether the user's line that branched follows a `torch.rand` draw within a few lines
+    (LayerDrop: `skip = torch.rand([]) < self.layerdrop`, then `if not skip:`)."""
+    for frame in reversed(frames):
+        path = Path(frame.filename).resolve()
+        if not any(path.is_relative_to(d) for d in _LIBRARY_DIRS) and not frame.filename.startswith("<"):
+            before = [linecache.getline(frame.filename, n) for n in range(max(1, frame.lineno - 5), frame.lineno + 1)]
+            return any("torch.rand(" in line for line in before)
+    return False
+
+
 def where_in_users_code(e: BaseException) -> str:
     """_where_in_users_code of the frames `e` was raised through."""
 
@@ -283,6 +295,12 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
             f"or its state (torch/optim/{Path(line.filename).name}, line {line.lineno}: {line.line}), which one "
             "captured graph cannot hold. Use an optimizer whose update does not branch on its state (SGD, Adam, "
             "AdamW, RMSprop, Adagrad, Adamax, NAdam, Adadelta, Rprop), or train this one without remat."
+        )
+    if data_dependent and _drawn_just_before(frames):
+        return CaptureError(
+            f"train_step branches on a random draw{where}, as LayerDrop skips a layer when torch.rand() falls below "
+            "its rate: one captured graph would skip the same layers at every step. Set the rate to 0 (in Hugging "
+            "Face configs: layerdrop, encoder_layerdrop, decoder_layerdrop), or train without remat."
         )
     if data_dependent:
         return CaptureError(
