@@ -1,7 +1,8 @@
-"""fp16 mixed precision with torch.amp.GradScaler through remat. With a fused optimizer
-(`fused=True`: Adam, AdamW, SGD, Adagrad) the scaler's overflow check, skipped update and
-scale update are all in the graph, so a step whose gradients overflow is skipped exactly
-as in eager. (On a GPU use "cuda" for the scaler and autocast.)
+"""fp16 mixed precision with torch.amp.GradScaler through remat: the scaler's overflow
+check, skipped update and scale update are all in the graph, so a step whose gradients
+overflow is skipped exactly as in eager. A fused optimizer (`fused=True`) skips the update
+in its kernel; an unfused one, as here, runs it with its writes masked where the check
+found an inf. (On a GPU use "cuda" for the scaler and autocast.)
 
     python examples/fp16_grad_scaler.py
 """
@@ -12,7 +13,7 @@ import remat
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 512), torch.nn.GELU(), torch.nn.Linear(512, 10))
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
 
 

@@ -18,7 +18,8 @@ import torch.utils._pytree as pytree
 
 from remat import failed_step, ranks
 from remat import build as pipeline
-from remat.capture import data_parallel, sharded
+from remat.capture import data_parallel, optimizer_state, sharded
+from remat.capture.optimizers import as_one
 from remat.capture.state import first_call, read_numbers
 from remat.budget import format_bytes, not_held, parse_budget
 from remat.passes import cuda_graph as cuda_graphs, inductor_regions
@@ -403,6 +404,7 @@ class RematStep:
             if dp is not None:
                 ranks.note_collective_failure(e, dp)
             raise
+        optimizer_state.made_ahead_used(as_one(self.optimizer))
         if dp is not None:
             data_parallel.after_step(self.model, dp)
         if isinstance(compiled.cuda_graph, cuda_graphs.CudaGraphStep):  # (a stand-in while its call is timed)

@@ -1,8 +1,9 @@
-"""fp16 training with torch.amp.GradScaler: with a fused optimizer, the scaler's unscale,
-overflow check, skipped update and scale update are graph ops (the fused kernel skips the
-update when it finds an inf), so the step is bitwise like eager's over steps that overflow
-(the scale backs off, the update is skipped) and steps that grow the scale. An unfused
-optimizer, which the scaler skips by a Python branch, is refused with what to do."""
+"""fp16 training with torch.amp.GradScaler: the scaler's unscale, overflow check, skipped
+update and scale update are graph ops, so the step is bitwise like eager's over steps that
+overflow (the scale backs off, the update is skipped) and steps that grow the scale. A
+fused optimizer's kernel skips the update itself; an unfused one, which the scaler skips by
+a Python branch, has its writes masked in the graph (capture/skipped_updates.py), and
+Accelerate's flag of a skipped step is set after each run."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import pytest
 import torch
 
 import remat
-from remat.errors import CaptureError
 
 
 def _model() -> torch.nn.Module:
@@ -19,13 +19,13 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(*layers, torch.nn.Linear(64, 4))
 
 
-def _batches() -> list[dict[str, torch.Tensor]]:
+def _batches(overflowing: tuple[int, ...] = (2, 5)) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    # Steps 2 and 5 overflow in fp16 (their inputs are huge): eager skips their updates.
-    return [{"x": torch.randn(64, 64, generator=g) * (3e4 if i in (2, 5) else 1.0), "y": torch.randint(0, 4, (64,), generator=g)} for i in range(8)]
+    # These steps overflow in fp16 (their inputs are huge): eager skips their updates.
+    return [{"x": torch.randn(64, 64, generator=g) * (3e4 if i in overflowing else 1.0), "y": torch.randint(0, 4, (64,), generator=g)} for i in range(8)]
 
 
-def _run(make_optimizer, compiled: bool, unscale_first: bool):
+def _run(make_optimizer, compiled: bool, unscale_first: bool, overflowing: tuple[int, ...] = (2, 5), budget: float | None = 0.92):
     model = _model()
     optimizer = make_optimizer(model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
@@ -42,14 +42,21 @@ def _run(make_optimizer, compiled: bool, unscale_first: bool):
         scaler.update()
         return loss.detach()
 
-    batches = _batches()
-    step = remat.compile(train_step, model, optimizer, batches[0], memory_budget=0.92) if compiled else None
+    batches = _batches(overflowing)
+    step = remat.compile(train_step, model, optimizer, batches[0], memory_budget=budget) if compiled else None
     seen = []
     for batch in batches:
         loss = step(batch) if compiled else train_step(model, optimizer, batch)
         seen.append((loss, scaler._scale.clone(), scaler._growth_tracker.clone()))
     state = [p.detach().clone() for p in model.parameters()] + [t.clone() for s in optimizer.state.values() for t in s.values()]
     return seen, state, step
+
+
+def _assert_same(ran, state, eager, eager_state) -> None:
+    for (loss, scale, tracker), (e_loss, e_scale, e_tracker) in zip(ran, eager, strict=True):
+        torch.testing.assert_close(loss, e_loss, rtol=0, atol=0, equal_nan=True)  # an overflowing step's loss is inf or nan
+        assert torch.equal(scale, e_scale) and torch.equal(tracker, e_tracker)
+    assert len(state) == len(eager_state) and all(torch.equal(a, b) for a, b in zip(state, eager_state))
 
 
 @pytest.mark.parametrize(
@@ -66,12 +73,69 @@ def test_grad_scaler_with_a_fused_optimizer_is_bitwise(name, make_optimizer, uns
     scales = [float(s) for _, s, _ in eager]
     assert any(b < a for a, b in zip(scales, scales[1:])) and any(b > a for a, b in zip(scales, scales[1:]))  # backs off and grows
     assert step.report.num_recomputed > 0 and len(step._graphs) == 1
-    for (loss, scale, tracker), (e_loss, e_scale, e_tracker) in zip(ran, eager):
-        torch.testing.assert_close(loss, e_loss, rtol=0, atol=0, equal_nan=True)  # an overflowing step's loss is inf or nan
-        assert torch.equal(scale, e_scale) and torch.equal(tracker, e_tracker)
-    assert len(state) == len(eager_state) and all(torch.equal(a, b) for a, b in zip(state, eager_state))
+    _assert_same(ran, state, eager, eager_state)
 
 
-def test_grad_scaler_with_an_unfused_optimizer_is_refused_with_what_to_do():
-    with pytest.raises(CaptureError, match="fused=True"):
-        _run(lambda ps: torch.optim.AdamW(ps, lr=1e-3), True, False)
+@pytest.mark.parametrize(
+    "name, make_optimizer, unscale_first, overflowing",
+    [
+        ("adamw-foreach", lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True), False, (2, 5)),
+        ("adamw-foreach-first-step-skipped", lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True), False, (0, 1, 4)),
+        ("adamw-unscale-clip", lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False), True, (2, 5)),
+        ("adam-decay-writes-grads", lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.1, foreach=True), False, (2, 5)),
+        ("sgd-momentum-first-step-skipped", lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9), False, (0, 3)),
+    ],
+)
+def test_grad_scaler_with_an_unfused_optimizer_is_bitwise(name, make_optimizer, unscale_first, overflowing):
+    """The scaler skips an unfused optimizer's step in Python: the graph runs the update and
+    keeps the old values of what it writes where the check found an inf. Without the masking
+    the overflowing steps would write inf or NaN into the parameters."""
+    eager, eager_state, _ = _run(make_optimizer, False, unscale_first, overflowing, budget=None)
+    ran, state, step = _run(make_optimizer, True, unscale_first, overflowing, budget=None)
+    scales = [2.0**16] + [float(scale) for _, scale, _ in eager]
+    assert [i for i in range(len(eager)) if scales[i + 1] < scales[i]] == list(overflowing)  # they overflowed
+    assert len(step._graphs) == 1
+    _assert_same(ran, state, eager, eager_state)
+    assert all(torch.isfinite(t).all() for t in state)
+
+
+def test_accelerate_learns_which_steps_the_scaler_skipped():
+    """Accelerate's optimizer records a skipped step (`step_was_skipped`) by whether the
+    scaler called `optimizer.step()`, and its scheduler then does not step: remat sets the
+    flag from the graph after each run, so the learning rates follow eager's."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.scheduler import AcceleratedScheduler
+    from accelerate.state import AcceleratorState, GradientState
+
+    def run(compiled: bool):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        accelerate.Accelerator(cpu=True)  # the state its wrappers read; on CPU it makes no scaler itself
+        model = _model()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
+        optimizer = AcceleratedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), device_placement=False, scaler=scaler)
+        scheduler = AcceleratedScheduler(torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda s: 1.0 / (s + 1)), optimizer)
+
+        def train_step(model, optimizer, batch):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+            scaler.scale(loss).backward()
+            optimizer.step()
+            return loss.detach()
+
+        batches = _batches((2, 5))
+        step = remat.compile(train_step, model, optimizer, batches[0], memory_budget=None) if compiled else train_step
+        seen = []
+        for batch in batches:
+            step(model, optimizer, batch) if not compiled else step(batch)
+            scheduler.step()
+            seen.append((optimizer.step_was_skipped, optimizer.param_groups[0]["lr"]))
+        return seen, [p.detach().clone() for p in model.parameters()]
+
+    eager, eager_params = run(False)
+    ran, params = run(True)
+    assert [skipped for skipped, _ in eager] == [i in (2, 5) for i in range(8)]
+    assert ran == eager
+    assert all(torch.equal(a, b) for a, b in zip(params, eager_params))

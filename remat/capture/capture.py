@@ -37,6 +37,7 @@ from remat.capture.state.python_state import no_python_state_changed, state_slot
 from remat.capture.traced_rng import no_host_random_drawn, no_rng_state_set
 from remat.capture.user_checkpoints import plain_checkpoints
 from remat.ops import ctc_loss, value_checks
+from remat.capture import skipped_updates
 from remat.ops import training_workspace
 from remat.capture.step_inputs import batch_leaf_names, check_batch, describe, unique_named
 
@@ -267,12 +268,15 @@ def capture(
             stack.enter_context(passes)
             stack.enter_context(cleared_before_backward(calls, cleared := set()))
             stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots))
+            stack.enter_context(skipped_updates.skipped_in_graph(skips := {}))
             stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
             effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), set(map(id, args)))
             result = train_step(model, passed, t_batch)
             probe["cleared_first"] = {id(t_params[n]) for n in trainable} <= cleared
             outside_tensors.check_no_gradient([held for held, _ in outside], t_outside)
         updates, update_values = effects.updates(probe["numbers_unread"])
+        skipped, skipped_values = skipped_updates.skipped_steps(passed, skips)
+        updates, update_values = updates + skipped, update_values + skipped_values
         outputs, out_spec, returned = step_outputs.as_graph_outputs(result, update_values)
         if calls["backward"] == 0:
             raise CaptureError("train_step never called loss.backward(): remat captures a whole training step")

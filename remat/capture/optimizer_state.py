@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from collections import defaultdict
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.fx
@@ -25,7 +26,30 @@ def init_optimizer_state(optimizer: "torch.optim.Optimizer | Optimizers", only: 
     `only`: ids of the parameters to create state for (default: all).
     """
     for opt in each(optimizer):
+        had = {id(p) for p, st in opt.state.items() if st}
         _init_one(opt, only)
+        made = _MADE_AHEAD.setdefault(opt, [])
+        made += [(p, st) for group in opt.param_groups for p in group["params"] if id(p) not in had and (st := opt.state.get(p))]
+
+
+# Per optimizer: the (parameter, state) entries made here ahead of the step that uses them,
+# until a run has stepped it (`made_ahead_used`), or skipped it (`drop_made_ahead`).
+_MADE_AHEAD: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[tuple[torch.Tensor, dict[str, Any]]]]" = weakref.WeakKeyDictionary()
+
+
+def made_ahead_used(optimizer: "torch.optim.Optimizer | Optimizers | None") -> None:
+    """After a run: the state made ahead of it is the optimizer's own now, as eager's first step would have made it."""
+    for opt in each(optimizer):
+        _MADE_AHEAD.pop(opt, None)
+
+
+def drop_made_ahead(optimizer: torch.optim.Optimizer) -> None:
+    """After a run whose update of `optimizer` was skipped (by torch.amp.GradScaler, on an
+    overflow): the state made ahead of it is taken out again, as eager's skipped step never
+    made it (the next run makes it again, with the same values)."""
+    for p, st in _MADE_AHEAD.pop(optimizer, []):
+        if optimizer.state.get(p) is st:
+            del optimizer.state[p]
 
 
 def _init_one(optimizer: torch.optim.Optimizer, only: set[int] | None) -> None:

@@ -252,13 +252,6 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
 
     frames = traceback.extract_tb(e.__traceback__)
     where = _where_in_users_code(frames)
-    if any("grad_scaler" in frame.filename for frame in frames):
-        return CaptureError(
-            "train_step uses torch.amp.GradScaler with an optimizer whose step it skips, when a gradient overflows, "
-            "by a Python branch on tensor values that one captured graph cannot hold. Construct the optimizer with "
-            "fused=True (Adam, AdamW, SGD, Adagrad): GradScaler then hands the overflow check to the fused kernel, "
-            "which skips the update inside the graph. Or train in bfloat16 under torch.autocast (it needs no scaler)."
-        )
     data_dependent = "DataDependent" in name or "GuardOnDataDependent" in name or "data-dependent" in str(e).lower()
     if data_dependent and any(Path(f.filename).name == "swa_utils.py" for f in frames):
         return CaptureError(

@@ -97,13 +97,16 @@ def _no_zero_grad(model, optimizer, batch):
     return loss
 
 
-_scalers: dict[int, Any] = {}
+def _add_scaler(model):
+    # A scale this large overflows at first: the scaler skips the update and backs off.
+    model.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**22, growth_interval=1)
 
 
 def _grad_scaler(model, optimizer, batch):
-    scaler = _scalers.setdefault(id(optimizer), torch.amp.GradScaler("cpu"))
+    scaler = model.scaler
     optimizer.zero_grad()
-    loss = model(**batch).loss
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(**batch).loss
     scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
@@ -480,7 +483,8 @@ IDIOMS = [
     Idiom("gradient accumulation in one step (4 micro-batches)", "works", step=_accumulate(4)),
     Idiom("optimizer.step(closure): forward and backward in the closure (as Lightning's loop steps)", "works", step=_closure_step),
     Idiom("gradient accumulation across calls (no zero_grad)", "refused", step=_no_zero_grad),
-    Idiom("torch.amp.GradScaler", "refused", step=_grad_scaler),
+    Idiom("fp16 autocast with torch.amp.GradScaler and an unfused AdamW (updates skipped on overflow)", "works", step=_grad_scaler,
+          setup=_add_scaler, outside=lambda m: [m.scaler._scale, m.scaler._growth_tracker]),
     Idiom("optimizer.add_param_group after compiling", "refused", between=_hook(_add_group)),
     Idiom("scheduler stepped inside train_step, after optimizer.step() (StepLR)", "works", step=_inner_scheduler_step,
           between=_made_before_the_loop(lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))),
