@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import remat
+from remat.errors import CaptureError
 from remat.measurement.check import model_snapshot, snapshot_differences
 from tests.support import architectures
 
@@ -205,6 +206,53 @@ def test_a_diffusion_step_reads_the_noise_schedulers_tables_where_the_library_ho
     loss = step(batches[0])
     torch.set_rng_state(state)
     assert torch.equal(loss, train_step(eager_model, eager_opt, batches[0]))
+
+
+def test_a_library_objects_counter_the_step_counts_and_reads_is_refused_and_the_advice_works() -> None:
+    """diffusers' EMAModel.step() counts its steps in a Python int and computes the decay
+    from it: stepped inside train_step, the graph would hold the first step's decay (0.0)
+    at every step. Refused, naming the field and saying to step it between steps; stepped
+    there, the shadow weights are eager's."""
+    training_utils = pytest.importorskip("diffusers.training_utils")
+
+    def setup():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(64, 32))
+        ema = training_utils.EMAModel(model.parameters(), decay=0.999, use_ema_warmup=True, power=3 / 4)
+        return model, ema, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def make_step(ema, with_ema: bool):  # type: ignore[no-untyped-def]
+        def train_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+            loss = F.mse_loss(model(batch["x"]), batch["y"])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if with_ema:
+                ema.step(model.parameters())
+            return loss.detach()
+
+        return train_step
+
+    g = torch.Generator().manual_seed(2)
+    batches = [{"x": torch.randn(256, 32, generator=g), "y": torch.randn(256, 32, generator=g)} for _ in range(4)]
+    model, ema, opt = setup()
+    with pytest.raises(CaptureError, match=r"ema .*EMAModel.*between steps, outside train_step"):
+        remat.compile(make_step(ema, True), model, opt, batches[0], memory_budget=0.8, profile_runs=1)
+    assert ema.optimization_step == 0  # the refused capture put the count back
+
+    model, ema, opt = setup()
+    eager_model, eager_ema, eager_opt = setup()
+    step = remat.compile(make_step(ema, False), model, opt, batches[0], profile_runs=1)
+    eager_step = make_step(eager_ema, False)
+    for batch in batches:
+        state = torch.get_rng_state()
+        loss = step(batch)
+        ema.step(model.parameters())
+        torch.set_rng_state(state)
+        assert torch.equal(loss, eager_step(eager_model, eager_opt, batch))
+        eager_ema.step(eager_model.parameters())
+    assert ema.optimization_step == eager_ema.optimization_step == 4 and ema.cur_decay_value == eager_ema.cur_decay_value > 0
+    assert all(torch.equal(a, b) for a, b in zip(ema.shadow_params, eager_ema.shadow_params))
 
 
 @pytest.mark.parametrize("name", sorted(architectures.ARCHITECTURES))

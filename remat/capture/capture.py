@@ -388,7 +388,7 @@ class _Effects:
         tensors = stack.enter_context(kept_tensors.setting(all_slots, inputs))
         return cls(
             stack.enter_context(logged_numbers.recording(logged_numbers.candidates(slots))),
-            stack.enter_context(kept_numbers.counting(probe["numbers"], probe["as_numbers"])),
+            stack.enter_context(kept_numbers.counting(probe["numbers"], probe["as_numbers"], probe.get("library_ahead", True))),
             stack.enter_context(step_prints.recording()),
             tensors,
         )

@@ -145,14 +145,22 @@ def check_no_accumulation(probe_gm: torch.fx.GraphModule, trainable: dict[str, t
         "model.zero_grad()) in train_step before loss.backward(). To accumulate gradients over micro-batches, "
         "give train_step all of them and loop over them inside it (one backward() each, then one optimizer.step())."
     )
-    if _accelerate_accumulates():
-        error.add_note(
-            "remat: Accelerate's accumulate() steps the optimizer only at every gradient_accumulation_steps-th call. "
-            "Drop the `with accelerator.accumulate(model):` and loop over that many micro-batches inside train_step "
-            "instead: accelerator.backward() still divides each loss by gradient_accumulation_steps, and the "
-            "optimizer steps once, as at eager's last micro-batch."
-        )
+    note = accelerate_accumulation_note()
+    if note is not None:
+        error.add_note(note)
     raise error
+
+
+def accelerate_accumulation_note() -> str | None:
+    """What to do instead of Accelerate's accumulate() around the step, where it accumulates."""
+    if not _accelerate_accumulates():
+        return None
+    return (
+        "remat: Accelerate's accumulate() steps the optimizer only at every gradient_accumulation_steps-th call "
+        "(gradient accumulation across calls). Drop the `with accelerator.accumulate(model):` and loop over that many "
+        "micro-batches inside train_step instead: accelerator.backward() still divides each loss by "
+        "gradient_accumulation_steps, and the optimizer steps once, as at eager's last micro-batch."
+    )
 
 
 def _accelerate_accumulates() -> bool:

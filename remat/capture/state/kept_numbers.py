@@ -12,6 +12,11 @@ the same additions in the same order (so that floats round as eager's do), the n
 the graph computes (`loss.item()`) taken from its outputs. A value set outright is set
 again.
 
+A library object's number (library_objects: its code is not followed, so any use may
+matter) is not swapped: the step is traced with it as this step found it and as the next
+step will, and a graph that differs is refused. Otherwise it is set again, or the same
+amount added again (a count), after each run.
+
 A slot that held None or nothing before (`self.last_loss = None` in `__init__`) is traced
 as it is (`x is None` and `hasattr` cannot be intercepted), then once more as if it held a
 number already, as it will from the second step on. If both traces give the same graph
@@ -32,6 +37,7 @@ import torch
 import torch.fx
 
 from remat.errors import CaptureError
+from remat.capture import trace_checks
 from remat.capture.state.python_state import MISSING, NUMBERS, TRACED_NUMBERS, NumberChange, Slot, is_number, shown
 
 
@@ -151,13 +157,18 @@ for _op in (
 
 
 @contextlib.contextmanager
-def counting(changes: list[NumberChange], as_numbers: bool = False) -> Iterator[list[tuple[NumberChange, Any]]]:
+def counting(changes: list[NumberChange], as_numbers: bool = False, library_ahead: bool = True) -> Iterator[list[tuple[NumberChange, Any]]]:
     """While the block runs, each changed number swapped for a `_Counted` (a slot that held
-    None or nothing too if `as_numbers`, else left as it is); after, what each slot ended
-    as, and the slot put back."""
+    None or nothing too if `as_numbers`, else left as it is); a library's number, whose
+    uses its code does not show, set to what the first trace left in it, as the next step
+    finds it (if `library_ahead`, else left as it is: see `traced_counting`); after, what
+    each slot ended as, and the slot put back."""
     ended: list[tuple[NumberChange, Any]] = []
     for change in changes:
-        if type(change.before) in NUMBERS or as_numbers:
+        if change.slot.library:
+            if library_ahead:
+                change.slot.set(change.after)
+        elif type(change.before) in NUMBERS or as_numbers:
             change.slot.set(_Counted(change, (Term.SLOT,)))
     try:
         yield ended
@@ -174,7 +185,9 @@ def kept(ended: list[tuple[NumberChange, Any]], unread: frozenset[str] = frozens
     numbers: list[KeptNumber] = []
     values: list[list[Any]] = []
     for change, value in ended:
-        if isinstance(value, _Counted) and value.change is change:
+        if change.slot.library:
+            terms = _library_terms(change, value)
+        elif isinstance(value, _Counted) and value.change is change:
             terms = value.terms
         elif isinstance(value, _Counted):  # `self.a = self.b + 1`: a use of the other slot's number
             _refuse(value.change, f"assigned to {change.slot.name}")
@@ -200,11 +213,43 @@ def kept(ended: list[tuple[NumberChange, Any]], unread: frozenset[str] = frozens
     return numbers, values
 
 
+def _library_terms(change: NumberChange, value: Any) -> tuple[Any, ...]:
+    """What a library's number the step changes becomes at each run, from what the first
+    trace made of it (`change`) and what the next step's trace made of that (`value`): the
+    same number set again, or the same amount added again (a step count); refused otherwise."""
+    before, after = change.before, change.after
+    if type(value) in NUMBERS and type(after) in NUMBERS:
+        if _same_number(value, after):
+            return (value,)
+        if type(before) in (int, float) and type(after) is type(before):
+            step = after - before
+            if before + step == after and after + step == value:
+                return (Term.SLOT, step)
+    raise _with_accelerate_note(CaptureError(
+        f"train_step changes {change.slot.name}, a number a library's {type(change.slot.owner).__name__} keeps, in a way "
+        f"remat cannot repeat at every step ({_shown(before)} -> {_shown(after)}, then {_shown(value)}): call the "
+        "method that changes it between steps, outside train_step."
+    ), [change])
+
+
 def traced_counting(trace: Callable[[], torch.fx.GraphModule], probe: dict[str, Any], seen: dict[str, Any]) -> torch.fx.GraphModule:
     """The step traced with the numbers `probe["numbers"]` counted (see `counting`). Where
     a slot held None or nothing, traced once more with it counted too: the same graph and
-    updates leave it out of the cache key. `seen["state_updates"]`: what the last trace saw."""
+    updates leave it out of the cache key. `seen["state_updates"]`: what the last trace saw.
+
+    A library's number the step changes (an EMA helper's step count) may be read by the
+    library's code in any way, so the step is traced with it as this step found it and as
+    the next will: a graph that differs depends on it, and is refused."""
+    library = [change for change in probe["numbers"] if change.slot.library]
+    if library:
+        probe["library_ahead"] = False
+        try:
+            as_found = trace()
+        finally:
+            probe["library_ahead"] = True
     gm = trace()
+    if library and as_found.code != gm.code:
+        _refuse_library(library)
     updates = seen["state_updates"]
     if not any(isinstance(u, KeptNumber) and u.keyed for u in updates):
         return gm
@@ -220,6 +265,26 @@ def traced_counting(trace: Callable[[], torch.fx.GraphModule], probe: dict[str, 
         seen["state_updates"] = [dataclasses.replace(u, keyed=False) if isinstance(u, KeptNumber) else u for u in updates]
         return gm
     return trace()  # what the step does as it is, again
+
+
+def _refuse_library(changes: list[NumberChange]) -> None:
+    named = ", ".join(f"{c.slot.name} ({_shown(c.before)} -> {_shown(c.after)})" for c in changes[:3])
+    owners = sorted({type(c.slot.owner).__name__ for c in changes})
+    error = CaptureError(
+        f"train_step changes numbers a library's {', '.join(owners)} keeps: {named}, and the step's graph depends on "
+        "them (traced again as the next step would find them, it computes something else: an EMA helper's decay from its "
+        "step count). Its Python code runs once, at capture, so the graph would repeat the first step's at every step. "
+        "Call the method that changes them (an EMA helper's step()) between steps, outside train_step."
+    )
+    raise _with_accelerate_note(error, changes)
+
+
+def _with_accelerate_note(error: CaptureError, changes: list[NumberChange]) -> CaptureError:
+    """`error`, with what to do instead of Accelerate's accumulate() where its counters are among `changes`."""
+    note = trace_checks.accelerate_accumulation_note()
+    if note is not None and any(type(c.slot.owner).__module__.startswith("accelerate.") for c in changes):
+        error.add_note(note)
+    return error
 
 
 def _described(updates: list[Any]) -> list[tuple[Any, ...]]:

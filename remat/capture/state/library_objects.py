@@ -1,9 +1,11 @@
-"""Tensors a library's objects hold where the step can reach them: a diffusers noise
-scheduler's `alphas_cumprod` that its `add_noise` indexes inside the step, an EMA helper's
-list of shadow weights. The library's code is not followed (what it reads is not known),
-so every field of such an object that holds tensors is a slot; the graph reads those its
-trace read (outside_tensors) and drops the others. They are not part of the watched
-values: the graph's inputs check their shapes when gathered."""
+"""Tensors and numbers a library's objects hold where the step can reach them: a diffusers
+noise scheduler's `alphas_cumprod` that its `add_noise` indexes inside the step, an EMA
+helper's list of shadow weights and its step count. The library's code is not followed
+(what it reads is not known), so every field of such an object that holds tensors or a
+number is a slot; the graph reads the tensors its trace read (outside_tensors) and drops
+the others, and a number the step changes is a kept number (kept_numbers: traced as the
+next step finds it too, and refused where the graph depends on it). They are not part of
+the watched values: the graph's inputs check their shapes when gathered."""
 
 from __future__ import annotations
 
@@ -16,17 +18,18 @@ from remat.capture.state import user_code
 from remat.capture.state.slots import Slot, fields_of
 
 _PLAIN = (bool, int, float, str, type(None))
+_NUMBERS = (bool, int, float)
 _CONTAINERS = (list, tuple, dict, set, frozenset)
 _MOST_ITEMS = 1024  # a larger list or dict is not taken for a table of tensors
 
 _LIBRARY_DEPTH = 1  # a library object, and the library objects in its fields
 
 
-def tensor_fields(roots: list[tuple[str, Any]]) -> list[tuple[Slot, Any]]:
+def fields(roots: list[tuple[str, Any]]) -> list[tuple[Slot, Any]]:
     """The fields of library objects the user's state holds (a noise scheduler's
     `alphas_cumprod`, an EMA helper's list of shadow weights) that hold a tensor, or a list,
-    tuple or dict of tensors, as library slots; and those of the library objects in their
-    fields. The library's code is not followed, so every such field is a slot: the graph
+    tuple or dict of tensors, or a number, as library slots; and those of the library
+    objects in their fields. The library's code is not followed, so every such field is a slot: the graph
     reads those its trace read (outside_tensors), and drops the others."""
     out: list[tuple[Slot, Any]] = []
     seen: set[int] = set()
@@ -40,7 +43,7 @@ def tensor_fields(roots: list[tuple[str, Any]]) -> list[tuple[Slot, Any]]:
         for key, value in list((fields or {}).items()):
             if not isinstance(key, str) or key.startswith("__"):
                 continue
-            if _holds_tensors(value):
+            if _holds_tensors(value) or type(value) in _NUMBERS:
                 out.append((Slot(f"{name}.{key}", obj, key, library=True), value))
             else:
                 walk(f"{name}.{key}", value, depth + 1)
@@ -65,7 +68,8 @@ def _is_library_object(obj: Any) -> bool:
     """An instance of a library's class that may hold the step's tensors: not a module,
     tensor, class, function or Python module, not the user's own (their fields are followed
     by name), and not an optimizer or a scheduler (their tensors are the graph's own inputs)."""
-    if isinstance(obj, (_PLAIN, _CONTAINERS, type, types.ModuleType, types.FunctionType, types.MethodType, torch.nn.Module, torch.Tensor)):
+    if isinstance(obj, (_PLAIN, _CONTAINERS, type, types.ModuleType, types.FunctionType, types.MethodType, torch.nn.Module, torch.Tensor,
+                        torch.SymInt, torch.SymFloat, torch.SymBool)):
         return False
     if isinstance(obj, (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)):
         return False

@@ -30,8 +30,9 @@ history of losses) is watched key by key, each key a slot of its own, so that th
 may add to or log into one key (kept_numbers, logged_numbers).
 A tensor the trace leaves in one of these places (`self.last_output = y.detach()`) is
 refused too: it is a traced placeholder, and the graph stores no step's value there.
-A library object's fields holding tensors are slots too (library_objects), but not watched;
-a library's numbers are not seen.
+A library object's fields holding tensors or numbers are slots too (library_objects), but not
+watched: a number the loop changes there is not seen; one the step changes is kept
+(kept_numbers), or refused where the graph depends on it.
 
 Only what the step's traces read is watched once it has been traced: the globals the
 user's code that ran loads by name, and the fields that code reads or writes
@@ -183,7 +184,7 @@ def state_slots(model: torch.nn.Module, train_step: Callable[..., Any], ran: fro
     seen: set[int] = set()
     fields = [f for name, value in roots for f in _object_fields(name, value, code.names, seen, 0, ran)]
     out += fields
-    out += library_objects.tensor_fields([*roots, *((slot.name, value) for slot, value in fields)])
+    out += library_objects.fields([*roots, *((slot.name, value) for slot, value in fields)])
     # The user's functions held in those fields or containers (a callback, a closure that
     # counts): their globals and cells too.
     held_functions = [value for _, value in [*fields, *contained] if user_code.user_function(value) is not None]
@@ -391,6 +392,8 @@ class StateWatch:
             w = self.before.get(slot.name)
             before = self.held.get(slot.name, MISSING)
             if is_number(value) and (before is None or before is MISSING or type(before) in NUMBERS):
+                if slot.library and type(value) is type(before) and (value == before or value != value and before != before):
+                    continue  # a library's number, not watched: changed only if it holds another
                 if w is None or _snapshot(value) != w.frozen:
                     changes.append(NumberChange(slot, before, value))
                     slot.set(before)
