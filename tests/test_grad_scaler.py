@@ -2,7 +2,7 @@
 update and scale update are graph ops, so the step is bitwise like eager's over steps that
 overflow (the scale backs off, the update is skipped) and steps that grow the scale. A
 fused optimizer's kernel skips the update itself; an unfused one, which the scaler skips by
-a Python branch, has its writes masked in the graph (capture/skipped_updates.py), and
+a Python branch, has its writes masked in the graph (ops/masked_writes.py), and
 Accelerate's flag of a skipped step is set after each run."""
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
 from remat.gc_pause import gc_paused
-from remat.capture import data_parallel, hyperparams, param_hooks, sharded, sharded_norms
+from remat.capture import data_parallel, hyperparams, optimizer_state, param_hooks, sharded, sharded_norms
 from remat.capture.state import kept_numbers, kept_tensors, logged_numbers, outside_tensors, read_numbers, scheduler_calls, step_outputs, module_hooks, step_prints, train_modes, user_code
 from remat.capture.cpu_strides import CpuLikeEager
 from remat.errors import CaptureError
@@ -37,7 +37,6 @@ from remat.capture.state.python_state import no_python_state_changed, state_slot
 from remat.capture.traced_rng import no_host_random_drawn, no_rng_state_set
 from remat.capture.user_checkpoints import plain_checkpoints
 from remat.ops import ctc_loss, value_checks
-from remat.capture import skipped_updates
 from remat.ops import training_workspace
 from remat.capture.step_inputs import batch_leaf_names, check_batch, describe, unique_named
 
@@ -268,15 +267,12 @@ def capture(
             stack.enter_context(passes)
             stack.enter_context(cleared_before_backward(calls, cleared := set()))
             stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots))
-            stack.enter_context(skipped_updates.skipped_in_graph(skips := {}))
             stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
-            effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), set(map(id, args)))
+            effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), set(map(id, args)), passed)
             result = train_step(model, passed, t_batch)
             probe["cleared_first"] = {id(t_params[n]) for n in trainable} <= cleared
             outside_tensors.check_no_gradient([held for held, _ in outside], t_outside)
         updates, update_values = effects.updates(probe["numbers_unread"])
-        skipped, skipped_values = skipped_updates.skipped_steps(passed, skips)
-        updates, update_values = updates + skipped, update_values + skipped_values
         outputs, out_spec, returned = step_outputs.as_graph_outputs(result, update_values)
         if calls["backward"] == 0:
             raise CaptureError("train_step never called loss.backward(): remat captures a whole training step")
@@ -378,11 +374,14 @@ class _Effects:
     counted: Any
     printed: Any
     tensors: list[tuple[Any, Any]]
+    skips: dict[int, Any]  # GradScaler's skipped updates (optimizer_state.skipped_in_graph)
+    passed: Any  # the optimizer argument, whose wrappers keep a skip (Accelerate's)
 
     @classmethod
     def recording(
-        cls, stack: contextlib.ExitStack, slots: list[Any], probe: dict[str, Any], all_slots: Callable[[], list[Any]], inputs: set[int]
-    ) -> _Effects:
+        cls, stack: contextlib.ExitStack, slots: list[Any], probe: dict[str, Any], all_slots: Callable[[], list[Any]], inputs: set[int],
+        passed: Any,
+    ) -> _Effects:  # fmt: skip
         """Entered after the outside tensors are swapped: a tensor kept where one was is told from its placeholder."""
         # The tensors kept are looked for once the lists and numbers are put back (it walks the state).
         tensors = stack.enter_context(kept_tensors.setting(all_slots, inputs))
@@ -391,6 +390,8 @@ class _Effects:
             stack.enter_context(kept_numbers.counting(probe["numbers"], probe["as_numbers"], probe.get("library_ahead", True))),
             stack.enter_context(step_prints.recording()),
             tensors,
+            stack.enter_context(optimizer_state.skipped_in_graph()),
+            passed,
         )
 
     def updates(self, numbers_unread: frozenset[str]) -> tuple[list[Any], list[list[Any]]]:
@@ -401,7 +402,11 @@ class _Effects:
         prints, printed_values = step_prints.recorded(self.printed)
         kept, kept_values = kept_numbers.kept(self.counted, numbers_unread)
         tensors = [t for t, _ in self.tensors]
-        return [*logs, *prints, *kept, *tensors], [*logged_values, *printed_values, *kept_values, *([v] for _, v in self.tensors)]
+        skipped, skipped_values = optimizer_state.skipped_steps(self.passed, self.skips)
+        return (
+            [*logs, *prints, *kept, *tensors, *skipped],
+            [*logged_values, *printed_values, *kept_values, *([v] for _, v in self.tensors), *skipped_values],
+        )
 
 
 @dataclass

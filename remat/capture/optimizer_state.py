@@ -1,11 +1,15 @@
 """The optimizer's state as graph inputs: its first-step state made ahead of the trace,
-the optimizer pointed at the traced tensors while tracing, and state no update reads undone."""
+the optimizer pointed at the traced tensors while tracing, state no update reads undone,
+and the update GradScaler skips on an overflow held in the graph (its writes masked), with
+what eager's skipped step leaves in Python done after each run."""
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 import weakref
+from dataclasses import dataclass
 from collections import defaultdict
 from typing import Any, Iterator
 
@@ -14,7 +18,8 @@ import torch.fx
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from remat.errors import CaptureError
-from remat.capture.optimizers import Optimizers, each
+from remat.capture.optimizers import Optimizers, each, innermost
+from remat.ops.masked_writes import masked_writes
 
 def init_optimizer_state(optimizer: "torch.optim.Optimizer | Optimizers", only: set[int] | None = None) -> None:
     """Create the state the first `step()` would create, so that every step runs one graph.
@@ -195,3 +200,79 @@ def check_first_step_state(optimizer: "torch.optim.Optimizer | Optimizers", had_
                     "remat cannot create that state ahead of the step. Run one eager training step before "
                     "remat.compile, or set dampening=0."
                 )
+
+
+@dataclass(frozen=True)
+class SkippedSteps:
+    """After each run, what follows from the skips the graph computed, as it follows in eager:
+    an optimizer whose first update was skipped has no state (the state made ahead of the
+    run is taken out: drop_made_ahead), and a library's flag of a skipped
+    step is set (Accelerate's `AcceleratedOptimizer.step_was_skipped`, which its scheduler
+    and Hugging Face's Trainer read to skip the learning-rate step). The trace ran every
+    update, so it left each flag unset."""
+
+    optimizers: tuple[torch.optim.Optimizer, ...]  # one per value: the optimizer whose update it skips
+    flags: tuple[tuple[Any, str] | None, ...]  # for each: (the wrapper, the attribute) it keeps the skip in
+    keyed = True  # it holds no slot of the user's state
+
+    @property
+    def count(self) -> int:
+        return len(self.optimizers)
+
+    def where(self) -> str:
+        return "skipped updates of " + ", ".join(type(o).__name__ for o in self.optimizers)
+
+    def replay(self, values: list[Any]) -> None:
+        for optimizer, flag, skipped in zip(self.optimizers, self.flags, values, strict=True):
+            if bool(skipped):
+                drop_made_ahead(optimizer)
+            if flag is not None:
+                setattr(flag[0], flag[1], bool(skipped))
+
+
+def _overflow_flag(wrapper: Any) -> str | None:
+    """The attribute in which a library's optimizer wrapper keeps whether the scaler skipped its update."""
+    accelerate = sys.modules.get("accelerate.optimizer")
+    if accelerate is not None and isinstance(wrapper, accelerate.AcceleratedOptimizer):
+        return "_is_overflow"
+    return None
+
+
+def skipped_steps(passed: Any, skips: dict[int, tuple[torch.optim.Optimizer, torch.Tensor]]) -> tuple[list[SkippedSteps], list[list[torch.Tensor]]]:
+    """The state update for the skips the trace recorded (by the id of the optimizer whose
+    update was masked), with the values it takes from the graph; the wrappers' flags are
+    looked for among the optimizers `passed` to the step (one, or a list)."""
+    if not skips:
+        return [], []
+    wrappers = {id(innermost(w)): w for w in (passed if isinstance(passed, (list, tuple)) else [passed])}
+    flags = []
+    for key in skips:
+        wrapper = wrappers.get(key)
+        attr = _overflow_flag(wrapper) if wrapper is not None else None
+        flags.append((wrapper, attr) if attr is not None else None)
+    return [SkippedSteps(tuple(o for o, _ in skips.values()), tuple(flags))], [[skip for _, skip in skips.values()]]
+
+
+@contextlib.contextmanager
+def skipped_in_graph() -> Iterator[dict[int, tuple[torch.optim.Optimizer, torch.Tensor]]]:
+    """While the step is traced: the update `torch.amp.GradScaler.step` skips when a
+    gradient overflows (`if not sum(v.item() for v in found_inf_per_device.values())`, a
+    Python branch on tensor values that one graph cannot hold; a fused optimizer is handed
+    the check instead) runs under `masked_writes`, its writes kept where the check found an
+    inf. Yields each masked optimizer's skip (by the optimizer's id) as the trace makes it."""
+    skips: dict[int, tuple[torch.optim.Optimizer, torch.Tensor]] = {}
+
+    def masked_step(scaler: torch.amp.GradScaler, optimizer: Any, per_optimizer: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        found = list(per_optimizer["found_inf_per_device"].values())
+        skip = sum((f.to(found[0].device) for f in found[1:]), found[0]) != 0  # eager: `if not sum(f.item() ...)`
+        inner = innermost(optimizer)
+        skips[id(inner)] = (inner, skip)
+        with masked_writes(skip):
+            return optimizer.step(*args, **kwargs)
+
+    original = torch.amp.GradScaler._maybe_opt_step
+    torch.amp.GradScaler._maybe_opt_step = masked_step
+    try:
+        yield skips
+    finally:
+        torch.amp.GradScaler._maybe_opt_step = original

@@ -324,6 +324,19 @@ def _keep_ema(model):
     model.ema = _Ema(model)
 
 
+def _keep_library_ema(model):
+    from diffusers.training_utils import EMAModel  # a test extra
+
+    model.library_ema = EMAModel(model.parameters(), decay=0.999, use_ema_warmup=True)
+
+
+def _library_ema_inside(model, optimizer, batch):
+    """diffusers' EMAModel stepped inside the step: its decay follows a step count it keeps in Python."""
+    loss = plain_step(model, optimizer, batch)
+    model.library_ema.step(model.parameters())
+    return loss
+
+
 def _ema_inside(model, optimizer, batch):
     """The EMA updated inside the step, after the optimizer's."""
     loss = plain_step(model, optimizer, batch)
@@ -495,6 +508,8 @@ IDIOMS = [
     Idiom("a loss weight warmed up from a Python counter inside train_step", "refused", step=_warmed_up_loss()),
     Idiom("an EMA copy of the weights updated inside train_step (a helper object the model holds)", "works", step=_ema_inside,
           setup=_keep_ema, outside=lambda m: m.ema.shadow),
+    Idiom("a library's EMA helper (diffusers' EMAModel, its decay from a step count it keeps) stepped inside train_step", "refused",
+          step=_library_ema_inside, setup=_keep_library_ema),
     Idiom("gradient hooks on the parameters (register_hook clamping, register_post_accumulate_grad_hook scaling)", "works",
           between=_with_gradient_hooks),
     Idiom("a gradient hook added to a parameter after compiling", "refused", between=_hook(_hook_added)),

@@ -1,35 +1,25 @@
-"""An update GradScaler skips when a gradient overflows, held in the graph.
+"""Writes to tensors that existed before a block, masked: while `masked_writes(skip)` is
+entered (under make_fx), every op that writes into a tensor made before the block (a
+parameter, its gradient, an optimizer's state) runs on a copy, and the tensor takes the
+copy's values only where `skip` is false: `t.copy_(torch.where(skip, t, copy))`, which
+selects, bit for bit, the written values or the old ones. Tensors the block makes for
+itself are written as they are. This holds a block that eager skips by a Python branch on
+a tensor's value (GradScaler's skipped update: capture/optimizer_state.py) in one graph.
 
-`torch.amp.GradScaler.step` calls `optimizer.step()` only where its overflow check found
-no inf or NaN: `if not sum(v.item() for v in found_inf_per_device.values())`, a Python
-branch on tensor values that one captured graph cannot hold (a fused optimizer is handed
-the check instead, and its kernel skips the update itself). While the step is traced, the
-scaler's branch is replaced by the update run under `masked_writes(skip)`: every write the
-update makes to a tensor that existed before it (a parameter, its gradient, the
-optimizer's state) is made on a copy, and the tensor takes the copy's values only where
-`skip` is false, `torch.where(skip, old, new)`, which selects, bit for bit, eager's
-values on both sides. Tensors the update makes for itself are written as they are.
-
-So the update costs its ops whether or not it is skipped, and each write holds one
+So the block costs its ops whether or not it is skipped, and each write holds one
 temporary as large as what it writes, as the out-of-place op would (a multi-tensor op is
-split so that its copies hold no more than its largest tensor's). After each run the
-runtime reads the skip on the host, as eager's branch does, for what eager's Python does
-on a skipped step (`SkippedSteps`).
+split so that its copies hold no more than its largest tensor's).
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 import weakref
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils import _pytree as pytree
-
-from remat.capture import optimizer_state, optimizers
 
 
 def _written(func: torch._ops.OpOverload) -> list[int]:
@@ -134,78 +124,7 @@ def _chunks(olds: list[torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, A
 
 @contextlib.contextmanager
 def masked_writes(skip: torch.Tensor) -> Iterator[None]:
-    """While inside: writes to tensors made before take effect only where `skip` is false."""
+    """While inside: writes to tensors made before take effect only where `skip` (a
+    0-dim bool tensor) is false."""
     with _MaskedWrites(skip):
         yield
-
-
-@dataclass(frozen=True)
-class SkippedSteps:
-    """After each run, what follows from the skips the graph computed, as it follows in eager:
-    an optimizer whose first update was skipped has no state (the state made ahead of the
-    run is taken out: optimizer_state.drop_made_ahead), and a library's flag of a skipped
-    step is set (Accelerate's `AcceleratedOptimizer.step_was_skipped`, which its scheduler
-    and Hugging Face's Trainer read to skip the learning-rate step). The trace ran every
-    update, so it left each flag unset."""
-
-    optimizers: tuple[torch.optim.Optimizer, ...]  # one per value: the optimizer whose update it skips
-    flags: tuple[tuple[Any, str] | None, ...]  # for each: (the wrapper, the attribute) it keeps the skip in
-    keyed = True  # it holds no slot of the user's state
-
-    @property
-    def count(self) -> int:
-        return len(self.optimizers)
-
-    def where(self) -> str:
-        return "skipped updates of " + ", ".join(type(o).__name__ for o in self.optimizers)
-
-    def replay(self, values: list[Any]) -> None:
-        for optimizer, flag, skipped in zip(self.optimizers, self.flags, values, strict=True):
-            if bool(skipped):
-                optimizer_state.drop_made_ahead(optimizer)
-            if flag is not None:
-                setattr(flag[0], flag[1], bool(skipped))
-
-
-def _overflow_flag(wrapper: Any) -> str | None:
-    """The attribute in which a library's optimizer wrapper keeps whether the scaler skipped its update."""
-    accelerate = sys.modules.get("accelerate.optimizer")
-    if accelerate is not None and isinstance(wrapper, accelerate.AcceleratedOptimizer):
-        return "_is_overflow"
-    return None
-
-
-def skipped_steps(passed: Any, skips: dict[int, tuple[torch.optim.Optimizer, torch.Tensor]]) -> tuple[list[SkippedSteps], list[list[torch.Tensor]]]:
-    """The state update for the skips the trace recorded (by the id of the optimizer whose
-    update was masked), with the values it takes from the graph; the wrappers' flags are
-    looked for among the optimizers `passed` to the step (one, or a list)."""
-    if not skips:
-        return [], []
-    wrappers = {id(optimizers.innermost(w)): w for w in (passed if isinstance(passed, (list, tuple)) else [passed])}
-    flags = []
-    for key in skips:
-        wrapper = wrappers.get(key)
-        attr = _overflow_flag(wrapper) if wrapper is not None else None
-        flags.append((wrapper, attr) if attr is not None else None)
-    return [SkippedSteps(tuple(o for o, _ in skips.values()), tuple(flags))], [[skip for _, skip in skips.values()]]
-
-
-@contextlib.contextmanager
-def skipped_in_graph(skips: dict[int, tuple[torch.optim.Optimizer, torch.Tensor]]) -> Iterator[None]:
-    """While the step is traced: GradScaler's skipped update is masked in the graph rather
-    than branched on in Python; `skips` gets each masked optimizer's skip (by its id)."""
-
-    def masked_step(scaler: torch.amp.GradScaler, optimizer: Any, per_optimizer: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        found = list(per_optimizer["found_inf_per_device"].values())
-        skip = sum((f.to(found[0].device) for f in found[1:]), found[0]) != 0  # eager: `if not sum(f.item() ...)`
-        inner = optimizers.innermost(optimizer)
-        skips[id(inner)] = (inner, skip)
-        with masked_writes(skip):
-            return optimizer.step(*args, **kwargs)
-
-    original = torch.amp.GradScaler._maybe_opt_step
-    torch.amp.GradScaler._maybe_opt_step = masked_step
-    try:
-        yield
-    finally:
-        torch.amp.GradScaler._maybe_opt_step = original
