@@ -100,8 +100,8 @@ def test_accumulation_inside_the_step_matches_accumulate():
     assert len(state) == len(eager_state) and all(torch.equal(a, b) for a, b in zip(state, eager_state))
 
 
-def test_accumulate_around_the_step_is_refused_with_what_to_do():
-    accelerator, model, optimizer, loader, _ = _prepared(accumulation_steps=2)
+def _accumulating_step(accelerator):
+    """A step as Accelerate's docs write one, inside `accumulate`."""
 
     def train_step(model, optimizer, batch):
         with accelerator.accumulate(model):
@@ -111,6 +111,12 @@ def test_accumulate_around_the_step_is_refused_with_what_to_do():
             optimizer.zero_grad()
         return loss.detach()
 
+    return train_step
+
+
+def test_accumulate_around_the_step_is_refused_with_what_to_do():
+    accelerator, model, optimizer, loader, _ = _prepared(accumulation_steps=2)
+    train_step = _accumulating_step(accelerator)
     with pytest.raises(CaptureError) as error:
         remat.compile(train_step, model, optimizer, _batches(1)[0], memory_budget=0.8)
     said = "\n".join([str(error.value), *error.value.__notes__])
@@ -125,15 +131,7 @@ def test_accumulate_of_one_step_inside_the_step_counts_as_eager_does():
 
     def run(compiled: bool):
         accelerator, model, optimizer, loader, scheduler = _prepared(accumulation_steps=1)
-
-        def train_step(model, optimizer, batch):
-            with accelerator.accumulate(model):
-                loss = model(**batch).loss
-                accelerator.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
-            return loss.detach()
-
+        train_step = _accumulating_step(accelerator)
         step = remat.compile(train_step, model, optimizer, _batches(1)[0], memory_budget=0.8) if compiled else None
         assert accelerator.step == 0  # compiling left the count as it was
         losses = []

@@ -62,10 +62,11 @@ def _fit(tmp_path, extra: list, precision: str = "32-true", module: L.LightningM
     torch.manual_seed(0)
     module = module or _Net()
     seen = _Seen()
+    if "plugins" not in trainer_args:  # a precision plugin given says the precision itself
+        trainer_args["precision"] = precision
     trainer = L.Trainer(
         max_steps=6, callbacks=[seen, *extra], default_root_dir=str(tmp_path), logger=False, enable_progress_bar=False,
-        gradient_clip_val=1.0, accelerator="cpu", precision=precision, val_check_interval=3, limit_val_batches=1,
-        **trainer_args,
+        gradient_clip_val=1.0, accelerator="cpu", val_check_interval=3, limit_val_batches=1, **trainer_args,
     )
     trainer.fit(module, _data(1024), _data(128))
     opt = trainer.optimizers[0]
@@ -93,6 +94,27 @@ def test_lightning_step_through_remat_is_bitwise(tmp_path, precision):
     assert len(state) == len(eager_state) and all(torch.equal(a, b) for a, b in zip(state, eager_state))
     assert progress == eager_progress
     assert "optimizer_step" not in vars(trainer.lightning_module)  # the module as it was after fit
+
+
+def test_lightning_fp16_with_its_grad_scaler_is_bitwise(tmp_path):
+    """precision="16-mixed" (on a GPU; on CPU Lightning turns it into bf16, so the plugin is
+    given a CPU scaler here): the plugin's GradScaler, which the step reaches only through
+    the module's trainer, is read and updated by the graph; the first steps overflow and
+    their updates are skipped, as in eager."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    def plugin():
+        return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=2))
+
+    eager_rows, eager_state, eager_progress, eager_trainer = _fit(tmp_path / "eager", [], plugins=[plugin()])
+    callback = RematCallback(memory_budget=0.9)
+    rows, state, progress, trainer = _fit(tmp_path / "remat", [callback], plugins=[plugin()])
+    eager_scale, scale = (float(t.precision_plugin.scaler.get_scale()) for t in (eager_trainer, trainer))
+    assert eager_scale < 2.0**24 and scale == eager_scale  # it backed off: steps were skipped
+    assert callback.report.num_recomputed > 0
+    assert _equal_rows(rows, eager_rows)
+    assert len(state) == len(eager_state) and all(torch.equal(a, b) for a, b in zip(state, eager_state))
+    assert progress == eager_progress
 
 
 @pytest.mark.parametrize(

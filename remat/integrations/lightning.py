@@ -20,7 +20,7 @@ try:
 except ImportError as e:  # an optional extra
     raise ImportError(f"remat.integrations.lightning needs PyTorch Lightning: pip install 'remat[lightning]' ({e})") from e
 
-from remat.capture.state import step_prints
+from remat.capture.state import library_objects, step_prints
 from remat.errors import RematError
 
 # The hooks Lightning runs inside an optimizer step: run once, while the step is traced,
@@ -35,7 +35,8 @@ class RematCallback(Callback):
     `remat.compile` keywords. `callback.report` is remat's report for the last batch shape.
 
     Supported: automatic optimization with one optimizer (and its schedulers),
-    `gradient_clip_val`, precision plugins, `self.log` of tensors in `training_step`.
+    `gradient_clip_val`, precision plugins (fp16 with its GradScaler too), `self.log` of
+    tensors in `training_step`.
     Refused by name: several processes (DDP strategies), manual optimization, several optimizers, `accumulate_grad_batches`
     above 1, an `optimizer_step` of the module's own, and callbacks that act inside the
     step (`on_after_backward`, ...). `training_step` may not compute with `batch_idx`
@@ -121,6 +122,17 @@ def _tensor_values(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
 
 for _name in ("log", "log_dict"):
     step_prints.record_calls_of(step_prints.RecordedMethod(LightningModule, _name, _log_again, _tensor_values))
+
+
+def _precision_scaler(module: LightningModule) -> list[tuple[str, Any]]:
+    """The GradScaler of the trainer's precision plugin ("16-mixed"): its scale is read and
+    updated by the step, and made at its first use (library_objects)."""
+    trainer = vars(module).get("_trainer")
+    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None) if trainer is not None else None
+    return [("trainer.precision_plugin.scaler", scaler)] if scaler is not None else []
+
+
+library_objects.reach_through(LightningModule, _precision_scaler)
 
 
 class _BatchIndex(int):

@@ -10,7 +10,7 @@ the watched values: the graph's inputs check their shapes when gathered."""
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -23,6 +23,21 @@ _CONTAINERS = (list, tuple, dict, set, frozenset)
 _MOST_ITEMS = 1024  # a larger list or dict is not taken for a table of tensors
 
 _LIBRARY_DEPTH = 1  # a library object, and the library objects in its fields
+
+
+# Per model class: where a library keeps objects the step uses deeper than the walk goes
+# (Lightning's precision plugin's GradScaler, under the module's trainer): an integration registers them.
+_REACHED_THROUGH: dict[type, Callable[[Any], list[tuple[str, Any]]]] = {}
+
+
+def reach_through(model_class: type, roots: Callable[[Any], list[tuple[str, Any]]]) -> None:
+    """Walk, for a model of `model_class`, the library objects `roots(model)` names, (name, object) each."""
+    _REACHED_THROUGH[model_class] = roots
+
+
+def reached_through(model: Any) -> list[tuple[str, Any]]:
+    """The library objects registered for `model`'s class (`reach_through`)."""
+    return [root for cls, roots in _REACHED_THROUGH.items() if isinstance(model, cls) for root in roots(model)]
 
 
 def fields(roots: list[tuple[str, Any]]) -> list[tuple[Slot, Any]]:

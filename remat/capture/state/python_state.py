@@ -184,7 +184,7 @@ def state_slots(model: torch.nn.Module, train_step: Callable[..., Any], ran: fro
     seen: set[int] = set()
     fields = [f for name, value in roots for f in _object_fields(name, value, code.names, seen, 0, ran)]
     out += fields
-    out += library_objects.fields([*roots, *((slot.name, value) for slot, value in fields)])
+    out += library_objects.fields([*roots, *((slot.name, value) for slot, value in fields), *library_objects.reached_through(model)])
     # The user's functions held in those fields or containers (a callback, a closure that
     # counts): their globals and cells too.
     held_functions = [value for _, value in [*fields, *contained] if user_code.user_function(value) is not None]
