@@ -189,7 +189,9 @@ def check_static_shapes(gm: torch.fx.GraphModule) -> None:
                 raise CaptureError(
                     f"an op in train_step returns a shape that depends on tensor values ({node.target} "
                     f"makes a tensor of shape {tuple(v.shape)}); remat needs static shapes: replace it "
-                    "(e.g. masked ops such as torch.where instead of nonzero/boolean indexing)."
+                    "(e.g. masked ops such as torch.where instead of nonzero/boolean indexing). Where a library's "
+                    "call makes it (a metric's update(): torchmetrics counts with bincount), call that outside "
+                    "train_step, on tensors the step returns (return the logits with the loss)."
                 )
 
 
