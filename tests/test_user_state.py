@@ -236,7 +236,7 @@ def test_a_library_objects_counter_the_step_counts_and_reads_is_refused_and_the_
     g = torch.Generator().manual_seed(2)
     batches = [{"x": torch.randn(256, 32, generator=g), "y": torch.randn(256, 32, generator=g)} for _ in range(4)]
     model, ema, opt = setup()
-    with pytest.raises(CaptureError, match=r"ema .*EMAModel.*between steps, outside train_step"):
+    with pytest.raises(CaptureError, match=r"EMAModel.*ema .*optimization_step.*between steps, outside train_step"):
         remat.compile(make_step(ema, True), model, opt, batches[0], memory_budget=0.8, profile_runs=1)
     assert ema.optimization_step == 0  # the refused capture put the count back
 
@@ -253,6 +253,34 @@ def test_a_library_objects_counter_the_step_counts_and_reads_is_refused_and_the_
         eager_ema.step(eager_model.parameters())
     assert ema.optimization_step == eager_ema.optimization_step == 4 and ema.cur_decay_value == eager_ema.cur_decay_value > 0
     assert all(torch.equal(a, b) for a, b in zip(ema.shadow_params, eager_ema.shadow_params))
+
+
+def test_a_progress_bar_updated_inside_the_step_counts_and_its_timing_is_left_with_a_warning() -> None:
+    """tqdm's update() inside train_step: its count is added to after each run as eager adds
+    to it; its timing fields change in no way remat can repeat, and the graph does not
+    depend on them, so they are left as they were, with a warning that names one."""
+    tqdm = pytest.importorskip("tqdm")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    bar = tqdm.tqdm(total=10, disable=False, mininterval=0)
+
+    def train_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(batch["x"]), batch["y"])
+        loss.backward()
+        optimizer.step()
+        bar.update(1)
+        return loss.detach()
+
+    batch = {"x": torch.randn(64, 16), "y": torch.randint(0, 4, (64,))}
+    with pytest.warns(UserWarning, match=r"bar \(from the closure of train_step\)\.\w+, a number a library's tqdm keeps.*left as it was"):
+        step = remat.compile(train_step, model, opt, batch, profile_runs=1)
+    assert bar.n == 0
+    for _ in range(3):
+        step(batch)
+    assert bar.n == 3
+    bar.close()
 
 
 @pytest.mark.parametrize("name", sorted(architectures.ARCHITECTURES))

@@ -15,7 +15,8 @@ again.
 A library object's number (library_objects: its code is not followed, so any use may
 matter) is not swapped: the step is traced with it as this step found it and as the next
 step will, and a graph that differs is refused. Otherwise it is set again, or the same
-amount added again (a count), after each run.
+amount added again (a count), after each run; a change that is neither (a progress bar's
+timing) is left as it was, with a warning.
 
 A slot that held None or nothing before (`self.last_loss = None` in `__init__`) is traced
 as it is (`x is None` and `hasattr` cannot be intercepted), then once more as if it held a
@@ -30,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -187,6 +189,8 @@ def kept(ended: list[tuple[NumberChange, Any]], unread: frozenset[str] = frozens
     for change, value in ended:
         if change.slot.library:
             terms = _library_terms(change, value)
+            if terms is None:
+                continue
         elif isinstance(value, _Counted) and value.change is change:
             terms = value.terms
         elif isinstance(value, _Counted):  # `self.a = self.b + 1`: a use of the other slot's number
@@ -213,10 +217,12 @@ def kept(ended: list[tuple[NumberChange, Any]], unread: frozenset[str] = frozens
     return numbers, values
 
 
-def _library_terms(change: NumberChange, value: Any) -> tuple[Any, ...]:
+def _library_terms(change: NumberChange, value: Any) -> tuple[Any, ...] | None:
     """What a library's number the step changes becomes at each run, from what the first
     trace made of it (`change`) and what the next step's trace made of that (`value`): the
-    same number set again, or the same amount added again (a step count); refused otherwise."""
+    same number set again, or the same amount added again (a step count). None for another
+    change (a progress bar's timing), which the graph then must not depend on
+    (`traced_counting`): it is left as capture found it, with a warning."""
     before, after = change.before, change.after
     if type(value) in NUMBERS and type(after) in NUMBERS:
         if _same_number(value, after):
@@ -225,11 +231,14 @@ def _library_terms(change: NumberChange, value: Any) -> tuple[Any, ...]:
             step = after - before
             if before + step == after and after + step == value:
                 return (Term.SLOT, step)
-    raise _with_accelerate_note(CaptureError(
-        f"train_step changes {change.slot.name}, a number a library's {type(change.slot.owner).__name__} keeps, in a way "
-        f"remat cannot repeat at every step ({_shown(before)} -> {_shown(after)}, then {_shown(value)}): call the "
-        "method that changes it between steps, outside train_step."
-    ), [change])
+    warnings.warn(
+        f"remat: train_step changes {change.slot.name}, a number a library's {type(change.slot.owner).__name__} keeps, "
+        "in a way remat cannot repeat at every step (neither a count nor a value set again); the step's graph does not "
+        "depend on it, so it is left as it was: call the method that changes it between steps, outside train_step, to "
+        "keep it current.",
+        stacklevel=2,
+    )
+    return None
 
 
 def traced_counting(trace: Callable[[], torch.fx.GraphModule], probe: dict[str, Any], seen: dict[str, Any]) -> torch.fx.GraphModule:
