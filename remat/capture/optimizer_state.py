@@ -31,10 +31,7 @@ def init_optimizer_state(optimizer: "torch.optim.Optimizer | Optimizers", only: 
     `only`: ids of the parameters to create state for (default: all).
     """
     for opt in each(optimizer):
-        had = {id(p) for p, st in opt.state.items() if st}
         _init_one(opt, only)
-        made = _MADE_AHEAD.setdefault(opt, [])
-        made += [(p, st) for group in opt.param_groups for p in group["params"] if id(p) not in had and (st := opt.state.get(p))]
 
 
 # Per optimizer: the (parameter, state) entries made here ahead of the step that uses them,
@@ -84,6 +81,8 @@ def _init_one(optimizer: torch.optim.Optimizer, only: set[int] | None) -> None:
                     "torch's own optimizers (through their _init_group). Run one eager training step before "
                     "capturing, or use one of torch's optimizers."
                 )
+            if st := optimizer.state.get(p):
+                _MADE_AHEAD.setdefault(optimizer, []).append((p, st))
 
 
 def _init_by_the_optimizer(optimizer: torch.optim.Optimizer, group: dict, p: torch.Tensor) -> bool:

@@ -40,7 +40,7 @@ import torch.fx
 
 from remat.errors import CaptureError
 from remat.capture import trace_checks
-from remat.capture.state.python_state import MISSING, NUMBERS, TRACED_NUMBERS, NumberChange, Slot, is_number, shown
+from remat.capture.state.python_state import MISSING, NUMBERS, TRACED_NUMBERS, NumberChange, Slot, is_number, same_number, shown
 
 
 
@@ -132,10 +132,6 @@ def counted(value: Any) -> tuple[Slot, tuple[Any, ...]] | None:
     return (value.change.slot, value.terms[1:]) if isinstance(value, _Counted) and value.terms[0] is Term.SLOT else None
 
 
-def _same_number(a: Any, b: Any) -> bool:
-    return a == b or (a != a and b != b)  # NaN is the same NaN
-
-
 def _shown(value: Any) -> str:
     return "nothing" if value is MISSING else "a number computed in the step" if isinstance(value, TRACED_NUMBERS) else shown(value)
 
@@ -195,7 +191,7 @@ def kept(ended: list[tuple[NumberChange, Any]], unread: frozenset[str] = frozens
             terms = value.terms
         elif isinstance(value, _Counted):  # `self.a = self.b + 1`: a use of the other slot's number
             _refuse(value.change, f"assigned to {change.slot.name}")
-        elif type(value) in NUMBERS and type(change.after) in NUMBERS and not _same_number(value, change.after):
+        elif type(value) in NUMBERS and type(change.after) in NUMBERS and not same_number(value, change.after):
             raise CaptureError(
                 f"train_step sets {change.slot.name} to a number that differs from one trace to the next ({change.after!r}, "
                 f"then {value!r}): it comes from outside the step's inputs (a clock, a counter of a library's object), "
@@ -225,7 +221,7 @@ def _library_terms(change: NumberChange, value: Any) -> tuple[Any, ...] | None:
     (`traced_counting`): it is left as capture found it, with a warning."""
     before, after = change.before, change.after
     if type(value) in NUMBERS and type(after) in NUMBERS:
-        if _same_number(value, after):
+        if same_number(value, after):
             return (value,)
         if type(before) in (int, float) and type(after) is type(before):
             step = after - before

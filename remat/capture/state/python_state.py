@@ -355,6 +355,10 @@ class NumberChange:
     after: Any
 
 
+def same_number(a: Any, b: Any) -> bool:
+    return a == b or (a != a and b != b)  # NaN is the same NaN
+
+
 def is_number(value: Any) -> bool:
     """A plain number or a traced one."""
     return type(value) in NUMBERS or isinstance(value, TRACED_NUMBERS)
@@ -392,7 +396,7 @@ class StateWatch:
             w = self.before.get(slot.name)
             before = self.held.get(slot.name, MISSING)
             if is_number(value) and (before is None or before is MISSING or type(before) in NUMBERS):
-                if slot.library and type(value) is type(before) and (value == before or value != value and before != before):
+                if slot.library and type(value) is type(before) and same_number(value, before):
                     continue  # a library's number, not watched: changed only if it holds another
                 if w is None or _snapshot(value) != w.frozen:
                     changes.append(NumberChange(slot, before, value))
