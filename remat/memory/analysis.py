@@ -103,10 +103,36 @@ class GraphAnalysis:
 
 
 def refresh_fake_values(gm: torch.fx.GraphModule) -> None:
-    """New fake values for the nodes of a rewritten graph, from its inputs' own, so that the
-    analysis reads each node's storage as the rewritten graph makes it."""
+    """Fake values for the nodes of a rewritten graph that need new ones, so that the
+    analysis reads each node's storage as the rewritten graph makes it: a node without one
+    (a copy the rewriter made), and a node whose value may be, or be on, an input's that got
+    a new one (a view of a recomputed activation, an in-place write, an item of a tuple).
+    Every other node keeps the value it was traced with: its op makes a tensor of its own,
+    of the same size and strides whichever copy of its inputs it reads."""
     fake_inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-    FakeTensorProp(gm, detect_fake_mode(fake_inputs)).propagate_dont_convert_inputs(*fake_inputs)
+    renewed: set[torch.fx.Node] = set()
+    kept: dict[torch.fx.Node, Any] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if "val" not in node.meta or (node.op != "output" and _may_alias(node) and any(a in renewed for a in node.all_input_nodes)):
+            renewed.add(node)
+        elif node.op != "output":
+            kept[node] = node.meta["val"]
+    if not renewed:
+        return
+    mode = detect_fake_mode(fake_inputs)
+    with mode:
+        FakeTensorProp(gm, mode).run(*fake_inputs, initial_env=kept)
+
+
+def _may_alias(node: torch.fx.Node) -> bool:
+    """Whether the node's value may share storage with one of its inputs' (an op not known to
+    make a tensor of its own counts as one that may)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return True
+    return aliases_its_input(node) or any(r.alias_info is not None for r in target._schema.returns)
 
 
 def _lean_storages(tg: TrainGraph) -> dict[StorageWeakRef, StorageWeakRef]:

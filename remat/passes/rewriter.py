@@ -75,6 +75,7 @@ def rewrite(index: GraphIndex, schedule: Schedule) -> Rewritten:
             env[node.name] = new = graph.node_copy(node, arg)
             if step.node in tg.lean_into:
                 new.target, new.kwargs = out_call(new, env[tg.lean_into[step.node]])
+                del new.meta["val"]  # its result is now on its input's storage
 
     output = next(n for n in old.nodes if n.op == "output")
     out_source = {a: env[a] for a, _ in schedule.output_reads}
@@ -82,7 +83,7 @@ def rewrite(index: GraphIndex, schedule: Schedule) -> Rewritten:
     graph.lint()
     gm = torch.fx.GraphModule(tg.gm, graph)
 
-    refresh_fake_values(gm)  # each copy gets a storage of its own for the analysis
+    refresh_fake_values(gm)  # each copy gets a storage of its own for the analysis, a lean variant its input's
 
     phase: dict[str, Phase] = {}
     following = Phase.OPTIMIZER
