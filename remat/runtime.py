@@ -67,7 +67,8 @@ class CompiledGraph:
 def _signature(batch: Any) -> tuple[str, tuple[tuple[tuple[int, ...], torch.dtype, str], ...]]:
     leaves, spec = pytree.tree_flatten(batch)
     sig = tuple(
-        (tuple(leaf.shape), leaf.dtype, str(leaf.device)) if isinstance(leaf, torch.Tensor) else ((), type(leaf), "")
+        (tuple(leaf.shape), leaf.dtype, str(leaf.device)) if isinstance(leaf, torch.Tensor)
+        else ((), float if isinstance(leaf, float) else type(leaf), "")  # a float: read at every call, any value
         for leaf in leaves
     )
     return str(spec), sig
@@ -242,7 +243,7 @@ class RematStep:
         leaves = pytree.tree_leaves(batch)
         for name, leaf, (_, dtype, device) in zip(batch_leaf_names(batch), leaves, tg.batch_signature()):
             if not isinstance(leaf, torch.Tensor):
-                raise CaptureError(f"{name} is a {type(leaf).__name__}, not a tensor")
+                continue  # a float: read at every call, whatever graph takes it
             got_dtype = str(leaf.dtype).replace("torch.", "")
             if got_dtype != dtype or str(leaf.device) != device:
                 raise CaptureError(

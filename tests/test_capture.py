@@ -137,8 +137,10 @@ def test_an_op_whose_shape_function_refuses_its_inputs_is_named():
 
 def test_bad_batches_are_refused():
     model = torch.nn.Linear(4, 4)
-    with pytest.raises(CaptureError, match=r"batch\['scale'\] is a float"):
-        capture(_step, model, None, {"x": torch.randn(2, 4), "scale": 2.0})
+    with pytest.raises(CaptureError, match=r"batch\['scale'\] is a int. Pass it as a tensor \(or a float\)"):
+        capture(_step, model, None, {"x": torch.randn(2, 4), "scale": 2})
+    with pytest.raises(CaptureError, match="holds no tensors"):
+        capture(_step, model, None, {"scale": 2.0})
     with pytest.raises(CaptureError, match="holds no tensors"):
         capture(_step, model, None, [])
 
@@ -372,6 +374,76 @@ def test_a_sparse_gradient_is_refused_naming_the_dense_option():
         capture(_sgd_step, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randint(0, 50, (2, 3)))
 
 
+@pytest.mark.parametrize("make,words", [
+    (lambda ps: torch.optim.LBFGS(ps, max_iter=3), r"LBFGS cannot be captured .* calls the closure again and again.* Instead: train with"),
+    (lambda ps: torch.optim.SparseAdam(ps), r"SparseAdam cannot be captured .* sparse gradients.*nn\.Embedding\(\.\.\., sparse=False\)"),
+])
+def test_an_optimizer_whose_step_is_not_one_graph_is_refused_naming_what_to_use(make, words):
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Flatten(), torch.nn.Linear(24, 4))
+    with pytest.raises(CaptureError, match=words):
+        capture(_sgd_step, model, make(list(model.parameters())), torch.randint(0, 50, (2, 3)))
+
+
+class _Queue(torch.nn.Module):
+    """A MoCo-style queue of past outputs written at a pointer kept in a buffer: as an int
+    slice bound (refused), or as the index tensor the refusal advises."""
+
+    def __init__(self, by_index: bool):
+        super().__init__()
+        self.lin, self.by_index = torch.nn.Linear(4, 4), by_index
+        self.register_buffer("queue", torch.zeros(4, 8))
+        self.register_buffer("ptr", torch.zeros(1, dtype=torch.long))
+
+    def forward(self, x):
+        y = self.lin(x)
+        keys = y.detach().T
+        if self.by_index:
+            self.queue.index_copy_(1, (torch.arange(x.shape[0]) + self.ptr) % 8, keys)
+            self.ptr.add_(x.shape[0]).remainder_(8)
+        else:
+            ptr = int(self.ptr)
+            self.queue[:, ptr:ptr + x.shape[0]] = keys
+            self.ptr[0] = (ptr + x.shape[0]) % 8
+        return y @ self.queue
+
+
+def test_a_tensor_read_as_an_int_is_refused_and_the_advised_index_tensor_trains_bitwise():
+    import remat
+
+    with pytest.raises(CaptureError, match=r"uses a tensor's value as a Python int, at test_capture\.py, line \d+: ptr = int\(self\.ptr\).*index_copy_"):
+        model = _Queue(by_index=False)
+        capture(_sgd_step, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(3, 4))
+    torch.manual_seed(0)
+    model = _Queue(by_index=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_model, eager_opt = twin(model, opt)
+    step = remat.compile(_sgd_step, model, opt, torch.randn(3, 4), memory_budget=None)
+    for _ in range(4):  # 12 keys through a queue of 8: the pointer wraps
+        batch = torch.randn(3, 4)
+        assert torch.equal(step(batch), _sgd_step(eager_model, eager_opt, batch))
+    for name, value in eager_model.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    assert model.ptr.item() == 4 and len(step._graphs) == 1
+
+
+class _PackedGRU(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gru = torch.nn.GRU(4, 8, batch_first=True)
+
+    def forward(self, batch):
+        packed = torch.nn.utils.rnn.pack_padded_sequence(batch["x"], batch["lengths"], batch_first=True, enforce_sorted=False)
+        return self.gru(packed)[1]
+
+
+def test_a_recurrent_layer_on_a_packed_sequence_is_refused_saying_to_run_it_padded():
+    model = _PackedGRU()
+    batch = {"x": torch.randn(3, 5, 4), "lengths": torch.tensor([5, 2, 4])}
+    _sgd_step(model, torch.optim.SGD(model.parameters(), lr=0.1), batch)  # eager runs it
+    with pytest.raises(CaptureError, match=r"a recurrent layer on a PackedSequence .*, at test_capture\.py, line \d+: return self\.gru\(packed\).*Run the layer on the padded batch"):
+        capture(_sgd_step, model, torch.optim.SGD(model.parameters(), lr=0.1), batch)
+
+
 def test_a_setting_that_branches_on_a_tensor_is_refused_naming_the_setting_to_change():
     cumulative = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, momentum=None))
     with pytest.raises(CaptureError, match=r"momentum=None .* Give the layer a float momentum"):
@@ -497,6 +569,49 @@ def test_mixup_drawn_with_torchs_generator_trains_bitwise():
     step = remat.compile(mixup, model, opt, torch.randn(8, 4), memory_budget=None, profile_runs=1, measure=False)
     result = check_against_eager(mixup, eager_model, eager_opt, model, opt, step, torch.randn(8, 4), steps=3)
     assert result.match, result.summary()
+
+
+def _mixup_of_the_batch(model, opt, batch):
+    opt.zero_grad()
+    lam = batch["lam"]
+    mixed = lam * batch["x"] + (1 - lam) * batch["x"].flip(0)
+    loss = model(mixed).square().mean() * (1 - lam) ** 2
+    loss.backward()
+    opt.step()
+    return loss, lam / 2
+
+
+def test_a_float_of_the_batch_is_read_at_every_call_bitwise_in_one_graph():
+    # The numpy refusal's advice: draw in the loop, pass the number in the batch.
+    import remat
+
+    rng = np.random.default_rng(0)
+    batches = [{"x": torch.randn(8, 4), "lam": float(rng.beta(0.4, 0.4))} for _ in range(4)]
+    batches[2]["lam"] = np.float64(batches[2]["lam"])  # numpy's scalars are floats too
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    eager_model, eager_opt = twin(model, opt)
+    step = remat.compile(_mixup_of_the_batch, model, opt, batches[0], memory_budget=None, profile_runs=1, measure=False)
+    for batch in batches:
+        (loss, half), (eager_loss, eager_half) = step(batch), _mixup_of_the_batch(eager_model, eager_opt, batch)
+        assert torch.equal(loss, eager_loss) and half == eager_half
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), eager_model.parameters()))
+    assert len(step._graphs) == 1
+
+
+@pytest.mark.parametrize("use,words", [
+    (lambda w: 1.0 if w > 0.5 else 2.0, r"needs batch\['w'\], a float of the batch, as a fixed value, at test_capture\.py"),
+    (lambda w: np.sqrt(w), r"uses batch\['w'\], a float of the batch, where a number that changes .*TypeError.*Compute that use outside"),
+])
+def test_a_use_of_a_batch_float_that_needs_its_value_is_refused_by_name(use, words):
+    def step(model, opt, batch):
+        loss = model(batch["x"]).square().mean() * use(batch["w"])
+        loss.backward()
+        return loss
+
+    with pytest.raises(CaptureError, match=words):
+        capture(step, torch.nn.Linear(4, 4), None, {"x": torch.randn(2, 4), "w": 0.7})
 
 
 class _Annealed(torch.nn.Module):

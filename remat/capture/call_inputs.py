@@ -30,7 +30,7 @@ from remat.capture import data_parallel, hyperparams
 from remat.capture.state import read_numbers
 from remat.capture.state.guards import SameContents, SameEntries, same_objects
 from remat.capture.optimizers import as_one, each
-from remat.capture.step_inputs import ModelView, flat_inputs, outside_value, state_owners
+from remat.capture.step_inputs import ModelView, batch_value, flat_inputs, outside_value, state_owners
 from remat.capture.train_graph import InputKind, TrainGraph
 
 _training = attrgetter("training")
@@ -165,13 +165,13 @@ class CallInputs:
         last, tg = self.last, self.tg
         if last is not None and last.holds(optimizer):
             leaves, spec = pytree.tree_flatten(batch)
-            if spec == last.batch_spec and all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+            if spec == last.batch_spec and all(isinstance(leaf, (torch.Tensor, float)) for leaf in leaves):
                 if tg.call.data_parallel is not None:
                     data_parallel.check_unchanged(model, tg.call.data_parallel)
                 inputs = list(last.inputs)
                 for r in last.reread:
                     inputs[r.position] = r.now()
-                inputs.extend(leaves)
+                inputs.extend(map(batch_value, leaves))
                 return inputs, last.view
         view = ModelView.of(model)
         inputs = flat_inputs(tg, model, optimizer, batch, view)

@@ -12,6 +12,7 @@ removed before the graph is handed on."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -38,7 +39,7 @@ from remat.capture.traced_rng import no_host_random_drawn, no_rng_state_set
 from remat.capture.user_checkpoints import plain_checkpoints
 from remat.ops import ctc_loss, value_checks
 from remat.ops import training_workspace
-from remat.capture.step_inputs import batch_leaf_names, check_batch, describe, unique_named
+from remat.capture.step_inputs import batch_leaf_names, batch_value, check_batch, describe, unique_named
 
 
 def _user_state(
@@ -52,7 +53,7 @@ def _user_state(
     slots = state_slots(model, train_step)
     held = outside_tensors.find(slots)
     own = {**params, **buffers, **{f"{n}.{k}": t for n, st in states.items() for k, t in st.items()}}
-    own.update(zip(batch_leaf_names(batch), pytree.tree_leaves(batch)))
+    own.update((n, t) for n, t in zip(batch_leaf_names(batch), pytree.tree_leaves(batch)) if isinstance(t, torch.Tensor))
     mine = {id(t) for t in own.values()}
     out = []
     for tid, locations in held.items():
@@ -110,7 +111,7 @@ def _graph_inputs(
     for held, t in outside:
         inputs.append(GraphInput(held.name, InputKind.OUTSIDE, *describe(t)))
         flat.append(t)
-    for n, leaf in zip(batch_leaf_names(example_batch), leaves):
+    for n, leaf in zip(batch_leaf_names(example_batch), map(batch_value, leaves)):
         inputs.append(GraphInput(n, InputKind.BATCH, *describe(leaf)))
         flat.append(leaf)
     return inputs, flat, hyper_values
@@ -135,7 +136,7 @@ def _check_arguments(
     trainable = tuple(n for n, p in params.items() if p.requires_grad)
     if not trainable:
         raise CaptureError("no parameter of the model requires a gradient: there is nothing to train")
-    devices = {str(t.device) for t in [*params.values(), *buffers.values(), *leaves]}
+    devices = {str(t.device) for t in [*params.values(), *buffers.values(), *leaves] if isinstance(t, torch.Tensor)}
     if len(devices) != 1:
         raise CaptureError(f"model and batch must be on one device, found {sorted(devices)}; move them with .to(device)")
     device = devices.pop()
@@ -153,24 +154,72 @@ def _as_stand_ins(t_params: dict[str, torch.Tensor], trainable: tuple[str, ...])
         p.grad = None
 
 
+@dataclass
+class _BatchFloats:
+    """The batch's floats, by leaf position: symbolic floats in the trace (graph inputs read
+    at every call), or (`fixed`, only to tell why a trace failed) the example's values."""
+
+    names: dict[int, str]
+    fixed: bool = False
+
+    def items(self) -> Any:
+        return self.names.items()
+
+    def refuse_branch(self, branched: list[str], e: BaseException) -> None:
+        if on := [n for n in branched if n in self.names.values()]:
+            raise CaptureError(
+                f"train_step needs {on[0]}, a float of the batch, as a fixed value{where_in_users_code(e)} (a branch on "
+                "it, torch.tensor(x), a size): the graph reads it at every call, so one graph cannot hold that use. Use "
+                "it in arithmetic on tensors (x * w), pass it as a tensor, or decide outside train_step and pass what "
+                "was decided."
+            ) from e
+
+    def refuse_use(self, trace: Callable[[], Any], e: BaseException) -> None:
+        """After a trace failed otherwise: if it succeeds with the floats fixed, a float was
+        used where a number that changes cannot go (torch.tensor(x), a size, a dropout rate)."""
+        if not self.names:
+            return
+        self.fixed = True
+        try:
+            trace()
+        except Exception:  # noqa: BLE001 - the floats are not the cause: the first failure is explained
+            return
+        finally:
+            self.fixed = False
+        names = ", ".join(self.names.values())
+        raise CaptureError(
+            f"train_step uses {names}, a float of the batch, where a number that changes at every call cannot go "
+            f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}){where_in_users_code(e)}: "
+            "the graph reads the batch's floats at every call. Compute that use outside train_step and pass its "
+            "result in the batch, or compute it with torch's ops on the tensors."
+        ) from e
+
+
 def _trace(
     traced: Callable[..., Any], flat: list[torch.Tensor], symbols: dict[str, str], sign_facts: dict[str, int],
-    hyper_values: dict[str, float], numbers: read_numbers.Reading, model: torch.nn.Module, checks: value_checks.ValueChecks,
+    hyper_values: dict[str, float], numbers: read_numbers.Reading, batch_floats: _BatchFloats, model: torch.nn.Module,
+    checks: value_checks.ValueChecks,
 ) -> torch.fx.GraphModule:  # fmt: skip
     """make_fx of `traced`; a branch on a hyperparameter other than the known ones fixes its
     sign too (in `sign_facts`), and where its sign was not enough for an int, its value (a
     count: `hyperparams.FIXED`), and traces again; so does a branch on a number read at every
-    call, or any other failure while some are symbols (`Reading.tripped`)."""
+    call, or any other failure while some are symbols (`Reading.tripped`). A branch on a
+    float of the batch, or a use only a fixed number can take, is refused."""
     modes = [(m, m.training) for m in model.modules()]
+
+    def make() -> torch.fx.GraphModule:
+        with checks.tracing():
+            return make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=False)(*flat)
+
     while True:
         try:
-            with checks.tracing():
-                gm = make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=False)(*flat)
+            gm = make()
             if checks.finished():
                 continue
             return gm
         except Exception as e:  # noqa: BLE001 - translated into a message a user can act on
             branched = branched_hyperparameters(e, symbols)
+            batch_floats.refuse_branch(branched, e)
             if numbers.tripped(branched, other_failure=not any(name in hyper_values for name in branched)):
                 continue
             new = [name for name in branched if name not in sign_facts]
@@ -181,6 +230,7 @@ def _trace(
                 e = checks.refusal(e)
                 if isinstance(e, CaptureError):
                     raise e
+                batch_floats.refuse_use(make, e)
                 raise explain_trace_failure(e, model) from e
             sign_facts.update({name: hyperparams.sign(hyper_values[name]) for name in new})
             if not new:
@@ -228,6 +278,7 @@ def capture(
     sign_facts = {n: hyperparams.sign(v) for n, v in hyper_values.items() if hyperparams.parse_input_name(n)[1] in hyperparams.BRANCHED_KEYS}
     sign_facts.update(hyperparams.fixed_by_fused_kernels(optimizer))
     symbols: dict[str, str] = {}
+    batch_floats = _BatchFloats({i: n for i, (n, leaf) in enumerate(zip(batch_leaf_names(example_batch), leaves)) if isinstance(leaf, float)})
     recorded = _Recorded()  # filled while tracing
     checks = value_checks.ValueChecks()  # branches on tensor values where one side raises: decided over the traces
 
@@ -239,7 +290,10 @@ def capture(
         t_hyper = {n: next(it) for n in hyper_values}
         t_numbers = {n: next(it) for n in numbers.slots}
         t_outside = [next(it) for _ in outside]
-        t_batch = pytree.tree_unflatten(list(it), spec)
+        t_leaves = list(it)
+        for i, name in batch_floats.items():
+            t_leaves[i] = leaves[i] if batch_floats.fixed else hyperparams.traced_float(t_leaves[i], name, None, symbols)
+        t_batch = pytree.tree_unflatten(t_leaves, spec)
         _as_stand_ins(t_params, trainable)
         param_hooks.register_on(hooks, t_params)
         if probe["preset_grads"]:
@@ -275,18 +329,25 @@ def capture(
         updates, update_values = effects.updates(probe["numbers_unread"])
         outputs, out_spec, returned = step_outputs.as_graph_outputs(result, update_values)
         if calls["backward"] == 0:
-            raise CaptureError("train_step never called loss.backward(): remat captures a whole training step")
+            raise CaptureError(
+                "train_step never called loss.backward() (nor torch.autograd.grad on the parameters): remat captures a "
+                "whole training step and plans its backward pass. Gradients taken with torch.func (grad, vjp, jacrev, "
+                "per-sample gradients under vmap) are not such a pass: take them with loss.backward() or "
+                "torch.autograd.grad, or train this step without remat."
+            )
         grads = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]
         final_grads[:] = [n for n, _ in grads]
-        seen.update(output_spec=out_spec, output_numbers=returned, backward_passes=calls["backward"], reduced=calls["reduced"], state_updates=updates, unread_lists=logged_numbers.unread(effects.logged))
+        seen.update(left_alone=effects.left_alone, output_spec=out_spec, output_numbers=returned, backward_passes=calls["backward"], reduced=calls["reduced"], state_updates=updates, unread_lists=logged_numbers.unread(effects.logged))
         return outputs, [g for _, g in grads]
 
     def trace() -> torch.fx.GraphModule:
-        return _trace(traced, flat, symbols, sign_facts, hyper_values, numbers, model, checks)
+        return _trace(traced, flat, symbols, sign_facts, hyper_values, numbers, batch_floats, model, checks)
 
     ran: set[Any] = set()  # the user's code the traces ran: the step reads only what it names
     set_ups: list[first_call.SetUp] = []
     gm, probe_gm, recorded_run = _traces(trace, model, train_step, slots, probe, seen, (grad_order, final_grads), ran, device, set_ups)
+    for message in seen.get("left_alone", []):  # the last trace's, once
+        warnings.warn(message, stacklevel=3)
     leaves_zero_grads = bool(final_grads) and ends_with_zero_grads(gm)
     if probe_gm is not None and not leaves_zero_grads:
         check_no_accumulation(probe_gm, {n: params[n] for n in trainable}, optimizer)
@@ -376,6 +437,7 @@ class _Effects:
     tensors: list[tuple[Any, Any]]
     skips: dict[int, Any]  # GradScaler's skipped updates (optimizer_state.skipped_in_graph)
     passed: Any  # the optimizer argument, whose wrappers keep a skip (Accelerate's)
+    left_alone: list[str] = field(default_factory=list)  # warnings: library numbers left as they were (kept_numbers.kept)
 
     @classmethod
     def recording(
@@ -400,7 +462,7 @@ class _Effects:
         number the step counts up prints from the slot's number before the step."""
         logs, logged_values = logged_numbers.logged(self.logged)
         prints, printed_values = step_prints.recorded(self.printed)
-        kept, kept_values = kept_numbers.kept(self.counted, numbers_unread)
+        kept, kept_values, self.left_alone = kept_numbers.kept(self.counted, numbers_unread)
         tensors = [t for t, _ in self.tensors]
         skipped, skipped_values = optimizer_state.skipped_steps(self.passed, self.skips)
         return (

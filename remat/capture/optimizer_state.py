@@ -107,11 +107,34 @@ def _init_by_the_optimizer(optimizer: torch.optim.Optimizer, group: dict, p: tor
     return bool(optimizer.state.get(p))
 
 
+# torch's optimizers whose step cannot be one graph, with why and what to do instead.
+_NOT_CAPTURABLE = {
+    torch.optim.LBFGS: (
+        "its step calls the closure again and again, and stops when the loss and gradients are small enough: "
+        "how many forward and backward passes a step runs depends on their values",
+        "train with an optimizer whose step is one update (SGD, Adam, AdamW, ...) under remat, or run LBFGS eagerly",
+    ),
+    torch.optim.SparseAdam: (
+        "it updates sparse gradients, whose number of rows depends on the batch's values, and counts its steps in Python ints",
+        "give the embedding a dense gradient (nn.Embedding(..., sparse=False)) and train it with Adam or AdamW: "
+        "remat runs its update as soon as its gradient is final, which frees that gradient",
+    ),
+}
+
+
+def _check_capturable(optimizer: torch.optim.Optimizer) -> None:
+    for kind, (why, instead) in _NOT_CAPTURABLE.items():
+        if isinstance(optimizer, kind):
+            raise CaptureError(f"{type(optimizer).__name__} cannot be captured as one graph: {why}. Instead: {instead}.")
+
+
 def optimizer_states(
     optimizer: "torch.optim.Optimizer | Optimizers | None", params: dict[str, torch.Tensor], only: set[int] | None = None
 ) -> dict[str, dict[str, torch.Tensor]]:
     if optimizer is None:
         return {}
+    for opt in each(optimizer):
+        _check_capturable(opt)
     known = {id(p) for p in params.values()}
     for group in optimizer.param_groups:
         for p in group["params"]:

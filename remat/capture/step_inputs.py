@@ -67,17 +67,26 @@ class ModelView:
 
 
 def check_batch(batch: Any) -> tuple[list[Any], Any]:
+    """The batch's leaves and structure: tensors, and floats (a loss weight, a mixup
+    coefficient drawn in the loop), each read at every call (`batch_value`)."""
     leaves, spec = pytree.tree_flatten(batch)
-    if not leaves:
+    if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
         raise CaptureError("the batch holds no tensors: pass a tensor, a tuple or a dict of tensors")
     paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(batch)[0]]
     for path, leaf in zip(paths, leaves):
-        if not isinstance(leaf, torch.Tensor):
+        if not isinstance(leaf, (torch.Tensor, float)):
             raise CaptureError(
-                f"the batch must be a tensor, a tuple or a dict of tensors; batch{path} is a "
-                f"{type(leaf).__name__}. Move non-tensor settings into train_step or the model."
+                f"the batch must be a tensor, a tuple or a dict of tensors and floats; batch{path} is a "
+                f"{type(leaf).__name__}. Pass it as a tensor (or a float), or move it into train_step or the model."
             )
     return leaves, spec
+
+
+def batch_value(leaf: Any) -> torch.Tensor:
+    """A batch leaf as its graph input: a float is a 0-dim float64 tensor, read back as a
+    Python float inside the trace (a symbolic float, as a hyperparameter is), so the step's
+    arithmetic on it is eager's, on the same double, and a new value needs no new graph."""
+    return torch.scalar_tensor(leaf, dtype=torch.float64) if isinstance(leaf, float) else leaf
 
 
 def batch_leaf_names(batch: Any) -> list[str]:
@@ -140,7 +149,7 @@ def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: Any, batch: A
             out.append(outside_value(tg, inp))
         elif inp.kind is InputKind.NUMBER:
             out.append(read_numbers.value(tg.call.numbers[inp.name]))
-    out.extend(leaves)
+    out.extend(map(batch_value, leaves))
     return out
 
 

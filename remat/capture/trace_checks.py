@@ -256,12 +256,30 @@ def _fake_dispatch_of(e: BaseException) -> tuple[str, list[Any]] | None:
     return found
 
 
+def _packed_sequence_live(e: BaseException) -> bool:
+    """Whether a frame `e` was raised through holds a PackedSequence."""
+    tb = e.__traceback__
+    while tb is not None:
+        if any(isinstance(v, torch.nn.utils.rnn.PackedSequence) for v in tb.tb_frame.f_locals.values()):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) -> CaptureError:
     name = type(e).__name__
     first = str(e).strip().splitlines()[0] if str(e).strip() else name
 
     frames = traceback.extract_tb(e.__traceback__)
     where = _where_in_users_code(frames)
+    if _packed_sequence_live(e):
+        return CaptureError(
+            f"train_step runs a recurrent layer on a PackedSequence (nn.utils.rnn.pack_padded_sequence){where}: how "
+            "many sequences each time step holds is computed from the lengths' values, a shape one captured graph "
+            f"cannot hold ({name}: {first}). Run the layer on the padded batch instead (with batches of sequences of "
+            "one length, as a length-bucketing sampler makes them, that is the same computation), or train this "
+            "model without remat."
+        )
     data_dependent = "DataDependent" in name or "GuardOnDataDependent" in name or "data-dependent" in str(e).lower()
     if data_dependent and any(Path(f.filename).name == "swa_utils.py" for f in frames):
         return CaptureError(
@@ -304,6 +322,14 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
             f"train_step branches on a random draw{where}, as LayerDrop skips a layer when torch.rand() falls below "
             "its rate: one captured graph would skip the same layers at every step. Set the rate to 0 (in Hugging "
             "Face configs: layerdrop, encoder_layerdrop, decoder_layerdrop), or train without remat."
+        )
+    if data_dependent and "extract specialized integer" in first:
+        return CaptureError(
+            f"train_step uses a tensor's value as a Python int{where} (int(t) or t.item() as an index, a slice "
+            "bound, a size or a count, such as a queue's pointer kept in a buffer): a number that depends on tensor "
+            "values, which one captured graph cannot hold. Index with the tensor itself instead: buffer.index_copy_(dim, (torch.arange(n) + ptr) % size, "
+            "values) for a slice written at a pointer, ptr.add_(n).remainder_(size) to move it, index_select or "
+            "gather to read; or compute the number outside train_step."
         )
     if data_dependent:
         return CaptureError(

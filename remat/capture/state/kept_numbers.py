@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -176,16 +175,19 @@ def counting(changes: list[NumberChange], as_numbers: bool = False, library_ahea
             change.slot.set(change.before)
 
 
-def kept(ended: list[tuple[NumberChange, Any]], unread: frozenset[str] = frozenset()) -> tuple[list[KeptNumber], list[list[Any]]]:
+def kept(ended: list[tuple[NumberChange, Any]], unread: frozenset[str] = frozenset()) -> tuple[list[KeptNumber], list[list[Any]], list[str]]:
     """What `counting` saw the step leave in each slot as KeptNumbers, with the traced numbers
-    each takes from the graph; or a CaptureError for what the graph cannot do again.
+    each takes from the graph, and a warning per library object whose numbers are left as
+    they were; or a CaptureError for what the graph cannot do again.
     `unread`: slots that held None or nothing, and that the step is known not to read."""
     numbers: list[KeptNumber] = []
     values: list[list[Any]] = []
+    left: dict[int, list[Any]] = {}  # per library object: its numbers left as they were
     for change, value in ended:
         if change.slot.library:
             terms = _library_terms(change, value)
             if terms is None:
+                left.setdefault(id(change.slot.owner), [change.slot.owner]).append(change.slot.name)
                 continue
         elif isinstance(value, _Counted) and value.change is change:
             terms = value.terms
@@ -210,7 +212,14 @@ def kept(ended: list[tuple[NumberChange, Any]], unread: frozenset[str] = frozens
         keyed = (change.before is None or change.before is MISSING) and change.slot.name not in unread
         numbers.append(KeptNumber(change.slot, terms, keyed))
         values.append(traced)
-    return numbers, values
+    warned = [
+        f"remat: train_step changes {', '.join(names)}, numbers a library's {type(owner).__name__} keeps, in a way "
+        "remat cannot repeat at every step (neither a count nor a value set again); the step's graph does not depend "
+        "on them, so they are left as they were: call the method that changes them between steps, outside train_step, "
+        "to keep them current."
+        for owner, *names in left.values()
+    ]
+    return numbers, values, warned
 
 
 def _library_terms(change: NumberChange, value: Any) -> tuple[Any, ...] | None:
@@ -218,7 +227,7 @@ def _library_terms(change: NumberChange, value: Any) -> tuple[Any, ...] | None:
     trace made of it (`change`) and what the next step's trace made of that (`value`): the
     same number set again, or the same amount added again (a step count). None for another
     change (a progress bar's timing), which the graph then must not depend on
-    (`traced_counting`): it is left as capture found it, with a warning."""
+    (`traced_counting`): it is left as capture found it, with a warning (`kept` words it)."""
     before, after = change.before, change.after
     if type(value) in NUMBERS and type(after) in NUMBERS:
         if same_number(value, after):
@@ -227,13 +236,6 @@ def _library_terms(change: NumberChange, value: Any) -> tuple[Any, ...] | None:
             step = after - before
             if before + step == after and after + step == value:
                 return (Term.SLOT, step)
-    warnings.warn(
-        f"remat: train_step changes {change.slot.name}, a number a library's {type(change.slot.owner).__name__} keeps, "
-        "in a way remat cannot repeat at every step (neither a count nor a value set again); the step's graph does not "
-        "depend on it, so it is left as it was: call the method that changes it between steps, outside train_step, to "
-        "keep it current.",
-        stacklevel=2,
-    )
     return None
 
 
