@@ -77,7 +77,8 @@ def check_batch(batch: Any) -> tuple[list[Any], Any]:
         if not isinstance(leaf, (torch.Tensor, float)):
             raise CaptureError(
                 f"the batch must be a tensor, a tuple or a dict of tensors and floats; batch{path} is a "
-                f"{type(leaf).__name__}. Pass it as a tensor (or a float), or move it into train_step or the model."
+                f"{type(leaf).__name__}. Pass a number as a tensor (or a float), and leave other values (names, "
+                "paths, ids as strings) out of the batch given to the step, or move them into train_step or the model."
             )
     return leaves, spec
 
