@@ -238,8 +238,12 @@ def test_maxbatch_remat_fits_a_larger_batch(tmp_path):
     for m in r["measured"]:
         if m["method"] == "remat" and m["batch_size"] == r["remat_max_batch_measured"]:
             assert m["peak_bytes"] <= cap
-    assert "remat fits batch" in r["summary"]
+    assert "remat fits batch" in r["summary"] and "search's limit" not in r["summary"]
     assert list(tmp_path.glob("maxbatch-*.json"))
+    # A cap nothing reaches: both fit the largest batch tried, which the summary says is the search's limit.
+    r = maxbatch("mlp", "1GiB", max_batch=8, start=4, confirm=False)
+    assert r["eager_max_batch_simulated"] == r["remat_max_batch_simulated"] == 8
+    assert r["summary"].endswith("8 is the search's limit: raise --max-batch to search further") and "cap 1.00 GiB" in r["summary"]
 
 
 def test_cli_usage_errors(capsys):

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from remat.budget import GiB, MiB
+from remat.budget import MiB, format_bytes
 from remat.profile.allocator import persistent_bytes
 from remat.measurement.results import failure_reason
 
@@ -155,6 +155,7 @@ def maxbatch(
     if confirm:
         say("confirming with measured runs ...")
         plan_runs = [("eager", eager_b), ("eager", eager_b + 1), ("remat", remat_b)] if eager_b else [("eager", 1), ("remat", remat_b)]
+        plan_runs = [(kind, b) for kind, b in plan_runs if b <= max_batch]
         for kind, b in plan_runs:
             if b < 1:
                 continue
@@ -174,9 +175,10 @@ def maxbatch(
     result["ratio"] = (r / e) if e else None
     result["seconds"] = time.perf_counter() - t_start
     result["summary"] = (
-        f"{model}, cap {cap_bytes / GiB:.2f} GiB: eager fits batch {e}, remat fits batch {r}"
+        f"{model}, cap {format_bytes(cap_bytes)}: eager fits batch {e}, remat fits batch {r}"
         + (f" ({result['ratio']:.2f}×)" if result["ratio"] else "")
         + (" (measured)" if confirm else " (simulated)")
+        + (f"; {max_batch} is the search's limit: raise --max-batch to search further" if max_batch in (e, r) else "")
     )
     if out_dir:
         _write_maxbatch(result, out_dir)
