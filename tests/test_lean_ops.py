@@ -138,10 +138,10 @@ def test_a_budget_only_the_lean_graph_reaches_runs_bitwise_at_its_predicted_peak
     ns = built.profile.seconds_by_node()
     with pytest.raises(BudgetError) as refused:
         make_plan("mutwo", built.index, ns, 10**6, lean_ops=False)
-    floor = int(str(refused.value).split("(--budget ")[1].split(")")[0])
+    floor = refused.value.reach.best
     with pytest.raises(BudgetError) as lean_refused:
         make_plan("mutwo", built.index, ns, 10**6)
-    lean_floor = int(str(lean_refused.value).split("(--budget ")[1].split(")")[0])
+    lean_floor = lean_refused.value.reach.best
     assert lean_floor < floor, "the lean graph must reach below the captured graph's floor"
     budget = (floor + lean_floor) // 2
     eager_model, eager_opt = twin(spec.model, opt)

@@ -268,8 +268,8 @@ def no_plan_error(planner: str, budget_bytes: int, reach: "Reach | int | Callabl
         return (
             f"no {planner} plan fits the budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes): {smallest}, "
             f"from {format_bytes(baseline_peak)} without recomputation, with {num_candidates} activations that may be "
-            f"recomputed. Raise the budget to at least {format_bytes(reach.best)} (--budget {reach.best}), or lower "
-            "the batch size."
+            f"recomputed. Raise the budget to at least {format_bytes(reach.best)} (memory_budget={reach.best}, or "
+            f"--budget {reach.best} on the command line), or lower the batch size."
         )
 
     if isinstance(reach, int):
