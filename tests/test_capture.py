@@ -145,6 +145,13 @@ def test_bad_batches_are_refused():
         capture(_step, model, None, [])
 
 
+def test_anomaly_detection_is_refused_saying_to_turn_it_off():
+    model = torch.nn.Linear(4, 4)
+    with torch.autograd.set_detect_anomaly(True), pytest.raises(CaptureError, match=r"anomaly detection is on .*set_detect_anomaly\(False\)"):
+        capture(_sgd_step, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 4))
+    capture(_sgd_step, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 4))  # off again: captured
+
+
 def test_step_that_never_calls_backward_is_refused():
     model = torch.nn.Linear(4, 4)
     with pytest.raises(CaptureError, match="never called loss.backward"):

@@ -254,6 +254,12 @@ def capture(
     `read_numbers_named`: the floats (python_state slot names) to read at every call where
     the trace can (read_numbers). `reduce_in_buckets`: a DDP model's gradients all-reduced
     in DDP's buckets, or each on its own (data_parallel.buckets)."""
+    if torch.is_anomaly_enabled():
+        raise CaptureError(
+            "autograd's anomaly detection is on (torch.autograd.set_detect_anomaly(True)): it checks every backward "
+            "op's output for NaN on the host, a branch on tensor values one captured graph cannot hold. Turn it off "
+            "to compile the step (torch.autograd.set_detect_anomaly(False)), and debug NaNs on an eager step."
+        )
     passed, optimizer = optimizer, as_one(optimizer)  # the step gets what was passed; remat reads it as one
     leaves, spec, params, buffers, trainable, device = _check_arguments(model, example_batch)
     dp = data_parallel.data_parallel_of(model, in_buckets=reduce_in_buckets)
