@@ -24,7 +24,7 @@ from remat.capture.state import first_call, read_numbers
 from remat.budget import format_bytes, not_held, parse_budget
 from remat.passes import cuda_graph as cuda_graphs, inductor_regions
 from remat.capture.capture import capture
-from remat.capture.step_inputs import ModelView, batch_leaf_names, run_captured
+from remat.capture.step_inputs import ModelView, batch_leaf_names, flatten_batch, run_captured
 from remat.capture.train_graph import TrainGraph, TrainStep
 from remat.errors import BudgetError, CaptureError, RematError
 from remat.profile.allocator import measure_step_peak
@@ -65,7 +65,7 @@ class CompiledGraph:
 
 
 def _signature(batch: Any) -> tuple[str, tuple[tuple[tuple[int, ...], torch.dtype, str], ...]]:
-    leaves, spec = pytree.tree_flatten(batch)
+    leaves, spec = flatten_batch(batch)
     sig = tuple(
         (tuple(leaf.shape), leaf.dtype, str(leaf.device)) if isinstance(leaf, torch.Tensor)
         else ((), float if isinstance(leaf, float) else type(leaf), "")  # a float: read at every call, any value

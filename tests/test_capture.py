@@ -152,6 +152,42 @@ def test_anomaly_detection_is_refused_saying_to_turn_it_off():
     capture(_sgd_step, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 4))  # off again: captured
 
 
+def _encoded_step(model, opt, batch):
+    assert type(batch).__name__ == "BatchEncoding" and batch.x is batch["x"]  # the kind the loop passed, attributes and all
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(torch.nn.functional.dropout(model(batch["x"]), 0.5), batch["labels"])
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_a_batch_encoding_from_a_tokenizer_or_collator_is_a_batch_bitwise():
+    import remat
+
+    transformers = pytest.importorskip("transformers")
+    batches = [transformers.BatchEncoding({"x": torch.randn(8, 4), "labels": torch.randint(0, 4, (8,))}) for _ in range(3)]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    eager_model, eager_opt = twin(model, opt)
+    step = remat.compile(_encoded_step, model, opt, batches[0], memory_budget=None, profile_runs=1, measure=False)
+    torch.manual_seed(1)
+    losses = [step(b) for b in batches]
+    torch.manual_seed(1)
+    assert all(torch.equal(a, _encoded_step(eager_model, eager_opt, b)) for a, b in zip(losses, batches))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), eager_model.parameters())) and len(step._graphs) == 1
+
+
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+
+
+def test_a_batch_remat_cannot_look_into_is_refused_naming_its_kind():
+    with pytest.raises(CaptureError, match=r"the batch \(_Batch\) holds no tensors remat can find.*dataclasses\.asdict\(batch\)"):
+        capture(_step, torch.nn.Linear(4, 4), None, _Batch(torch.randn(2, 4)))
+
+
 def test_step_that_never_calls_backward_is_refused():
     model = torch.nn.Linear(4, 4)
     with pytest.raises(CaptureError, match="never called loss.backward"):

@@ -30,7 +30,7 @@ from remat.capture import data_parallel, hyperparams
 from remat.capture.state import read_numbers
 from remat.capture.state.guards import SameContents, SameEntries, same_objects
 from remat.capture.optimizers import as_one, each
-from remat.capture.step_inputs import ModelView, batch_value, flat_inputs, outside_value, state_owners
+from remat.capture.step_inputs import ModelView, batch_value, flat_inputs, flatten_batch, outside_value, state_owners
 from remat.capture.train_graph import InputKind, TrainGraph
 
 _training = attrgetter("training")
@@ -91,7 +91,7 @@ class LastCall:
         groups = [g for opt in optimizers for g in opt.param_groups]
         tables = {id(p): opt.state for opt in optimizers for g in opt.param_groups for p in g["params"]}
         owners = [view.params[name] for name in state_owners(tg)]
-        leaves, spec = pytree.tree_flatten(batch)
+        leaves, spec = flatten_batch(batch)
         reread = _rereads(tg, optimizer, groups)
         hook_tables = _hook_tables(params)
         return cls(
@@ -164,7 +164,7 @@ class CallInputs:
         optimizer = as_one(optimizer)
         last, tg = self.last, self.tg
         if last is not None and last.holds(optimizer):
-            leaves, spec = pytree.tree_flatten(batch)
+            leaves, spec = flatten_batch(batch)
             if spec == last.batch_spec and all(isinstance(leaf, (torch.Tensor, float)) for leaf in leaves):
                 if tg.call.data_parallel is not None:
                     data_parallel.check_unchanged(model, tg.call.data_parallel)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import operator
 import weakref
+from collections import UserDict
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, Iterator
@@ -66,12 +67,35 @@ class ModelView:
         return cls(modules, names, params, buffers)
 
 
+def flatten_batch(batch: Any) -> tuple[list[Any], Any]:
+    """The batch's leaves and structure (pytree), with UserDicts looked into: transformers'
+    BatchEncoding, what its tokenizers and data collators return, is one. Each such kind
+    is registered with pytree on first sight, its items its leaves; the step gets one of
+    the same kind back, made from a dict of its items."""
+    leaves, spec = pytree.tree_flatten(batch)
+    new = {type(leaf) for leaf in leaves if isinstance(leaf, UserDict)}
+    if not new:
+        return leaves, spec
+    for kind in new:
+        pytree.register_pytree_node(
+            kind,
+            lambda d: (list(d.data.values()), tuple(d.data)),
+            lambda values, keys, kind=kind: kind(dict(zip(keys, values))),
+            flatten_with_keys_fn=lambda d: ([(pytree.MappingKey(k), v) for k, v in d.data.items()], tuple(d.data)),
+            serialized_type_name=f"{kind.__module__}.{kind.__qualname__}",
+        )
+    return flatten_batch(batch)
+
+
 def check_batch(batch: Any) -> tuple[list[Any], Any]:
     """The batch's leaves and structure: tensors, and floats (a loss weight, a mixup
     coefficient drawn in the loop), each read at every call (`batch_value`)."""
-    leaves, spec = pytree.tree_flatten(batch)
+    leaves, spec = flatten_batch(batch)
     if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
-        raise CaptureError("the batch holds no tensors: pass a tensor, a tuple or a dict of tensors")
+        raise CaptureError(
+            f"the batch ({type(batch).__name__}) holds no tensors remat can find: pass a tensor, or a tuple, list or "
+            "dict of them (a dataclass: dataclasses.asdict(batch))"
+        )
     paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(batch)[0]]
     for path, leaf in zip(paths, leaves):
         if not isinstance(leaf, (torch.Tensor, float)):
