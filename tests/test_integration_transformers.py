@@ -2,7 +2,8 @@
 logged loss, gradient norm and learning rate, the final parameters and optimizer state
 bitwise equal, with gradient accumulation (an epoch's last step with fewer micro-batches),
 warm-up, clipping, evaluation between steps, Trainer's default optimizer (fused AdamW),
-dropout, a checkpoint and a resumed run."""
+dropout, a checkpoint and a resumed run; batches collated into a BatchEncoding, as
+DataCollatorWithPadding (Trainer's default collator with a tokenizer) makes them."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import BatchEncoding, GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, default_data_collator
 
 from remat.errors import RematError
 from remat.integrations.transformers import RematTrainer, RematTrainerMixin
@@ -29,6 +30,10 @@ def _data(n: int = 40, length: int = 16) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": r, "labels": r.clone()} for r in rows]
 
 
+def _encoded(rows: list[dict[str, torch.Tensor]]) -> BatchEncoding:
+    return BatchEncoding(default_data_collator(rows))
+
+
 def _train(cls: type, out, max_steps: int = 6, resume: str | None = None, **kwargs):
     torch.manual_seed(0)
     model = GPT2LMHeadModel(_CONFIG)
@@ -38,7 +43,7 @@ def _train(cls: type, out, max_steps: int = 6, resume: str | None = None, **kwar
         eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=3, report_to=[], use_cpu=True, seed=0,
         disable_tqdm=True,
     )
-    trainer = cls(model=model, args=args, train_dataset=_data(), eval_dataset=_data(16), **kwargs)
+    trainer = cls(model=model, args=args, train_dataset=_data(), eval_dataset=_data(16), data_collator=_encoded, **kwargs)
     trainer.train(resume_from_checkpoint=resume)
     kept = ("loss", "grad_norm", "learning_rate", "eval_loss")
     logs = [{k: v for k, v in e.items() if k in kept} for e in trainer.state.log_history if any(k in e for k in kept)]
