@@ -645,7 +645,7 @@ def test_a_float_of_the_batch_is_read_at_every_call_bitwise_in_one_graph():
 
 @pytest.mark.parametrize("use,words", [
     (lambda w: 1.0 if w > 0.5 else 2.0, r"needs batch\['w'\], a float of the batch, as a fixed value, at test_capture\.py"),
-    (lambda w: np.sqrt(w), r"uses batch\['w'\], a float of the batch, where a number that changes .*TypeError.*Compute that use outside"),
+    (lambda w: np.sqrt(w), r"uses batch\['w'\] \(floats of the batch\) where a number that changes .*TypeError.*Compute that use outside"),
 ])
 def test_a_use_of_a_batch_float_that_needs_its_value_is_refused_by_name(use, words):
     def step(model, opt, batch):
@@ -653,8 +653,8 @@ def test_a_use_of_a_batch_float_that_needs_its_value_is_refused_by_name(use, wor
         loss.backward()
         return loss
 
-    with pytest.raises(CaptureError, match=words):
-        capture(step, torch.nn.Linear(4, 4), None, {"x": torch.randn(2, 4), "w": 0.7})
+    with pytest.raises(CaptureError, match=words):  # named among the batch's floats
+        capture(step, torch.nn.Linear(4, 4), None, {"x": torch.randn(2, 4), "v": 0.1, "w": 0.7})
 
 
 class _Annealed(torch.nn.Module):

@@ -157,13 +157,10 @@ def _as_stand_ins(t_params: dict[str, torch.Tensor], trainable: tuple[str, ...])
 @dataclass
 class _BatchFloats:
     """The batch's floats, by leaf position: symbolic floats in the trace (graph inputs read
-    at every call), or (`fixed`, only to tell why a trace failed) the example's values."""
+    at every call), but those `fixed` (only to tell why a trace failed): the example's values."""
 
     names: dict[int, str]
-    fixed: bool = False
-
-    def items(self) -> Any:
-        return self.names.items()
+    fixed: frozenset[int] = frozenset()
 
     def refuse_branch(self, branched: list[str], e: BaseException) -> None:
         if on := [n for n in branched if n in self.names.values()]:
@@ -175,24 +172,23 @@ class _BatchFloats:
             ) from e
 
     def refuse_use(self, trace: Callable[[], Any], e: BaseException) -> None:
-        """After a trace failed otherwise: if it succeeds with the floats fixed, a float was
-        used where a number that changes cannot go (torch.tensor(x), a size, a dropout rate)."""
-        if not self.names:
-            return
-        self.fixed = True
-        try:
-            trace()
-        except Exception:  # noqa: BLE001 - the floats are not the cause: the first failure is explained
-            return
-        finally:
-            self.fixed = False
-        names = ", ".join(self.names.values())
-        raise CaptureError(
-            f"train_step uses {names}, a float of the batch, where a number that changes at every call cannot go "
-            f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}){where_in_users_code(e)}: "
-            "the graph reads the batch's floats at every call. Compute that use outside train_step and pass its "
-            "result in the batch, or compute it with torch's ops on the tensors."
-        ) from e
+        """After a trace failed otherwise: if it succeeds with a float fixed, that float was
+        used where a number that changes cannot go (numpy's functions on it, a rate)."""
+        for fixed in [*({i} for i in self.names), set(self.names)] if self.names else []:
+            self.fixed = frozenset(fixed)
+            try:
+                trace()
+            except Exception:  # noqa: BLE001 - not this one: the next, or the first failure is explained
+                continue
+            finally:
+                self.fixed = frozenset()
+            names = ", ".join(self.names[i] for i in sorted(fixed))
+            raise CaptureError(
+                f"train_step uses {names} (floats of the batch) where a number that changes at every call cannot go "
+                f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}){where_in_users_code(e)}: "
+                "the graph reads the batch's floats at every call. Compute that use outside train_step and pass its "
+                "result in the batch, or compute it with torch's ops on the tensors."
+            ) from e
 
 
 def _trace(
@@ -297,8 +293,8 @@ def capture(
         t_numbers = {n: next(it) for n in numbers.slots}
         t_outside = [next(it) for _ in outside]
         t_leaves = list(it)
-        for i, name in batch_floats.items():
-            t_leaves[i] = leaves[i] if batch_floats.fixed else hyperparams.traced_float(t_leaves[i], name, None, symbols)
+        for i, name in batch_floats.names.items():
+            t_leaves[i] = leaves[i] if i in batch_floats.fixed else hyperparams.traced_float(t_leaves[i], name, None, symbols)
         t_batch = pytree.tree_unflatten(t_leaves, spec)
         _as_stand_ins(t_params, trainable)
         param_hooks.register_on(hooks, t_params)

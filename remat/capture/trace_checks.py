@@ -327,9 +327,10 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
         return CaptureError(
             f"train_step uses a tensor's value as a Python int{where} (int(t) or t.item() as an index, a slice "
             "bound, a size or a count, such as a queue's pointer kept in a buffer): a number that depends on tensor "
-            "values, which one captured graph cannot hold. Index with the tensor itself instead: buffer.index_copy_(dim, (torch.arange(n) + ptr) % size, "
-            "values) for a slice written at a pointer, ptr.add_(n).remainder_(size) to move it, index_select or "
-            "gather to read; or compute the number outside train_step."
+            "values, which one captured graph cannot hold. Index with the tensor itself instead: "
+            "buffer.index_copy_(dim, (torch.arange(n) + ptr) % size, values) for a slice written at a pointer, "
+            "ptr.add_(n).remainder_(size) to move it, index_select or gather to read; or compute the number outside "
+            "train_step."
         )
     if data_dependent:
         return CaptureError(
