@@ -2,7 +2,8 @@
 configure_optimizers (AdamW, a per-step warm-up scheduler), gradient clipping, dropout,
 validation between steps, default callbacks and `self.log`: the parameters, optimizer
 state, logged values, step counters and progress bitwise equal, in fp32 and bf16-mixed;
-what the callback cannot honour is refused by name."""
+what the callback cannot honour is refused by name. A manually optimized module whose
+training_step runs a step compiled with remat.compile counts its steps as Lightning does."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 L = pytest.importorskip("lightning")
+import remat  # noqa: E402
 from remat.errors import RematError  # noqa: E402
 from remat.integrations.lightning import RematCallback  # noqa: E402
 
@@ -66,7 +68,7 @@ def _fit(tmp_path, extra: list, precision: str = "32-true", module: L.LightningM
         trainer_args["precision"] = precision
     trainer = L.Trainer(
         max_steps=6, callbacks=[seen, *extra], default_root_dir=str(tmp_path), logger=False, enable_progress_bar=False,
-        gradient_clip_val=1.0, accelerator="cpu", val_check_interval=3, limit_val_batches=1, **trainer_args,
+        accelerator="cpu", val_check_interval=3, limit_val_batches=1, **{"gradient_clip_val": 1.0, **trainer_args},
     )
     trainer.fit(module, _data(1024), _data(128))
     opt = trainer.optimizers[0]
@@ -128,3 +130,66 @@ def test_lightning_fp16_with_its_grad_scaler_is_bitwise(tmp_path):
 def test_what_the_callback_cannot_honour_is_refused(tmp_path, module, trainer_args, match):
     with pytest.raises(RematError, match=match):
         _fit(tmp_path, [RematCallback(memory_budget=0.9)], module=module, **trainer_args)
+
+
+class _Manual(_Net):
+    """Manual optimization with the step's body compiled by remat.compile in training_step."""
+
+    step = None  # a class attribute: the module's own attributes (compile keys on them) hold no None before it
+
+    def __init__(self, use_remat: bool):
+        super().__init__()
+        self.automatic_optimization, self.use_remat = False, use_remat
+
+    @staticmethod
+    def body(module, optimizer, batch):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(module.net(batch[0]), batch[1])
+        module.manual_backward(loss)
+        module.clip_gradients(optimizer, gradient_clip_val=1.0)
+        optimizer.step()  # Lightning's optimizer: the manual loop counts the step
+        return loss.detach()
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        if self.use_remat and self.step is None:
+            self.step = remat.compile(_Manual.body, self, optimizer, batch, memory_budget=0.9, profile_runs=1)
+        loss = self.step(batch) if self.use_remat else _Manual.body(self, optimizer, batch)
+        self.lr_schedulers().step()
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_a_manually_optimized_step_compiled_in_training_step_counts_as_lightning_does(tmp_path):
+    modules = []
+    for use_remat in (False, True):
+        torch.manual_seed(0)
+        modules.append(_Manual(use_remat))
+    rows, state, _, trainer = _fit(tmp_path / "eager", [], module=modules[0], gradient_clip_val=None)
+    remat_rows, remat_state, _, remat_trainer = _fit(tmp_path / "remat", [], module=modules[1], gradient_clip_val=None)
+    assert [r[0] for r in remat_rows] == [r[0] for r in rows] == [1, 2, 3, 4, 5, 6]  # global_step: the manual loop's count
+    assert remat_trainer.global_step == trainer.global_step == 6  # the fit stopped at max_steps
+    assert _equal_rows(remat_rows, rows)
+    assert len(state) == len(remat_state) and all(torch.equal(a, b) for a, b in zip(state, remat_state))
+    step = remat_trainer.lightning_module.step
+    assert step.report.num_recomputed > 0 and len(step._graphs) == 1
+
+
+def test_compiling_with_lightning_loaded_loads_its_integration():
+    # A script that compiles a LightningModule's step itself never imports remat.integrations.lightning.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, lightning.pytorch, remat\n"
+        "assert 'remat.integrations.lightning' not in sys.modules\n"
+        "def step(model, optimizer, batch):\n"
+        "    model.zero_grad()\n"
+        "    loss = model(batch).sum()\n"
+        "    loss.backward()\n"
+        "    return loss\n"
+        "remat.compile(step, torch.nn.Linear(2, 2), None, torch.randn(3, 2), memory_budget=None, profile_runs=1, measure=False)\n"
+        "assert 'remat.integrations.lightning' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

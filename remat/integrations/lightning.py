@@ -124,15 +124,26 @@ for _name in ("log", "log_dict"):
     step_prints.record_calls_of(step_prints.RecordedMethod(LightningModule, _name, _log_again, _tensor_values))
 
 
-def _precision_scaler(module: LightningModule) -> list[tuple[str, Any]]:
-    """The GradScaler of the trainer's precision plugin ("16-mixed"): its scale is read and
-    updated by the step, and made at its first use (library_objects)."""
+def _trainer_state(module: LightningModule) -> list[tuple[str, Any]]:
+    """What of the trainer a step changes, deeper than the library walk goes (library_objects):
+    the GradScaler of its precision plugin ("16-mixed"), whose scale the step reads and
+    updates and which is made at its first use; and, where a manually optimized module's
+    step is compiled with remat.compile, the manual loop's count of optimizer steps, which
+    each `optimizer.step()` adds to and `trainer.global_step` reads."""
     trainer = vars(module).get("_trainer")
-    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None) if trainer is not None else None
-    return [("trainer.precision_plugin.scaler", scaler)] if scaler is not None else []
+    if trainer is None:
+        return []
+    roots = []
+    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+    if scaler is not None:
+        roots.append(("trainer.precision_plugin.scaler", scaler))
+    progress = getattr(getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "manual_optimization", None), "optim_step_progress", None)
+    if progress is not None and not module.automatic_optimization:
+        roots.append(("trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress", progress))
+    return roots
 
 
-library_objects.reach_through(LightningModule, _precision_scaler)
+library_objects.reach_through(LightningModule, _trainer_state)
 
 
 class _BatchIndex(int):
@@ -163,7 +174,11 @@ def _check_supported(trainer: Any, module: LightningModule, callback: RematCallb
             "on a DistributedDataParallel model (docs: README, Data parallel).",
         )
     if not module.automatic_optimization:
-        refuse("the module uses manual optimization", "Compile your training_step with remat.compile yourself, or use automatic optimization.")
+        refuse(
+            "the module uses manual optimization",
+            "Compile the step's body with remat.compile in training_step yourself (docs/integrations/lightning.md, "
+            "Manual optimization), or use automatic optimization.",
+        )
     if len(trainer.optimizers) != 1:
         refuse(f"configure_optimizers returns {len(trainer.optimizers)} optimizers", "remat runs one optimizer step per batch: return one optimizer (its schedulers may be several).")
     if trainer.accumulate_grad_batches != 1:

@@ -144,7 +144,11 @@ _MODULE_TABLES = frozenset(vars(torch.nn.Module()))  # nn.Module's own: paramete
 def changed_values(before: tuple[tuple[str, Any], ...], now: tuple[tuple[str, Any], ...]) -> list[str]:
     """'name (old -> new)' for each value that differs (added or removed ones included)."""
     old, new, gone = dict(before), dict(now), object()
-    return [f"{k} ({shown(old.get(k))} -> {shown(new.get(k))})" for k in {**old, **new} if old.get(k, gone) != new.get(k, gone)]
+
+    def held(values: dict[str, Any], k: str) -> str:  # a slot left out of the key holds an object now, or nothing
+        return shown(values[k]) if k in values else "an object, or nothing"
+
+    return [f"{k} ({held(old, k)} -> {held(new, k)})" for k in {**old, **new} if old.get(k, gone) != new.get(k, gone)]
 
 
 @dataclass
