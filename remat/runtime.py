@@ -24,7 +24,6 @@ from remat.capture.state import first_call, read_numbers
 from remat.budget import format_bytes, not_held, parse_budget
 from remat.passes import cuda_graph as cuda_graphs, inductor_regions
 from remat.capture.capture import capture
-from remat.integrations import load_for_loaded_frameworks
 from remat.capture.step_inputs import ModelView, batch_leaf_names, flatten_batch, run_captured
 from remat.capture.train_graph import TrainGraph, TrainStep
 from remat.errors import BudgetError, CaptureError, RematError
@@ -117,7 +116,6 @@ class RematStep:
     _hit: tuple[Any, Guards, CompiledGraph] | None = None  # the last graph found, and what its key was found from (guards)
 
     def __post_init__(self) -> None:
-        load_for_loaded_frameworks()  # a LightningModule compiled directly: what Lightning's integration registers
         # Parse now: a bad budget is an error at compile time, not at the first step.
         self._budget = parse_budget(self.memory_budget) if self.memory_budget is not None else None
         inductor_regions.check_backend(self.backend)

@@ -12,7 +12,6 @@ removed before the graph is handed on."""
 from __future__ import annotations
 
 import contextlib
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -31,7 +30,7 @@ from remat.capture.optimizer_state import check_first_step_state, optimizer_on, 
 from remat.capture.optimizers import as_one, only_passed_step
 
 from remat.capture.markers import marking_updates, MARKER, RECORD_FUNCTION_OPS, marker, marking_passes
-from remat.capture.trace_checks import branched_hyperparameters, check_graph_runnable, cleared_before_backward, check_no_accumulation, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state, where_in_users_code
+from remat.capture.trace_checks import branched_hyperparameters, check_backward_ran, check_graph_runnable, cleared_before_backward, check_no_accumulation, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state, where_in_users_code
 from remat.capture.train_graph import CallContract, GraphInput, InputKind, Phase, TrainGraph, TrainStep
 from remat.capture.state import first_call
 from remat.capture.state.python_state import no_python_state_changed, state_slots
@@ -39,7 +38,7 @@ from remat.capture.traced_rng import no_host_random_drawn, no_rng_state_set
 from remat.capture.user_checkpoints import plain_checkpoints
 from remat.ops import ctc_loss, value_checks
 from remat.ops import training_workspace
-from remat.capture.step_inputs import batch_leaf_names, batch_value, check_batch, describe, unique_named
+from remat.capture.step_inputs import BatchFloats, batch_leaf_names, batch_value, check_arguments, describe
 
 
 def _user_state(
@@ -117,32 +116,6 @@ def _graph_inputs(
     return inputs, flat, hyper_values
 
 
-def _check_arguments(
-    model: torch.nn.Module, example_batch: Any
-) -> tuple[list[Any], Any, dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[str, ...], str]:
-    """(batch leaves, batch spec, parameters, buffers, trainable names, device), or a CaptureError naming what is wrong."""
-    if not isinstance(model, torch.nn.Module):
-        raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if any(type(m).__name__ == "OptimizedModule" and hasattr(m, "_orig_mod") for m in model.modules()):
-        raise CaptureError(
-            "the model (or a submodule) is torch.compile'd, and remat traces the step itself, which it cannot do "
-            "through a compiled module: pass the module before torch.compile (its _orig_mod), in the step too"
-        )
-    leaves, spec = check_batch(example_batch)
-    params = unique_named(model.named_parameters())
-    buffers = unique_named(model.named_buffers())
-    if not params:
-        raise CaptureError("the model has no parameters: there is nothing to train")
-    trainable = tuple(n for n, p in params.items() if p.requires_grad)
-    if not trainable:
-        raise CaptureError("no parameter of the model requires a gradient: there is nothing to train")
-    devices = {str(t.device) for t in [*params.values(), *buffers.values(), *leaves] if isinstance(t, torch.Tensor)}
-    if len(devices) != 1:
-        raise CaptureError(f"model and batch must be on one device, found {sorted(devices)}; move them with .to(device)")
-    device = devices.pop()
-    return leaves, spec, params, buffers, trainable, device
-
-
 def _as_stand_ins(t_params: dict[str, torch.Tensor], trainable: tuple[str, ...]) -> None:
     """Each traced parameter requires a gradient as its parameter does, and starts without
     one. Made fake from a real parameter, it carries a fake copy of that one's `.grad`,
@@ -154,46 +127,9 @@ def _as_stand_ins(t_params: dict[str, torch.Tensor], trainable: tuple[str, ...])
         p.grad = None
 
 
-@dataclass
-class _BatchFloats:
-    """The batch's floats, by leaf position: symbolic floats in the trace (graph inputs read
-    at every call), but those `fixed` (only to tell why a trace failed): the example's values."""
-
-    names: dict[int, str]
-    fixed: frozenset[int] = frozenset()
-
-    def refuse_branch(self, branched: list[str], e: BaseException) -> None:
-        if on := [n for n in branched if n in self.names.values()]:
-            raise CaptureError(
-                f"train_step needs {on[0]}, a float of the batch, as a fixed value{where_in_users_code(e)} (a branch on "
-                "it, torch.tensor(x), a size): the graph reads it at every call, so one graph cannot hold that use. Use "
-                "it in arithmetic on tensors (x * w), pass it as a tensor, or decide outside train_step and pass what "
-                "was decided."
-            ) from e
-
-    def refuse_use(self, trace: Callable[[], Any], e: BaseException) -> None:
-        """After a trace failed otherwise: if it succeeds with a float fixed, that float was
-        used where a number that changes cannot go (numpy's functions on it, a rate)."""
-        for fixed in [*({i} for i in self.names), set(self.names)] if self.names else []:
-            self.fixed = frozenset(fixed)
-            try:
-                trace()
-            except Exception:  # noqa: BLE001 - not this one: the next, or the first failure is explained
-                continue
-            finally:
-                self.fixed = frozenset()
-            names = ", ".join(self.names[i] for i in sorted(fixed))
-            raise CaptureError(
-                f"train_step uses {names} (floats of the batch) where a number that changes at every call cannot go "
-                f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}){where_in_users_code(e)}: "
-                "the graph reads the batch's floats at every call. Compute that use outside train_step and pass its "
-                "result in the batch, or compute it with torch's ops on the tensors."
-            ) from e
-
-
 def _trace(
     traced: Callable[..., Any], flat: list[torch.Tensor], symbols: dict[str, str], sign_facts: dict[str, int],
-    hyper_values: dict[str, float], numbers: read_numbers.Reading, batch_floats: _BatchFloats, model: torch.nn.Module,
+    hyper_values: dict[str, float], numbers: read_numbers.Reading, batch_floats: BatchFloats, model: torch.nn.Module,
     checks: value_checks.ValueChecks,
 ) -> torch.fx.GraphModule:  # fmt: skip
     """make_fx of `traced`; a branch on a hyperparameter other than the known ones fixes its
@@ -250,14 +186,8 @@ def capture(
     `read_numbers_named`: the floats (python_state slot names) to read at every call where
     the trace can (read_numbers). `reduce_in_buckets`: a DDP model's gradients all-reduced
     in DDP's buckets, or each on its own (data_parallel.buckets)."""
-    if torch.is_anomaly_enabled():
-        raise CaptureError(
-            "autograd's anomaly detection is on (torch.autograd.set_detect_anomaly(True)): it checks every backward "
-            "op's output for NaN on the host, a branch on tensor values one captured graph cannot hold. Turn it off "
-            "to compile the step (torch.autograd.set_detect_anomaly(False)), and debug NaNs on an eager step."
-        )
     passed, optimizer = optimizer, as_one(optimizer)  # the step gets what was passed; remat reads it as one
-    leaves, spec, params, buffers, trainable, device = _check_arguments(model, example_batch)
+    leaves, spec, params, buffers, trainable, device = check_arguments(model, example_batch)
     dp = data_parallel.data_parallel_of(model, in_buckets=reduce_in_buckets)
     shards = sharded.sharding_of(model)  # called inside sharded.local_view: the model holds the shards
     if shards is not None:
@@ -280,7 +210,7 @@ def capture(
     sign_facts = {n: hyperparams.sign(v) for n, v in hyper_values.items() if hyperparams.parse_input_name(n)[1] in hyperparams.BRANCHED_KEYS}
     sign_facts.update(hyperparams.fixed_by_fused_kernels(optimizer))
     symbols: dict[str, str] = {}
-    batch_floats = _BatchFloats({i: n for i, (n, leaf) in enumerate(zip(batch_leaf_names(example_batch), leaves)) if isinstance(leaf, float)})
+    batch_floats = BatchFloats.of(example_batch, leaves)
     recorded = _Recorded()  # filled while tracing
     checks = value_checks.ValueChecks()  # branches on tensor values where one side raises: decided over the traces
 
@@ -292,10 +222,7 @@ def capture(
         t_hyper = {n: next(it) for n in hyper_values}
         t_numbers = {n: next(it) for n in numbers.slots}
         t_outside = [next(it) for _ in outside]
-        t_leaves = list(it)
-        for i, name in batch_floats.names.items():
-            t_leaves[i] = leaves[i] if i in batch_floats.fixed else hyperparams.traced_float(t_leaves[i], name, None, symbols)
-        t_batch = pytree.tree_unflatten(t_leaves, spec)
+        t_batch = pytree.tree_unflatten(batch_floats.traced(list(it), leaves, symbols), spec)
         _as_stand_ins(t_params, trainable)
         param_hooks.register_on(hooks, t_params)
         if probe["preset_grads"]:
@@ -305,7 +232,6 @@ def capture(
         calls = {"backward": 0, "reduced": 0, "updates": 0}
         synced: list[bool] = []  # per forward of a DDP model: whether it syncs gradients
         passes = marking_passes(t_params, grad_order, calls, dp, synced)
-
         mapping = {a: t_params[c] for a, c in param_alias.items()}
         mapping.update({a: t_buffers[c] for a, c in buffer_alias.items()})
         with contextlib.ExitStack() as stack:
@@ -330,13 +256,7 @@ def capture(
             outside_tensors.check_no_gradient([held for held, _ in outside], t_outside)
         updates, update_values = effects.updates(probe["numbers_unread"])
         outputs, out_spec, returned = step_outputs.as_graph_outputs(result, update_values)
-        if calls["backward"] == 0:
-            raise CaptureError(
-                "train_step never called loss.backward() (nor torch.autograd.grad on the parameters): remat captures a "
-                "whole training step and plans its backward pass. Gradients taken with torch.func (grad, vjp, jacrev, "
-                "per-sample gradients under vmap) are not such a pass: take them with loss.backward() or "
-                "torch.autograd.grad, or train this step without remat."
-            )
+        check_backward_ran(calls["backward"])
         grads = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]
         final_grads[:] = [n for n, _ in grads]
         seen.update(left_alone=effects.left_alone, output_spec=out_spec, output_numbers=returned, backward_passes=calls["backward"], reduced=calls["reduced"], state_updates=updates, unread_lists=logged_numbers.unread(effects.logged))
@@ -348,8 +268,7 @@ def capture(
     ran: set[Any] = set()  # the user's code the traces ran: the step reads only what it names
     set_ups: list[first_call.SetUp] = []
     gm, probe_gm, recorded_run = _traces(trace, model, train_step, slots, probe, seen, (grad_order, final_grads), ran, device, set_ups)
-    for message in seen.get("left_alone", []):  # the last trace's, once
-        warnings.warn(message, stacklevel=3)
+    kept_numbers.warn_left_alone(seen.get("left_alone", []))  # the last trace's, once
     leaves_zero_grads = bool(final_grads) and ends_with_zero_grads(gm)
     if probe_gm is not None and not leaves_zero_grads:
         check_no_accumulation(probe_gm, {n: params[n] for n in trainable}, optimizer)

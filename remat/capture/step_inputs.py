@@ -10,7 +10,7 @@ import weakref
 from collections import UserDict
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils._pytree as pytree
@@ -23,6 +23,7 @@ from remat.capture.optimizer_state import optimizer_states
 from remat.capture.optimizers import as_one
 from remat.capture.train_graph import GraphInput, InputKind, TrainGraph
 from remat.ops import value_checks
+from remat.capture.trace_checks import check_settings, where_in_users_code
 
 
 def unique_named(items: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -65,6 +66,33 @@ class ModelView:
                         seen.add(id(t))
                         out[f"{prefix}.{key}" if prefix else key] = t
         return cls(modules, names, params, buffers)
+
+
+def check_arguments(
+    model: torch.nn.Module, example_batch: Any
+) -> tuple[list[Any], Any, dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[str, ...], str]:
+    """(batch leaves, batch spec, parameters, buffers, trainable names, device), or a CaptureError naming what is wrong."""
+    if not isinstance(model, torch.nn.Module):
+        raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if any(type(m).__name__ == "OptimizedModule" and hasattr(m, "_orig_mod") for m in model.modules()):
+        raise CaptureError(
+            "the model (or a submodule) is torch.compile'd, and remat traces the step itself, which it cannot do "
+            "through a compiled module: pass the module before torch.compile (its _orig_mod), in the step too"
+        )
+    check_settings()
+    leaves, spec = check_batch(example_batch)
+    params = unique_named(model.named_parameters())
+    buffers = unique_named(model.named_buffers())
+    if not params:
+        raise CaptureError("the model has no parameters: there is nothing to train")
+    trainable = tuple(n for n, p in params.items() if p.requires_grad)
+    if not trainable:
+        raise CaptureError("no parameter of the model requires a gradient: there is nothing to train")
+    devices = {str(t.device) for t in [*params.values(), *buffers.values(), *leaves] if isinstance(t, torch.Tensor)}
+    if len(devices) != 1:
+        raise CaptureError(f"model and batch must be on one device, found {sorted(devices)}; move them with .to(device)")
+    device = devices.pop()
+    return leaves, spec, params, buffers, trainable, device
 
 
 def flatten_batch(batch: Any) -> tuple[list[Any], Any]:
@@ -112,6 +140,54 @@ def batch_value(leaf: Any) -> torch.Tensor:
     Python float inside the trace (a symbolic float, as a hyperparameter is), so the step's
     arithmetic on it is eager's, on the same double, and a new value needs no new graph."""
     return torch.scalar_tensor(leaf, dtype=torch.float64) if isinstance(leaf, float) else leaf
+
+
+@dataclass
+class BatchFloats:
+    """The batch's floats, by leaf position: symbolic floats in the trace (graph inputs read
+    at every call), but those `fixed` (only to tell why a trace failed): the example's values."""
+
+    names: dict[int, str]
+    fixed: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, batch: Any, leaves: list[Any]) -> BatchFloats:
+        return cls({i: n for i, (n, leaf) in enumerate(zip(batch_leaf_names(batch), leaves)) if isinstance(leaf, float)})
+
+    def traced(self, leaves: list[Any], example: list[Any], symbols: dict[str, str]) -> list[Any]:
+        """The batch's traced leaves, each float a symbolic float (its name in `symbols`), or
+        the example's value where fixed."""
+        for i, name in self.names.items():
+            leaves[i] = example[i] if i in self.fixed else hyperparams.traced_float(leaves[i], name, None, symbols)
+        return leaves
+
+    def refuse_branch(self, branched: list[str], e: BaseException) -> None:
+        if on := [n for n in branched if n in self.names.values()]:
+            raise CaptureError(
+                f"train_step needs {on[0]}, a float of the batch, as a fixed value{where_in_users_code(e)} (a branch on "
+                "it, torch.tensor(x), a size): the graph reads it at every call, so one graph cannot hold that use. Use "
+                "it in arithmetic on tensors (x * w), pass it as a tensor, or decide outside train_step and pass what "
+                "was decided."
+            ) from e
+
+    def refuse_use(self, trace: Callable[[], Any], e: BaseException) -> None:
+        """After a trace failed otherwise: if it succeeds with a float fixed, that float was
+        used where a number that changes cannot go (numpy's functions on it, a rate)."""
+        for fixed in [*({i} for i in self.names), set(self.names)] if self.names else []:
+            self.fixed = frozenset(fixed)
+            try:
+                trace()
+            except Exception:  # noqa: BLE001 - not this one: the next, or the first failure is explained
+                continue
+            finally:
+                self.fixed = frozenset()
+            names = ", ".join(self.names[i] for i in sorted(fixed))
+            raise CaptureError(
+                f"train_step uses {names} (floats of the batch) where a number that changes at every call cannot go "
+                f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}){where_in_users_code(e)}: "
+                "the graph reads the batch's floats at every call. Compute that use outside train_step and pass its "
+                "result in the batch, or compute it with torch's ops on the tensors."
+            ) from e
 
 
 def batch_leaf_names(batch: Any) -> list[str]:

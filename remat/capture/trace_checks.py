@@ -116,6 +116,26 @@ def cleared_before_backward(calls: dict[str, int], cleared: set[int]) -> Iterato
         torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad = optimizer_zero, module_zero  # type: ignore[method-assign]
 
 
+def check_settings() -> None:
+    """Refuse a global setting the graph cannot honour."""
+    if torch.is_anomaly_enabled():
+        raise CaptureError(
+            "autograd's anomaly detection is on (torch.autograd.set_detect_anomaly(True)): it checks every backward "
+            "op's output for NaN on the host, a branch on tensor values one captured graph cannot hold. Turn it off "
+            "to compile the step (torch.autograd.set_detect_anomaly(False)), and debug NaNs on an eager step."
+        )
+
+
+def check_backward_ran(backward_passes: int) -> None:
+    if backward_passes == 0:
+        raise CaptureError(
+            "train_step never called loss.backward() (nor torch.autograd.grad on the parameters): remat captures a "
+            "whole training step and plans its backward pass. Gradients taken with torch.func (grad, vjp, jacrev, "
+            "per-sample gradients under vmap) are not such a pass: take them with loss.backward() or "
+            "torch.autograd.grad, or train this step without remat."
+        )
+
+
 def check_no_accumulation(probe_gm: torch.fx.GraphModule, trainable: dict[str, torch.Tensor], optimizer: Any) -> None:
     """Refuse a step that adds its gradients to those of the step before.
 
@@ -266,12 +286,11 @@ def _packed_sequence_live(e: BaseException) -> bool:
     return False
 
 
-def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) -> CaptureError:
+def _sized_by_values(e: BaseException, data_dependent: bool, where: str) -> CaptureError | None:
+    """The refusal of a size or an index the step takes from tensor values, where it says
+    what to do instead: a recurrent layer on a PackedSequence, a tensor read as an int."""
     name = type(e).__name__
     first = str(e).strip().splitlines()[0] if str(e).strip() else name
-
-    frames = traceback.extract_tb(e.__traceback__)
-    where = _where_in_users_code(frames)
     if _packed_sequence_live(e):
         return CaptureError(
             f"train_step runs a recurrent layer on a PackedSequence (nn.utils.rnn.pack_padded_sequence){where}: how "
@@ -280,6 +299,24 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
             "one length, as a length-bucketing sampler makes them, that is the same computation), or train this "
             "model without remat."
         )
+    if data_dependent and "extract specialized integer" in first:
+        return CaptureError(
+            f"train_step uses a tensor's value as a Python int{where} (int(t) or t.item() as an index, a slice "
+            "bound, a size or a count, such as a queue's pointer kept in a buffer): a number that depends on tensor "
+            "values, which one captured graph cannot hold. Index with the tensor itself instead: "
+            "buffer.index_copy_(dim, (torch.arange(n) + ptr) % size, values) for a slice written at a pointer, "
+            "ptr.add_(n).remainder_(size) to move it, index_select or gather to read; or compute the number outside "
+            "train_step."
+        )
+    return None
+
+
+def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) -> CaptureError:
+    name = type(e).__name__
+    first = str(e).strip().splitlines()[0] if str(e).strip() else name
+
+    frames = traceback.extract_tb(e.__traceback__)
+    where = _where_in_users_code(frames)
     data_dependent = "DataDependent" in name or "GuardOnDataDependent" in name or "data-dependent" in str(e).lower()
     if data_dependent and any(Path(f.filename).name == "swa_utils.py" for f in frames):
         return CaptureError(
@@ -323,15 +360,8 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
             "its rate: one captured graph would skip the same layers at every step. Set the rate to 0 (in Hugging "
             "Face configs: layerdrop, encoder_layerdrop, decoder_layerdrop), or train without remat."
         )
-    if data_dependent and "extract specialized integer" in first:
-        return CaptureError(
-            f"train_step uses a tensor's value as a Python int{where} (int(t) or t.item() as an index, a slice "
-            "bound, a size or a count, such as a queue's pointer kept in a buffer): a number that depends on tensor "
-            "values, which one captured graph cannot hold. Index with the tensor itself instead: "
-            "buffer.index_copy_(dim, (torch.arange(n) + ptr) % size, values) for a slice written at a pointer, "
-            "ptr.add_(n).remainder_(size) to move it, index_select or gather to read; or compute the number outside "
-            "train_step."
-        )
+    if (sized := _sized_by_values(e, data_dependent, where)) is not None:
+        return sized
     if data_dependent:
         return CaptureError(
             f"train_step has data-dependent Python control flow or an op whose output shape depends "

@@ -80,10 +80,10 @@ class CudaGraphStep:
     def __init__(self, gm: Callable[..., Any], inputs: Sequence[GraphInput], backend: Any) -> None:
         self.gm = gm
         # Read on the host and turned into kernel arguments: keyed by value. A float of the
-        # batch is one too (a 0-dim CPU tensor; the batch's tensors are on the GPU).
+        # batch is one too (its input is a 0-dim CPU tensor).
         self.host_read = {
             i for i, gi in enumerate(inputs)
-            if gi.kind in (InputKind.HYPERPARAMETER, InputKind.NUMBER) or (gi.kind is InputKind.BATCH and gi.device == "cpu")
+            if gi.kind in (InputKind.HYPERPARAMETER, InputKind.NUMBER) or (gi.kind is InputKind.BATCH and gi.device == "cpu" and gi.shape == ())
         }
         self.batch = [i for i, gi in enumerate(inputs) if gi.kind is InputKind.BATCH and i not in self.host_read]
         self.names = [gi.name for gi in inputs]

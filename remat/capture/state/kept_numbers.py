@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -220,6 +221,12 @@ def kept(ended: list[tuple[NumberChange, Any]], unread: frozenset[str] = frozens
         for owner, *names in left.values()
     ]
     return numbers, values, warned
+
+
+def warn_left_alone(messages: list[str]) -> None:
+    """The warnings `kept` worded, given once a capture's traces are done."""
+    for message in messages:
+        warnings.warn(message, stacklevel=4)
 
 
 def _library_terms(change: NumberChange, value: Any) -> tuple[Any, ...] | None:

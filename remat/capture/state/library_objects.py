@@ -9,6 +9,8 @@ the watched values: the graph's inputs check their shapes when gathered."""
 
 from __future__ import annotations
 
+import importlib
+import sys
 import types
 from typing import Any, Callable
 
@@ -35,8 +37,22 @@ def reach_through(model_class: type, roots: Callable[[Any], list[tuple[str, Any]
     _REACHED_THROUGH[model_class] = roots
 
 
+# remat's integrations that register with the capture what a framework's objects hold, by
+# the framework's module: each is imported, by name, once its framework is (the user's code
+# imports the framework; an integration imports the capture, never the other way).
+INTEGRATIONS = {"lightning.pytorch": "remat.integrations.lightning"}
+
+
+def _load_integrations() -> None:
+    for framework, integration in INTEGRATIONS.items():
+        if framework in sys.modules and integration not in sys.modules:
+            importlib.import_module(integration)
+
+
 def reached_through(model: Any) -> list[tuple[str, Any]]:
-    """The library objects registered for `model`'s class (`reach_through`)."""
+    """The library objects registered for `model`'s class (`reach_through`), its frameworks'
+    integrations loaded first."""
+    _load_integrations()
     return [root for cls, roots in _REACHED_THROUGH.items() if isinstance(model, cls) for root in roots(model)]
 
 
