@@ -13,9 +13,10 @@ demo: $(STAMP)
 
 # Two workers, one intra-op thread each: the 2-core CI machine does twice the work of one
 # process, without OpenMP threads of two processes spinning against each other. A test
-# module runs whole on one worker (--dist loadfile), so its module fixtures are made once.
+# module runs whole on one worker (--dist loadfile), so its module fixtures are made once;
+# the longest files go first (tests/conftest.py), not the ones with most tests.
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
