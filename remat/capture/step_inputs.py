@@ -1,7 +1,9 @@
 """What the captured graph takes and leaves at each call: the real tensors for its
 placeholders, read from the model, the optimizer, the user's state and the batch as they
 are now (where the loop's changes are checked), and one step run with `.grad` and the
-train/eval flags left as eager leaves them."""
+train/eval flags left as eager leaves them. Also what a capture takes: its arguments
+checked, the batch flattened (a UserDict looked into), and the batch's floats traced as
+numbers read at every call (`BatchFloats`)."""
 
 from __future__ import annotations
 
