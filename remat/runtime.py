@@ -64,6 +64,10 @@ class CompiledGraph:
         return self.call_inputs.gather(model, optimizer, batch)
 
 
+# Batch shapes after which a step says that each new one is compiled again (dynamic padding).
+_MANY_SHAPES = 4
+
+
 def _signature(batch: Any) -> tuple[str, tuple[tuple[tuple[int, ...], torch.dtype, str], ...]]:
     leaves, spec = flatten_batch(batch)
     sig = tuple(
@@ -195,7 +199,20 @@ class RematStep:
         self._set_up += tg.call.set_up
         self._structure = _signature(batch)[0]
         self._graphs[(shapes, compiled.step_values)] = compiled
+        self._warn_many_shapes(compiled)
         return compiled
+
+    def _warn_many_shapes(self, compiled: CompiledGraph) -> None:
+        """Say, at the shape that makes them many, that every new batch shape is a capture."""
+        if len({s for s, _ in self._graphs}) == _MANY_SHAPES:
+            warnings.warn(
+                f"remat: the batch has come in {_MANY_SHAPES} shapes so far, and each new shape is captured, profiled "
+                f"and planned again ({compiled.report.compile_seconds:.1f} s for this one) and keeps a graph of its own. "
+                "Batches padded to their longest row (a data collator's dynamic padding) take as many shapes as there "
+                "are lengths: pad to a few lengths instead (DataCollatorWithPadding(tokenizer, pad_to_multiple_of=64), "
+                "or padding='max_length'), and drop or pad a smaller last batch (drop_last=True).",
+                stacklevel=4,
+            )
 
     def _warn_changed(self, before: tuple[tuple[str, Any], ...]) -> None:
         """Name the values, changed since the last graph of this shape was compiled, that

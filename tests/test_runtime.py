@@ -414,3 +414,27 @@ def test_the_peak_a_refusal_names_as_reachable_compiles_right_after() -> None:
     assert step.report.profile is refused and not runtime._REFUSED
     step(spec.batch)
     assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes <= refusal.value.reach.best
+
+
+def test_a_fourth_batch_shape_says_that_each_new_shape_is_compiled_again():
+    # Dynamic padding gives a batch of another length at almost every step; the user is told why steps are slow.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step(model, optimizer, batch):
+        optimizer.zero_grad()
+        loss = model(batch).square().mean()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    step = remat.compile(train_step, model, opt, torch.randn(2, 3, 4), memory_budget=None, profile_runs=1, measure=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for length in (3, 5, 6, 5, 3):
+            step(torch.randn(2, length, 4))
+        told = [str(w.message) for w in caught if "shapes so far" in str(w.message)]
+        assert told == []  # three shapes
+        step(torch.randn(2, 7, 4))
+        told = [str(w.message) for w in caught if "shapes so far" in str(w.message)]
+    assert len(told) == 1 and "come in 4 shapes" in told[0] and "pad_to_multiple_of=64" in told[0]
