@@ -175,7 +175,8 @@ class BatchFloats:
     def refuse_use(self, trace: Callable[[], Any], e: BaseException) -> None:
         """After a trace failed otherwise: if it succeeds with a float fixed, that float was
         used where a number that changes cannot go (numpy's functions on it, a rate)."""
-        for fixed in [*({i} for i in self.names), set(self.names)] if self.names else []:
+        alone = [{i} for i in self.names]
+        for fixed in alone + [set(self.names)] if len(alone) > 1 else alone:  # each alone, then all together
             self.fixed = frozenset(fixed)
             try:
                 trace()
