@@ -28,7 +28,7 @@ class _ChangedOnFailure:
     the step, so a call that succeeds pays nothing for this.
     """
 
-    _NOTED = (InputKind.PARAMETER, InputKind.OPTIMIZER_STATE, InputKind.BUFFER, InputKind.OUTSIDE)
+    _NOTED = (InputKind.PARAMETER, InputKind.OPTIMIZER_STATE, InputKind.GRADIENT, InputKind.BUFFER, InputKind.OUTSIDE)
 
     @classmethod
     def note(cls, error: Exception, tg: TrainGraph, gm: torch.fx.GraphModule) -> None:
@@ -40,6 +40,12 @@ class _ChangedOnFailure:
         buffers = [i.name for i in changed if i.kind is InputKind.BUFFER]
         outside = [i.name for i in changed if i.kind is InputKind.OUTSIDE]
         updated = [i.name for i in changed if i.kind in (InputKind.PARAMETER, InputKind.OPTIMIZER_STATE)]
+        grads = [i.name for i in changed if i.kind is InputKind.GRADIENT]
+        if grads:
+            error.add_note(
+                f"remat: the step failed after adding to {len(grads)} gradients it found set (first: {grads[0]}.grad); "
+                "they are not restored"
+            )
         if outside:
             error.add_note(
                 f"remat: the step failed after writing {len(outside)} tensors outside the model in place (first: "

@@ -118,6 +118,7 @@ class RematStep:
     _reduce_per_gradient: bool = False
     _set_up: list[Any] = field(default_factory=list)  # first_call.SetUp of the graphs compiled since the last call, made at the next
     _hit: tuple[Any, Guards, CompiledGraph] | None = None  # the last graph found, and what its key was found from (guards)
+    _accumulating: list[torch.Tensor] | None = None  # a step that adds to the gradients it finds: its parameters (their .grad set or not is in the key)
 
     def __post_init__(self) -> None:
         # Parse now: a bad budget is an error at compile time, not at the first step.
@@ -147,6 +148,7 @@ class RematStep:
     def compiled_for(self, batch: Any) -> CompiledGraph:
         """The compiled graph for this batch's shape, compiling it if it is new."""
         shapes = self._agreed("reading the batch", lambda: self._checked_signature(batch), summary=_shapes, differ="the batch's shapes and dtypes")
+        shapes = self._with_gradients_set(shapes)
         first_call.make(self._set_up)  # the first run's set-up of a graph compiled before: its key holds it
         self._set_up = []
         same_state = self._hit is not None and self._hit[1].hold()
@@ -186,6 +188,9 @@ class RematStep:
             if promoted:  # the graphs holding them as constants are never used again
                 self._graphs = {k: g for k, g in self._graphs.items() if k[0] != shapes}
         tg = compiled.tg
+        if tg.call.accumulates and self._accumulating is None:  # from now on, which gradients are set is in the key
+            self._accumulating = [p for n, p in self.model.named_parameters() if n in set(tg.call.trainable)]
+            shapes = self._with_gradients_set(shapes)
         # What the traces ran, where every capture recorded it; else all the step's code can reach.
         self._all_code = self._all_code or tg.call.code_read is None
         self._ran = None if self._all_code else (self._ran or frozenset()) | tg.call.code_read
@@ -204,7 +209,7 @@ class RematStep:
 
     def _warn_many_shapes(self, compiled: CompiledGraph) -> None:
         """Say, at the shape that makes them many, that every new batch shape is a capture."""
-        if len({s for s, _ in self._graphs}) == _MANY_SHAPES:
+        if len({s[0] if self._accumulating else s for s, _ in self._graphs}) == _MANY_SHAPES:
             warnings.warn(
                 f"remat: the batch has come in {_MANY_SHAPES} shapes so far, and each new shape is captured, profiled "
                 f"and planned again ({compiled.report.compile_seconds:.1f} s for this one) and keeps a graph of its own. "
@@ -213,6 +218,10 @@ class RematStep:
                 "or padding='max_length'), and drop or pad a smaller last batch (drop_last=True).",
                 stacklevel=4,
             )
+
+    def _with_gradients_set(self, shapes: Any) -> Any:
+        """The key's shapes, with which gradients are set for a step that adds to them."""
+        return shapes if self._accumulating is None else (shapes, tuple(p.grad is not None for p in self._accumulating))
 
     def _warn_changed(self, before: tuple[tuple[str, Any], ...]) -> None:
         """Name the values, changed since the last graph of this shape was compiled, that
@@ -272,9 +281,14 @@ class RematStep:
         start = time.perf_counter()
         tg = self._agreed(
             "capturing the step",
-            lambda: capture(self.train_step, self.model, self.optimizer, batch, frozenset(self._read), reduce_in_buckets=not self._reduce_per_gradient),
+            lambda: capture(
+                self.train_step, self.model, self.optimizer, batch, frozenset(self._read), reduce_in_buckets=not self._reduce_per_gradient,
+                grads_in=self._accumulating is not None,
+            ),
             summary=graph_fingerprint, differ="the captured graph",
         )  # fmt: skip
+        if self.cuda_graph:
+            cuda_graphs.check_replayable(tg)
         refused = _REFUSED.pop(graph_fingerprint(tg), None) if self.profile_cache is None else None
         built = pipeline.build_on(
             tg, self.model, self.optimizer, batch, runs=self.profile_runs, progress=self.progress, profile_cache=self.profile_cache,
@@ -282,8 +296,6 @@ class RematStep:
         )
         analysis, prof, index = built.analysis, built.profile, built.index
         if self.cuda_graph:
-            if torch.device(tg.device).type != "cuda":
-                raise RematError(f"cuda_graph=True replays the step on a GPU; this step runs on {tg.device}. Use cuda_graph=False")
             index.forbid_replay("a replay sets the generator's state on the host, which a CUDA graph cannot capture")
         costs = prof.op_costs().replayed() if self.cuda_graph else prof.op_costs()
         if self._dp is not None:  # one memory model on every rank: rank 0's measured scratch

@@ -16,7 +16,7 @@ import torch
 from remat.memory.analysis import Role, analyze
 from remat.capture.capture import capture
 from remat.capture.step_inputs import flat_inputs, run_captured
-from remat.capture.train_graph import Phase
+from remat.capture.train_graph import InputKind, Phase
 from remat.measurement.check import check_against_eager, twin
 from remat.errors import CaptureError
 from remat.models import build_model, make_optimizer, make_train_step
@@ -246,7 +246,10 @@ def test_other_batch_structure_is_refused_at_run_time():
         flat_inputs(tg, spec.model, None, {"x": spec.batch[0]})
 
 
-def test_step_that_accumulates_gradients_across_calls_is_refused():
+def test_a_step_that_accumulates_gradients_across_calls_takes_those_it_finds_as_inputs():
+    """A step with no zero_grad() adds its gradients to the last step's, as eager's backward
+    does: captured with none set, its graph makes them; with them set, it takes them as
+    inputs and adds to them in place."""
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
@@ -256,9 +259,19 @@ def test_step_that_accumulates_gradients_across_calls_is_refused():
         o.step()
         return loss
 
-    with pytest.raises(CaptureError, match=r"leaves gradients set \(weight, bias\) and does not clear them before backward"):
+    fresh = capture(accumulating, model, opt, torch.randn(2, 4))
+    assert fresh.call.accumulates and not [i for i in fresh.inputs if i.kind is InputKind.GRADIENT]
+    model.weight.grad, model.bias.grad = torch.ones_like(model.weight), torch.ones_like(model.bias)
+    adding = capture(accumulating, model, opt, torch.randn(2, 4))
+    assert adding.call.accumulates and [i.name for i in adding.inputs if i.kind is InputKind.GRADIENT] == ["weight", "bias"]
+    # The gradients are added to in place, as eager's AccumulateGrad does when grad mode is off.
+    placeholders = {n.name: n for n in adding.gm.graph.nodes if n.op == "placeholder"}
+    written = [u for n in list(placeholders.values())[2:4] for u in n.users if u.target is torch.ops.aten.add_.Tensor]
+    assert len(written) == 2
+    model.weight.grad = torch.ones(4, 4).to_sparse()  # not like its parameter: refused, naming it
+    with pytest.raises(CaptureError, match=r"weight.grad is a torch.sparse_coo float32 tensor of shape \(4, 4\)"):
         capture(accumulating, model, opt, torch.randn(2, 4))
-    # A trained parameter that no optimizer holds keeps its gradient through zero_grad().
+    # A trained parameter that no optimizer holds keeps its gradient through zero_grad(): as in eager, said.
     two = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
 
     def zero_first(m, o, b):
@@ -266,14 +279,15 @@ def test_step_that_accumulates_gradients_across_calls_is_refused():
         return accumulating(m, o, b)
 
     only_last = torch.optim.SGD(two[1].parameters(), lr=0.1)
-    with pytest.raises(CaptureError, match=r"gradients of 2 parameters that no optimizer holds \(first: 0.weight\).*Freeze them"):
-        capture(zero_first, two, only_last, torch.randn(2, 4))
-    # Clearing in place (set_to_none=False) before backward is a fresh start too.
+    with pytest.warns(UserWarning, match=r"2 parameters that no optimizer holds \(first: 0.weight\).*Freeze them"):
+        assert capture(zero_first, two, only_last, torch.randn(2, 4)).call.accumulates
+    # Clearing in place (set_to_none=False) before backward is a fresh start.
     def clears_in_place(m, o, b):
         o.zero_grad(set_to_none=False)
         return accumulating(m, o, b)
 
-    capture(clears_in_place, model, opt, torch.randn(2, 4))
+    model.weight.grad = None
+    assert not capture(clears_in_place, model, opt, torch.randn(2, 4)).call.accumulates
 
 
 class _LSTMTagger(torch.nn.Module):
@@ -1022,7 +1036,7 @@ def test_a_step_whose_loss_reaches_some_parameters_and_penalises_a_gradient_trai
 def test_a_step_clearing_every_gradient_before_backward_is_traced_once_and_one_that_does_not_twice(monkeypatch):
     """Where zero_grad() cleared every trainable gradient before the first backward, the step
     starts from no gradients whatever the step before left: no second trace with them preset.
-    Otherwise the second trace tells whether backward would add to them (and refuses if so)."""
+    Otherwise the second trace tells whether backward would add to them (accumulation across calls)."""
     import importlib
 
     capture_module = importlib.import_module("remat.capture.capture")
@@ -1051,6 +1065,5 @@ def test_a_step_clearing_every_gradient_before_backward_is_traced_once_and_one_t
     capture(step_clearing("last"), model, opt, torch.randn(2, 4))
     assert len(traces) == 2  # nothing stays set after it: no preset trace either
     traces.clear()
-    with pytest.raises(CaptureError, match="gradient accumulation across calls"):
-        capture(step_clearing("never"), model, opt, torch.randn(2, 4))
+    assert capture(step_clearing("never"), model, opt, torch.randn(2, 4)).call.accumulates
     assert len(traces) == 2

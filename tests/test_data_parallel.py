@@ -81,6 +81,7 @@ def test_refused_settings_unused_parameters_buffer_options_and_gradient_hooks():
         assert "communication hook" in refused["comm_hook"]
         assert "find_unused_parameters=True" in refused["unused"]
         assert "no_sync()" in refused["no_sync_outside"]
+        assert "gradient accumulation across calls" in refused["across_calls"] and "loop over them inside" in refused["across_calls"]
         assert unused["state_equal"] and unused["unused_grad"], unused
         assert options == {"static_graph": True, "gradient_as_bucket_view": True}, options
         assert hooks["state_equal"], hooks

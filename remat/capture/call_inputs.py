@@ -45,7 +45,7 @@ class _Reread:
     gather makes it: the memory model counts it among the step's own allocations."""
 
     position: int
-    read: Callable[[], Any]  # the float, or (for a tensor outside the model) the tensor
+    read: Callable[[], Any]  # the float, or (for a tensor outside the model, a gradient) the tensor
 
     def now(self) -> torch.Tensor:
         value = self.read()
@@ -92,7 +92,7 @@ class LastCall:
         tables = {id(p): opt.state for opt in optimizers for g in opt.param_groups for p in g["params"]}
         owners = [view.params[name] for name in state_owners(tg)]
         leaves, spec = flatten_batch(batch)
-        reread = _rereads(tg, optimizer, groups)
+        reread = _rereads(tg, optimizer, groups, view)
         hook_tables = _hook_tables(params)
         return cls(
             view=view,
@@ -205,10 +205,12 @@ def _hook_tables(params: list[torch.Tensor]) -> list[Any]:
     return [*map(_gradient_hooks, params), *map(_accumulation_hooks, params)]
 
 
-def _rereads(tg: TrainGraph, optimizer: Any, groups: list[dict[str, Any]]) -> list[_Reread]:
+def _rereads(tg: TrainGraph, optimizer: Any, groups: list[dict[str, Any]], view: ModelView) -> list[_Reread]:
     out = []
     for position, inp in enumerate(tg.inputs):
-        if inp.kind is InputKind.HYPERPARAMETER:
+        if inp.kind is InputKind.GRADIENT:  # a gradient the step adds to: the one set now (the key says one is)
+            out.append(_Reread(position, lambda p=view.params[inp.name]: p.grad))
+        elif inp.kind is InputKind.HYPERPARAMETER:
             gi, key = hyperparams.parse_input_name(inp.name)
             out.append(_Reread(position, lambda gi=gi, key=key: hyperparams.read(optimizer, groups, gi, key)))
         elif inp.kind is InputKind.NUMBER:

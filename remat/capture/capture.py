@@ -30,7 +30,7 @@ from remat.capture.optimizer_state import check_first_step_state, optimizer_on, 
 from remat.capture.optimizers import as_one, only_passed_step
 
 from remat.capture.markers import marking_updates, MARKER, RECORD_FUNCTION_OPS, marker, marking_passes
-from remat.capture.trace_checks import branched_hyperparameters, check_backward_ran, check_graph_runnable, cleared_before_backward, check_no_accumulation, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state, where_in_users_code
+from remat.capture.trace_checks import branched_hyperparameters, check_backward_ran, check_graph_runnable, cleared_before_backward, accumulates, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state, where_in_users_code
 from remat.capture.train_graph import CallContract, GraphInput, InputKind, Phase, TrainGraph, TrainStep
 from remat.capture.state import first_call
 from remat.capture.state.python_state import no_python_state_changed, state_slots
@@ -38,7 +38,7 @@ from remat.capture.traced_rng import no_host_random_drawn, no_rng_state_set
 from remat.capture.user_checkpoints import plain_checkpoints
 from remat.ops import ctc_loss, value_checks
 from remat.ops import training_workspace
-from remat.capture.step_inputs import BatchFloats, batch_leaf_names, batch_value, check_arguments, describe
+from remat.capture.step_inputs import BatchFloats, accumulated_gradients, batch_leaf_names, batch_value, check_arguments, describe
 
 
 def _user_state(
@@ -74,13 +74,14 @@ def _graph_inputs(
     params: dict[str, torch.Tensor],
     buffers: dict[str, torch.Tensor],
     states: dict[str, dict[str, torch.Tensor]],
+    grads: dict[str, torch.Tensor],
     optimizer: torch.optim.Optimizer | None,
     numbers: dict[str, Any],
     outside: list[tuple[outside_tensors.OutsideTensor, torch.Tensor]],
     example_batch: Any,
     leaves: list[Any],
 ) -> tuple[list[GraphInput], list[torch.Tensor], dict[str, float]]:
-    """The graph's placeholders in order (parameters, buffers, optimizer state, one 0-dim
+    """The graph's placeholders in order (parameters, buffers, optimizer state, gradients, one 0-dim
     float64 per number of param_groups and per number read at every call, tensors outside
     the model, batch leaves), their tensors, and the param groups' numbers."""
     inputs: list[GraphInput] = []
@@ -95,6 +96,9 @@ def _graph_inputs(
         for key, value in st.items():
             inputs.append(GraphInput(f"{n}.{key}", InputKind.OPTIMIZER_STATE, *describe(value)))
             flat.append(value)
+    for n, g in grads.items():
+        inputs.append(GraphInput(n, InputKind.GRADIENT, *describe(g)))
+        flat.append(g)
     hyper_values: dict[str, float] = {}
     if optimizer is not None:
         hyperparams.check_readable(optimizer)
@@ -116,15 +120,21 @@ def _graph_inputs(
     return inputs, flat, hyper_values
 
 
-def _as_stand_ins(t_params: dict[str, torch.Tensor], trainable: tuple[str, ...]) -> None:
-    """Each traced parameter requires a gradient as its parameter does, and starts without
-    one. Made fake from a real parameter, it carries a fake copy of that one's `.grad`,
-    which the trace would hold as a constant: a step that calls zero_grad(set_to_none=False)
-    on gradients an eager step left zeroed the constant in place, and the graph then
-    wrote into it at every call."""
+def _as_stand_ins(t_params: dict[str, torch.Tensor], trainable: tuple[str, ...], grads: dict[str, torch.Tensor], preset: bool) -> None:
+    """Each traced parameter requires a gradient as its parameter does, and starts with the
+    gradient it adds to (`grads`: GRADIENT inputs) or without one. Made fake from a real
+    parameter, it carries a fake copy of that one's `.grad`, which the trace would hold as
+    a constant: a step that calls zero_grad(set_to_none=False) on gradients an eager step
+    left zeroed the constant in place, and the graph then wrote into it at every call.
+    `preset`: every trainable one starts with zeros instead, marked (accumulates reads
+    whether the step adds to them)."""
     for n, p in t_params.items():
         p.requires_grad_(n in trainable)
-        p.grad = None
+        p.grad = grads.get(n)
+    if preset:
+        for n in trainable:
+            t_params[n].grad = torch.zeros_like(t_params[n])
+        marker([t_params[n].grad for n in trainable], "preset_grads")
 
 
 def _trace(
@@ -177,7 +187,7 @@ def _trace(
 @gc_paused()
 def capture(
     train_step: TrainStep, model: torch.nn.Module, optimizer: Any, example_batch: Any,
-    read_numbers_named: frozenset[str] = frozenset(), reduce_in_buckets: bool = True,
+    read_numbers_named: frozenset[str] = frozenset(), reduce_in_buckets: bool = True, grads_in: bool = False,
 ) -> TrainGraph:
     """Trace one call of `train_step(model, optimizer, batch)` into a TrainGraph.
 
@@ -185,7 +195,8 @@ def capture(
     state is created here if empty (`init_optimizer_state`), and nothing else changes.
     `read_numbers_named`: the floats (python_state slot names) to read at every call where
     the trace can (read_numbers). `reduce_in_buckets`: a DDP model's gradients all-reduced
-    in DDP's buckets, or each on its own (data_parallel.buckets)."""
+    in DDP's buckets, or each on its own (data_parallel.buckets). `grads_in`: the gradients
+    set now are inputs the step adds to (trace_checks.accumulates)."""
     passed, optimizer = optimizer, as_one(optimizer)  # the step gets what was passed; remat reads it as one
     leaves, spec, params, buffers, trainable, device = check_arguments(model, example_batch)
     dp = data_parallel.data_parallel_of(model, in_buckets=reduce_in_buckets)
@@ -199,13 +210,14 @@ def capture(
     slots, held, outside, own = _user_state(model, train_step, params, buffers, states, example_batch)
     hooks = param_hooks.of(params)  # the user's gradient hooks: traced in, and checked at every call
     numbers = read_numbers.Reading.of(slots, read_numbers_named)
-    inputs, flat, hyper_values = _graph_inputs(params, buffers, states, optimizer, numbers.slots, outside, example_batch, leaves)
+    entry_grads = accumulated_gradients(params, trainable) if grads_in else {}
+    inputs, flat, hyper_values = _graph_inputs(params, buffers, states, entry_grads, optimizer, numbers.slots, outside, example_batch, leaves)
 
     state_keys = [(n, list(st)) for n, st in states.items()]
     grad_order: list[str] = []  # filled while tracing: names of the grads the "grads" marker holds
     final_grads: list[str] = []
     seen: dict[str, Any] = {}  # what the last trace saw: the return value's structure, backward() calls
-    probe: dict[str, Any] = {"preset_grads": False, "numbers": [], "as_numbers": False, "numbers_unread": frozenset(), "cleared_first": False}  # check_no_accumulation; kept_numbers
+    probe: dict[str, Any] = {"preset_grads": False, "grads_in": grads_in, "numbers": [], "as_numbers": False, "numbers_unread": frozenset(), "cleared_first": False}  # accumulates; kept_numbers
     # Floats the update branches on keep their sign; `symbols` names one a trace tripped on.
     sign_facts = {n: hyperparams.sign(v) for n, v in hyper_values.items() if hyperparams.parse_input_name(n)[1] in hyperparams.BRANCHED_KEYS}
     sign_facts.update(hyperparams.fixed_by_fused_kernels(optimizer))
@@ -219,16 +231,13 @@ def capture(
         t_params = {n: next(it) for n in params}
         t_buffers = {n: next(it) for n in buffers}
         t_states = {n: {k: next(it) for k in keys} for n, keys in state_keys}
+        t_grads = {n: next(it) for n in entry_grads}
         t_hyper = {n: next(it) for n in hyper_values}
         t_numbers = {n: next(it) for n in numbers.slots}
         t_outside = [next(it) for _ in outside]
         t_batch = pytree.tree_unflatten(batch_floats.traced(list(it), leaves, symbols), spec)
-        _as_stand_ins(t_params, trainable)
+        _as_stand_ins(t_params, trainable, t_grads, preset=probe["preset_grads"])
         param_hooks.register_on(hooks, t_params)
-        if probe["preset_grads"]:
-            for n in trainable:
-                t_params[n].grad = torch.zeros_like(t_params[n])
-            marker([t_params[n].grad for n in trainable], "preset_grads")
         calls = {"backward": 0, "reduced": 0, "updates": 0}
         synced: list[bool] = []  # per forward of a DDP model: whether it syncs gradients
         passes = marking_passes(t_params, grad_order, calls, dp, synced)
@@ -270,8 +279,9 @@ def capture(
     gm, probe_gm, recorded_run = _traces(trace, model, train_step, slots, probe, seen, (grad_order, final_grads), ran, device, set_ups)
     kept_numbers.warn_left_alone(seen.get("left_alone", []))  # the last trace's, once
     leaves_zero_grads = bool(final_grads) and ends_with_zero_grads(gm)
-    if probe_gm is not None and not leaves_zero_grads:
-        check_no_accumulation(probe_gm, {n: params[n] for n in trainable}, optimizer)
+    grads_in = grads_in or (probe_gm is not None and not leaves_zero_grads and accumulates(probe_gm, {n: params[n] for n in trainable}, optimizer, dp or shards))
+    if grads_in and probe_gm is not None and accumulated_gradients(params, trainable):  # found so, and this call adds to some
+        return capture(train_step, model, passed, example_batch, read_numbers_named, reduce_in_buckets, grads_in=True)
     check_static_shapes(gm)
     check_graph_runnable(gm)
     gm = training_workspace.swap_in(value_checks.hoisted(gm))
@@ -291,7 +301,7 @@ def capture(
         seen[k] for k in ("output_spec", "output_numbers", "backward_passes", "state_updates", "unread_lists"))
     tg.call.training, tg.call.mode_calls, tg.call.sets_mode_first = train_modes.traced_modes(model, recorded.mode_calls)
     tg.call.scheduler_calls = scheduler_calls.checked(tg, recorded.scheduler_calls)
-    tg.call.trainable, tg.call.leaves_zero_grads, tg.call.groups, tg.call.param_hooks = trainable, leaves_zero_grads, groups, hooks
+    tg.call.trainable, tg.call.leaves_zero_grads, tg.call.accumulates, tg.call.groups, tg.call.param_hooks = trainable, leaves_zero_grads, grads_in, groups, hooks
     tg.call.code_read = frozenset(ran) if recorded_run else None
     tg.call.set_up, tg.call.value_checks = set_ups, checks.checks
     return tg
@@ -304,7 +314,7 @@ def _traces(
     """The graph, traced as eager's later steps run (a library's first-call set-up in place:
     module_hooks), and traced once more with the numbers the step keeps counted
     (kept_numbers); and where gradients stay set after the step, the step traced as the next
-    one starts, with them set (for check_no_accumulation). The user's code that ran goes
+    one starts, with them set (for accumulates). The user's code that ran goes
     into `ran`, where it could be recorded (the third value: user_code.recording_run);
     Python state and the model's hook tables are left as they were; what the step's first
     run sets once goes into `set_ups` (first_call), the graph traced as the later runs."""
@@ -331,7 +341,7 @@ def _traces(
             gm = again if set_ups else gm
             probe["numbers"] = watch.numbers_changed(frozenset((id(m), k) for m, k in set_up))
             gm = kept_numbers.traced_counting(recorded_trace, probe, seen) if probe["numbers"] else gm
-            if final_grads and not probe["cleared_first"]:
+            if final_grads and not probe["cleared_first"] and not probe["grads_in"]:
                 # Gradients stay set after the step, so the next step starts with them: it must
                 # clear them before its backward (the graph computes fresh ones). A step whose
                 # zero_grad() cleared them all before its first backward does (no trace needed).

@@ -247,6 +247,8 @@ def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: Any, batch: A
         elif inp.kind is InputKind.OPTIMIZER_STATE:
             pname, key = inp.name.rsplit(".", 1)
             out.append(states[pname][key])
+        elif inp.kind is InputKind.GRADIENT:
+            out.append(accumulated_gradient(inp.name, params[inp.name]))
         elif inp.kind is InputKind.HYPERPARAMETER:
             out.append(hyper[inp.name])
         elif inp.kind is InputKind.OUTSIDE:
@@ -255,6 +257,26 @@ def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: Any, batch: A
             out.append(read_numbers.value(tg.call.numbers[inp.name]))
     out.extend(map(batch_value, leaves))
     return out
+
+
+def accumulated_gradients(params: dict[str, torch.Tensor], trainable: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The gradients set now on the parameters `trainable` names, which a step that
+    accumulates across calls adds to."""
+    return {n: accumulated_gradient(n, params[n]) for n in trainable if params[n].grad is not None}
+
+
+def accumulated_gradient(name: str, param: torch.Tensor) -> torch.Tensor:
+    g = param.grad
+    if g is None:  # the key holds which are set: a graph that reads one is not chosen without it
+        raise CaptureError(f"{name} has no gradient, but the step was compiled to add to the one it had")
+    if describe(g) != describe(param) or g.layout is not torch.strided:
+        shape, dtype, device = describe(g)
+        raise CaptureError(
+            f"{name}.grad is a {g.layout} {dtype} tensor of shape {shape} on {device}, unlike its parameter "
+            f"({describe(param)[1]} of shape {describe(param)[0]} on {describe(param)[2]}); the step adds its gradient "
+            "to it. Set it to None (optimizer.zero_grad()) or to a tensor like the parameter."
+        )
+    return g
 
 
 def state_owners(tg: TrainGraph) -> tuple[str, ...]:

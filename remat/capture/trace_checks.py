@@ -7,6 +7,7 @@ import contextlib
 import linecache
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -96,7 +97,7 @@ def cleared_before_backward(calls: dict[str, int], cleared: set[int]) -> Iterato
     module's, setting gradients to None) clears before the first backward go into `cleared`.
     A step that clears every trainable parameter so starts from no gradients whatever the
     step before left: capture then needs no trace with gradients preset to tell
-    (check_no_accumulation)."""
+    (accumulates)."""
     optimizer_zero, module_zero = torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad
 
     def on_optimizer(self, set_to_none: bool = True):  # type: ignore[no-untyped-def]
@@ -136,39 +137,47 @@ def check_backward_ran(backward_passes: int) -> None:
         )
 
 
-def check_no_accumulation(probe_gm: torch.fx.GraphModule, trainable: dict[str, torch.Tensor], optimizer: Any) -> None:
-    """Refuse a step that adds its gradients to those of the step before.
+def accumulates(probe_gm: torch.fx.GraphModule, trainable: dict[str, torch.Tensor], optimizer: Any, data_parallel: Any) -> bool:
+    """Whether the step adds its gradients to those of the step before (gradient
+    accumulation across calls): then each call's graph takes the gradients set when it is
+    called as inputs and adds to them in place, as eager's backward does, and which are
+    set is in the key. Refused under DDP or FSDP2 (`data_parallel`) and Accelerate's
+    accumulate(), whose syncing and skipped updates change from call to call.
 
     `probe_gm` was traced with the `.grad` of every parameter in `trainable` (by name, in
     the marker's order) already set: if train_step calls zero_grad() before backward(),
-    nothing reads those gradients (or they are zeroed in place first); otherwise backward
-    accumulates into them, which a graph computing fresh gradients would silently not do.
+    nothing reads those gradients (or they are zeroed in place first).
     """
     marker = next(n for n in probe_gm.graph.nodes if n.target is MARKER and n.args[1] == "preset_grads")
     kept = [name for name, preset in zip(trainable, marker.args[0]) if _read_before_cleared(preset, marker)]
     if not kept:
-        return
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]} if optimizer is not None else set()
-    unheld = [name for name in kept if id(trainable[name]) not in held]
+        return False
     named = f"{', '.join(kept[:3])}{f' and {len(kept) - 3} more' if len(kept) > 3 else ''}"
-    if unheld:
-        raise CaptureError(
-            f"train_step leaves set the gradients of {len(unheld)} parameter{'s' if len(unheld) > 1 else ''} that no "
-            f"optimizer holds (first: {unheld[0]}), so optimizer.zero_grad() does not clear them and each step would "
-            "add to them. Freeze them (requires_grad_(False)), add them to the optimizer, or call model.zero_grad() "
-            "in train_step before loss.backward()."
-        )
-    error = CaptureError(
-        f"train_step leaves gradients set ({named}) and does not clear them before backward(), so each step "
-        "would add its gradients to the previous step's (gradient accumulation across calls). "
-        "remat captures steps that start from zero gradients: call optimizer.zero_grad() (or "
-        "model.zero_grad()) in train_step before loss.backward(). To accumulate gradients over micro-batches, "
-        "give train_step all of them and loop over them inside it (one backward() each, then one optimizer.step())."
+    advice = (
+        "To accumulate gradients over micro-batches, give train_step all of them and loop over them inside it "
+        "(one backward() each, then one optimizer.step())."
     )
     note = accelerate_accumulation_note()
-    if note is not None:
-        error.add_note(note)
-    raise error
+    if note is not None or data_parallel is not None:
+        error = CaptureError(
+            f"train_step leaves gradients set ({named}) and does not clear them before backward(), so each step adds "
+            "its gradients to the previous step's (gradient accumulation across calls), which remat does not follow "
+            f"{'under Accelerate' if note is not None else 'across ranks (DDP, FSDP2)'}. {advice}"
+        )
+        if note is not None:
+            error.add_note(note)
+        raise error
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]} if optimizer is not None else set()
+    unheld = [name for name in kept if id(trainable[name]) not in held]
+    if held and len(unheld) == len(kept):  # the optimizer's are cleared, not these: likely an oversight
+        warnings.warn(
+            f"remat: train_step clears the gradients of its optimizer's parameters, but {len(unheld)} parameter"
+            f"{'s' if len(unheld) > 1 else ''} that no optimizer holds (first: {unheld[0]}) also get gradients, and "
+            "each call adds to them, as eager's would; the step holds them from call to call. Freeze them "
+            "(requires_grad_(False)), add them to the optimizer, or call model.zero_grad() in train_step.",
+            stacklevel=5,
+        )
+    return True
 
 
 def accelerate_accumulation_note() -> str | None:

@@ -25,6 +25,9 @@ class InputKind(str, Enum):
     PARAMETER = "parameter"
     BUFFER = "buffer"
     OPTIMIZER_STATE = "optimizer_state"
+    # A parameter's `.grad` as the call finds it, which the step's backward adds to in place
+    # (gradient accumulation across calls): named by its parameter.
+    GRADIENT = "gradient"
     HYPERPARAMETER = "hyperparameter"  # a float of optimizer.param_groups, read at every call
     OUTSIDE = "outside"  # a tensor the user's state holds (a teacher's weight, an EMA copy): outside_tensors
     NUMBER = "number"  # a float the loop changes between steps, read from where it is held at every call: read_numbers
@@ -75,6 +78,9 @@ class CallContract:
     set_up: list[Any] = field(default_factory=list)  # first_call.SetUp: what the step's first run sets once, made when the graph first runs
     scheduler_calls: tuple[Any, ...] = ()  # scheduler_calls.SchedulerCall: scheduler.step() calls made again at each call
     leaves_zero_grads: bool = False  # the step ends with zero_grad(set_to_none=False): see ends_with_zero_grads
+    # The step adds its gradients to those it finds set (gradient accumulation across calls):
+    # which are set is in the key, and those are GRADIENT inputs (trace_checks.accumulates).
+    accumulates: bool = False
     groups: list[hyperparams.GroupSpec] = field(default_factory=list)  # what the update assumes of param_groups
     data_parallel: Any = None  # data_parallel.DataParallel of a DDP-wrapped model: its gradients are averaged in the graph
     value_checks: list[Any] = field(default_factory=list)  # value_checks.ValueCheck, by index: what a failed check raises

@@ -42,6 +42,7 @@ _INPUT_ROLE = {
     InputKind.PARAMETER: Role.PARAMETER,
     InputKind.BUFFER: Role.PARAMETER,
     InputKind.OPTIMIZER_STATE: Role.OPTIMIZER_STATE,
+    InputKind.GRADIENT: Role.GRADIENT,
     InputKind.OUTSIDE: Role.PARAMETER,
     InputKind.HYPERPARAMETER: Role.INPUT,
     InputKind.NUMBER: Role.INPUT,

@@ -38,11 +38,23 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from remat.capture.train_graph import GraphInput, InputKind
+from remat.capture.train_graph import GraphInput, InputKind, TrainGraph
 from remat.errors import RematError
 
 WARMUP_CALLS = 1
 MAX_HOST_ELEMENTS = 64  # a host tensor the graph reads is keyed by its values: small ones only
+
+
+def check_replayable(tg: TrainGraph) -> None:
+    """Refuse a step a CUDA graph cannot replay."""
+    if tg.call.accumulates:
+        raise RematError(
+            "cuda_graph=True replays the step on fixed buffers, but this step adds its gradients to those it finds "
+            "set (gradient accumulation across calls), which the loop replaces; loop over the micro-batches inside "
+            "train_step, or use cuda_graph=False"
+        )
+    if torch.device(tg.device).type != "cuda":
+        raise RematError(f"cuda_graph=True replays the step on a GPU; this step runs on {tg.device}. Use cuda_graph=False")
 
 
 class CudaBackend:

@@ -138,12 +138,12 @@ def _memory_run_cuda(runner: NodeRunner, inputs: list[torch.Tensor], device: tor
 
 
 def _profiling_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: Any, batch: Any) -> list[torch.Tensor]:
-    """Clones of everything the step may mutate (parameters, buffers, optimizer state, tensors
-    outside the model such as an EMA copy); the batch as is."""
+    """Clones of everything the step may mutate (parameters, buffers, optimizer state, the
+    gradients it adds to, tensors outside the model such as an EMA copy); the batch as is."""
     real = flat_inputs(tg, model, optimizer, batch)
     out: list[torch.Tensor] = []
     for inp, t in zip(tg.inputs, real):
-        if inp.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.OPTIMIZER_STATE, InputKind.OUTSIDE):
+        if inp.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.OPTIMIZER_STATE, InputKind.GRADIENT, InputKind.OUTSIDE):
             out.append(t.detach().clone())
         else:
             out.append(t)

@@ -194,6 +194,10 @@ def refusals() -> dict[str, str]:
     ddp_unused = DDP(ddp_unused.module)
     attempt("unused", ddp_unused, make_optimizer("sgd", ddp_unused.parameters()), _step(loss_fn, 1), _batch("mlp", 8, 0, 0))
 
+    # Gradient accumulation across calls: backward only, the loop steps the optimizer.
+    ddp, opt, loss_fn = _wrapped("mlp", 8, "sgd")
+    attempt("across_calls", ddp, opt, lambda m, o, b: (loss := loss_fn(m, b)).backward() or loss.detach(), _batch("mlp", 8, 0, 0), ddp.no_sync)
+
     # The same step compiled outside no_sync() and called inside it.
     ddp, opt, loss_fn = _wrapped("mlp", 8, "sgd")
     step = remat.compile(_step(loss_fn, 1), ddp, opt, _batch("mlp", 8, 0, 0), memory_budget=None)

@@ -97,6 +97,19 @@ def _no_zero_grad(model, optimizer, batch):
     return loss
 
 
+def _backward_only(model, optimizer, batch):
+    loss = model(**batch).loss / 3
+    loss.backward()
+    return loss.detach()
+
+
+def _update_every_third(i, m, o):
+    if (i + 1) % 3 == 0:
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        o.step()
+        o.zero_grad()
+
+
 def _add_scaler(model):
     # A scale this large overflows at first: the scaler skips the update and backs off.
     model.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**22, growth_interval=1)
@@ -495,7 +508,9 @@ IDIOMS = [
           between=_sched(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / 3)))),
     Idiom("gradient accumulation in one step (4 micro-batches)", "works", step=_accumulate(4)),
     Idiom("optimizer.step(closure): forward and backward in the closure (as Lightning's loop steps)", "works", step=_closure_step),
-    Idiom("gradient accumulation across calls (no zero_grad)", "refused", step=_no_zero_grad),
+    Idiom("no zero_grad anywhere: each step adds its gradients to the last one's", "works", step=_no_zero_grad),
+    Idiom("gradient accumulation across calls: backward in the step, optimizer.step() every 3rd call outside", "works",
+          step=_backward_only, between=_hook(_update_every_third)),
     Idiom("fp16 autocast with torch.amp.GradScaler and an unfused AdamW (updates skipped on overflow)", "works", step=_grad_scaler,
           setup=_add_scaler, outside=lambda m: [m.scaler._scale, m.scaler._growth_tracker]),
     Idiom("optimizer.add_param_group after compiling", "refused", between=_hook(_add_group)),

@@ -1,0 +1,94 @@
+"""Gradient accumulation across calls: a step that only adds its gradients to those it
+finds set, with the loop stepping the optimizer every few calls (the `(i + 1) % accum`
+loop). Each call's graph is the one for the gradients set then: none (the first call,
+and after zero_grad()), or all (which it takes as inputs and adds to in place)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import remat
+from remat.capture.train_graph import InputKind
+from remat.errors import RematError
+from remat.measurement.check import twin
+from remat.models import build_model
+
+ACCUMULATE = 3
+
+
+def _micro_step(model, optimizer, batch):
+    loss = model(**batch).loss / ACCUMULATE
+    loss.backward()
+    return loss.detach()
+
+
+def _batches(n: int) -> list[dict[str, torch.Tensor]]:
+    return [build_model("bert-tiny", 8, seed=s).batch for s in range(n)]
+
+
+def _train(step, model, optimizer, batches, set_to_none: bool = True) -> list[torch.Tensor]:
+    losses = []
+    for i, batch in enumerate(batches):
+        torch.manual_seed(i)  # dropout: the same masks on both sides
+        losses.append(step(batch))
+        if (i + 1) % ACCUMULATE == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=set_to_none)
+    return losses
+
+
+def _same(a: torch.nn.Module, a_opt, b: torch.nn.Module, b_opt) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name
+    for sa, sb in zip(a_opt.state.values(), b_opt.state.values()):
+        assert all(torch.equal(x, y) for x, y in zip(sa.values(), sb.values()))
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["zero_grad", "zero_grad(set_to_none=False)"])
+def test_accumulating_over_calls_is_bitwise_with_recomputation_and_the_predicted_peak(set_to_none):
+    spec = build_model("bert-tiny", 8)
+    opt = torch.optim.AdamW(spec.model.parameters(), lr=1e-3)
+    (eager, eager_opt), (model, o) = twin(spec.model, opt), twin(spec.model, opt)
+    batches = _batches(2 * ACCUMULATE + 1)  # two updates, and gradients left set at the end
+    step = remat.compile(_micro_step, model, o, batches[0], memory_budget=0.4)
+    losses = _train(step, model, o, batches, set_to_none)
+    eager_losses = _train(lambda b: _micro_step(eager, eager_opt, b), eager, eager_opt, batches, set_to_none)
+    assert all(torch.equal(a, b) for a, b in zip(losses, eager_losses))
+    _same(model, o, eager, eager_opt)
+    graphs = list(step._graphs.values())
+    assert len(graphs) == 2  # none set, all set: whatever the loop does, two graphs
+    taking = [sum(i.kind is InputKind.GRADIENT for i in g.tg.inputs) for g in graphs]
+    assert taking == [0, len(list(model.parameters()))]
+    for g in graphs:
+        report = g.report
+        assert report.num_recomputed > 0
+        assert report.measured_peak_bytes == report.predicted_peak_bytes <= report.budget_bytes
+    # The gradients held from call to call are counted before the step starts.
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert graphs[1].report.persistent_bytes == graphs[0].report.persistent_bytes + grad_bytes
+
+
+def test_a_step_compiled_after_an_eager_micro_step_takes_the_gradients_that_one_left():
+    spec = build_model("bert-tiny", 8)
+    opt = torch.optim.SGD(spec.model.parameters(), lr=0.1)
+    (eager, eager_opt), (model, o) = twin(spec.model, opt), twin(spec.model, opt)
+    batches = _batches(ACCUMULATE + 1)
+    for m, optimizer in ((eager, eager_opt), (model, o)):
+        torch.manual_seed(100)
+        _micro_step(m, optimizer, batches[0])  # the loop's first micro-step, eager
+    step = remat.compile(_micro_step, model, o, batches[1])
+    assert step.report is not None and len(step._graphs) == 1
+    assert sum(i.kind is InputKind.GRADIENT for i in next(iter(step._graphs.values())).tg.inputs) > 0
+    _train(step, model, o, batches[1:])
+    _train(lambda b: _micro_step(eager, eager_opt, b), eager, eager_opt, batches[1:])
+    _same(model, o, eager, eager_opt)
+
+
+def test_a_cuda_graph_of_an_accumulating_step_is_refused_with_what_to_do():
+    spec = build_model("bert-tiny", 4)
+    opt = torch.optim.SGD(spec.model.parameters(), lr=0.1)
+    with pytest.raises(RematError, match="gradient accumulation across calls.*loop over the micro-batches inside"):
+        remat.compile(_micro_step, spec.model, opt, spec.batch, cuda_graph=True)
