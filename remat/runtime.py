@@ -34,7 +34,7 @@ from remat.planners.evaluate import baseline_of, step_time
 from remat.planners.plan import Plan
 from remat.planners import DEFAULT_PLANNER, make_plan
 from remat.profile.profiles import Profile, graph_fingerprint
-from remat.capture.call_inputs import CallInputs
+from remat.capture.call_inputs import CallInputs, gradients_set
 from remat.capture.state.guards import Guards
 from remat.capture.state.python_state import changed_values, state_slots, step_values
 from remat.capture.state.scheduler_calls import make_calls
@@ -118,7 +118,7 @@ class RematStep:
     _reduce_per_gradient: bool = False
     _set_up: list[Any] = field(default_factory=list)  # first_call.SetUp of the graphs compiled since the last call, made at the next
     _hit: tuple[Any, Guards, CompiledGraph] | None = None  # the last graph found, and what its key was found from (guards)
-    _accumulating: list[torch.Tensor] | None = None  # a step that adds to the gradients it finds: its parameters (their .grad set or not is in the key)
+    _accumulating: list[torch.Tensor] | None = None  # a step that adds to gradients it finds set: its parameters, whose .grad set or not is in the key
 
     def __post_init__(self) -> None:
         # Parse now: a bad budget is an error at compile time, not at the first step.
@@ -221,7 +221,7 @@ class RematStep:
 
     def _with_gradients_set(self, shapes: Any) -> Any:
         """The key's shapes, with which gradients are set for a step that adds to them."""
-        return shapes if self._accumulating is None else (shapes, tuple(p.grad is not None for p in self._accumulating))
+        return shapes if self._accumulating is None else (shapes, gradients_set(self._accumulating))
 
     def _warn_changed(self, before: tuple[tuple[str, Any], ...]) -> None:
         """Name the values, changed since the last graph of this shape was compiled, that

@@ -92,3 +92,37 @@ def test_a_cuda_graph_of_an_accumulating_step_is_refused_with_what_to_do():
     opt = torch.optim.SGD(spec.model.parameters(), lr=0.1)
     with pytest.raises(RematError, match="gradient accumulation across calls.*loop over the micro-batches inside"):
         remat.compile(_micro_step, spec.model, opt, spec.batch, cuda_graph=True)
+
+
+def _last_micro_step(model, optimizer, batch):
+    loss = _micro_step(model, optimizer, batch)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_a_step_that_updates_after_micro_steps_compiled_apart_adds_to_their_gradients():
+    """The update in a step of its own, called at every ACCUMULATE-th micro-batch: it ends
+    with zero_grad(), so it never leaves gradients for itself, but it finds the micro-steps'
+    and adds to them, as eager's does (a graph of its own for that call)."""
+    spec = build_model("bert-tiny", 8)
+    opt = torch.optim.AdamW(spec.model.parameters(), lr=1e-3)
+    (eager, eager_opt), (model, o) = twin(spec.model, opt), twin(spec.model, opt)
+    batches = _batches(2 * ACCUMULATE)
+    micro = remat.compile(_micro_step, model, o, batches[0], memory_budget=0.5)
+    last = remat.compile(_last_micro_step, model, o, batches[0], memory_budget=0.5)
+
+    def run(micro, last):
+        losses = []
+        for i, batch in enumerate(batches):
+            torch.manual_seed(i)
+            losses.append((last if (i + 1) % ACCUMULATE == 0 else micro)(batch))
+        return losses
+
+    losses = run(micro, last)
+    eager_losses = run(*(lambda b, f=f: f(eager, eager_opt, b) for f in (_micro_step, _last_micro_step)))
+    assert all(torch.equal(a, b) for a, b in zip(losses, eager_losses))
+    _same(model, o, eager, eager_opt)
+    assert last.report.measured_peak_bytes == last.report.predicted_peak_bytes
+    assert sum(i.kind is InputKind.GRADIENT for i in last._last.tg.inputs) == len(list(model.parameters()))

@@ -19,7 +19,8 @@ the change, or records anew): nothing is taken on trust.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, is_not
 from typing import Any, Callable
 
 import torch
@@ -37,6 +38,7 @@ _training = attrgetter("training")
 _requires_grad = attrgetter("requires_grad")
 _gradient_hooks = attrgetter("_backward_hooks")
 _accumulation_hooks = attrgetter("_post_accumulate_grad_hooks")
+_grad = attrgetter("grad")
 
 
 @dataclass
@@ -177,6 +179,11 @@ class CallInputs:
         inputs = flat_inputs(tg, model, optimizer, batch, view)
         self.last = LastCall.record(tg, view, optimizer, inputs, batch)
         return inputs, view
+
+
+def gradients_set(params: list[torch.Tensor]) -> tuple[bool, ...]:
+    """Which of `params` have a gradient set (C-level maps: a few microseconds for hundreds)."""
+    return tuple(map(is_not, map(_grad, params), repeat(None)))
 
 
 def _buffers(tg: TrainGraph, view: ModelView) -> SameEntries:

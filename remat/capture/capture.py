@@ -30,7 +30,7 @@ from remat.capture.optimizer_state import check_first_step_state, optimizer_on, 
 from remat.capture.optimizers import as_one, only_passed_step
 
 from remat.capture.markers import marking_updates, MARKER, RECORD_FUNCTION_OPS, marker, marking_passes
-from remat.capture.trace_checks import branched_hyperparameters, check_backward_ran, check_graph_runnable, cleared_before_backward, accumulates, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state, where_in_users_code
+from remat.capture.trace_checks import branched_hyperparameters, check_backward_ran, check_graph_runnable, cleared_before_backward, finds_gradients, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state, where_in_users_code
 from remat.capture.train_graph import CallContract, GraphInput, InputKind, Phase, TrainGraph, TrainStep
 from remat.capture.state import first_call
 from remat.capture.state.python_state import no_python_state_changed, state_slots
@@ -210,7 +210,7 @@ def capture(
     slots, held, outside, own = _user_state(model, train_step, params, buffers, states, example_batch)
     hooks = param_hooks.of(params)  # the user's gradient hooks: traced in, and checked at every call
     numbers = read_numbers.Reading.of(slots, read_numbers_named)
-    entry_grads = accumulated_gradients(params, trainable) if grads_in else {}
+    entry_grads = accumulated_gradients(params, trainable, dp or shards) if grads_in else {}
     inputs, flat, hyper_values = _graph_inputs(params, buffers, states, entry_grads, optimizer, numbers.slots, outside, example_batch, leaves)
 
     state_keys = [(n, list(st)) for n, st in states.items()]
@@ -279,8 +279,8 @@ def capture(
     gm, probe_gm, recorded_run = _traces(trace, model, train_step, slots, probe, seen, (grad_order, final_grads), ran, device, set_ups)
     kept_numbers.warn_left_alone(seen.get("left_alone", []))  # the last trace's, once
     leaves_zero_grads = bool(final_grads) and ends_with_zero_grads(gm)
-    grads_in = grads_in or (probe_gm is not None and not leaves_zero_grads and accumulates(probe_gm, {n: params[n] for n in trainable}, optimizer, dp or shards))
-    if grads_in and probe_gm is not None and accumulated_gradients(params, trainable):  # found so, and this call adds to some
+    grads_in = grads_in or finds_gradients(probe_gm, probe["cleared_first"], leaves_zero_grads, {n: params[n] for n in trainable}, optimizer, dp or shards)
+    if grads_in and not entry_grads and accumulated_gradients(params, trainable, dp or shards):  # this call finds some: its graph takes them
         return capture(train_step, model, passed, example_batch, read_numbers_named, reduce_in_buckets, grads_in=True)
     check_static_shapes(gm)
     check_graph_runnable(gm)

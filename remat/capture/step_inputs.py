@@ -25,7 +25,7 @@ from remat.capture.optimizer_state import optimizer_states
 from remat.capture.optimizers import as_one
 from remat.capture.train_graph import GraphInput, InputKind, TrainGraph
 from remat.ops import value_checks
-from remat.capture.trace_checks import check_settings, where_in_users_code
+from remat.capture.trace_checks import accumulation_refused, check_settings, where_in_users_code
 
 
 def unique_named(items: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -259,10 +259,13 @@ def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: Any, batch: A
     return out
 
 
-def accumulated_gradients(params: dict[str, torch.Tensor], trainable: tuple[str, ...]) -> dict[str, torch.Tensor]:
+def accumulated_gradients(params: dict[str, torch.Tensor], trainable: tuple[str, ...], across_ranks: Any = None) -> dict[str, torch.Tensor]:
     """The gradients set now on the parameters `trainable` names, which a step that
-    accumulates across calls adds to."""
-    return {n: accumulated_gradient(n, params[n]) for n in trainable if params[n].grad is not None}
+    accumulates across calls adds to; refused for a step `across_ranks` (DDP, FSDP2)."""
+    found = {n: accumulated_gradient(n, params[n]) for n in trainable if params[n].grad is not None}
+    if found and across_ranks is not None:
+        raise accumulation_refused(f"the step finds gradients set ({next(iter(found))} and {len(found) - 1} more) and adds to them", "across ranks (DDP, FSDP2)")
+    return found
 
 
 def accumulated_gradient(name: str, param: torch.Tensor) -> torch.Tensor:

@@ -153,16 +153,11 @@ def accumulates(probe_gm: torch.fx.GraphModule, trainable: dict[str, torch.Tenso
     if not kept:
         return False
     named = f"{', '.join(kept[:3])}{f' and {len(kept) - 3} more' if len(kept) > 3 else ''}"
-    advice = (
-        "To accumulate gradients over micro-batches, give train_step all of them and loop over them inside it "
-        "(one backward() each, then one optimizer.step())."
-    )
     note = accelerate_accumulation_note()
     if note is not None or data_parallel is not None:
-        error = CaptureError(
+        error = accumulation_refused(
             f"train_step leaves gradients set ({named}) and does not clear them before backward(), so each step adds "
-            "its gradients to the previous step's (gradient accumulation across calls), which remat does not follow "
-            f"{'under Accelerate' if note is not None else 'across ranks (DDP, FSDP2)'}. {advice}"
+            "its gradients to the previous step's", "under Accelerate" if note is not None else "across ranks (DDP, FSDP2)",
         )
         if note is not None:
             error.add_note(note)
@@ -178,6 +173,29 @@ def accumulates(probe_gm: torch.fx.GraphModule, trainable: dict[str, torch.Tenso
             stacklevel=5,
         )
     return True
+
+
+def finds_gradients(
+    probe_gm: torch.fx.GraphModule | None, cleared_first: bool, leaves_zero_grads: bool, trainable: dict[str, torch.Tensor],
+    optimizer: Any, data_parallel: Any,
+) -> bool:  # fmt: skip
+    """Whether the graph depends on which gradients a call finds set (TrainGraph.call.accumulates).
+    Not where the step clears them all before its first backward, nor where it ends with
+    them zeroed in place (ends_with_zero_grads: checked at each call). Where it leaves some
+    set, as the trace with them preset (`probe_gm`) tells: accumulates. Where it leaves
+    none set (zero_grad() at its end), yes: only gradients set outside it (another step's,
+    an eager backward's) can be found, and it adds to them, as eager does."""
+    if cleared_first or leaves_zero_grads:
+        return False
+    return probe_gm is None or accumulates(probe_gm, trainable, optimizer, data_parallel)
+
+
+def accumulation_refused(what: str, where: str) -> CaptureError:
+    return CaptureError(
+        f"{what} (gradient accumulation across calls), which remat does not follow {where}. To accumulate gradients "
+        "over micro-batches, give train_step all of them and loop over them inside it (one backward() each, then one "
+        "optimizer.step())."
+    )
 
 
 def accelerate_accumulation_note() -> str | None:

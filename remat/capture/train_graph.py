@@ -78,8 +78,9 @@ class CallContract:
     set_up: list[Any] = field(default_factory=list)  # first_call.SetUp: what the step's first run sets once, made when the graph first runs
     scheduler_calls: tuple[Any, ...] = ()  # scheduler_calls.SchedulerCall: scheduler.step() calls made again at each call
     leaves_zero_grads: bool = False  # the step ends with zero_grad(set_to_none=False): see ends_with_zero_grads
-    # The step adds its gradients to those it finds set (gradient accumulation across calls):
-    # which are set is in the key, and those are GRADIENT inputs (trace_checks.accumulates).
+    # The step adds its gradients to those a call finds set (gradient accumulation across
+    # calls; or it may: trace_checks.finds_gradients): which are set is in the key, and the
+    # graph for a call that finds some takes them as GRADIENT inputs.
     accumulates: bool = False
     groups: list[hyperparams.GroupSpec] = field(default_factory=list)  # what the update assumes of param_groups
     data_parallel: Any = None  # data_parallel.DataParallel of a DDP-wrapped model: its gradients are averaged in the graph
