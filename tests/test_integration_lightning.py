@@ -119,10 +119,26 @@ def test_lightning_fp16_with_its_grad_scaler_is_bitwise(tmp_path):
     assert progress == eager_progress
 
 
+def test_accumulate_grad_batches_is_bitwise(tmp_path):
+    """accumulate_grad_batches=3 over epochs of 8 batches: each round's first batch clears the
+    gradients, the next adds to them, the third steps the optimizer (and an epoch's last
+    batch steps after two): three graphs, bitwise with eager Lightning's rows and state."""
+    eager_rows, eager_state, eager_progress, _ = _fit(tmp_path / "eager", [], accumulate_grad_batches=3)
+    callback = RematCallback(memory_budget=0.9)
+    rows, state, progress, trainer = _fit(tmp_path / "remat", [callback], accumulate_grad_batches=3)
+    assert trainer.global_step == 6 and len(rows) == 16  # rounds of 3, 3 and 2 batches in each of two epochs
+    assert set(callback.accumulating) == {True, False}
+    steps = [callback.step, *callback.accumulating.values()]
+    assert all(s.report.measured_peak_bytes == s.report.predicted_peak_bytes for s in steps)
+    assert _equal_rows(rows, eager_rows)
+    assert len(state) == len(eager_state) and all(torch.equal(a, b) for a, b in zip(state, eager_state))
+    assert progress == eager_progress
+    assert "_make_closure" not in vars(trainer.fit_loop.epoch_loop.automatic_optimization)
+
+
 @pytest.mark.parametrize(
     "module, trainer_args, match",
     [
-        (None, {"accumulate_grad_batches": 2}, "accumulate_grad_batches=2"),
         (_Net(use_batch_idx=True), {}, "computes with batch_idx"),
         (_Net(log_a_float=True), {}, "logs 'half' as a Python number"),
     ],

@@ -7,6 +7,9 @@ graph: Lightning's own closure (the module's `training_step`, `zero_grad`, `back
 with its hooks), its precision plugin and gradient clipping, and the optimizer's update,
 traced once with the batch as the graph's input. What the step logs with `self.log` is
 computed in the graph and logged after each run with that step's values (step_prints).
+With `accumulate_grad_batches`, a batch whose gradients only accumulate (the loop calls
+its closure alone) runs that closure as a remat graph too: one for the first batch of
+each round (it clears the gradients), one for the others (they add to them).
 """
 
 from __future__ import annotations
@@ -35,10 +38,10 @@ class RematCallback(Callback):
     `remat.compile` keywords. `callback.report` is remat's report for the last batch shape.
 
     Supported: automatic optimization with one optimizer (and its schedulers),
-    `gradient_clip_val`, precision plugins (fp16 with its GradScaler too), `self.log` of
-    tensors in `training_step`.
-    Refused by name: several processes (DDP strategies), manual optimization, several optimizers, `accumulate_grad_batches`
-    above 1, an `optimizer_step` of the module's own, and callbacks that act inside the
+    `gradient_clip_val`, `accumulate_grad_batches`, precision plugins (fp16 with its
+    GradScaler too), `self.log` of tensors in `training_step`.
+    Refused by name: several processes (DDP strategies), manual optimization, several optimizers,
+    an `optimizer_step` of the module's own, and callbacks that act inside the
     step (`on_after_backward`, ...). `training_step` may not compute with `batch_idx`
     (it is read once, at capture): the error says so."""
 
@@ -46,6 +49,7 @@ class RematCallback(Callback):
         self.memory_budget = memory_budget
         self.remat_options = remat_options
         self.step: Any = None  # the remat.RematStep
+        self.accumulating: dict[bool, Any] = {}  # a batch that only accumulates: its remat.RematStep, by whether it is a round's first
         self._module: LightningModule | None = None
         self._trainer: Any = None
 
@@ -57,12 +61,53 @@ class RematCallback(Callback):
         _check_supported(trainer, pl_module, self)
         self._module, self._trainer = pl_module, trainer
         pl_module.optimizer_step = self._optimizer_step  # the loop looks the hook up on the module
+        loop = trainer.fit_loop.epoch_loop.automatic_optimization
+        loop._make_closure = self._closure_maker(loop._make_closure)  # type: ignore[method-assign]
 
     def on_fit_end(self, trainer: Any, pl_module: LightningModule) -> None:
-        vars(pl_module).pop("optimizer_step", None)
+        self._put_back(trainer, pl_module)
 
     def on_exception(self, trainer: Any, pl_module: LightningModule, exception: BaseException) -> None:
+        self._put_back(trainer, pl_module)
+
+    @staticmethod
+    def _put_back(trainer: Any, pl_module: LightningModule) -> None:
         vars(pl_module).pop("optimizer_step", None)
+        vars(trainer.fit_loop.epoch_loop.automatic_optimization).pop("_make_closure", None)
+
+    def _closure_maker(self, make: Any) -> Any:
+        """Lightning's closure maker, whose closure runs through remat where the loop calls it
+        alone: a batch that accumulates its gradients, with no optimizer step."""
+
+        def made(kwargs: Any, optimizer: Any, batch_idx: int) -> Any:
+            closure = make(kwargs, optimizer, batch_idx)
+            if self._trainer.fit_loop._should_accumulate():
+                closure.closure = lambda: self._accumulating_step(closure, kwargs, optimizer, batch_idx)
+            return closure
+
+        return made
+
+    def _accumulating_step(self, closure: Any, kwargs: Any, optimizer: Any, batch_idx: int) -> ClosureResult:
+        import remat
+
+        module, trainer = self._module, self._trainer
+        progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress
+        counted = progress.state_dict()
+        first = closure._zero_grad_fn is not None  # a round's first batch: it clears the gradients before its backward
+
+        def micro_step(module: LightningModule, optimizer: Any, batch: Any) -> dict[str, Any]:
+            """Lightning's closure, as its loop runs it alone, with this batch."""
+            result = _with_batch(kwargs, batch, batch_idx, lambda: type(closure).closure(closure))
+            return {"loss": result.loss, "extra": result.extra}
+
+        step = self.accumulating.get(first)
+        if step is None or step.model is not module or step.optimizer is not optimizer:
+            step = self.accumulating[first] = remat.compile(micro_step, module, optimizer, kwargs["batch"], self.memory_budget, **self.remat_options)
+        out = step(kwargs["batch"])
+        progress.load_state_dict(counted)  # the traces counted their zero_grad(); count this batch's once
+        if first:
+            _count_zero_grad(progress)
+        return ClosureResult(out["loss"], extra=out["extra"])
 
     def _optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         import remat
@@ -76,15 +121,7 @@ class RematCallback(Callback):
 
         def whole_step(module: LightningModule, optimizer: Any, batch: Any) -> dict[str, Any]:
             """Lightning's step, as its loop runs it, with this batch."""
-            saved = dict(kwargs)
-            kwargs["batch"] = batch
-            index = _BatchIndex(batch_idx)
-            if "batch_idx" in kwargs:
-                kwargs["batch_idx"] = index
-            try:
-                LightningModule.optimizer_step(module, epoch, index, optimizer, optimizer_closure)
-            finally:
-                kwargs.update(saved)
+            _with_batch(kwargs, batch, batch_idx, lambda: LightningModule.optimizer_step(module, epoch, _BatchIndex(batch_idx), optimizer, optimizer_closure))
             result, optimizer_closure._result = optimizer_closure._result, None  # set again after each run
             return {"loss": result.loss, "extra": result.extra}
 
@@ -93,9 +130,27 @@ class RematCallback(Callback):
         out = self.step(batch)
         # The traces counted their zero_grad() as the loop counts it; count this step's once.
         progress.load_state_dict(counted)
-        zero_grad = progress.optimizer.zero_grad
-        zero_grad.increment_ready(), zero_grad.increment_started(), zero_grad.increment_completed()
+        if optimizer_closure._zero_grad_fn is not None:
+            _count_zero_grad(progress)
         optimizer_closure._result = ClosureResult(out["loss"], extra=out["extra"])
+
+
+def _with_batch(kwargs: dict[str, Any], batch: Any, batch_idx: int, run: Any) -> Any:
+    """`run()` with the loop's training_step arguments set to this batch (and its index as
+    _BatchIndex), put back after."""
+    saved = dict(kwargs)
+    kwargs["batch"] = batch
+    if "batch_idx" in kwargs:
+        kwargs["batch_idx"] = _BatchIndex(batch_idx)
+    try:
+        return run()
+    finally:
+        kwargs.update(saved)
+
+
+def _count_zero_grad(progress: Any) -> None:
+    zero_grad = progress.optimizer.zero_grad
+    zero_grad.increment_ready(), zero_grad.increment_started(), zero_grad.increment_completed()
 
 
 def _log_again(real: Any, module: LightningModule, *args: Any, **kwargs: Any) -> None:
@@ -181,11 +236,6 @@ def _check_supported(trainer: Any, module: LightningModule, callback: RematCallb
         )
     if len(trainer.optimizers) != 1:
         refuse(f"configure_optimizers returns {len(trainer.optimizers)} optimizers", "remat runs one optimizer step per batch: return one optimizer (its schedulers may be several).")
-    if trainer.accumulate_grad_batches != 1:
-        refuse(
-            f"accumulate_grad_batches={trainer.accumulate_grad_batches}",
-            "remat compiles whole optimizer steps: raise the batch size instead (remat's plan makes room for it), or drop RematCallback.",
-        )
     if type(module).optimizer_step is not LightningModule.optimizer_step:
         refuse(
             f"{type(module).__name__} overrides optimizer_step",
