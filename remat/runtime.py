@@ -16,7 +16,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from remat import failed_step, ranks
+from remat import compile_notes, failed_step, ranks
 from remat import build as pipeline
 from remat.capture import data_parallel, optimizer_state, sharded
 from remat.capture.optimizers import as_one
@@ -62,10 +62,6 @@ class CompiledGraph:
         if self.call_inputs is None:
             self.call_inputs = CallInputs(self.tg)
         return self.call_inputs.gather(model, optimizer, batch)
-
-
-# Batch shapes after which a step says that each new one is compiled again (dynamic padding).
-_MANY_SHAPES = 4
 
 
 def _signature(batch: Any) -> tuple[str, tuple[tuple[tuple[int, ...], torch.dtype, str], ...]]:
@@ -204,20 +200,8 @@ class RematStep:
         self._set_up += tg.call.set_up
         self._structure = _signature(batch)[0]
         self._graphs[(shapes, compiled.step_values)] = compiled
-        self._warn_many_shapes(compiled)
+        compile_notes.warn_many_shapes(len({s[0] if self._accumulating else s for s, _ in self._graphs}), compiled.report.compile_seconds)
         return compiled
-
-    def _warn_many_shapes(self, compiled: CompiledGraph) -> None:
-        """Say, at the shape that makes them many, that every new batch shape is a capture."""
-        if len({s[0] if self._accumulating else s for s, _ in self._graphs}) == _MANY_SHAPES:
-            warnings.warn(
-                f"remat: the batch has come in {_MANY_SHAPES} shapes so far, and each new shape is captured, profiled "
-                f"and planned again ({compiled.report.compile_seconds:.1f} s for this one) and keeps a graph of its own. "
-                "Batches padded to their longest row (a data collator's dynamic padding) take as many shapes as there "
-                "are lengths: pad to a few lengths instead (DataCollatorWithPadding(tokenizer, pad_to_multiple_of=64), "
-                "or padding='max_length'), and drop or pad a smaller last batch (drop_last=True).",
-                stacklevel=4,
-            )
 
     def _with_gradients_set(self, shapes: Any) -> Any:
         """The key's shapes, with which gradients are set for a step that adds to them."""
@@ -319,9 +303,10 @@ class RematStep:
 
             try:
                 plan = make() if self._dp is None else ranks.share_plan(self._dp, make)
-            except BudgetError:
+            except BudgetError as error:
                 earlier = self._budget.for_later_shape(budget_bytes, (g.report.budget_bytes or 0 for g in self._graphs.values()))
                 if earlier is None:
+                    compile_notes.note_gradients_held(error, tg)
                     if self._dp is None or self._reduce_per_gradient or not data_parallel.reduces_in_buckets(tg.gm):
                         _REFUSED.clear()
                         _REFUSED[graph_fingerprint(tg)] = prof

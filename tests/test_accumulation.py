@@ -126,3 +126,24 @@ def test_a_step_that_updates_after_micro_steps_compiled_apart_adds_to_their_grad
     _same(model, o, eager, eager_opt)
     assert last.report.measured_peak_bytes == last.report.predicted_peak_bytes
     assert sum(i.kind is InputKind.GRADIENT for i in last._last.tg.inputs) == len(list(model.parameters()))
+
+
+def test_a_call_whose_held_gradients_put_its_floor_over_the_budget_says_so():
+    """A budget in bytes that the first graph just meets: the graph for a call that finds
+    the gradients set holds them from its start, so its floor is higher; its error says why."""
+    spec = build_model("mlp-deep", 32)
+    opt = torch.optim.SGD(spec.model.parameters(), lr=0.01)
+
+    def micro_step(model, optimizer, batch):
+        loss = spec.loss_fn(model, batch) / 2
+        loss.backward()
+        return loss.detach()
+
+    with pytest.raises(remat.BudgetError) as refused:
+        remat.compile(micro_step, spec.model, opt, spec.batch, memory_budget=0.5)
+    step = remat.compile(micro_step, spec.model, opt, spec.batch, memory_budget=refused.value.reach.best)
+    step(spec.batch)
+    with pytest.raises(remat.BudgetError) as error:
+        step(spec.batch)
+    grads = sum(1 for p in spec.model.parameters())
+    assert any(f"finds {grads} gradients set" in note and "holds them from its start" in note for note in error.value.__notes__)

@@ -1,7 +1,8 @@
 """A plain Accelerate loop through remat.compile: the prepared (wrapped) optimizer,
 scheduler and dataloader, accelerator.backward and clip_grad_norm_, bitwise like the same
-loop in eager; gradient accumulation as micro-batches inside the step, bitwise like eager's
-`accelerator.accumulate`; and `accumulate` around a compiled step refused with what to do."""
+loop in eager; gradient accumulation as micro-batches inside the step, or across calls by
+hand, bitwise like eager's `accelerator.accumulate`; and `accumulate` around a compiled
+step refused with what to do."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def test_accelerate_loop_bitwise():
     assert len(state) == len(eager_state) and all(torch.equal(a, b) for a, b in zip(state, eager_state))
 
 
-def test_accumulation_inside_the_step_matches_accumulate():
+def _accumulated_as_documented() -> list[torch.Tensor]:
     accelerator, model, optimizer, loader, scheduler = _prepared(accumulation_steps=2)
     for batch in loader:  # eager, as Accelerate's docs write it
         with accelerator.accumulate(model):
@@ -77,7 +78,11 @@ def test_accumulation_inside_the_step_matches_accumulate():
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
-    eager_state = _state(model, optimizer)
+    return _state(model, optimizer)
+
+
+def test_accumulation_inside_the_step_matches_accumulate():
+    eager_state = _accumulated_as_documented()
 
     accelerator, model, optimizer, loader, scheduler = _prepared(accumulation_steps=2)
 
@@ -112,6 +117,29 @@ def _accumulating_step(accelerator):
         return loss.detach()
 
     return train_step
+
+
+def test_accumulation_across_calls_by_hand_matches_accumulate():
+    """The micro-step compiled alone (accelerator.backward divides by the accumulation
+    steps), the prepared optimizer and scheduler stepped every second call by the loop."""
+    eager_state = _accumulated_as_documented()
+    accelerator, model, optimizer, loader, scheduler = _prepared(accumulation_steps=2)
+
+    def micro_step(model, optimizer, batch):
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        return loss.detach()
+
+    step = remat.compile(micro_step, model, optimizer, _batches(1)[0], memory_budget=0.6)
+    for i, batch in enumerate(loader):
+        step(batch)
+        if i % 2 == 1:
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    state = _state(model, optimizer)
+    assert len(step._graphs) == 2 and all(g.report.measured_peak_bytes == g.report.predicted_peak_bytes for g in step._graphs.values())
+    assert len(state) == len(eager_state) and all(torch.equal(a, b) for a, b in zip(state, eager_state))
 
 
 def test_accumulate_around_the_step_is_refused_with_what_to_do():

@@ -141,8 +141,9 @@ def accumulates(probe_gm: torch.fx.GraphModule, trainable: dict[str, torch.Tenso
     """Whether the step adds its gradients to those of the step before (gradient
     accumulation across calls): then each call's graph takes the gradients set when it is
     called as inputs and adds to them in place, as eager's backward does, and which are
-    set is in the key. Refused under DDP or FSDP2 (`data_parallel`) and Accelerate's
-    accumulate(), whose syncing and skipped updates change from call to call.
+    set is in the key. Refused under DDP or FSDP2 (`data_parallel`), whose syncing differs
+    between accumulating calls and the last. (Accelerate's accumulate() around the step is
+    refused before: the counts it keeps change the graph, kept_numbers.)
 
     `probe_gm` was traced with the `.grad` of every parameter in `trainable` (by name, in
     the marker's order) already set: if train_step calls zero_grad() before backward(),
@@ -153,15 +154,11 @@ def accumulates(probe_gm: torch.fx.GraphModule, trainable: dict[str, torch.Tenso
     if not kept:
         return False
     named = f"{', '.join(kept[:3])}{f' and {len(kept) - 3} more' if len(kept) > 3 else ''}"
-    note = accelerate_accumulation_note()
-    if note is not None or data_parallel is not None:
-        error = accumulation_refused(
+    if data_parallel is not None:
+        raise accumulation_refused(
             f"train_step leaves gradients set ({named}) and does not clear them before backward(), so each step adds "
-            "its gradients to the previous step's", "under Accelerate" if note is not None else "across ranks (DDP, FSDP2)",
+            "its gradients to the previous step's", "across ranks (DDP, FSDP2)",
         )
-        if note is not None:
-            error.add_note(note)
-        raise error
     held = {id(p) for group in optimizer.param_groups for p in group["params"]} if optimizer is not None else set()
     unheld = [name for name in kept if id(trainable[name]) not in held]
     if held and len(unheld) == len(kept):  # the optimizer's are cleared, not these: likely an oversight

@@ -1,0 +1,40 @@
+"""What a step says about a graph it compiles again or cannot compile: a batch that comes
+in many shapes, and a budget that a call's graph cannot meet because it holds the
+gradients it finds set."""
+
+from __future__ import annotations
+
+import warnings
+
+from remat.budget import format_bytes
+from remat.capture.train_graph import InputKind, TrainGraph
+from remat.passes.update_buckets import nbytes
+
+# Batch shapes after which a step says that each new one is compiled again (dynamic padding).
+MANY_SHAPES = 4
+
+
+def warn_many_shapes(shapes: int, compile_seconds: float) -> None:
+    """Say, at the shape that makes them many, that every new batch shape is a capture."""
+    if shapes == MANY_SHAPES:
+        warnings.warn(
+            f"remat: the batch has come in {MANY_SHAPES} shapes so far, and each new shape is captured, profiled "
+            f"and planned again ({compile_seconds:.1f} s for this one) and keeps a graph of its own. "
+            "Batches padded to their longest row (a data collator's dynamic padding) take as many shapes as there "
+            "are lengths: pad to a few lengths instead (DataCollatorWithPadding(tokenizer, pad_to_multiple_of=64), "
+            "or padding='max_length'), and drop or pad a smaller last batch (drop_last=True).",
+            stacklevel=5,
+        )
+
+
+def note_gradients_held(error: Exception, tg: TrainGraph) -> None:
+    """Where a budget error's graph takes the gradients a call finds set, say so: they are
+    held from its start, which a call finding none does not."""
+    held = [i for i in tg.inputs if i.kind is InputKind.GRADIENT]
+    if held:
+        error.add_note(
+            f"remat: this call finds {len(held)} gradients set (gradient accumulation across calls), and its graph "
+            f"holds them from its start: {format_bytes(sum(nbytes(i.shape, i.dtype) for i in held))} that a call "
+            "finding none allocates only in its backward pass, so the floor of this call's graph is higher than "
+            "the first one's."
+        )
