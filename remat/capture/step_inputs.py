@@ -264,7 +264,8 @@ def accumulated_gradients(params: dict[str, torch.Tensor], trainable: tuple[str,
     accumulates across calls adds to; refused for a step `across_ranks` (DDP, FSDP2)."""
     found = {n: accumulated_gradient(n, params[n]) for n in trainable if params[n].grad is not None}
     if found and across_ranks is not None:
-        raise accumulation_refused(f"the step finds gradients set ({next(iter(found))} and {len(found) - 1} more) and adds to them", "across ranks (DDP, FSDP2)")
+        first = next(iter(found))
+        raise accumulation_refused(f"the step finds {len(found)} gradients set (first: {first}.grad) and adds to them", "across ranks (DDP, FSDP2)")
     return found
 
 
