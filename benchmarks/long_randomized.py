@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[tuple[RandomSpec, str]] = []
     stats = {"examples": 0, "recomputed": 0, "copies": 0, "max_abs_error_bytes": 0, "max_rel_error": 0.0,
              "max_over_budget_bytes": 0, "max_nodes": 0, "updates_in_backward": 0, "replayed_random_ops": 0,
-             "with_lean_ops": 0, "with_outside_tensors": 0, "with_read_numbers": 0, "with_gradient_hooks": 0}
+             "with_lean_ops": 0, "with_outside_tensors": 0, "with_read_numbers": 0, "with_gradient_hooks": 0,
+             "with_accumulation_across_calls": 0}
     start = time.perf_counter()
     deadline = start + 60 * args.minutes if args.minutes else None
 
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         stats["with_outside_tensors"] += int(spec.outside and outcome.kind != "capture_error")
         stats["with_gradient_hooks"] += int(spec.hooks and outcome.kind != "capture_error")
         stats["with_read_numbers"] += int("a loss weight read at every call" in outcome.notes)
+        stats["with_accumulation_across_calls"] += int(any(n.startswith("accumulated across calls") for n in outcome.notes))
         if outcome.measured_peak is not None and outcome.predicted_peak:
             err = abs(outcome.measured_peak - outcome.predicted_peak)
             stats["max_abs_error_bytes"] = max(stats["max_abs_error_bytes"], err)

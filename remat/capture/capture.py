@@ -193,10 +193,9 @@ def capture(
 
     `optimizer`: one, a list of those the step steps (capture.optimizers), or None; its
     state is created here if empty (`init_optimizer_state`), and nothing else changes.
-    `read_numbers_named`: the floats (python_state slot names) to read at every call where
-    the trace can (read_numbers). `reduce_in_buckets`: a DDP model's gradients all-reduced
-    in DDP's buckets, or each on its own (data_parallel.buckets). `grads_in`: the gradients
-    set now are inputs the step adds to (trace_checks.accumulates)."""
+    `read_numbers_named`: the floats (python_state slot names) to read at every call where the trace
+    can (read_numbers). `reduce_in_buckets`: a DDP model's gradients all-reduced in DDP's buckets, or
+    each on its own (data_parallel.buckets). `grads_in`: the gradients set now are inputs it adds to."""
     passed, optimizer = optimizer, as_one(optimizer)  # the step gets what was passed; remat reads it as one
     leaves, spec, params, buffers, trainable, device = check_arguments(model, example_batch)
     dp = data_parallel.data_parallel_of(model, in_buckets=reduce_in_buckets)
@@ -281,6 +280,7 @@ def capture(
     leaves_zero_grads = bool(final_grads) and ends_with_zero_grads(gm)
     grads_in = grads_in or finds_gradients(probe_gm, probe["cleared_first"], leaves_zero_grads, {n: params[n] for n in trainable}, optimizer, dp or shards)
     if grads_in and not entry_grads and accumulated_gradients(params, trainable, dp or shards):  # this call finds some: its graph takes them
+        optimizer_state.drop_made_ahead(optimizer)  # as it was: made again, where read
         return capture(train_step, model, passed, example_batch, read_numbers_named, reduce_in_buckets, grads_in=True)
     check_static_shapes(gm)
     check_graph_runnable(gm)

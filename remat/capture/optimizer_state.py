@@ -45,13 +45,15 @@ def made_ahead_used(optimizer: "torch.optim.Optimizer | Optimizers | None") -> N
         _MADE_AHEAD.pop(opt, None)
 
 
-def drop_made_ahead(optimizer: torch.optim.Optimizer) -> None:
+def drop_made_ahead(optimizer: "torch.optim.Optimizer | Optimizers | None") -> None:
     """After a run whose update of `optimizer` was skipped (by torch.amp.GradScaler, on an
-    overflow): the state made ahead of it is taken out again, as eager's skipped step never
-    made it (the next run makes it again, with the same values)."""
-    for p, st in _MADE_AHEAD.pop(optimizer, []):
-        if optimizer.state.get(p) is st:
-            del optimizer.state[p]
+    overflow), or a capture traced again: the state made ahead of it is taken out again, as
+    eager's skipped step never made it (the next run, or capture, makes it again, with the
+    same values)."""
+    for opt in each(optimizer):
+        for p, st in _MADE_AHEAD.pop(opt, []):
+            if opt.state.get(p) is st:
+                del opt.state[p]
 
 
 def _init_one(optimizer: torch.optim.Optimizer, only: set[int] | None) -> None:

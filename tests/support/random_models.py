@@ -101,6 +101,10 @@ class RandomSpec:
     # losses, the last loss, a history dict of lists logged into).
     outside: bool = False
     hooks: bool = False  # gradient hooks on the trainable parameters: clamped before accumulation, or halved after
+    # Gradient accumulation across calls: the step runs forward and backward only, adding to
+    # the gradients it finds (set to zeros before the first call, so its first graph is the
+    # one that adds); the loop steps the optimizer and clears them after every second call.
+    across_calls: bool = False
 
     def input_names(self) -> list[str]:
         return [n for n, on in (("x", self.features), ("img", self.image[0]), ("ids", self.vocab)) if on]
@@ -117,6 +121,7 @@ class RandomSpec:
                  f"{f', every {self.frozen}th parameter frozen' if self.frozen else ''}"
                  f"{', a scale, an EMA and kept numbers outside the model' if self.outside else ''}"
                  f"{', gradient hooks on the parameters' if self.hooks else ''}"
+                 f"{', gradients accumulated across calls' if self.across_calls else ''}"
                  f"{', hostile ' + self.hostile if self.hostile else ''}, seed {self.seed}"]
         lines += [f"  v{len(self.input_names()) + i}: {op!r}" for i, op in enumerate(self.ops)]
         return "\n".join(lines)
@@ -431,7 +436,7 @@ def make_train_step(spec: RandomSpec):
     scale = torch.rand((), generator=torch.Generator().manual_seed(spec.seed)) + 0.5
 
     def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        if spec.zero_grad_first:
+        if spec.zero_grad_first and not spec.across_calls:
             for o in each(optimizer):
                 o.zero_grad()
         loss = model(batch) * scale if spec.outside else model(batch)
@@ -445,7 +450,7 @@ def make_train_step(spec: RandomSpec):
             loss = loss + more.detach()
         if spec.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        for o in each(optimizer):
+        for o in each(optimizer) if not spec.across_calls else ():
             o.step()
         if spec.outside:
             with torch.no_grad():
@@ -455,7 +460,7 @@ def make_train_step(spec: RandomSpec):
             model.tracker.loss_sum += loss.item()
             model.tracker.last_loss = loss.item()
             model.tracker.history["loss"].append(loss.item())
-        if not spec.zero_grad_first:
+        if not spec.zero_grad_first and not spec.across_calls:
             for o in each(optimizer):
                 o.zero_grad()
         return loss
@@ -585,6 +590,7 @@ if st is not None:
             clip=draw(st.sampled_from([False, False, False, True])),
             outside=draw(st.sampled_from([False, False, True])),
             hooks=draw(st.sampled_from([False, False, False, True])),
+            across_calls=draw(st.sampled_from([False, False, False, True])),
         )
 
     def _fits(shape: tuple[int, ...]) -> bool:
@@ -736,19 +742,20 @@ def parse_budget_error(message: str) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def reuse_profiles() -> Iterator[dict[str, Any]]:
+def reuse_profiles(cache: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
     """Make `remat.compile` capture and profile each model once and reuse both after.
 
     The greedy's picks depend on the measured node times; replanning the same graph at
     another budget must see the same times, or "the smallest peak it could reach" would
     not be reproducible. (Reusing the capture only saves time: nothing between the two
-    compiles changes the model.) Yields {"profiles": by graph fingerprint, "captures": ...}.
+    compiles changes the model.) Yields {"profiles": by graph fingerprint, "captures": ...}:
+    `cache`, where given (one that an earlier block yielded: its profiles reused).
     """
     from remat.profile.profiles import graph_fingerprint
 
     real_profile, real_capture = pipeline_build.profile, pipeline_build.capture
-    profiles: dict[str, Any] = {}
-    captures: dict[tuple[int, int], Any] = {}
+    profiles: dict[str, Any] = {} if cache is None else cache["profiles"]
+    captures: dict[tuple[int, int], Any] = {} if cache is None else cache["captures"]
 
     def profile(tg, *args, **kwargs):  # type: ignore[no-untyped-def]
         key = graph_fingerprint(tg)
@@ -831,6 +838,78 @@ def _compile(spec: RandomSpec, model: nn.Module, opt: torch.optim.Optimizer, bat
     return remat.compile(make_train_step(spec), model, opt, batch, memory_budget=budget, profile_runs=1)
 
 
+def _check_memory(compiled: Any) -> int:
+    """One compiled graph that ran: its predicted peak within its budget and the simulator's
+    on the graph that runs, its measured peak as predicted, and the allocator node by node
+    against the simulated storages. Returns the peak of the storages alone."""
+    report = compiled.report
+    budget = report.budget_bytes
+    assert budget is not None and report.plan is not None
+    assert report.predicted_peak_bytes <= budget, f"predicted {report.predicted_peak_bytes} over the budget {budget}"
+    assert report.predicted_peak_bytes == report.plan.predicted_peak_bytes
+    # The simulator on the graph that actually runs: its own storages, its own order (and
+    # the kernel scratch the profile measured per node, a copy's being its original's).
+    scratch = report.profile.scratch_by_node() if hasattr(report.profile, "scratch_by_node") else {}
+    analysis = analyze(compiled.tg, compiled.gm, rewritten_phases(compiled.tg, compiled.gm))
+    copy_scratch = {n: scratch.get(original_name(n), 0) for n in analysis.node_names}
+    actual = simulate(analysis, scratch=copy_scratch) if scratch else simulate(analysis)
+    assert actual.peak_bytes == report.predicted_peak_bytes, (
+        f"simulated peak of the rewritten graph {actual.peak_bytes} != plan's prediction {report.predicted_peak_bytes}"
+    )
+    measured = report.measured_peak_bytes
+    assert measured is not None
+    predicted = report.predicted_peak_bytes
+    tol = max(REL_TOL * predicted, SCRATCH_SLACK)
+    assert abs(measured - predicted) <= tol, f"measured peak {measured} vs predicted {predicted} (tolerance {tol:.0f})"
+    assert measured <= budget + SCRATCH_SLACK, f"measured peak {measured} over the budget {budget}"
+    # The storages alone, against the allocator, node by node on the captured graph (the
+    # profile ran it so): never fewer bytes held than simulated, and every byte held above
+    # the simulated storages allocated by that very node (its kernel's scratch: oneDNN
+    # workspaces, a matmul's copy of a transposed operand). A storage the analysis missed,
+    # or sized too small, is held across nodes that allocate nothing, and shows.
+    captured = analyze(compiled.tg)
+    base = simulate(captured).during
+    for i, node in enumerate(report.profile.nodes):
+        held, simulated = node.peak_bytes, int(base[i])
+        assert simulated <= held, f"the simulator holds {simulated - held} bytes more than the allocator at {node.name}"
+        made = sum(captured.tensors[sid].nbytes for sid in captured.new_storages[i])
+        assert held - simulated <= max(0, node.allocated_bytes - made), (
+            f"at {node.name} the allocator held {held - simulated} bytes more than the simulated storages, "
+            f"more than the node's own scratch ({node.allocated_bytes - made} bytes)"
+        )
+    return simulate(analysis).peak_bytes
+
+
+def _between_steps(spec: RandomSpec, annealed: bool) -> Any:
+    """What the loop does after step i: with accumulation across calls, the optimizer's
+    step and zero_grad() after every second call; then the scheduler's changes."""
+    if not spec.schedule and not spec.across_calls:
+        return None
+
+    def between(i: int, model: nn.Module, optimizer: Any) -> None:
+        if spec.across_calls and i % 2 == 1:
+            for o in each(optimizer):
+                o.step()
+                o.zero_grad()
+        if spec.schedule:
+            change_hyperparameters(i, model, optimizer, anneal=annealed)
+
+    return between
+
+
+def _prepared(spec: RandomSpec) -> tuple[nn.Module, Any, dict[str, torch.Tensor], nn.Module, Any]:
+    """The model, optimizer and batch of `spec`, and the eager twins of the first two."""
+    model, opt, batch = build(spec)
+    eager_model, eager_opt = twin(model, opt)
+    if spec.hooks:
+        add_gradient_hooks(model)
+        add_gradient_hooks(eager_model)
+    if spec.across_calls:  # the first call adds to zeros: its graph takes them (the others' is compiled later)
+        for p in (p for m in (model, eager_model) for p in m.parameters() if p.requires_grad):
+            p.grad = torch.zeros_like(p)
+    return model, opt, batch, eager_model, eager_opt
+
+
 def check_example(spec: RandomSpec, steps: int = 3) -> Outcome:
     """Compile `spec` with remat and check it against eager PyTorch (see the module docstring).
 
@@ -842,11 +921,7 @@ def check_example(spec: RandomSpec, steps: int = 3) -> Outcome:
       on the graph that runs gives exactly the predicted peak; the measured peak within
       max(3%, SCRATCH_SLACK) of the prediction and at most SCRATCH_SLACK over the budget.
     """
-    model, opt, batch = build(spec)
-    eager_model, eager_opt = twin(model, opt)
-    if spec.hooks:
-        add_gradient_hooks(model)
-        add_gradient_hooks(eager_model)
+    model, opt, batch, eager_model, eager_opt = _prepared(spec)
     kind = "ran"
     notes: list[str] = []
     before = model_snapshot(model)
@@ -888,9 +963,28 @@ def check_example(spec: RandomSpec, steps: int = 3) -> Outcome:
     # the update) and ran at its first budget: its second graph then starts as its first.
     # With gradients left set, the second step starts with them alive (as eager's does) and
     # its floor can be above a budget the first graph met.
-    annealed = kind == "ran" and not spec.zero_grad_first
-    between = functools.partial(change_hyperparameters, anneal=annealed) if spec.schedule else None
-    result = check_against_eager(make_train_step(spec), eager_model, eager_opt, model, opt, step, batch, steps=steps, between_steps=between)
+    annealed = kind == "ran" and not spec.zero_grad_first and not spec.across_calls
+    between = _between_steps(spec, annealed)
+    with reuse_profiles(cache):
+        try:
+            result = check_against_eager(make_train_step(spec), eager_model, eager_opt, model, opt, step, batch, steps=steps, between_steps=between)
+        except BudgetError as e:
+            # Across calls, the graph for a call that finds no gradients set is planned at the third
+            # call, and its floor can be above the budget the first graph met (a gradient held as a
+            # view of a larger storage, where the other copies it into the one it finds): a right
+            # refusal, then the whole run again at that floor (both profiles reused: both plans fit;
+            # the captures are not: the models are new).
+            cache["captures"].clear()
+            if not spec.across_calls:
+                raise
+            budget_bytes, reachable = parse_budget_error(str(e))
+            assert reachable > budget_bytes, f"refused a budget above the peak it says it can reach: {e}"
+            model, opt, batch, eager_model, eager_opt = _prepared(spec)
+            step = _compile(spec, model, opt, batch, max(reachable, report.budget_bytes or 0))
+            report, compiled = step.report, step._last
+            kind = "ran_after_refusal"
+            notes.append(f"the second graph's budget {budget_bytes} refused, reachable {reachable}: all ran again at that")
+            result = check_against_eager(make_train_step(spec), eager_model, eager_opt, model, opt, step, batch, steps=steps, between_steps=between)
     if not result.match and all("nan" in m for m in result.mismatches):
         # Both sides overflowed (a chain of products trains to inf/nan): torch.equal calls
         # NaN unequal to itself, so compare the bits instead.
@@ -911,41 +1005,13 @@ def check_example(spec: RandomSpec, steps: int = 3) -> Outcome:
         kept, eager_kept = repr(vars(model.tracker)), repr(vars(eager_model.tracker))  # repr: nan equals nan
         assert kept == eager_kept and model.tracker.steps == steps, f"the numbers kept differ from eager's: {kept} against {eager_kept}"
 
-    budget = report.budget_bytes
-    assert budget is not None and report.plan is not None
-    assert report.predicted_peak_bytes <= budget, f"predicted {report.predicted_peak_bytes} over the budget {budget}"
-    assert report.predicted_peak_bytes == report.plan.predicted_peak_bytes
-    # The simulator on the graph that actually runs: its own storages, its own order (and
-    # the kernel scratch the profile measured per node, a copy's being its original's).
-    scratch = report.profile.scratch_by_node() if hasattr(report.profile, "scratch_by_node") else {}
-    analysis = analyze(compiled.tg, compiled.gm, rewritten_phases(compiled.tg, compiled.gm))
-    copy_scratch = {n: scratch.get(original_name(n), 0) for n in analysis.node_names}
-    actual = simulate(analysis, scratch=copy_scratch) if scratch else simulate(analysis)
-    assert actual.peak_bytes == report.predicted_peak_bytes, (
-        f"simulated peak of the rewritten graph {actual.peak_bytes} != plan's prediction {report.predicted_peak_bytes}"
-    )
-    measured = report.measured_peak_bytes
-    assert measured is not None
-    predicted = report.predicted_peak_bytes
-    tol = max(REL_TOL * predicted, SCRATCH_SLACK)
-    assert abs(measured - predicted) <= tol, f"measured peak {measured} vs predicted {predicted} (tolerance {tol:.0f})"
-    assert measured <= budget + SCRATCH_SLACK, f"measured peak {measured} over the budget {budget}"
-    # The storages alone, against the allocator, node by node on the captured graph (the
-    # profile ran it so): never fewer bytes held than simulated, and every byte held above
-    # the simulated storages allocated by that very node (its kernel's scratch: oneDNN
-    # workspaces, a matmul's copy of a transposed operand). A storage the analysis missed,
-    # or sized too small, is held across nodes that allocate nothing, and shows.
-    captured = analyze(compiled.tg)
-    base = simulate(captured).during
-    for i, node in enumerate(report.profile.nodes):
-        held, simulated = node.peak_bytes, int(base[i])
-        assert simulated <= held, f"the simulator holds {simulated - held} bytes more than the allocator at {node.name}"
-        made = sum(captured.tensors[sid].nbytes for sid in captured.new_storages[i])
-        assert held - simulated <= max(0, node.allocated_bytes - made), (
-            f"at {node.name} the allocator held {held - simulated} bytes more than the simulated storages, "
-            f"more than the node's own scratch ({node.allocated_bytes - made} bytes)"
-        )
-    storages_only = simulate(analysis).peak_bytes
+    storages_only = _check_memory(compiled)
+    if spec.across_calls:  # the graph for calls that find none set, compiled at the third call
+        others = [g for g in step._graphs.values() if g is not compiled]
+        assert len(others) == 1 and others[0].report.measured_peak_bytes is not None, f"{len(others)} other graphs"
+        _check_memory(others[0])
+        notes.append(f"accumulated across calls: the second graph's peak {others[0].report.measured_peak_bytes} as predicted")
+    budget, predicted, measured = report.budget_bytes, report.predicted_peak_bytes, report.measured_peak_bytes
     return Outcome(
         kind,
         budget_bytes=budget,
