@@ -73,7 +73,7 @@ def test_accumulating_over_calls_is_bitwise_with_recomputation_and_the_predicted
 
 def test_a_step_compiled_after_an_eager_micro_step_takes_the_gradients_that_one_left():
     spec = build_model("bert-tiny", 8)
-    opt = torch.optim.SGD(spec.model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(spec.model.parameters(), lr=0.1, momentum=0.9)
     (eager, eager_opt), (model, o) = twin(spec.model, opt), twin(spec.model, opt)
     batches = _batches(ACCUMULATE + 1)
     for m, optimizer in ((eager, eager_opt), (model, o)):
@@ -81,6 +81,7 @@ def test_a_step_compiled_after_an_eager_micro_step_takes_the_gradients_that_one_
         _micro_step(m, optimizer, batches[0])  # the loop's first micro-step, eager
     step = remat.compile(_micro_step, model, o, batches[1])
     assert step.report is not None and len(step._graphs) == 1
+    assert not o.state  # traced twice (the second time with the gradients it finds): no state made ahead left
     assert sum(i.kind is InputKind.GRADIENT for i in next(iter(step._graphs.values())).tg.inputs) > 0
     _train(step, model, o, batches[1:])
     _train(lambda b: _micro_step(eager, eager_opt, b), eager, eager_opt, batches[1:])
