@@ -28,8 +28,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         prof, out, files = run_profile(model, batch, out_dir=Path(args.out) / f"profile-{model}-b{batch}")
         console.print(phase_table(prof))
         console.print(breakdown_table(prof.peak_breakdown, prof.simulated_peak_bytes, title=f"{model}: memory at the peak"))
+        scratch = prof.measured_peak_bytes - prof.simulated_peak_bytes
         console.print(
-            f"simulated peak {prof.simulated_peak_bytes / 2**20:.2f} MiB, measured {prof.measured_peak_bytes / 2**20:.2f} MiB\n"
+            f"simulated peak {prof.simulated_peak_bytes / 2**20:.2f} MiB, measured {prof.measured_peak_bytes / 2**20:.2f} MiB"
+            + (f" (the {scratch / 2**20:.2f} MiB more: kernels' scratch, workspaces held by no tensor, which a plan's "
+               "prediction adds node by node)" if scratch > 0 else "") + "\n"
         )
         written.append((model, out, files))
     console.print("[bold]profile outputs[/bold]")
