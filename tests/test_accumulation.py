@@ -148,3 +148,21 @@ def test_a_call_whose_held_gradients_put_its_floor_over_the_budget_says_so():
         step(spec.batch)
     grads = sum(1 for p in spec.model.parameters())
     assert any(f"finds {grads} gradients set" in note and "holds them from its start" in note for note in error.value.__notes__)
+
+
+def test_timing_the_calls_of_an_accumulating_step_times_one_graph():
+    """`remat run --check` times a step's call with a stand-in for its graph; each call must
+    find the gradients as the first did, or another graph runs (or is compiled) instead."""
+    from remat.measurement.call_time import measure_call_time
+
+    spec = build_model("mlp", 16)
+    opt = torch.optim.SGD(spec.model.parameters(), lr=0.01)
+
+    def micro_step(model, optimizer, batch):
+        loss = spec.loss_fn(model, batch) / 2
+        loss.backward()
+        return loss.detach()
+
+    step = remat.compile(micro_step, spec.model, opt, spec.batch)
+    timed = measure_call_time(step, spec.batch, calls=3, steps=2)
+    assert len(step._graphs) == 1 and timed.warm_host_seconds > 0 and timed.step_seconds > 0
