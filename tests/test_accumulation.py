@@ -166,3 +166,21 @@ def test_timing_the_calls_of_an_accumulating_step_times_one_graph():
     step = remat.compile(micro_step, spec.model, opt, spec.batch)
     timed = measure_call_time(step, spec.batch, calls=3, steps=2)
     assert len(step._graphs) == 1 and timed.warm_host_seconds > 0 and timed.step_seconds > 0
+
+
+def test_the_tools_that_measure_one_graph_refuse_a_step_that_accumulates():
+    """`remat frontier` and `remat bench` plan or measure one graph over repeated steps."""
+    from remat.capture.capture import capture
+    from remat.measurement.check import check_one_graph
+
+    spec = build_model("mlp", 8)
+    opt = torch.optim.SGD(spec.model.parameters(), lr=0.01)
+
+    def micro_step(model, optimizer, batch):
+        loss = spec.loss_fn(model, batch)
+        loss.backward()
+        return loss.detach()
+
+    with pytest.raises(RematError, match="gradient accumulation across calls.*the frontier measures one.*clears the gradients first"):
+        check_one_graph(capture(micro_step, spec.model, opt, spec.batch), "the frontier")
+    check_one_graph(capture(lambda m, o, b: opt.zero_grad() or micro_step(m, o, b), spec.model, opt, spec.batch), "the frontier")

@@ -135,6 +135,20 @@ def eager_differs_from_itself(
     return compare_state(model_a, opt_a, model_b, opt_b)
 
 
+def check_one_graph(tg: Any, tool: str) -> None:
+    """Refuse, for a measuring tool that plans and runs one graph over repeated steps, a step
+    whose later steps run another: one that adds its gradients to those the step before
+    left (gradient accumulation across calls)."""
+    from remat.errors import RematError
+
+    if tg.call.accumulates and tg.grad_names:
+        raise RematError(
+            "the step adds its gradients to those the step before left (gradient accumulation across calls), so its "
+            f"steps after the first run another graph; {tool} measures one. Give it a step that clears the gradients "
+            "first (optimizer.zero_grad() before backward), or accumulate inside the step."
+        )
+
+
 @dataclass
 class Timing:
     a_seconds: float  # median

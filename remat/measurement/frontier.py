@@ -24,6 +24,7 @@ from typing import Any
 
 from remat.budget import parse_budget
 from remat.errors import BudgetError, RematError, UsageError
+from remat.measurement.check import check_one_graph
 
 from remat.budget import MiB
 from remat.measurement.frontier_files import Frontier, Point, _position, _resumable, describe, write_results
@@ -230,6 +231,7 @@ def run_frontier(
     spec = load(model, batch_size, optimizer, seed=seed, device=device, zero_grad_first=True)
     opt, train_step = spec.optimizer, spec.train_step
     tg = capture(train_step, spec.model, opt, spec.batch)
+    check_one_graph(tg, "the frontier")
     t0 = time.perf_counter()
     saved = load_profile_for(profile_path, tg, model, batch_size, optimizer) if profile_path is not None else None
     if saved is None:

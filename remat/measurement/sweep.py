@@ -159,6 +159,7 @@ def _method_step(
     """One training step of method `m` on its own model copy (mm, mo); notes and predictions go into `rec`."""
     import remat
     from remat.measurement.baselines import make_baseline
+    from remat.measurement.check import check_one_graph
 
     if m.kind in ("remat", "remat-inductor"):
         budget = m.budget
@@ -175,6 +176,7 @@ def _method_step(
             rec["notes"] = f"planned at {m.budget[1:]}'s measured peak: {budget / MiB:,.1f} MiB"
         backend = "inductor" if m.kind == "remat-inductor" else "eager"
         step = remat.compile(spec.train_step, mm, mo, spec.batch, memory_budget=budget, planner=planner, profile_cache=profile_cache, backend=backend)
+        check_one_graph(step._last.tg, "remat bench")
         rep = step.report
         rec.update(
             predicted_peak_bytes=rep.predicted_peak_bytes,
