@@ -23,6 +23,17 @@ def _micro_step(model, optimizer, batch):
     return loss.detach()
 
 
+def _micro_step_of(loss_fn):
+    """A step of a built model's loss that only runs backward (half of an update's gradient)."""
+
+    def micro_step(model, optimizer, batch):
+        loss = loss_fn(model, batch) / 2
+        loss.backward()
+        return loss.detach()
+
+    return micro_step
+
+
 def _batches(n: int) -> list[dict[str, torch.Tensor]]:
     return [build_model("bert-tiny", 8, seed=s).batch for s in range(n)]
 
@@ -135,11 +146,7 @@ def test_a_call_whose_held_gradients_put_its_floor_over_the_budget_says_so():
     spec = build_model("mlp-deep", 32)
     opt = torch.optim.SGD(spec.model.parameters(), lr=0.01)
 
-    def micro_step(model, optimizer, batch):
-        loss = spec.loss_fn(model, batch) / 2
-        loss.backward()
-        return loss.detach()
-
+    micro_step = _micro_step_of(spec.loss_fn)
     with pytest.raises(remat.BudgetError) as refused:
         remat.compile(micro_step, spec.model, opt, spec.batch, memory_budget=0.5)
     step = remat.compile(micro_step, spec.model, opt, spec.batch, memory_budget=refused.value.reach.best)
@@ -158,11 +165,7 @@ def test_timing_the_calls_of_an_accumulating_step_times_one_graph():
     spec = build_model("mlp", 16)
     opt = torch.optim.SGD(spec.model.parameters(), lr=0.01)
 
-    def micro_step(model, optimizer, batch):
-        loss = spec.loss_fn(model, batch) / 2
-        loss.backward()
-        return loss.detach()
-
+    micro_step = _micro_step_of(spec.loss_fn)
     step = remat.compile(micro_step, spec.model, opt, spec.batch)
     timed = measure_call_time(step, spec.batch, calls=3, steps=2)
     assert len(step._graphs) == 1 and timed.warm_host_seconds > 0 and timed.step_seconds > 0
@@ -176,11 +179,7 @@ def test_the_tools_that_measure_one_graph_refuse_a_step_that_accumulates():
     spec = build_model("mlp", 8)
     opt = torch.optim.SGD(spec.model.parameters(), lr=0.01)
 
-    def micro_step(model, optimizer, batch):
-        loss = spec.loss_fn(model, batch)
-        loss.backward()
-        return loss.detach()
-
+    micro_step = _micro_step_of(spec.loss_fn)
     with pytest.raises(RematError, match="gradient accumulation across calls.*the frontier measures one.*clears the gradients first"):
         check_one_graph(capture(micro_step, spec.model, opt, spec.batch), "the frontier")
     check_one_graph(capture(lambda m, o, b: opt.zero_grad() or micro_step(m, o, b), spec.model, opt, spec.batch), "the frontier")
