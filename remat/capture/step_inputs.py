@@ -273,12 +273,12 @@ def accumulated_gradient(name: str, param: torch.Tensor) -> torch.Tensor:
     g = param.grad
     if g is None:  # the key holds which are set: a graph that reads one is not chosen without it
         raise CaptureError(f"{name} has no gradient, but the step was compiled to add to the one it had")
-    if describe(g) != describe(param) or g.layout is not torch.strided:
-        shape, dtype, device = describe(g)
+    (shape, dtype, device), (p_shape, p_dtype, p_device) = describe(g), describe(param)
+    if (shape, dtype, device) != (p_shape, p_dtype, p_device) or g.layout is not torch.strided:
         raise CaptureError(
             f"{name}.grad is a {g.layout} {dtype} tensor of shape {shape} on {device}, unlike its parameter "
-            f"({describe(param)[1]} of shape {describe(param)[0]} on {describe(param)[2]}); the step adds its gradient "
-            "to it. Set it to None (optimizer.zero_grad()) or to a tensor like the parameter."
+            f"({p_dtype} of shape {p_shape} on {p_device}); the step adds its gradient to it. Set it to None "
+            "(optimizer.zero_grad()) or to a tensor like the parameter."
         )
     return g
 

@@ -116,6 +116,12 @@ class TrainGraph:
     #   op's out= overload (lean_ops), instead of allocating a new one.
     lean_into: dict[str, str] = field(default_factory=dict)
 
+    def runs_another_graph_later(self) -> bool:
+        """Whether the step's later calls run another graph than this one: it adds to the
+        gradients a call finds set (CallContract.accumulates), and it leaves some set, or
+        this graph takes some (the other graph is then the one for none set)."""
+        return self.call.accumulates and (bool(self.grad_names) or any(i.kind is InputKind.GRADIENT for i in self.inputs))
+
     def op_nodes(self) -> list[torch.fx.Node]:
         """The call_function nodes in execution order (rank = index in this list)."""
         ops = [n for n in self.gm.graph.nodes if n.op == "call_function"]

@@ -141,7 +141,7 @@ def check_one_graph(tg: Any, tool: str) -> None:
     left (gradient accumulation across calls)."""
     from remat.errors import RematError
 
-    if tg.call.accumulates and tg.grad_names:
+    if tg.runs_another_graph_later():
         raise RematError(
             "the step adds its gradients to those the step before left (gradient accumulation across calls), so its "
             f"steps after the first run another graph; {tool} measures one. Give it a step that clears the gradients "

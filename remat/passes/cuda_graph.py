@@ -47,9 +47,7 @@ MAX_HOST_ELEMENTS = 64  # a host tensor the graph reads is keyed by its values: 
 
 def check_replayable(tg: TrainGraph) -> None:
     """Refuse a step a CUDA graph cannot replay."""
-    # A step that leaves gradients set and adds to them, or a graph that takes some (a step
-    # ending with zero_grad() called after others left theirs).
-    if tg.call.accumulates and (tg.grad_names or any(i.kind is InputKind.GRADIENT for i in tg.inputs)):
+    if tg.runs_another_graph_later():
         raise RematError(
             "cuda_graph=True replays the step on fixed buffers, but this step adds its gradients to those it finds "
             "set (gradient accumulation across calls), which the loop replaces; loop over the micro-batches inside "
