@@ -190,7 +190,7 @@ class RematStep:
         # What the traces ran, where every capture recorded it; else all the step's code can reach.
         self._all_code = self._all_code or tg.call.code_read is None
         self._ran = None if self._all_code else (self._ran or frozenset()) | tg.call.code_read
-        self._unkeyed |= {update.slot.name for update in tg.call.state_updates if not update.keyed} | tg.call.unread_lists  # changed at every call
+        self._unkeyed |= {update.slot.name for update in tg.call.state_updates if not update.keyed} | tg.call.unread_containers  # changed at every call
         constant = {name for name in self._read if name not in tg.call.numbers and name not in tg.call.number_signs}  # the trace branches on them
         self._read -= constant
         self._constant |= constant
@@ -382,6 +382,9 @@ class RematStep:
         if compiled.tg.call.data_parallel is not None:
             data_parallel.before_step(self.model)
         if self.measure and not compiled.measured:
+            # What the step's updates set in the user's state replaces is let go after the measured
+            # run, not inside it, where the profiler would warn of a block allocated before it started.
+            replaced = [update.slot.get() for update in compiled.tg.call.state_updates if hasattr(update, "slot")]  # noqa: F841
             measured = measure_step_peak(lambda: self._run(compiled, inputs, view), compiled.tg.device, self.model)
             compiled.report.measured_peak_bytes = compiled.report.persistent_bytes + measured.peak_bytes
             if measured.reserved_peak_bytes is not None:

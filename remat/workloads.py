@@ -267,9 +267,13 @@ def build_hf(spec: str, batch_size: int, *, seed: int = 0, device: str | torch.d
     return model, {k: v.to(dev) for k, v in batch.items()}
 
 
+_IMAGE_SIZE = 224
+
+
 def _hf_batch(config: Any, kind: str, batch_size: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     if kind == "image":
-        size = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
+        size = getattr(config, "image_size", _IMAGE_SIZE)  # a model that takes any size has none (SegFormer)
+        size = size if isinstance(size, int) else size[0]
         return {
             "pixel_values": torch.randn(batch_size, config.num_channels, size, size, generator=gen),
             "labels": torch.randint(0, config.num_labels, (batch_size,), generator=gen),

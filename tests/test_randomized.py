@@ -273,6 +273,38 @@ def test_batchnorm1d_on_transposed_features_trains_bitwise() -> None:
         assert result.match, result.summary()
 
 
+def test_a_convolution_after_a_permute_and_a_reshape_at_batch_1_trains_bitwise() -> None:
+    """SegFormer's spatial reduction: tokens (B, H*W, C) permuted and reshaped to an image.
+    At batch 1 the fake reshape gave dimension 0 another stride than eager's, so the trace
+    took the image as channels-last, and the CPU convolution (which picks its output's
+    layout from its input's strides) made a contiguous one: refused at its first run."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.reduce, self.head = nn.LayerNorm(16), nn.Conv2d(16, 16, 4, 4), nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, n, c = x.shape
+            image = self.norm(x).permute(0, 2, 1).reshape(b, c, 16, 16)
+            return self.head(torch.relu(self.reduce(image)).flatten(2).mean(-1)).pow(2).mean()
+
+    def step_fn(model, opt, batch):  # type: ignore[no-untyped-def]
+        opt.zero_grad()
+        loss = model(batch)
+        loss.backward()
+        opt.step()
+        return loss
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    batch = torch.randn(1, 256, 16)
+    eager = twin(model, opt)
+    step = remat.compile(step_fn, model, opt, batch, memory_budget=None, profile_runs=1)
+    assert check_against_eager(step_fn, *eager, model, opt, step, batch, steps=3).match
+
+
 def test_no_optimizer_state_for_a_parameter_without_gradient() -> None:
     for name in ("sgd", "adamw", "split"):
         spec = dataclasses.replace(UNUSED_PARAMETER, optimizer=name)

@@ -509,3 +509,87 @@ def test_a_layer_replaced_at_the_first_call_is_refused_put_back_and_compiles_aft
     step = remat.compile(_step, model, opt, batches[1], memory_budget=None)
     result = check_against_eager(_step, eager_model, eager_opt, model, opt, step, batches[1], steps=3)
     assert result.match, result.summary()
+
+
+def _with_statistics_hooks(model: torch.nn.Module) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """A list a forward hook logs a layer's statistic into, and a dict another hook stores a layer's output in."""
+    stats: list[torch.Tensor] = []
+    features: dict[str, torch.Tensor] = {}
+    model[2][0].register_forward_hook(lambda module, args, out: stats.append(out.detach().abs().mean()))
+    model[4][0].register_forward_hook(lambda module, args, out: features.__setitem__("fourth", out))
+    return stats, features
+
+
+def _norm_logging_step(norms: list[torch.Tensor], features: dict[str, torch.Tensor]):  # type: ignore[no-untyped-def]
+    def train_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(batch["x"]), batch["y"]) + 1e-3 * features["fourth"].pow(2).mean()
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        optimizer.step()
+        return loss
+
+    return train_step
+
+
+def test_tensors_hooks_and_the_step_log_into_lists_and_dicts_are_each_steps_and_compile_no_more() -> None:
+    """What the model's forward hooks (their closures are the user's state too) and the step
+    put in a list or a dict holds each step's tensors as eager's does, and a dict the step
+    only stores into and reads back does not key the step: one graph for each batch shape."""
+    model, batches = _mlp(), _batches(6)
+    batches[2], batches[4] = (_batches(1, rows=100)[0],) * 2  # a smaller batch: a second graph, captured while the lists hold tensors
+    eager_model = copy.deepcopy(model)
+    (stats, features), (eager_stats, eager_features) = _with_statistics_hooks(model), _with_statistics_hooks(eager_model)
+    norms, eager_norms = [], []
+    step_fn, eager_fn = _norm_logging_step(norms, features), _norm_logging_step(eager_norms, eager_features)
+    opt, eager_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
+    step = remat.compile(step_fn, model, opt, batches[0], memory_budget=0.7)
+    assert (stats, features, norms) == ([], {}, [])  # compiling leaves them as they were
+    for batch in batches:
+        assert torch.equal(step(batch), eager_fn(eager_model, eager_opt, batch))
+        assert torch.equal(features["fourth"], eager_features["fourth"]) and not features["fourth"].requires_grad
+    assert len(step._graphs) == 2
+    for logged, eager_logged in ((stats, eager_stats), (norms, eager_norms)):
+        assert len(logged) == len(eager_logged) == len(batches)
+        assert all(type(a) is torch.Tensor and torch.equal(a, b) for a, b in zip(logged, eager_logged))
+    assert _same_parameters(model, eager_model)
+
+
+def test_a_dict_the_step_reads_before_it_stores_keys_the_step_and_a_parameter_appended_is_refused() -> None:
+    """A dict read for a key the step had not set (the graph took its absence as it was) keys
+    the step: it compiles again once the dict holds one. Appending a tensor the step did not
+    compute (a parameter) is refused, naming the list."""
+    model, batches = _mlp(), _batches(3)
+    eager_model = copy.deepcopy(model)
+    cache: dict[str, torch.Tensor] = {}
+    eager_cache: dict[str, torch.Tensor] = {}
+
+    def with_cache(store):  # type: ignore[no-untyped-def]
+        def train_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+            optimizer.zero_grad()
+            logits = model(batch["x"])
+            scale = 2.0 if "logits" in store else 1.0  # read before it is set: the first step sees none
+            store["logits"] = logits.detach()
+            loss = F.cross_entropy(logits * scale, batch["y"])
+            loss.backward()
+            optimizer.step()
+            return loss
+
+        return train_step
+
+    opt, eager_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager_model.parameters(), lr=0.1)
+    step = remat.compile(with_cache(cache), model, opt, batches[0], memory_budget=None)
+    with pytest.warns(UserWarning, match="compiled again"):
+        for batch in batches:
+            assert torch.equal(step(batch), with_cache(eager_cache)(eager_model, eager_opt, batch))
+    assert torch.equal(cache["logits"], eager_cache["logits"]) and len(step._graphs) == 2
+
+    kept: list[torch.Tensor] = []
+
+    def keeps_a_parameter(model, optimizer, batch):  # type: ignore[no-untyped-def]
+        kept.append(model[0][0].weight)
+        return _step(model, optimizer, batch)
+
+    with pytest.raises(remat.CaptureError, match=r"appends a tensor the step did not compute .* to kept"):
+        remat.compile(keeps_a_parameter, model, opt, batches[0], memory_budget=None)
+    assert kept == []

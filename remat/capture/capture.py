@@ -267,7 +267,7 @@ def capture(
         check_backward_ran(calls["backward"])
         grads = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]
         final_grads[:] = [n for n, _ in grads]
-        seen.update(left_alone=effects.left_alone, output_spec=out_spec, output_numbers=returned, backward_passes=calls["backward"], reduced=calls["reduced"], state_updates=updates, unread_lists=logged_numbers.unread(effects.logged))
+        seen.update(left_alone=effects.left_alone, output_spec=out_spec, output_numbers=returned, backward_passes=calls["backward"], reduced=calls["reduced"], state_updates=updates, unread_containers=logged_numbers.unread(effects.logged) | effects.dicts.unread)
         return outputs, [g for _, g in grads]
 
     def trace() -> torch.fx.GraphModule:
@@ -297,8 +297,8 @@ def capture(
     numbers.attach(tg)
     if dp is not None:
         data_parallel.attach(tg, dp, synced_last=bool(seen["reduced"]))
-    tg.call.output_spec, tg.call.output_numbers, tg.backward_passes, tg.call.state_updates, tg.call.unread_lists = (
-        seen[k] for k in ("output_spec", "output_numbers", "backward_passes", "state_updates", "unread_lists"))
+    tg.call.output_spec, tg.call.output_numbers, tg.backward_passes, tg.call.state_updates, tg.call.unread_containers = (
+        seen[k] for k in ("output_spec", "output_numbers", "backward_passes", "state_updates", "unread_containers"))
     tg.call.training, tg.call.mode_calls, tg.call.sets_mode_first = train_modes.traced_modes(model, recorded.mode_calls)
     tg.call.scheduler_calls = scheduler_calls.checked(tg, recorded.scheduler_calls)
     tg.call.trainable, tg.call.leaves_zero_grads, tg.call.accumulates, tg.call.groups, tg.call.param_hooks = trainable, leaves_zero_grads, grads_in, groups, hooks
@@ -366,8 +366,10 @@ class _Effects:
     counted: Any
     printed: Any
     tensors: list[tuple[Any, Any]]
+    dicts: kept_tensors.DictsSet  # keys the step sets in the user's dicts
     skips: dict[int, Any]  # GradScaler's skipped updates (optimizer_state.skipped_in_graph)
     passed: Any  # the optimizer argument, whose wrappers keep a skip (Accelerate's)
+    inputs: set[int]  # the graph's inputs, by id: a tensor kept or logged is told from them
     left_alone: list[str] = field(default_factory=list)  # warnings: library numbers left as they were (kept_numbers.kept)
 
     @classmethod
@@ -383,22 +385,24 @@ class _Effects:
             stack.enter_context(kept_numbers.counting(probe["numbers"], probe["as_numbers"], probe.get("library_ahead", True))),
             stack.enter_context(step_prints.recording()),
             tensors,
+            stack.enter_context(kept_tensors.recording_dicts([(slot, slot.get()) for slot, _ in slots], inputs)),
             stack.enter_context(optimizer_state.skipped_in_graph()),
             passed,
+            inputs,
         )
 
     def updates(self, numbers_unread: frozenset[str]) -> tuple[list[Any], list[list[Any]]]:
         """The updates to make again after each run (TrainGraph.call.state_updates), with the
         traced values each takes from the graph. Prints come before the numbers kept: a
         number the step counts up prints from the slot's number before the step."""
-        logs, logged_values = logged_numbers.logged(self.logged)
+        logs, logged_values = logged_numbers.logged(self.logged, self.inputs)
         prints, printed_values = step_prints.recorded(self.printed)
         kept, kept_values, self.left_alone = kept_numbers.kept(self.counted, numbers_unread)
-        tensors = [t for t, _ in self.tensors]
+        tensors = [*self.tensors, *self.dicts.kept]
         skipped, skipped_values = optimizer_state.skipped_steps(self.passed, self.skips)
         return (
-            [*logs, *prints, *kept, *tensors, *skipped],
-            [*logged_values, *printed_values, *kept_values, *([v] for _, v in self.tensors), *skipped_values],
+            [*logs, *prints, *kept, *(t for t, _ in tensors), *skipped],
+            [*logged_values, *printed_values, *kept_values, *([v] for _, v in tensors), *skipped_values],
         )
 
 

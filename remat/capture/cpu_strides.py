@@ -1,6 +1,7 @@
 """Where fake tensors differ from CPU eager, and the dispatch mode that makes the trace
 follow eager (used while capturing): kernels whose output strides their fake kernels
-predict wrongly, and CPU devices with an index ("cpu:0")."""
+predict wrongly, views whose fake strides differ on dimensions of size 1, and CPU devices
+with an index ("cpu:0")."""
 
 from __future__ import annotations
 
@@ -61,6 +62,26 @@ def _cpu_output_strides(func: Any, args: tuple) -> tuple[int, tuple[int, ...]] |
     return None
 
 
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _eager_view_strides(args: tuple) -> tuple[int, tuple[int, ...]] | None:
+    """The strides eager's view gives (its C++ stride computation, which a meta tensor's view
+    runs too), where the fake view's own may differ on a dimension of size 1: a kernel that
+    picks its output's memory format from its input's strides reads them (a CPU convolution
+    after a permute and a reshape, at batch 1)."""
+    x, shape = args[0], args[1]
+    if not all(isinstance(v, int) for v in (*x.shape, *x.stride(), *shape)):
+        return None
+    from torch.utils._mode_utils import no_dispatch
+
+    with no_dispatch():
+        try:
+            return 0, tuple(torch.empty_strided(x.shape, x.stride(), device="meta").view(shape).stride())
+        except RuntimeError:  # not a view of these strides (an _unsafe_view's input was copied first)
+            return None
+
+
 # Ops whose fake outputs CpuLikeEager follows with a view of the real strides.
 CORRECTED_STRIDES = frozenset({*_BATCH_NORMS, _BATCH_NORM_BACKWARD, *_CPU_CONTIGUOUS_OUTPUT, _LAYER_NORM_BACKWARD, _DROPOUT_BACKWARD})
 
@@ -94,7 +115,7 @@ class CpuLikeEager(TorchDispatchMode):
         if isinstance(device, torch.device) and device.type == "cpu" and device.index is not None:
             kwargs = {**kwargs, "device": torch.device("cpu")}
         out = func(*args, **kwargs)
-        real = _cpu_output_strides(func, args)
+        real = _eager_view_strides(args) if func in _VIEWS else _cpu_output_strides(func, args)
         if real is not None:
             i, want = real
             outs = list(out) if isinstance(out, (tuple, list)) else [out]

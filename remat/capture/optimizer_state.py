@@ -81,7 +81,8 @@ def _init_one(optimizer: torch.optim.Optimizer, only: set[int] | None) -> None:
                 raise CaptureError(
                     f"{type(optimizer).__name__} has no state yet and remat can create the first-step state only of "
                     "torch's own optimizers (through their _init_group). Run one eager training step before "
-                    "capturing, or use one of torch's optimizers."
+                    "capturing (remat then takes the state it made, if it is all tensors), or use one of torch's "
+                    "optimizers (torch.optim.AdamW, Adam, SGD, ...)."
                 )
             if st := optimizer.state.get(p):
                 _MADE_AHEAD.setdefault(optimizer, []).append((p, st))
@@ -154,8 +155,10 @@ def optimizer_states(
         for key, value in st.items():
             if not isinstance(value, torch.Tensor):
                 raise CaptureError(
-                    f"optimizer state {name}.{key} is a {type(value).__name__}, not a tensor; "
-                    "remat can only capture optimizers whose state is all tensors"
+                    f"{type(optimizer).__name__}'s state {name}.{key} is a {type(value).__name__}, not a tensor: "
+                    "remat can only capture optimizers whose state is all tensors (a Python number there, such as a "
+                    "step count the update computes from, would be read once, at capture). Use one of torch's "
+                    "optimizers (torch.optim.AdamW, Adam, SGD, ...), whose state is tensors, or train this one without remat."
                 )
         states[name] = dict(sorted(st.items()))
     return states

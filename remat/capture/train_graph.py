@@ -61,7 +61,7 @@ class CallContract:
     # to or sets (kept_numbers.KeptNumber), what it prints or logs (step_prints.PrintCall),
     # tensors it leaves in the user's state (kept_tensors.KeptTensor).
     state_updates: list[Any] = field(default_factory=list)
-    unread_lists: frozenset[str] = frozenset()  # lists of numbers in the user's state the step never reads: not in the cache key
+    unread_containers: frozenset[str] = frozenset()  # lists and dicts in the user's state whose contents the step never reads: not in the cache key
     trainable: tuple[str, ...] = ()  # parameters that required a gradient at capture
     param_hooks: dict[str, Any] = field(default_factory=dict)  # parameter name -> param_hooks.ParamHooks traced into the graph
     training: tuple[bool, ...] = ()  # module.training of every module at capture (train/eval behaviour is traced in)

@@ -319,6 +319,29 @@ def _feature_loss_step(model, optimizer, batch):
     return loss
 
 
+def _hook_statistics(model):
+    """A forward hook that logs a layer's output statistic into a list, and another that
+    stores a layer's output in a dict, both held by the layer (each twin has its own)."""
+    stats_layer, features_layer = model.bert.encoder.layer[0].output, model.bert.encoder.layer[1].output
+    stats_layer.stats, features_layer.features = [], {}
+    stats_layer.register_forward_hook(lambda module, args, out: module.stats.append(out.detach().abs().mean()))
+    features_layer.register_forward_hook(lambda module, args, out: module.features.__setitem__("second", out))
+
+
+def _stored_features_step(model, optimizer, batch):
+    """The stored features in the loss, left in the dict after the step."""
+    optimizer.zero_grad()
+    loss = model(**batch).loss + 1e-3 * model.bert.encoder.layer[1].output.features["second"].pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _hooks_kept(model):
+    layers = model.bert.encoder.layer
+    return [*layers[0].output.stats, layers[1].output.features["second"]]
+
+
 class _Ema:
     """An EMA copy of the weights, held by the model as a plain attribute (as a Lightning
     module holds its helpers), so that each side of the comparison has its own."""
@@ -533,6 +556,8 @@ IDIOMS = [
           "works", step=_hidden_states_step),
     Idiom("features stored by a forward hook for the loss, cleared before the step returns", "works", step=_feature_loss_step,
           setup=_hook_features),
+    Idiom("forward hooks logging a layer's statistic into a list and storing a layer's output in a dict, read by the loss "
+          "and left there", "works", step=_stored_features_step, setup=_hook_statistics, outside=_hooks_kept),
     Idiom("losses logged into a list inside train_step (losses.append(loss.item()))", "works", step=_logging_step, logged=_LOSSES),
     Idiom("a loss weight in a settings object, annealed between steps", "works", step=_weighted_step, between=_hook(_anneal_weight)),
     Idiom("a warning given once from a flag the step sets on its first run (if not model.warned_once: ...), a shape noted at the first batch",

@@ -100,7 +100,10 @@ class RandomSpec:
     # and numbers the step keeps in a tracker object the model holds (a count, a sum of
     # losses, the last loss, a history dict of lists logged into).
     outside: bool = False
-    hooks: bool = False  # gradient hooks on the trainable parameters: clamped before accumulation, or halved after
+    # Gradient hooks on the trainable parameters (clamped before accumulation, or halved after),
+    # and forward hooks on the first layer logging a statistic of its output into a list and
+    # storing the output in a dict, both the layer's.
+    hooks: bool = False
     # Gradient accumulation across calls: the step runs forward and backward only, adding to
     # the gradients it finds (set to zeros before the first call, so its first graph is the
     # one that adds); the loop steps the optimizer and clears them after every second call.
@@ -120,7 +123,7 @@ class RandomSpec:
                  f"{' (and a loss weight)' if self.schedule and self.outside else ''}"
                  f"{f', every {self.frozen}th parameter frozen' if self.frozen else ''}"
                  f"{', a scale, an EMA and kept numbers outside the model' if self.outside else ''}"
-                 f"{', gradient hooks on the parameters' if self.hooks else ''}"
+                 f"{', gradient and forward hooks' if self.hooks else ''}"
                  f"{', gradients accumulated across calls' if self.across_calls else ''}"
                  f"{', hostile ' + self.hostile if self.hostile else ''}, seed {self.seed}"]
         lines += [f"  v{len(self.input_names()) + i}: {op!r}" for i, op in enumerate(self.ops)]
@@ -383,6 +386,21 @@ def add_gradient_hooks(model: nn.Module) -> None:
     others' halved after. On each side after copying: a deep copy leaves hooks behind."""
     for i, p in enumerate(p for p in model.parameters() if p.requires_grad):
         p.register_hook(_clamp_gradient) if i % 2 == 0 else p.register_post_accumulate_grad_hook(_halve_gradient)
+
+
+def _log_output(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+    module.logged.append(out.detach().float().abs().mean())
+    module.stored["output"] = out.detach()
+
+
+def add_forward_hooks(model: nn.Module) -> nn.Module | None:
+    """A forward hook on the model's first layer, logging a statistic of its output into
+    the layer's list and storing the output in its dict; the layer, or None for none."""
+    layer = next(iter(model.mods.values()), None) if isinstance(getattr(model, "mods", None), nn.ModuleDict) else None
+    if layer is not None:
+        layer.logged, layer.stored = [], {}
+        layer.register_forward_hook(_log_output)
+    return layer
 
 
 def make_optimizer(kind: str, params: list[torch.Tensor]) -> Any:
@@ -902,8 +920,9 @@ def _prepared(spec: RandomSpec) -> tuple[nn.Module, Any, dict[str, torch.Tensor]
     model, opt, batch = build(spec)
     eager_model, eager_opt = twin(model, opt)
     if spec.hooks:
-        add_gradient_hooks(model)
-        add_gradient_hooks(eager_model)
+        for m in (model, eager_model):
+            add_gradient_hooks(m)
+            add_forward_hooks(m)
     if spec.across_calls:  # the first call adds to zeros: its graph takes them (the others' is compiled later)
         for p in (p for m in (model, eager_model) for p in m.parameters() if p.requires_grad):
             p.grad = torch.zeros_like(p)
@@ -1000,6 +1019,11 @@ def check_example(spec: RandomSpec, steps: int = 3) -> Outcome:
         assert abs(last.measured_peak_bytes - last.predicted_peak_bytes) <= max(REL_TOL * last.predicted_peak_bytes, SCRATCH_SLACK)
         assert last.predicted_peak_bytes <= last.budget_bytes
         notes.append("a loss weight read at every call")
+    layer, eager_layer = (next(iter(m.mods.values()), None) for m in (model, eager_model))
+    if spec.hooks and layer is not None:
+        assert len(layer.logged) == len(eager_layer.logged) > 0, f"forward hooks logged {len(layer.logged)} values, eager {len(eager_layer.logged)}"
+        assert bitwise_equal_tensors(layer.logged, eager_layer.logged), "what the forward hook logged differs from eager's"
+        assert bitwise_equal_tensors([layer.stored["output"]], [eager_layer.stored["output"]]), "what the forward hook stored differs"
     if spec.outside:
         assert bitwise_equal_tensors(eager_model.ema, model.ema), "the EMA outside the model differs from eager's"
         kept, eager_kept = repr(vars(model.tracker)), repr(vars(eager_model.tracker))  # repr: nan equals nan

@@ -1,14 +1,26 @@
 """Tensors the step leaves in the user's state: `self.aux_loss = ...` in a mixture-of-experts
-layer's forward, `self.last_logits = logits.detach()` in a trainer.
+layer's forward, `self.last_logits = logits.detach()` in a trainer, `features[name] = out`
+in a forward hook.
 
-Traced once, the slot would hold a traced placeholder after capture, and nothing the
-steps compute. So when the step's Python code ends, each slot of the user's state
-(python_state's) that holds a tensor made by the trace, other than the graph input it
-held, is noted and put back; the tensor becomes an output of the graph, and after each
-run the slot is set to its value (detached: the step's autograd graph is freed by then,
-as eager's is). A slot that held nothing before (a field the step creates) stays part of
-the step's cache key: the step is compiled again once it holds a tensor. Tensors in a
-list or dict the step changes stay refused (python_state).
+Traced once, the place would hold a traced placeholder after capture, and nothing the
+steps compute. So the tensor becomes an output of the graph, and after each run the place
+is set to its value (detached: the step's autograd graph is freed by then, as eager's is).
+
+- **A slot** (python_state's: an attribute, a global, a closure cell) left holding a
+  tensor made by the trace, other than the graph input it held, is noted when the step's
+  Python code ends, and put back. A slot that held nothing before (a field the step
+  creates) stays part of the step's cache key: the step is compiled again once it holds
+  a tensor.
+- **A key of a dict** held in a slot (not a library's): while the step is traced, each
+  such dict is swapped for a recording copy (one per dict, in every slot that holds it),
+  which notes the keys the step sets and whether it reads anything it had not set first.
+  A key set to a tensor or number the trace computed is set after each run; the dict
+  itself is left out of the step's cache key where the step read nothing from it but what
+  it had set (features a hook stores and the loss reads), so a step that stores features
+  is not compiled again when the dict holds the last step's. The user's dict is put back;
+  any other change to it (a key deleted, a plain value set) is made there, and judged as
+  before (python_state).
+Tensors in a list or dict nested in another container stay refused (python_state).
 """
 
 from __future__ import annotations
@@ -19,7 +31,9 @@ from typing import Any, Callable, Iterator
 
 from torch._subclasses.fake_tensor import FakeTensor
 
-from remat.capture.state.python_state import MISSING, Slot
+from remat.capture.state.python_state import MISSING, TRACED_NUMBERS, Slot, item_name
+
+_MOST_KEYS = 256  # a larger dict is left as it is (watched as a value)
 
 
 @dataclass(frozen=True)
@@ -55,3 +69,106 @@ def setting(slots: Callable[[], list[tuple[Slot, Any]]], inputs: set[int]) -> It
                 if traced:
                     set_.append((KeptTensor(slot, keyed=held is MISSING), value))
                 slot.set(held)
+
+
+_DICT_READS = (
+    "__iter__", "__len__", "__reversed__", "keys", "values", "items", "copy", "__eq__", "__ne__", "__or__", "__repr__", "__str__",
+)  # fmt: skip
+_DICT_CHANGES = ("__delitem__", "pop", "popitem", "clear", "update", "setdefault", "__ior__")
+
+
+class _RecordingDict(dict):  # type: ignore[type-arg]
+    """The user's dict while the step is traced: the keys it sets, and whether it reads
+    anything it had not set first."""
+
+    def __init__(self, items: dict[Any, Any]) -> None:
+        super().__init__(items)
+        self.set_keys: set[Any] = set()
+        self.read = False
+        self.changed: str | None = None
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.set_keys.add(key)
+        super().__setitem__(key, value)
+
+    def __getitem__(self, key: Any) -> Any:
+        self.read = self.read or key not in self.set_keys
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.read = self.read or key not in self.set_keys
+        return super().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        self.read = self.read or key not in self.set_keys
+        return super().__contains__(key)
+
+
+def _reading(name: str) -> Any:
+    def method(self: _RecordingDict, *args: Any, **kwargs: Any) -> Any:
+        self.read = True
+        return getattr(dict, name)(self, *args, **kwargs)
+
+    return method
+
+
+def _changing(name: str) -> Any:
+    def method(self: _RecordingDict, *args: Any, **kwargs: Any) -> Any:
+        self.changed = self.changed or name
+        result = getattr(dict, name)(self, *args, **kwargs)
+        return self if name.startswith("__i") else result
+
+    return method
+
+
+for _name in _DICT_READS:
+    setattr(_RecordingDict, _name, _reading(_name))
+for _name in _DICT_CHANGES:
+    setattr(_RecordingDict, _name, _changing(_name))
+
+
+@dataclass
+class DictsSet:
+    """What the traced step set in the user's dicts: the keys to set after each run, with
+    their traced values, and the dicts whose contents it never read (by slot name)."""
+
+    kept: list[tuple[KeptTensor, Any]]
+    unread: frozenset[str]
+
+
+@contextlib.contextmanager
+def recording_dicts(slots: list[tuple[Slot, Any]], inputs: set[int]) -> Iterator[DictsSet]:
+    """While the block runs, each plain dict held in a slot swapped for a recording copy;
+    after it, the user's own put back, with the changes the graph does not make at each run."""
+    by_dict: dict[int, tuple[dict[Any, Any], _RecordingDict, list[Slot]]] = {}
+    for slot, value in slots:
+        if type(value) is dict and not slot.library and len(value) <= _MOST_KEYS:
+            by_dict.setdefault(id(value), (value, _RecordingDict(value), []))[2].append(slot)
+    found = DictsSet([], frozenset())
+    try:
+        for _, recorder, held_in in by_dict.values():
+            for slot in held_in:
+                slot.set(recorder)
+        yield found
+    finally:
+        unread = set()
+        for original, recorder, held_in in by_dict.values():
+            for slot in held_in:
+                if slot.get() is recorder:
+                    slot.set(original)
+            now = dict(dict.items(recorder))  # read past the recording's own methods
+            if recorder.changed is not None:  # made as the step made it: judged as any change to the user's state
+                original.clear()
+                original.update(now)
+                continue
+            taken = {k: now[k] for k in recorder.set_keys if k in now and _computed(now[k], inputs)}
+            original.update({k: now[k] for k in recorder.set_keys if k in now and k not in taken})
+            found.kept += [(KeptTensor(Slot(item_name(held_in[0], f"[{k!r}]"), held_in[0], k), keyed=recorder.read), v) for k, v in taken.items()]
+            if taken and not recorder.read:
+                unread |= {slot.name for slot in held_in}
+        found.unread = frozenset(unread)
+
+
+def _computed(value: Any, inputs: set[int]) -> bool:
+    """A tensor or number the trace computed (a placeholder of the graph's inputs is not)."""
+    return isinstance(value, TRACED_NUMBERS) or (isinstance(value, FakeTensor) and id(value) not in inputs)

@@ -1,17 +1,21 @@
-"""Numbers the step logs into the user's lists: `losses.append(loss.item())`.
+"""Numbers and tensors the step logs into the user's lists: `losses.append(loss.item())`,
+`norms.append(total_norm.detach())`, a forward hook keeping a layer's statistics.
 
-While the step is traced, each list of plain numbers held in the user's globals, closure
-variables or objects (python_state's slots; not a module's attributes) is swapped for a
-recording list. After the trace the user's list is put back untouched, and the numbers
-the step appended (traced stand-ins of `loss.item()`, a learning rate) become outputs of
-the graph, computed at every call; after each run they are appended to the list the slot
-holds then (a new list per epoch is the one appended to), as eager appends them.
+While the step is traced, each list of plain numbers or tensors held in the user's
+globals, closure variables, objects or modules (python_state's slots; not a library
+object's fields) is swapped for a recording list. After the trace the user's list is put back untouched,
+and what the step appended (traced stand-ins of `loss.item()`, a learning rate, tensors it
+computed) become outputs of the graph, computed at every call; after each run they are
+appended to the list the slot holds then (a new list per epoch is the one appended to),
+as eager appends them. A tensor is appended detached: the step's autograd graph is freed
+by then, as eager's is once its backward has run.
 
 What a trace cannot repeat is refused: reading a list the step also logs to (its length,
-its last values: read once, at capture), appending anything but a traced number, or
-changing the list otherwise. A list the step only reads is watched as a value
-(python_state), like any other; one it does not touch at all is left out of the step's
-cache key, so that the loop may log into it between steps.
+its last values: read once, at capture), appending anything else (a Python value, a
+tensor the step did not compute: a parameter, the batch), or changing the list otherwise.
+A list the step only reads is watched as a value (python_state), like any other; one it
+does not touch at all is left out of the step's cache key, so that the loop may log into
+it between steps.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.errors import CaptureError
 from remat.capture.state.python_state import NUMBERS, TRACED_NUMBERS, Slot
@@ -70,7 +75,7 @@ for _name in _CHANGES:
 
 @dataclass(frozen=True)
 class LoggedList:
-    """A list the step appends `count` traced numbers to, at each call."""
+    """A list the step appends `count` traced numbers or tensors to, at each call."""
 
     slot: Slot
     count: int
@@ -90,19 +95,22 @@ class LoggedList:
 
 
 def candidates(slots: list[tuple[Slot, Any]]) -> list[tuple[Slot, list[Any]]]:
-    """The lists of plain numbers (or empty) the step could log to: held by the user's
-    globals, closures and objects, not by a module."""
+    """The lists of plain numbers or tensors (or empty) the step could log to: held by the
+    user's globals, closures and objects, or a module's attributes (not a library object's)."""
     return [
         (slot, value)
         for slot, value in slots
-        if type(value) is list and not isinstance(slot.owner, torch.nn.Module) and all(type(v) in NUMBERS for v in value)
+        if type(value) is list and not slot.library and all(type(v) in NUMBERS or isinstance(v, torch.Tensor) for v in value)
     ]
 
 
 @contextlib.contextmanager
 def recording(lists: list[tuple[Slot, list[Any]]]) -> Iterator[list[tuple[Slot, _Recording]]]:
-    """While the block runs, each list swapped for a recording copy; the user's own put back after."""
-    swapped = [(slot, original, _Recording(original)) for slot, original in lists]
+    """While the block runs, each list swapped for a recording copy (one per list, in every
+    slot that holds it: what the step appends through one is read through the others);
+    the user's own put back after."""
+    copies: dict[int, _Recording] = {}
+    swapped = [(slot, original, copies.setdefault(id(original), _Recording(original))) for slot, original in lists]
     try:
         for slot, _, recorder in swapped:
             slot.set(recorder)
@@ -116,16 +124,21 @@ def recording(lists: list[tuple[Slot, list[Any]]]) -> Iterator[list[tuple[Slot, 
 def unread(recorders: list[tuple[Slot, _Recording]]) -> frozenset[str]:
     """The lists the traced step neither read, appended to nor changed: the graph does not
     depend on what they hold, so they are left out of the step's cache key (a list the loop
-    logs into beside the step's own, in the same dict)."""
-    return frozenset(slot.name for slot, r in recorders if not r.appended and r.read is None and r.changed is None)
+    logs into beside the step's own, in the same dict). Not a module's: a library's code
+    may read one in C (a list of dimensions given to an op), which the recording does not see."""
+    return frozenset(
+        slot.name for slot, r in recorders
+        if not r.appended and r.read is None and r.changed is None and not isinstance(slot.owner, torch.nn.Module)
+    )
 
 
-def logged(recorders: list[tuple[Slot, _Recording]]) -> tuple[list[LoggedList], list[list[Any]]]:
-    """The lists the traced step logged numbers to, and the traced numbers, per list; or a
-    CaptureError for what a trace cannot repeat."""
+def logged(recorders: list[tuple[Slot, _Recording]], inputs: set[int]) -> tuple[list[LoggedList], list[list[Any]]]:
+    """The lists the traced step logged numbers or tensors to, and the traced values, per
+    list; or a CaptureError for what a trace cannot repeat. `inputs`: the graph's inputs,
+    by id (a tensor the step did not compute)."""
     lists: list[LoggedList] = []
     values: list[list[Any]] = []
-    for slot, recorder in recorders:
+    for slot, recorder in {id(r): (slot, r) for slot, r in reversed(recorders)}.values():  # each list once, by its first slot
         if recorder.changed is not None:
             raise CaptureError(
                 f"train_step changed {slot.name} while it was traced (list.{recorder.changed}): its Python code runs "
@@ -134,13 +147,13 @@ def logged(recorders: list[tuple[Slot, _Recording]]) -> tuple[list[LoggedList], 
             )
         if not recorder.appended:
             continue
-        plain = [v for v in recorder.appended if not isinstance(v, TRACED_NUMBERS)]
+        plain = [v for v in recorder.appended if not isinstance(v, TRACED_NUMBERS) and not _computed(v, inputs)]
         if plain:
-            what = "a tensor" if isinstance(plain[0], torch.Tensor) else f"the Python value {plain[0]!r}"
+            what = "a tensor the step did not compute (a parameter, the batch)" if isinstance(plain[0], torch.Tensor) else f"the Python value {plain[0]!r}"
             raise CaptureError(
                 f"train_step appends {what} to {slot.name}, which no step but the traced one would append: a list the "
-                "step logs to can take numbers computed from tensors (loss.item()) or optimizer settings. Return a "
-                "tensor from train_step instead, or append other values outside train_step."
+                "step logs to can take numbers computed from tensors (loss.item()), optimizer settings and tensors the "
+                "step computes. Return a tensor from train_step instead, or append other values outside train_step."
             )
         if recorder.read is not None:
             raise CaptureError(
@@ -150,3 +163,8 @@ def logged(recorders: list[tuple[Slot, _Recording]]) -> tuple[list[LoggedList], 
         lists.append(LoggedList(slot, len(recorder.appended)))
         values.append(list(recorder.appended))
     return lists, values
+
+
+def _computed(value: Any, inputs: set[int]) -> bool:
+    """A tensor the trace computed (a placeholder of the graph's inputs is not)."""
+    return isinstance(value, FakeTensor) and id(value) not in inputs

@@ -40,6 +40,13 @@ def _tables(model: torch.nn.Module) -> list[tuple[str, dict[Any, Any]]]:
     return out
 
 
+def functions(model: torch.nn.Module) -> list[Callable[..., Any]]:
+    """Every hook held in the model's tables and the process-wide ones (a forward hook that
+    logs a layer's statistics): their globals and closures are the user's state the step
+    reads, as its own are."""
+    return [fn for _, table in _tables(model) for fn in table.values()]
+
+
 @dataclass
 class HookTables:
     """Each hook table of a model's modules (and the process-wide ones), with what it held."""

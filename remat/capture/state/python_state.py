@@ -50,7 +50,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.errors import CaptureError
-from remat.capture.state import library_objects, user_code
+from remat.capture.state import library_objects, module_hooks, user_code
 from remat.capture import param_hooks
 from remat.capture.state.slots import MISSING, Slot, fields_of
 
@@ -176,7 +176,7 @@ def state_slots(model: torch.nn.Module, train_step: Callable[..., Any], ran: fro
     # The model's modules' attributes: one slot per (module, key), and no dict split by key.
     own = [(Slot(name, module, key), value) for name, module, key, value in module_attributes(model)]
     step_globals = getattr(user_code.user_function(train_step), "__globals__", None)
-    code = _user_code([train_step, getattr(type(train_step), "__call__", None), *user_code.methods(model), *param_hooks.functions(model)], step_globals, ran)
+    code = _user_code([train_step, getattr(type(train_step), "__call__", None), *user_code.methods(model), *param_hooks.functions(model), *module_hooks.functions(model)], step_globals, ran)
     out = list(code.bindings)
     roots = [(slot.name, value) for slot, value in [*own, *out] if not isinstance(value, _PLAIN + _CONTAINERS)]
     # The object a method belongs to (a trainer), or the callable object that is the step.
@@ -222,7 +222,7 @@ def _in_container(slot: Slot, value: Any) -> list[tuple[str, Any]]:
         items = [(f"[{k!r}]", v) for k, v in value.items()]
     else:
         return []
-    return [(_item_name(slot, i), v) for i, v in items if user_code.user_class(type(v)) or user_code.user_function(v) is not None]
+    return [(item_name(slot, i), v) for i, v in items if user_code.user_class(type(v)) or user_code.user_function(v) is not None]
 
 
 def _items(slot: Slot, value: Any) -> list[tuple[Slot, Any]]:
@@ -235,10 +235,10 @@ def _items(slot: Slot, value: Any) -> list[tuple[Slot, Any]]:
     for k, v in value.items():
         if type(k) is not str or not (is_number(v) or (type(v) is list and all(is_number(x) for x in v))):
             return [(slot, value)]
-    return [(Slot(_item_name(slot, f"[{k!r}]"), slot, k), v) for k, v in value.items()]
+    return [(Slot(item_name(slot, f"[{k!r}]"), slot, k), v) for k, v in value.items()]
 
 
-def _item_name(slot: Slot, index: str) -> str:
+def item_name(slot: Slot, index: str) -> str:
     """`index` after the name of what the slot holds: `state['seen'] (from the closure of step)`."""
     base, closure, fn = slot.name.partition(" (from the closure of ")
     return f"{base}{index}{closure}{fn}"
@@ -448,7 +448,7 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
             "capture, so the graph would repeat the first value at every step (and a value kept from inside the step "
             "would be a traced placeholder, not a number). Keep such state outside train_step and pass what the step "
             "computes from it as a tensor (in the batch, or a buffer of the model updated between steps); to log a "
-            "value, return it from train_step or append it to a list of your own code (a global, not a module's)."
+            "value, return it from train_step or append it to a list of your own (a global, a closure's, an attribute)."
         )
     if kept:
         raise _kept_error([s.name for s in kept])
@@ -467,8 +467,9 @@ def _kept_error(names: list[str]) -> CaptureError:
         f"train_step kept a tensor (or a number computed from one) in Python state: {_listed(names)}. "
         "Its Python code runs once, at capture: there the value is a traced placeholder, and at run time the graph "
         "computes it but stores it nowhere, so it would never hold a step's value. Return it from train_step instead (a tuple "
-        "or dict of the loss and the tensors to keep), or, if nothing reads it after the step (features a forward "
-        "hook stored for the loss), drop it before train_step returns (.clear() the dict, del the attribute)."
+        "or dict of the loss and the tensors to keep), keep it directly in a list or dict of your own held in a global, a "
+        "closure or an attribute (stats.append(t), features[name] = t: set after each run), or, if nothing reads it after "
+        "the step, drop it before train_step returns (.clear() the dict, del the attribute)."
     )
 
 
