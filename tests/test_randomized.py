@@ -236,6 +236,14 @@ def test_the_generator_covers_every_op_and_aliasing() -> None:
     assert inplace_on_views >= 20, inplace_on_views
 
 
+def _sgd_step(model, opt, batch):  # type: ignore[no-untyped-def]
+    opt.zero_grad()
+    loss = model(batch)
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def test_batchnorm1d_on_transposed_features_trains_bitwise() -> None:
     """BatchNorm1d the way sequence models use it, both layouts, with recomputation."""
 
@@ -250,13 +258,6 @@ def test_batchnorm1d_on_transposed_features_trains_bitwise() -> None:
             h = self.bn(h.contiguous() if self.contiguous else h).transpose(1, 2)
             return self.b(torch.relu(h)).pow(2).mean()
 
-    def step_fn(model, opt, batch):  # type: ignore[no-untyped-def]
-        opt.zero_grad()
-        loss = model(batch)
-        loss.backward()
-        opt.step()
-        return loss
-
     for contiguous in (False, True):
         torch.manual_seed(0)
         model = Net(contiguous)
@@ -265,11 +266,11 @@ def test_batchnorm1d_on_transposed_features_trains_bitwise() -> None:
         eager = twin(model, opt)
         with reuse_profiles():
             try:
-                step = remat.compile(step_fn, model, opt, batch, memory_budget=0.5, profile_runs=1)
+                step = remat.compile(_sgd_step, model, opt, batch, memory_budget=0.5, profile_runs=1)
             except BudgetError as e:  # then at the smallest peak the planner can reach
-                step = remat.compile(step_fn, model, opt, batch, memory_budget=parse_budget_error(str(e))[1], profile_runs=1)
+                step = remat.compile(_sgd_step, model, opt, batch, memory_budget=parse_budget_error(str(e))[1], profile_runs=1)
         assert step.report.num_recomputed > 0
-        result = check_against_eager(step_fn, *eager, model, opt, step, batch, steps=3)
+        result = check_against_eager(_sgd_step, *eager, model, opt, step, batch, steps=3)
         assert result.match, result.summary()
 
 
@@ -289,20 +290,13 @@ def test_a_convolution_after_a_permute_and_a_reshape_at_batch_1_trains_bitwise()
             image = self.norm(x).permute(0, 2, 1).reshape(b, c, 16, 16)
             return self.head(torch.relu(self.reduce(image)).flatten(2).mean(-1)).pow(2).mean()
 
-    def step_fn(model, opt, batch):  # type: ignore[no-untyped-def]
-        opt.zero_grad()
-        loss = model(batch)
-        loss.backward()
-        opt.step()
-        return loss
-
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     batch = torch.randn(1, 256, 16)
     eager = twin(model, opt)
-    step = remat.compile(step_fn, model, opt, batch, memory_budget=None, profile_runs=1)
-    assert check_against_eager(step_fn, *eager, model, opt, step, batch, steps=3).match
+    step = remat.compile(_sgd_step, model, opt, batch, memory_budget=None, profile_runs=1)
+    assert check_against_eager(_sgd_step, *eager, model, opt, step, batch, steps=3).match
 
 
 def test_no_optimizer_state_for_a_parameter_without_gradient() -> None:
@@ -431,14 +425,7 @@ def test_a_view_read_after_its_base_is_written_in_place_trains_bitwise() -> None
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     ids = torch.randint(0, 50, (2, 4))
 
-    def step_fn(m, o, b):  # type: ignore[no-untyped-def]
-        o.zero_grad()
-        loss = m(b)
-        loss.backward()
-        o.step()
-        return loss
-
     eager = twin(model, opt)
-    step = remat.compile(step_fn, model, opt, ids, memory_budget=None, profile_runs=1)
-    result = check_against_eager(step_fn, *eager, model, opt, step, ids, steps=3)
+    step = remat.compile(_sgd_step, model, opt, ids, memory_budget=None, profile_runs=1)
+    result = check_against_eager(_sgd_step, *eager, model, opt, step, ids, steps=3)
     assert result.match, result.summary()

@@ -593,3 +593,27 @@ def test_a_dict_the_step_reads_before_it_stores_keys_the_step_and_a_parameter_ap
     with pytest.raises(remat.CaptureError, match=r"appends a tensor the step did not compute .* to kept"):
         remat.compile(keeps_a_parameter, model, opt, batches[0], memory_budget=None)
     assert kept == []
+
+
+_LOSS_TERMS = {"scale": torch.tensor(2.0), "shift": torch.tensor(0.5)}
+
+
+def _tree_mapping_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+    terms = torch.utils._pytree.tree_map(lambda t: t * 1.0, _LOSS_TERMS)  # a library's way through a dict of tensors
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(batch["x"]) * terms["scale"] + terms["shift"], batch["y"])
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def test_a_dict_of_the_users_tensors_goes_through_torchs_pytree_functions_inside_the_step() -> None:
+    """While the step is traced the user's dicts are recording copies: torch's pytree
+    functions take them as dicts, not as leaves."""
+    model, batches = _mlp(), _batches(3)
+    eager_model = copy.deepcopy(model)
+    opt, eager_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager_model.parameters(), lr=0.1)
+    step = remat.compile(_tree_mapping_step, model, opt, batches[0], memory_budget=None)
+    for batch in batches:
+        assert torch.equal(step(batch), _tree_mapping_step(eager_model, eager_opt, batch))
+    assert len(step._graphs) == 1 and _same_parameters(model, eager_model)

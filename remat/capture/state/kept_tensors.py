@@ -29,8 +29,10 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 
+from remat.capture.state.logged_numbers import record_calls
 from remat.capture.state.python_state import MISSING, TRACED_NUMBERS, Slot, item_name
 
 _MOST_KEYS = 256  # a larger dict is left as it is (watched as a value)
@@ -78,13 +80,13 @@ _DICT_CHANGES = ("__delitem__", "pop", "popitem", "clear", "update", "setdefault
 
 
 class _RecordingDict(dict):  # type: ignore[type-arg]
-    """The user's dict while the step is traced: the keys it sets, and whether it reads
-    anything it had not set first."""
+    """The user's dict while the step is traced: the keys it sets, and the first read of
+    anything it had not set first (`read`, by name)."""
 
     def __init__(self, items: dict[Any, Any]) -> None:
         super().__init__(items)
         self.set_keys: set[Any] = set()
-        self.read = False
+        self.read: str | None = None
         self.changed: str | None = None
 
     def __setitem__(self, key: Any, value: Any) -> None:
@@ -92,39 +94,26 @@ class _RecordingDict(dict):  # type: ignore[type-arg]
         super().__setitem__(key, value)
 
     def __getitem__(self, key: Any) -> Any:
-        self.read = self.read or key not in self.set_keys
+        self._reads(key, "__getitem__")
         return super().__getitem__(key)
 
     def get(self, key: Any, default: Any = None) -> Any:
-        self.read = self.read or key not in self.set_keys
+        self._reads(key, "get")
         return super().get(key, default)
 
     def __contains__(self, key: object) -> bool:
-        self.read = self.read or key not in self.set_keys
+        self._reads(key, "__contains__")
         return super().__contains__(key)
 
-
-def _reading(name: str) -> Any:
-    def method(self: _RecordingDict, *args: Any, **kwargs: Any) -> Any:
-        self.read = True
-        return getattr(dict, name)(self, *args, **kwargs)
-
-    return method
+    def _reads(self, key: Any, how: str) -> None:
+        if key not in self.set_keys:
+            self.read = self.read or how
 
 
-def _changing(name: str) -> Any:
-    def method(self: _RecordingDict, *args: Any, **kwargs: Any) -> Any:
-        self.changed = self.changed or name
-        result = getattr(dict, name)(self, *args, **kwargs)
-        return self if name.startswith("__i") else result
-
-    return method
-
-
-for _name in _DICT_READS:
-    setattr(_RecordingDict, _name, _reading(_name))
-for _name in _DICT_CHANGES:
-    setattr(_RecordingDict, _name, _changing(_name))
+record_calls(_RecordingDict, dict, _DICT_READS, _DICT_CHANGES)
+# A dict to torch's pytree functions (tree_map over a dict of tensors in the step), read
+# through its own methods: a plain dict comes back.
+pytree.register_pytree_node(_RecordingDict, lambda d: (list(d.values()), list(d.keys())), lambda values, keys: dict(zip(keys, values)))
 
 
 @dataclass
@@ -163,8 +152,8 @@ def recording_dicts(slots: list[tuple[Slot, Any]], inputs: set[int]) -> Iterator
                 continue
             taken = {k: now[k] for k in recorder.set_keys if k in now and _computed(now[k], inputs)}
             original.update({k: now[k] for k in recorder.set_keys if k in now and k not in taken})
-            found.kept += [(KeptTensor(Slot(item_name(held_in[0], f"[{k!r}]"), held_in[0], k), keyed=recorder.read), v) for k, v in taken.items()]
-            if taken and not recorder.read:
+            found.kept += [(KeptTensor(Slot(item_name(held_in[0], f"[{k!r}]"), held_in[0], k), keyed=recorder.read is not None), v) for k, v in taken.items()]
+            if taken and recorder.read is None:
                 unread |= {slot.name for slot in held_in}
         found.unread = frozenset(unread)
 

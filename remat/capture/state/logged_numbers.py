@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.errors import CaptureError
@@ -50,27 +51,34 @@ class _Recording(list):  # type: ignore[type-arg]
         self.appended.append(value)
 
 
-def _reading(name: str) -> Any:
-    def method(self: _Recording, *args: Any, **kwargs: Any) -> Any:
-        self.read = self.read or name
-        return getattr(list, name)(self, *args, **kwargs)
+def record_calls(cls: type, base: type, reads: tuple[str, ...], changes: tuple[str, ...]) -> None:
+    """Give a recording container's class methods that note the first of `reads` called
+    (`read`) and the first of `changes` (`changed`) by name, then do what `base`'s do."""
 
-    return method
+    def reading(name: str) -> Any:
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            self.read = self.read or name
+            return getattr(base, name)(self, *args, **kwargs)
+
+        return method
+
+    def changing(name: str) -> Any:
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            self.changed = self.changed or name
+            result = getattr(base, name)(self, *args, **kwargs)
+            return self if name.startswith("__i") else result
+
+        return method
+
+    for name in reads:
+        setattr(cls, name, reading(name))
+    for name in changes:
+        setattr(cls, name, changing(name))
 
 
-def _changing(name: str) -> Any:
-    def method(self: _Recording, *args: Any, **kwargs: Any) -> Any:
-        self.changed = self.changed or name
-        result = getattr(list, name)(self, *args, **kwargs)
-        return self if name.startswith("__i") else result
-
-    return method
-
-
-for _name in _READS:
-    setattr(_Recording, _name, _reading(_name))
-for _name in _CHANGES:
-    setattr(_Recording, _name, _changing(_name))
+record_calls(_Recording, list, _READS, _CHANGES)
+# A list to torch's pytree functions, read through its own methods: a plain list comes back.
+pytree.register_pytree_node(_Recording, lambda items: (list(items), None), lambda values, _: list(values))
 
 
 @dataclass(frozen=True)
