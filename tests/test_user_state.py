@@ -617,3 +617,51 @@ def test_a_dict_of_the_users_tensors_goes_through_torchs_pytree_functions_inside
     for batch in batches:
         assert torch.equal(step(batch), _tree_mapping_step(eager_model, eager_opt, batch))
     assert len(step._graphs) == 1 and _same_parameters(model, eager_model)
+
+
+_TEACHER_FEATURES: dict[int, torch.Tensor] = {}
+
+
+def _feature_distillation_step(teacher: torch.nn.Module, features: dict[int, torch.Tensor]):  # type: ignore[no-untyped-def]
+    def train_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+        optimizer.zero_grad()
+        with torch.no_grad():
+            teacher(batch["x"])  # its hooks fill _TEACHER_FEATURES
+        logits = model(batch["x"])
+        matched = sum(F.mse_loss(features[i], _TEACHER_FEATURES[i]) for i in (1, 3))
+        loss = F.cross_entropy(logits, batch["y"]) + 0.1 * matched
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return train_step
+
+
+def _store_outputs(model: torch.nn.Module, store: dict[int, torch.Tensor]) -> None:
+    for i in (1, 3):
+        model[i].register_forward_hook(lambda module, args, out, i=i: store.__setitem__(i, out))
+
+
+def test_features_a_teachers_hooks_and_the_models_hooks_store_for_the_loss_train_bitwise_and_compile_once() -> None:
+    """Feature distillation: a frozen teacher in a global, whose forward hooks fill a global
+    dict, and the student's hooks another; the loss reads both. The teacher's hooks are
+    followed as the model's are, so both dicts are the step's state, set after each run."""
+    model, batches = _mlp(), _batches(4)
+    eager_model = copy.deepcopy(model)
+    teacher = _mlp().eval().requires_grad_(False)
+    _store_outputs(teacher, _TEACHER_FEATURES)
+    features: dict[int, torch.Tensor] = {}
+    eager_features: dict[int, torch.Tensor] = {}
+    _store_outputs(model, features)
+    _store_outputs(eager_model, eager_features)
+    opt, eager_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
+    step_fn, eager_fn = _feature_distillation_step(teacher, features), _feature_distillation_step(teacher, eager_features)
+    step = remat.compile(step_fn, model, opt, batches[0], memory_budget=0.6)
+    assert (features, _TEACHER_FEATURES) == ({}, {})
+    for batch in batches:
+        assert torch.equal(step(batch), eager_fn(eager_model, eager_opt, batch))
+        assert all(torch.equal(features[i], eager_features[i]) for i in (1, 3))
+    assert len(step._graphs) == 1 and step.report.num_recomputed > 0
+    assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes
+    assert _same_parameters(model, eager_model)
+    _TEACHER_FEATURES.clear()

@@ -81,36 +81,40 @@ _DICT_CHANGES = ("__delitem__", "pop", "popitem", "clear", "update", "setdefault
 
 class _RecordingDict(dict):  # type: ignore[type-arg]
     """The user's dict while the step is traced: the keys it sets, and the first read of
-    anything it had not set first (`read`, by name)."""
+    anything it had not set first (`read`, by name). Reads and writes go through to the
+    user's dict, so that code holding it another way (a teacher's hook filling it) and
+    the step see the same contents, as in eager."""
 
-    def __init__(self, items: dict[Any, Any]) -> None:
-        super().__init__(items)
+    def __init__(self, original: dict[Any, Any]) -> None:
+        super().__init__(original)  # its own items too, for code that reads a dict in C
+        self.original = original
         self.set_keys: set[Any] = set()
         self.read: str | None = None
         self.changed: str | None = None
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self.set_keys.add(key)
+        self.original[key] = value
         super().__setitem__(key, value)
 
     def __getitem__(self, key: Any) -> Any:
         self._reads(key, "__getitem__")
-        return super().__getitem__(key)
+        return self.original[key]
 
     def get(self, key: Any, default: Any = None) -> Any:
         self._reads(key, "get")
-        return super().get(key, default)
+        return self.original.get(key, default)
 
     def __contains__(self, key: object) -> bool:
         self._reads(key, "__contains__")
-        return super().__contains__(key)
+        return key in self.original
 
     def _reads(self, key: Any, how: str) -> None:
         if key not in self.set_keys:
             self.read = self.read or how
 
 
-record_calls(_RecordingDict, dict, _DICT_READS, _DICT_CHANGES)
+record_calls(_RecordingDict, dict, _DICT_READS, _DICT_CHANGES, on=lambda d: d.original)
 # A dict to torch's pytree functions (tree_map over a dict of tensors in the step), read
 # through its own methods: a plain dict comes back.
 pytree.register_pytree_node(_RecordingDict, lambda d: (list(d.values()), list(d.keys())), lambda values, keys: dict(zip(keys, values)))
@@ -127,31 +131,34 @@ class DictsSet:
 
 @contextlib.contextmanager
 def recording_dicts(slots: list[tuple[Slot, Any]], inputs: set[int]) -> Iterator[DictsSet]:
-    """While the block runs, each plain dict held in a slot swapped for a recording copy;
-    after it, the user's own put back, with the changes the graph does not make at each run."""
-    by_dict: dict[int, tuple[dict[Any, Any], _RecordingDict, list[Slot]]] = {}
+    """While the block runs, each plain dict held in a slot swapped for a recording copy
+    (one per dict, in every slot that holds it); after it, the user's own put back, the
+    keys the graph sets at each run as they were."""
+    by_dict: dict[int, tuple[_RecordingDict, dict[Any, Any], list[Slot]]] = {}
     for slot, value in slots:
         if type(value) is dict and not slot.library and len(value) <= _MOST_KEYS:
-            by_dict.setdefault(id(value), (value, _RecordingDict(value), []))[2].append(slot)
+            by_dict.setdefault(id(value), (_RecordingDict(value), dict(value), []))[2].append(slot)
     found = DictsSet([], frozenset())
     try:
-        for _, recorder, held_in in by_dict.values():
+        for recorder, _, held_in in by_dict.values():
             for slot in held_in:
                 slot.set(recorder)
         yield found
     finally:
         unread = set()
-        for original, recorder, held_in in by_dict.values():
+        for recorder, before, held_in in by_dict.values():
+            original = recorder.original
             for slot in held_in:
                 if slot.get() is recorder:
                     slot.set(original)
-            now = dict(dict.items(recorder))  # read past the recording's own methods
-            if recorder.changed is not None:  # made as the step made it: judged as any change to the user's state
-                original.clear()
-                original.update(now)
+            if recorder.changed is not None:  # left as the step made it: judged as any change to the user's state
                 continue
-            taken = {k: now[k] for k in recorder.set_keys if k in now and _computed(now[k], inputs)}
-            original.update({k: now[k] for k in recorder.set_keys if k in now and k not in taken})
+            taken = {k: original[k] for k in recorder.set_keys if k in original and _computed(original[k], inputs)}
+            for k in taken:  # set after each run instead; what else the step set stays, and is judged
+                if k in before:
+                    original[k] = before[k]
+                else:
+                    del original[k]
             found.kept += [(KeptTensor(Slot(item_name(held_in[0], f"[{k!r}]"), held_in[0], k), keyed=recorder.read is not None), v) for k, v in taken.items()]
             if taken and recorder.read is None:
                 unread |= {slot.name for slot in held_in}

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils._pytree as pytree
@@ -51,21 +51,22 @@ class _Recording(list):  # type: ignore[type-arg]
         self.appended.append(value)
 
 
-def record_calls(cls: type, base: type, reads: tuple[str, ...], changes: tuple[str, ...]) -> None:
+def record_calls(cls: type, base: type, reads: tuple[str, ...], changes: tuple[str, ...], on: Callable[[Any], Any] = lambda c: c) -> None:
     """Give a recording container's class methods that note the first of `reads` called
-    (`read`) and the first of `changes` (`changed`) by name, then do what `base`'s do."""
+    (`read`) and the first of `changes` (`changed`) by name, then do what `base`'s do, on
+    the container itself or on what `on` gives for it."""
 
     def reading(name: str) -> Any:
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
             self.read = self.read or name
-            return getattr(base, name)(self, *args, **kwargs)
+            return getattr(base, name)(on(self), *args, **kwargs)
 
         return method
 
     def changing(name: str) -> Any:
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
             self.changed = self.changed or name
-            result = getattr(base, name)(self, *args, **kwargs)
+            result = getattr(base, name)(on(self), *args, **kwargs)
             return self if name.startswith("__i") else result
 
         return method

@@ -190,8 +190,10 @@ def state_slots(model: torch.nn.Module, train_step: Callable[..., Any], ran: fro
     out += fields
     out += library_objects.fields([*roots, *((slot.name, value) for slot, value in fields), *library_objects.reached_through(model)])
     # The user's functions held in those fields or containers (a callback, a closure that
-    # counts): their globals and cells too.
+    # counts), and the hooks on another module held there (a teacher's features): their
+    # globals and cells too.
     held_functions = [value for _, value in [*fields, *contained] if user_code.user_function(value) is not None]
+    held_functions += [fn for _, value in fields if isinstance(value, torch.nn.Module) for fn in module_hooks.functions(value)]
     if held_functions:
         known = {slot.name for slot, _ in out}
         out += [(slot, value) for slot, value in _user_code(held_functions, step_globals, ran).bindings if slot.name not in known]
@@ -309,7 +311,7 @@ def _user_code(pending: list[Any], step_globals: dict[str, Any] | None, ran: fro
             value = slot.get()
             if value is not MISSING:  # an empty closure cell
                 bindings.append((slot, value))
-                pending += user_code.methods(value) if isinstance(value, torch.nn.Module) else [value, *user_code.class_functions(type(value))]
+                pending += [*user_code.methods(value), *module_hooks.functions(value)] if isinstance(value, torch.nn.Module) else [value, *user_code.class_functions(type(value))]
     return _UserCode(names, bindings)
 
 
