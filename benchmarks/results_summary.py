@@ -50,8 +50,10 @@ def _bench(batch: int, budget: str, versus: str | None) -> Callable[[Any], str]:
 
 
 def _randomized(doc: dict[str, Any]) -> str:
+    across = doc.get("with_accumulation_across_calls")
     return (
-        f"{doc['examples']:,} random models, {doc['failures']} failures (bitwise with eager, within budget); "
+        f"{doc['examples']:,} random models{f' ({across:,} accumulating across calls)' if across else ''}, "
+        f"{doc['failures']} failures (bitwise with eager, within budget); "
         f"largest measured-vs-predicted difference {doc['max_abs_error_bytes']} B"
     )
 
