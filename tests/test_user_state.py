@@ -665,3 +665,29 @@ def test_features_a_teachers_hooks_and_the_models_hooks_store_for_the_loss_train
     assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes
     assert _same_parameters(model, eager_model)
     _TEACHER_FEATURES.clear()
+
+
+_SETTINGS = {"scale": 2.0}
+_HISTORY = [1.0]
+
+
+def _copying_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+    settings = copy.copy(_SETTINGS)
+    settings["scale"] = 3.0  # a copy's key: the user's dict stays as it is
+    history = copy.deepcopy(_HISTORY)
+    history.append(0.5)  # and the copy of a list holds what is appended to it
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(batch["x"]) * settings["scale"] * history[-1], batch["y"])
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def test_the_users_lists_and_dicts_copied_inside_the_step_are_copies_as_in_eager() -> None:
+    model, batches = _mlp(), _batches(3)
+    eager_model = copy.deepcopy(model)
+    opt, eager_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager_model.parameters(), lr=0.1)
+    step = remat.compile(_copying_step, model, opt, batches[0], memory_budget=None)
+    for batch in batches:
+        assert torch.equal(step(batch), _copying_step(eager_model, eager_opt, batch))
+    assert (_SETTINGS, _HISTORY, len(step._graphs)) == ({"scale": 2.0}, [1.0], 1)

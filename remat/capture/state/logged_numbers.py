@@ -21,6 +21,7 @@ it between steps.
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -75,6 +76,16 @@ def record_calls(cls: type, base: type, reads: tuple[str, ...], changes: tuple[s
         setattr(cls, name, reading(name))
     for name in changes:
         setattr(cls, name, changing(name))
+
+    # copy.copy, copy.deepcopy and pickle read it whole, and make a plain container (the
+    # default copy of a subclass would share the recording).
+    def plain(self: Any) -> Any:
+        self.read = self.read or "copy"
+        return base(on(self))
+
+    cls.__copy__ = plain
+    cls.__deepcopy__ = lambda self, memo: copy.deepcopy(plain(self), memo)
+    cls.__reduce_ex__ = lambda self, protocol: (base, (plain(self),))
 
 
 record_calls(_Recording, list, _READS, _CHANGES)
