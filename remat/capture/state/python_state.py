@@ -41,6 +41,7 @@ user's code that ran loads by name, and the fields that code reads or writes
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import types
 from dataclasses import dataclass
@@ -435,7 +436,7 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
             slot.set(held.get(slot.name, MISSING))
     _drop_new_keys(watch)
     kept_names = {slot.name for slot in kept}
-    changed = []
+    changed, made_keys = [], []
     for name, w in before.items():
         value = w.slot.get()
         now = _snapshot(value)
@@ -443,14 +444,20 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
             text = shown(now) if now is not NOT_PLAIN else "deleted" if value is MISSING else _short(repr(value))
             if name not in kept_names and name not in watch.set_up:
                 changed.append(f"{name} ({shown(w.frozen)} -> {text})")
+                made_keys += [name] if isinstance(value, collections.defaultdict) else []
             w.put_back()
     if changed:
+        hint = (
+            f" {made_keys[0]} is a defaultdict, whose keys the step makes as it reads them: log into a plain dict "
+            "whose lists you make before compiling (history = {'loss': []}, then history['loss'].append(loss.item()))."
+        ) if made_keys else ""
         raise CaptureError(
             f"train_step changed Python state while it was traced: {_listed(changed)}. Its Python code runs once, at "
             "capture, so the graph would repeat the first value at every step (and a value kept from inside the step "
             "would be a traced placeholder, not a number). Keep such state outside train_step and pass what the step "
             "computes from it as a tensor (in the batch, or a buffer of the model updated between steps); to log a "
             "value, return it from train_step or append it to a list of your own (a global, a closure's, an attribute)."
+            + hint
         )
     if kept:
         raise _kept_error([s.name for s in kept])
