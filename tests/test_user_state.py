@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 import types
 
 import pytest
@@ -716,3 +717,47 @@ def test_a_defaultdict_the_step_logs_into_is_refused_with_advice_that_works() ->
     for batch in batches:
         assert torch.equal(step(batch), _history_step(eager_history)(eager_model, eager_opt, batch))
     assert history == eager_history and len(history["loss"]) == 3
+
+
+def _save_output(module, args, out, name, storage):  # type: ignore[no-untyped-def]
+    storage[name] = out
+
+
+def _log_norm(stats, module, args, out):  # type: ignore[no-untyped-def]
+    stats.append(out.detach().norm())
+
+
+def _hooks_by_partial(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """Hooks registered as functools.partial, binding the dict and the list they fill: the
+    list is held nowhere else."""
+    features: dict[str, torch.Tensor] = {}
+    stats: list[torch.Tensor] = []
+    for name, module in model.named_children():
+        module.register_forward_hook(functools.partial(_save_output, name=name, storage=features))
+    model[2].register_forward_hook(functools.partial(_log_norm, stats))
+    return features, stats
+
+
+def test_what_hooks_bound_by_functools_partial_store_and_log_is_each_steps() -> None:
+    model, batches = _mlp(), _batches(3)
+    eager_model = copy.deepcopy(model)
+    (features, stats), (eager_features, eager_stats) = _hooks_by_partial(model), _hooks_by_partial(eager_model)
+
+    def with_features(store):  # type: ignore[no-untyped-def]
+        def train_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(batch["x"]), batch["y"]) + 1e-3 * store["3"].pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            return loss
+
+        return train_step
+
+    opt, eager_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager_model.parameters(), lr=0.1)
+    step = remat.compile(with_features(features), model, opt, batches[0], memory_budget=0.85)
+    assert (features, stats) == ({}, [])
+    for batch in batches:
+        assert torch.equal(step(batch), with_features(eager_features)(eager_model, eager_opt, batch))
+    assert features.keys() == eager_features.keys() and all(torch.equal(features[k], eager_features[k]) for k in features)
+    assert len(stats) == 3 and all(type(a) is torch.Tensor and torch.equal(a, b) for a, b in zip(stats, eager_stats, strict=True))
+    assert len(step._graphs) == 1

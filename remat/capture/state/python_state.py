@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -296,9 +297,18 @@ def _user_code(pending: list[Any], step_globals: dict[str, Any] | None, ran: fro
     names: set[str] = set()
     bindings: list[tuple[Slot, Any]] = []
     seen: set[int] = set()
+    partials: set[int] = set()
     while pending and len(seen) < _MOST_FUNCTIONS:
-        fn = user_code.user_function(pending.pop())
-        if fn is None or id(fn) in seen:
+        held = pending.pop()
+        fn = user_code.user_function(held)
+        if fn is None or id(fn) in seen and not isinstance(held, functools.partial):
+            continue
+        if isinstance(held, functools.partial) and id(held) not in partials:  # what it binds (a hook's dict of features)
+            partials.add(id(held))
+            where = f"of partial {len(partials)} of {fn.__name__}"
+            bound = [Slot(f"argument {i} {where}", held, str(i)) for i in range(len(held.args))]
+            bindings += [(slot, slot.get()) for slot in [*bound, *(Slot(f"{k} {where}", held.keywords, k) for k in held.keywords)]]
+        if id(fn) in seen:
             continue
         seen.add(id(fn))
         if ran is not None and fn.__code__ not in ran:

@@ -1,8 +1,10 @@
 """Where a value of the user's Python state lives (dynamo's `Source`): a global, a closure
-cell, an attribute of a module or object, a key of a dict another slot holds."""
+cell, an attribute of a module or object, a key of a dict another slot holds, an argument
+a `functools.partial` binds."""
 
 from __future__ import annotations
 
+import functools
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +15,8 @@ MISSING = object()
 @dataclass
 class Slot:
     """Where a value is held: an attribute of a module or of a user's object, a key of a
-    function's globals, a closure cell, or a key of the dict another slot holds then."""
+    function's globals, a closure cell, a key of the dict another slot holds then, or a
+    positional argument of a partial (a keyword one is a key of its keywords dict)."""
 
     name: str  # as an error shows it
     owner: Any
@@ -27,6 +30,8 @@ class Slot:
         return (id(self.owner.get()) if isinstance(self.owner, Slot) else id(self.owner), self.key)
 
     def get(self) -> Any:
+        if isinstance(self.owner, functools.partial):  # a positional argument it binds (key: its index)
+            return self.owner.args[int(self.key)]
         if isinstance(self.owner, Slot):
             held = self.owner.get()
             return held.get(self.key, MISSING) if isinstance(held, dict) else MISSING
@@ -40,7 +45,10 @@ class Slot:
         return vars(self.owner).get(self.key, MISSING)
 
     def set(self, value: Any) -> None:
-        if isinstance(self.owner, Slot):
+        if isinstance(self.owner, functools.partial):
+            p, i = self.owner, int(self.key)
+            p.__setstate__((p.func, (*p.args[:i], value, *p.args[i + 1 :]), p.keywords, p.__dict__ or None))
+        elif isinstance(self.owner, Slot):
             Slot(self.name, self.owner.get(), self.key).set(value)
         elif value is MISSING:  # it was not there
             if isinstance(self.owner, dict):
