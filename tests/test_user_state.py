@@ -761,3 +761,31 @@ def test_what_hooks_bound_by_functools_partial_store_and_log_is_each_steps() -> 
     assert features.keys() == eager_features.keys() and all(torch.equal(features[k], eager_features[k]) for k in features)
     assert len(stats) == 3 and all(type(a) is torch.Tensor and torch.equal(a, b) for a, b in zip(stats, eager_stats, strict=True))
     assert len(step._graphs) == 1
+
+
+class _FeatureExtractor:
+    """Keeps a layer's output and its norms through a hook that is its own method; the
+    step never names it, the loop reads it after each step."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.features: dict[str, torch.Tensor] = {}
+        self.norms: list[torch.Tensor] = []
+        model[2].register_forward_hook(self.keep)
+
+    def keep(self, module, args, out):  # type: ignore[no-untyped-def]
+        self.features["third"] = out.detach()
+        self.norms.append(out.detach().norm())
+
+
+def test_what_a_hook_that_is_a_method_of_the_users_object_keeps_is_each_steps() -> None:
+    model, batches = _mlp(), _batches(3)
+    eager_model = copy.deepcopy(model)
+    extractor, eager_extractor = _FeatureExtractor(model), _FeatureExtractor(eager_model)
+    opt, eager_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager_model.parameters(), lr=0.1)
+    step = remat.compile(_step, model, opt, batches[0], memory_budget=None)
+    assert (extractor.features, extractor.norms) == ({}, [])
+    for batch in batches:
+        assert torch.equal(step(batch), _step(eager_model, eager_opt, batch))
+        assert torch.equal(extractor.features["third"], eager_extractor.features["third"])
+    assert len(extractor.norms) == 3 and all(torch.equal(a, b) for a, b in zip(extractor.norms, eager_extractor.norms, strict=True))
+    assert len(step._graphs) == 1

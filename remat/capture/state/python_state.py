@@ -178,13 +178,16 @@ def state_slots(model: torch.nn.Module, train_step: Callable[..., Any], ran: fro
     # The model's modules' attributes: one slot per (module, key), and no dict split by key.
     own = [(Slot(name, module, key), value) for name, module, key, value in module_attributes(model)]
     step_globals = getattr(user_code.user_function(train_step), "__globals__", None)
-    code = _user_code([train_step, getattr(type(train_step), "__call__", None), *user_code.methods(model), *param_hooks.functions(model), *module_hooks.functions(model)], step_globals, ran)
+    hooks = [*param_hooks.functions(model), *module_hooks.functions(model)]
+    code = _user_code([train_step, getattr(type(train_step), "__call__", None), *user_code.methods(model), *hooks], step_globals, ran)
     out = list(code.bindings)
     roots = [(slot.name, value) for slot, value in [*own, *out] if not isinstance(value, _PLAIN + _CONTAINERS)]
-    # The object a method belongs to (a trainer), or the callable object that is the step.
+    # The object a method belongs to (a trainer), or the callable object that is the step;
+    # and the user's object a hook is a method of (a feature extractor holding its dict).
     owner = train_step if user_code.user_class(type(train_step)) else getattr(train_step, "__self__", None)
-    if owner is not None:
-        roots.append((type(owner).__name__, owner))
+    for held in [owner, *(getattr(h, "__self__", None) for h in hooks if isinstance(h, types.MethodType))]:
+        if held is not None and (held is owner or user_code.user_class(type(held))):
+            roots.append((type(held).__name__, held))
     contained = [item for slot, value in [*own, *out] if isinstance(value, _CONTAINERS) for item in _in_container(slot, value)]
     roots += contained
     seen: set[int] = set()
