@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -179,7 +178,7 @@ def state_slots(model: torch.nn.Module, train_step: Callable[..., Any], ran: fro
     own = [(Slot(name, module, key), value) for name, module, key, value in module_attributes(model)]
     step_globals = getattr(user_code.user_function(train_step), "__globals__", None)
     hooks = [*param_hooks.functions(model), *module_hooks.functions(model)]
-    code = _user_code([train_step, getattr(type(train_step), "__call__", None), *user_code.methods(model), *hooks], step_globals, ran)
+    code = user_code.followed([train_step, getattr(type(train_step), "__call__", None), *user_code.methods(model), *hooks], step_globals, ran)
     out = list(code.bindings)
     roots = [(slot.name, value) for slot, value in [*own, *out] if not isinstance(value, _PLAIN + _CONTAINERS)]
     # The object a method belongs to (a trainer), or the callable object that is the step;
@@ -201,7 +200,7 @@ def state_slots(model: torch.nn.Module, train_step: Callable[..., Any], ran: fro
     held_functions += [fn for _, value in fields if isinstance(value, torch.nn.Module) for fn in module_hooks.functions(value)]
     if held_functions:
         known = {slot.name for slot, _ in out}
-        out += [(slot, value) for slot, value in _user_code(held_functions, step_globals, ran).bindings if slot.name not in known]
+        out += [(slot, value) for slot, value in user_code.followed(held_functions, step_globals, ran).bindings if slot.name not in known]
     # Another module the step runs (a teacher, an EMA copy of the model): its attributes and
     # train/eval flags, which its forward is traced with as the model's are.
     model_modules = frozenset(id(m) for m in model.modules())
@@ -282,51 +281,6 @@ def step_values(
     logs numbers to, which the graph never reads)."""
     slots = state_slots(model, train_step, ran) if slots is None else slots
     return tuple((name, w.frozen) for name, w in _watched(slots).items() if name not in skip)
-
-
-_MOST_FUNCTIONS = 500
-
-
-@dataclass
-class _UserCode:
-    names: set[str]  # every attribute name the code reads or writes (fields of the user's objects are watched by these)
-    bindings: list[tuple[Slot, Any]]  # the globals and closure cells it reads, with their values
-
-
-def _user_code(pending: list[Any], step_globals: dict[str, Any] | None, ran: frozenset[types.CodeType] | None) -> _UserCode:
-    """The user's functions the step runs, followed from `pending` (train_step and the model's
-    classes' methods, or functions held in the user's objects) through globals and closures.
-    A global is named with its module unless it is train_step's (`step_globals`)."""
-    names: set[str] = set()
-    bindings: list[tuple[Slot, Any]] = []
-    seen: set[int] = set()
-    partials: set[int] = set()
-    while pending and len(seen) < _MOST_FUNCTIONS:
-        held = pending.pop()
-        fn = user_code.user_function(held)
-        if fn is None or id(fn) in seen and not isinstance(held, functools.partial):
-            continue
-        if isinstance(held, functools.partial) and id(held) not in partials:  # what it binds (a hook's dict of features)
-            partials.add(id(held))
-            where = f"of partial {len(partials)} of {fn.__name__}"
-            bound = [Slot(f"argument {i} {where}", held, str(i)) for i in range(len(held.args))]
-            bindings += [(slot, slot.get()) for slot in [*bound, *(Slot(f"{k} {where}", held.keywords, k) for k in held.keywords)]]
-        if id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        if ran is not None and fn.__code__ not in ran:
-            continue  # it never ran: nothing it names was read
-        names |= user_code.attribute_names(fn.__code__, ran)
-        globs = fn.__globals__
-        where = "" if globs is step_globals else f"{globs.get('__name__', '?')}."
-        slots = [Slot(f"global {where}{key}", globs, key) for key in sorted(user_code.global_names(fn.__code__, ran) & globs.keys())]
-        slots += [Slot(f"{key} (from the closure of {fn.__name__})", cell, key) for key, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ())]
-        for slot in slots:
-            value = slot.get()
-            if value is not MISSING:  # an empty closure cell
-                bindings.append((slot, value))
-                pending += [*user_code.methods(value), *module_hooks.functions(value)] if isinstance(value, torch.nn.Module) else [value, *user_code.class_functions(type(value))]
-    return _UserCode(names, bindings)
 
 
 def _object_fields(name: str, obj: Any, names: set[str], seen: set[int], depth: int, ran: frozenset[types.CodeType] | None) -> Iterator[tuple[Slot, Any]]:

@@ -1,8 +1,9 @@
 """Which code is the user's: functions and classes outside the installed packages, the
 standard library and remat itself, and the names their code reads (python_state follows
-these). A global is followed only where the code loads it by that name, an object's field
-only where the code reads or writes that attribute: a name the code only uses as an
-attribute (`optimizer.step()`) is no read of a global `step`."""
+these), and the user's code a step runs, followed through globals, closures and what a
+`functools.partial` binds (`followed`). A global is followed only where the code loads it
+by that name, an object's field only where the code reads or writes that attribute: a
+name the code only uses as an attribute (`optimizer.step()`) is no read of a global `step`."""
 
 from __future__ import annotations
 
@@ -16,9 +17,13 @@ import site
 import sys
 import sysconfig
 import types
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+
+from remat.capture.state import module_hooks
+from remat.capture.state.slots import MISSING, Slot
 
 _LIBRARY_DIRS = tuple(
     {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")} | {site.getusersitepackages()}
@@ -135,3 +140,48 @@ def recording_run(ran: set[types.CodeType], device: str) -> Iterator[bool]:
                     mine = user_files[code.co_filename] = is_user_file(code.co_filename)
                 if mine:
                     ran.add(code)
+
+
+_MOST_FUNCTIONS = 500
+
+
+@dataclass
+class UserCode:
+    names: set[str]  # every attribute name the code reads or writes (fields of the user's objects are watched by these)
+    bindings: list[tuple[Slot, Any]]  # the globals and closure cells it reads, with their values
+
+
+def followed(pending: list[Any], step_globals: dict[str, Any] | None, ran: frozenset[types.CodeType] | None) -> UserCode:
+    """The user's functions the step runs, followed from `pending` (train_step and the model's
+    classes' methods, or functions held in the user's objects) through globals and closures.
+    A global is named with its module unless it is train_step's (`step_globals`)."""
+    names: set[str] = set()
+    bindings: list[tuple[Slot, Any]] = []
+    seen: set[int] = set()
+    partials: set[int] = set()
+    while pending and len(seen) < _MOST_FUNCTIONS:
+        held = pending.pop()
+        fn = user_function(held)
+        if fn is None or id(fn) in seen and not isinstance(held, functools.partial):
+            continue
+        if isinstance(held, functools.partial) and id(held) not in partials:  # what it binds (a hook's dict of features)
+            partials.add(id(held))
+            where = f"of partial {len(partials)} of {fn.__name__}"
+            bound = [Slot(f"argument {i} {where}", held, str(i)) for i in range(len(held.args))]
+            bindings += [(slot, slot.get()) for slot in [*bound, *(Slot(f"{k} {where}", held.keywords, k) for k in held.keywords)]]
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if ran is not None and fn.__code__ not in ran:
+            continue  # it never ran: nothing it names was read
+        names |= attribute_names(fn.__code__, ran)
+        globs = fn.__globals__
+        where = "" if globs is step_globals else f"{globs.get('__name__', '?')}."
+        slots = [Slot(f"global {where}{key}", globs, key) for key in sorted(global_names(fn.__code__, ran) & globs.keys())]
+        slots += [Slot(f"{key} (from the closure of {fn.__name__})", cell, key) for key, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ())]
+        for slot in slots:
+            value = slot.get()
+            if value is not MISSING:  # an empty closure cell
+                bindings.append((slot, value))
+                pending += [*methods(value), *module_hooks.functions(value)] if isinstance(value, torch.nn.Module) else [value, *class_functions(type(value))]
+    return UserCode(names, bindings)
