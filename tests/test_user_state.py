@@ -597,6 +597,18 @@ def test_a_dict_the_step_reads_before_it_stores_keys_the_step_and_a_parameter_ap
     assert kept == []
 
 
+def _trained_beside_eager(train_step):  # type: ignore[no-untyped-def]
+    """The step compiled on an MLP and trained for 3 batches beside eager, each loss
+    equal; the step, the model and eager's."""
+    model, batches = _mlp(), _batches(3)
+    eager_model = copy.deepcopy(model)
+    opt, eager_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager_model.parameters(), lr=0.1)
+    step = remat.compile(train_step, model, opt, batches[0], memory_budget=None)
+    for batch in batches:
+        assert torch.equal(step(batch), train_step(eager_model, eager_opt, batch))
+    return step, model, eager_model
+
+
 _LOSS_TERMS = {"scale": torch.tensor(2.0), "shift": torch.tensor(0.5)}
 
 
@@ -612,12 +624,7 @@ def _tree_mapping_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
 def test_a_dict_of_the_users_tensors_goes_through_torchs_pytree_functions_inside_the_step() -> None:
     """While the step is traced the user's dicts are recording copies: torch's pytree
     functions take them as dicts, not as leaves."""
-    model, batches = _mlp(), _batches(3)
-    eager_model = copy.deepcopy(model)
-    opt, eager_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager_model.parameters(), lr=0.1)
-    step = remat.compile(_tree_mapping_step, model, opt, batches[0], memory_budget=None)
-    for batch in batches:
-        assert torch.equal(step(batch), _tree_mapping_step(eager_model, eager_opt, batch))
+    step, model, eager_model = _trained_beside_eager(_tree_mapping_step)
     assert len(step._graphs) == 1 and _same_parameters(model, eager_model)
 
 
@@ -686,12 +693,7 @@ def _copying_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
 
 
 def test_the_users_lists_and_dicts_copied_inside_the_step_are_copies_as_in_eager() -> None:
-    model, batches = _mlp(), _batches(3)
-    eager_model = copy.deepcopy(model)
-    opt, eager_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager_model.parameters(), lr=0.1)
-    step = remat.compile(_copying_step, model, opt, batches[0], memory_budget=None)
-    for batch in batches:
-        assert torch.equal(step(batch), _copying_step(eager_model, eager_opt, batch))
+    step, _, _ = _trained_beside_eager(_copying_step)
     assert (_SETTINGS, _HISTORY, len(step._graphs)) == ({"scale": 2.0}, [1.0], 1)
 
 
