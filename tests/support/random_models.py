@@ -393,14 +393,13 @@ def _log_output(module: nn.Module, args: Any, out: torch.Tensor) -> None:
     module.stored["output"] = out.detach()
 
 
-def add_forward_hooks(model: nn.Module) -> nn.Module | None:
-    """A forward hook on the model's first layer, logging a statistic of its output into
-    the layer's list and storing the output in its dict; the layer, or None for none."""
-    layer = next(iter(model.mods.values()), None) if isinstance(getattr(model, "mods", None), nn.ModuleDict) else None
+def add_forward_hooks(model: nn.Module) -> None:
+    """A forward hook on the model's first layer (if any), logging a statistic of its
+    output into the layer's list and storing the output in its dict."""
+    layer = next(iter(model.mods.values()), None)
     if layer is not None:
         layer.logged, layer.stored = [], {}
         layer.register_forward_hook(_log_output)
-    return layer
 
 
 def make_optimizer(kind: str, params: list[torch.Tensor]) -> Any:

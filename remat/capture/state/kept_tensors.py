@@ -137,7 +137,9 @@ def recording_dicts(slots: list[tuple[Slot, Any]], inputs: set[int]) -> Iterator
     by_dict: dict[int, tuple[_RecordingDict, dict[Any, Any], list[Slot]]] = {}
     for slot, value in slots:
         if type(value) is dict and not slot.library and len(value) <= _MOST_KEYS:
-            by_dict.setdefault(id(value), (_RecordingDict(value), dict(value), []))[2].append(slot)
+            if id(value) not in by_dict:
+                by_dict[id(value)] = (_RecordingDict(value), dict(value), [])
+            by_dict[id(value)][2].append(slot)
     found = DictsSet([], frozenset())
     try:
         for recorder, _, held_in in by_dict.values():

@@ -130,7 +130,10 @@ def recording(lists: list[tuple[Slot, list[Any]]]) -> Iterator[list[tuple[Slot, 
     slot that holds it: what the step appends through one is read through the others);
     the user's own put back after."""
     copies: dict[int, _Recording] = {}
-    swapped = [(slot, original, copies.setdefault(id(original), _Recording(original))) for slot, original in lists]
+    for _, original in lists:
+        if id(original) not in copies:
+            copies[id(original)] = _Recording(original)
+    swapped = [(slot, original, copies[id(original)]) for slot, original in lists]
     try:
         for slot, _, recorder in swapped:
             slot.set(recorder)
