@@ -1,7 +1,9 @@
 """Run a function on N local processes, each one rank of a process group on 127.0.0.1.
 
 What `remat run --nproc N` and the data-parallel tests use instead of `torchrun`: each
-rank is a fresh (spawned) process, joined to a gloo process group (CPU) with a timeout,
+rank is a fresh process, forked from a server process that imported torch and `fn`'s
+module once (multiprocessing's forkserver: no state of the caller is inherited, and a
+rank starts in a fraction of a second instead of importing torch again), joined to a gloo process group (CPU) with a timeout,
 so that a rank stuck in a collective fails instead of hanging. Every rank's return value comes back to the caller;
 a rank that raised, or ranks still running at the deadline (then killed), make
 `RanksFailed` with each rank's error.
@@ -64,7 +66,10 @@ def run_ranks(
     timeout (a collective waiting longer fails); `timeout_s` bounds the whole run."""
     if nprocs < 1:
         raise RematError(f"--nproc must be at least 1, got {nprocs}")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # Read when the server starts (at the first call). A script's own module is imported by
+    # each rank, as under spawn, never by the server.
+    ctx.set_forkserver_preload(["torch"] + ([fn.__module__] if fn.__module__ != "__main__" else []))
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, nprocs, port, pg_timeout_s, fn, args, results), daemon=True) for r in range(nprocs)]

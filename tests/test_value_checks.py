@@ -6,6 +6,8 @@ state as eager leaves them."""
 
 from __future__ import annotations
 
+import math
+import sys
 import types
 
 import pytest
@@ -52,6 +54,25 @@ def _updated_checked_step(model, optimizer, batch):
     return batch["scale"] * 1.0
 
 
+_LOGGED: list[float] = []
+
+
+def _item_checked_step(model, optimizer, batch):
+    """MAE's, DeiT's and DINO's loop: the loss as a number, logged, and the run stopped where it is not finite."""
+    optimizer.zero_grad()
+    loss = nn.functional.cross_entropy(model(batch["x"]), batch["y"]) * batch["scale"]
+    loss_value = loss.item()
+    if loss_value > 1e6:  # inf: a comparison of the number
+        raise FloatingPointError("the loss exploded")
+    if not math.isfinite(loss_value):  # NaN
+        print(f"Loss is {loss_value}, stopping training")
+        sys.exit(1)
+    loss.backward()
+    optimizer.step()
+    _LOGGED.append(loss_value)
+    return loss
+
+
 def _batch(g: torch.Generator, **change) -> dict[str, torch.Tensor]:
     b = {"x": torch.randn(256, 16, generator=g), "y": torch.randint(0, 5, (256,), generator=g), "scale": torch.ones(())}
     b.update(change)
@@ -61,8 +82,8 @@ def _batch(g: torch.Generator, **change) -> dict[str, torch.Tensor]:
 def _failure(fn):
     try:
         fn()
-    except Exception as e:  # noqa: BLE001 - compared between eager and remat
-        return type(e), str(e).splitlines()[0]  # (pytest adds the values an assert saw on later lines)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - compared between eager and remat
+        return type(e), str(e).splitlines()[0], e.args if isinstance(e, SystemExit) else ()  # sys.exit's code  # (pytest adds the values an assert saw on later lines)
     return None
 
 
@@ -78,8 +99,8 @@ def _same_state(a: nn.Module, b: nn.Module, opt_a, opt_b) -> bool:
     return same
 
 
-@pytest.mark.parametrize("step_fn", [_checked_step, _gradient_checked_step, _updated_checked_step],
-                         ids=["input-and-loss-checks", "gradient-check", "check-after-the-update"])
+@pytest.mark.parametrize("step_fn", [_checked_step, _gradient_checked_step, _updated_checked_step, _item_checked_step],
+                         ids=["input-and-loss-checks", "gradient-check", "check-after-the-update", "math.isfinite-sys.exit"])
 def test_a_checked_step_trains_bitwise_and_a_failing_batch_raises_what_eager_raises(step_fn):
     model, ref = _model(), _model()
     opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -98,7 +119,9 @@ def test_a_checked_step_trains_bitwise_and_a_failing_batch_raises_what_eager_rai
         assert _same_state(model, ref, opt, ref_opt), i
     # Checks on the input and the loss come before the backward pass, and the updates move
     # into it; a check on every gradient keeps them after it.
-    assert step.report.plan.updates_in_backward == (step_fn is _checked_step) and len(step._graphs) == 1
+    assert step.report.plan.updates_in_backward == (step_fn in (_checked_step, _item_checked_step)) and len(step._graphs) == 1
+    if step_fn is _item_checked_step:  # each side's good steps logged their loss, the same numbers
+        assert len(_LOGGED) == 6 and _LOGGED[1::2] == _LOGGED[0::2], _LOGGED
 
 
 def test_the_failed_check_names_where_the_step_checks():

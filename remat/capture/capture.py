@@ -159,7 +159,7 @@ def _trace(
             if checks.finished():
                 continue
             return gm
-        except Exception as e:  # noqa: BLE001 - translated into a message a user can act on
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - translated into a message a user can act on (sys.exit: a check's failing side)
             branched = branched_hyperparameters(e, symbols)
             batch_floats.refuse_branch(branched, e)
             if numbers.tripped(branched, other_failure=not any(name in hyper_values for name in branched)):

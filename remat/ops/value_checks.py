@@ -27,15 +27,17 @@ eager's were when it raised.
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 import re
+import sys
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
 
 from remat.errors import RematError
 from remat.ops import op_facts
@@ -72,6 +74,7 @@ class ValueCheck:
     holds: bool
     error_type: type[BaseException]
     message: str
+    args: tuple[Any, ...] | None = None  # the exception's own arguments, where plain values (sys.exit's code)
 
 
 @dataclass
@@ -114,11 +117,28 @@ class ValueChecks:
                 torch.ops.remat.value_check(t, holds, index)
                 return holds
 
+        plain_sym = torch.SymBool.__bool__
+
+        def checked_sym_bool(b: torch.SymBool) -> bool:
+            # `if loss.item() > 100: raise ...`: a comparison of a number the step computed, in
+            # the user's or a library's code (torch's own kernels handle theirs), is checked
+            # as the same comparison of a tensor.
+            if free_unbacked_symbols(b) and not Path(sys._getframe(1).f_code.co_filename).is_relative_to(_TORCH):
+                return checked_bool(torch.scalar_tensor(b, dtype=torch.bool))
+            return plain_sym(b)
+
         torch.Tensor.__bool__ = checked_bool  # type: ignore[method-assign]
+        torch.SymBool.__bool__ = checked_sym_bool  # type: ignore[method-assign]
+        tests = {name: getattr(math, name) for name in _MATH_TESTS}
+        for name, test in tests.items():
+            setattr(math, name, _on_tensors(test, _MATH_TESTS[name]))
         try:
             yield
         finally:
             torch.Tensor.__bool__ = plain  # type: ignore[method-assign]
+            torch.SymBool.__bool__ = plain_sym  # type: ignore[method-assign]
+            for name, test in tests.items():
+                setattr(math, name, test)
 
     def retry(self, e: BaseException, where: str) -> bool:
         """After a trace failed with `e`: whether to trace again, with a side to try or the
@@ -171,12 +191,28 @@ class ValueChecks:
         assert error is not None
         holds = not failing[0]
         self.assumed[trial.index] = holds
-        self.checks.append(ValueCheck(trial.where, holds, type(error), str(error)))
+        plain = all(a is None or type(a) in (str, int, float, bool) for a in error.args)
+        self.checks.append(ValueCheck(trial.where, holds, type(error), str(error), error.args if plain else None))
         return holds
 
     def refusal(self, e: BaseException) -> BaseException:
         """The failure to explain when a trace is not retried."""
         return self._refused or e
+
+
+# `loss_value = loss.item()` then `if not math.isfinite(loss_value): sys.exit(1)` (the
+# loops of MAE, DeiT, DINO): a test of a number the step computed becomes the same test of
+# a tensor, whose truth is a value check like `torch.isfinite(loss)`'s.
+_MATH_TESTS = {"isfinite": torch.isfinite, "isnan": torch.isnan, "isinf": torch.isinf}
+
+
+def _on_tensors(test: Any, on_tensor: Any) -> Any:
+    def tested(x: Any) -> bool:
+        if isinstance(x, (torch.SymFloat, torch.SymInt)) and free_unbacked_symbols(x):
+            return bool(on_tensor(torch.scalar_tensor(x, dtype=torch.float64)))
+        return test(x)
+
+    return tested
 
 
 def _guard_of(e: BaseException | None) -> BaseException | None:
@@ -216,14 +252,17 @@ def raise_as_eager(e: BaseException, checks: list[ValueCheck]) -> None:
         return
     check = checks[int(found.group(1))]
     try:
-        error = check.error_type(check.message)
+        error = check.error_type(*check.args) if check.args is not None else check.error_type(check.message)
     except Exception:  # noqa: BLE001 - an exception type that takes other arguments
         error = RuntimeError(f"{check.error_type.__name__}: {check.message}")
     where = f" ({check.where.removeprefix(', at ')})" if check.where else ""
-    error.add_note(
+    note = (
         f"remat: the step's graph checks this tensor value at every call{where} and raised what eager raises there; "
         "the step stopped there, with no update run that eager's had not run."
     )
+    if isinstance(error, SystemExit):  # the interpreter shows no note of a SystemExit, nor what the step printed first
+        print(f"{note[:-1]} (sys.exit; what the step printed on its way there is not printed again).", file=sys.stderr)
+    error.add_note(note)
     raise error from None
 
 
@@ -258,7 +297,9 @@ def hoisted(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             if _pure(n) and all(u in chain for u in n.users):
                 chain.add(n)
         outside = {a for m in chain for a in m.all_input_nodes} - chain
-        after = max([last_placeholder, *outside], key=rank.__getitem__)
+        # Never before the check that came before it: two checks of one value (a comparison,
+        # then a test for NaN) fail in eager's order.
+        after = max([last_placeholder, *outside, *checks[: checks.index(c)][-1:]], key=rank.__getitem__)
         # Not before an op that changes the user's state (writes a parameter, a buffer, the
         # optimizer's state in place) or draws random numbers: where the check fails, the
         # step has done what eager's had when it raised, and reads what eager's read.
