@@ -50,6 +50,9 @@ def hf_checkpointing(model: nn.Module, loss_fn: LossFn) -> TrainStep:
     enable = getattr(model, "gradient_checkpointing_enable", None)
     if enable is None:
         raise NotSupported(f"{type(model).__name__} is not a Hugging Face model (no gradient_checkpointing_enable())")
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):  # what transformers does itself under checkpointing, saying so at every run
+        config.use_cache = False
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # transformers 5 renamed it activation_checkpointing_enable
