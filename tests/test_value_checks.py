@@ -134,6 +134,32 @@ def test_the_failed_check_names_where_the_step_checks():
     assert "test_value_checks.py, line" in caught.value.__notes__[0] and "no update run that eager's had not run" in caught.value.__notes__[0]
 
 
+def _item_named_step(model, optimizer, batch):
+    optimizer.zero_grad()
+    loss = nn.functional.cross_entropy(model(batch["x"]), batch["y"]) * batch["scale"]
+    loss_value = loss.item()
+    if loss_value > 1e6:
+        raise FloatingPointError(f"the loss exploded: {loss_value}")
+    if loss_value < 0:
+        raise ValueError(f"a negative loss: {loss_value:.3f}")
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def test_a_failed_checks_message_shows_no_traced_value():
+    """The trace knew no value to write into the message: a placeholder shows where, and a
+    message it could not format at all says so."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(3)
+    step = remat.compile(_item_named_step, model, opt, _batch(g), memory_budget=0.9)
+    with pytest.raises(FloatingPointError, match=r"^the loss exploded: <a value the step computed>(\n|$)"):
+        step(_batch(g, scale=torch.tensor(float("inf"))))
+    with pytest.raises(RuntimeError, match="formats a number the step computed with a format spec"):
+        step(_batch(g, scale=torch.tensor(-1.0)))
+
+
 def test_a_distribution_that_validates_its_arguments_trains_bitwise():
     model, ref = _model(), _model()
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05)

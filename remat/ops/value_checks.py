@@ -191,8 +191,7 @@ class ValueChecks:
         assert error is not None
         holds = not failing[0]
         self.assumed[trial.index] = holds
-        plain = all(a is None or type(a) in (str, int, float, bool) for a in error.args)
-        self.checks.append(ValueCheck(trial.where, holds, type(error), str(error), error.args if plain else None))
+        self.checks.append(_as_raised(trial.where, holds, error))
         return holds
 
     def refusal(self, e: BaseException) -> BaseException:
@@ -213,6 +212,27 @@ def _on_tensors(test: Any, on_tensor: Any) -> Any:
         return test(x)
 
     return tested
+
+
+# What the trace wrote for a value it did not know: an unbacked symbol (`u0`, `zuf3`: a
+# number from `.item()`) or a fake tensor's repr.
+_TRACED_VALUE = re.compile(r"\b(?:u|zuf|zub)\d+\b|FakeTensor\(\.\.\.[^)]*\)")
+_SHOWN_INSTEAD = "<a value the step computed>"
+
+
+def _as_raised(where: str, holds: bool, error: BaseException) -> ValueCheck:
+    """The check of a failing side that raised `error` while traced. A message that showed a
+    value the step computed shows a placeholder instead: the trace did not know the value.
+    A message formatted with a format spec (`f"{loss_value:.3f}"`) failed to format on the
+    trace, so eager's exception is unknown: a RuntimeError that says so."""
+    message = str(error)
+    if isinstance(error, TypeError) and re.search(r"unsupported format string passed to Sym(Float|Int|Bool)", message):
+        return ValueCheck(where, holds, RuntimeError, (
+            "train_step raises here in eager with a message that formats a number the step computed with a format "
+            "spec, which remat cannot write; the check failed"))
+    shown = _TRACED_VALUE.sub(_SHOWN_INSTEAD, message)
+    plain = shown == message and all(a is None or type(a) in (str, int, float, bool) for a in error.args)
+    return ValueCheck(where, holds, type(error), shown, error.args if plain else None)
 
 
 def _guard_of(e: BaseException | None) -> BaseException | None:
