@@ -98,8 +98,11 @@ class ValueChecks:
         self._refused: BaseException | None = None  # the failure to report where a check cannot be decided
 
     @contextlib.contextmanager
-    def tracing(self) -> Iterator[None]:
-        """Tensor.__bool__ on a tensor of unknown value takes the side assumed for it."""
+    def tracing(self, inputs: dict[str, str]) -> Iterator[None]:
+        """Tensor.__bool__ on a tensor of unknown value takes the side assumed for it, and so
+        does a test of a number the step computed. `inputs`: the symbols of the numbers read
+        as graph inputs (hyperparameters, the batch's floats), by name, filled while tracing;
+        a test of one of those is theirs to handle (a sign fact, a fixed value, a refusal)."""
         plain = torch.Tensor.__bool__
         self._reached = 0
         checks = self
@@ -123,7 +126,7 @@ class ValueChecks:
             # `if loss.item() > 100: raise ...`: a comparison of a number the step computed, in
             # the user's or a library's code (torch's own kernels handle theirs), is checked
             # as the same comparison of a tensor.
-            if free_unbacked_symbols(b) and not Path(sys._getframe(1).f_code.co_filename).is_relative_to(_TORCH):
+            if _computed(b, inputs) and not Path(sys._getframe(1).f_code.co_filename).is_relative_to(_TORCH):
                 return checked_bool(torch.scalar_tensor(b, dtype=torch.bool))
             return plain_sym(b)
 
@@ -131,7 +134,7 @@ class ValueChecks:
         torch.SymBool.__bool__ = checked_sym_bool  # type: ignore[method-assign]
         tests = {name: getattr(math, name) for name in _MATH_TESTS}
         for name, test in tests.items():
-            setattr(math, name, _on_tensors(test, _MATH_TESTS[name]))
+            setattr(math, name, _on_tensors(test, _MATH_TESTS[name], inputs))
         try:
             yield
         finally:
@@ -205,9 +208,16 @@ class ValueChecks:
 _MATH_TESTS = {"isfinite": torch.isfinite, "isnan": torch.isnan, "isinf": torch.isinf}
 
 
-def _on_tensors(test: Any, on_tensor: Any) -> Any:
+def _computed(value: Any, inputs: dict[str, str]) -> bool:
+    """Whether symbolic `value` holds a number the step computed (an unbacked symbol from
+    `.item()`), and none read as a graph input."""
+    found = free_unbacked_symbols(value)
+    return bool(found) and not any(str(s) in inputs for s in found)
+
+
+def _on_tensors(test: Any, on_tensor: Any, inputs: dict[str, str]) -> Any:
     def tested(x: Any) -> bool:
-        if isinstance(x, (torch.SymFloat, torch.SymInt)) and free_unbacked_symbols(x):
+        if isinstance(x, (torch.SymFloat, torch.SymInt)) and _computed(x, inputs):
             return bool(on_tensor(torch.scalar_tensor(x, dtype=torch.float64)))
         return test(x)
 
