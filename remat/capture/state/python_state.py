@@ -355,9 +355,9 @@ class StateWatch:
     def refuse_traced_tensors(self) -> None:
         """Refuse a tensor a trace left in the state (a cache made at the first call) before
         the state is traced again: the next trace would read another trace's placeholder."""
-        kept = [slot.name for slot, value in state_slots(self.model, self.train_step) if holds_traced_value(value, False)]
+        kept = [(slot.name, value) for slot, value in state_slots(self.model, self.train_step) if holds_traced_value(value, False)]
         if kept:
-            raise _kept_error(kept)
+            raise _kept_error([name for name, _ in kept], [name for name, value in kept if isinstance(value, collections.defaultdict)])
 
     def numbers_changed(self, set_up: frozenset[tuple[int, str]] = frozenset()) -> list[NumberChange]:
         """The slots the traces so far left holding another number (capture.state.kept_numbers),
@@ -397,7 +397,8 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
             w.put_back()
         raise
     # A traced number in a slot watched before is named as a change (the message says where to log it).
-    kept = [slot for slot, value in state_slots(model, train_step) if holds_traced_value(value, slot.name not in before)]
+    kept_values = [(slot, value) for slot, value in state_slots(model, train_step) if holds_traced_value(value, slot.name not in before)]
+    kept = [slot for slot, _ in kept_values]
     for slot in kept:
         if slot.name not in before:
             slot.set(held.get(slot.name, MISSING))
@@ -414,20 +415,23 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
                 made_keys += [name] if isinstance(value, collections.defaultdict) else []
             w.put_back()
     if changed:
-        hint = (
-            f" {made_keys[0]} is a defaultdict, whose keys the step makes as it reads them: log into a plain dict "
-            "whose lists you make before compiling (history = {'loss': []}, then history['loss'].append(loss.item()))."
-        ) if made_keys else ""
         raise CaptureError(
             f"train_step changed Python state while it was traced: {_listed(changed)}. Its Python code runs once, at "
             "capture, so the graph would repeat the first value at every step (and a value kept from inside the step "
             "would be a traced placeholder, not a number). Keep such state outside train_step and pass what the step "
             "computes from it as a tensor (in the batch, or a buffer of the model updated between steps); to log a "
             "value, return it from train_step or append it to a list of your own (a global, a closure's, an attribute)."
-            + hint
+            + _defaultdict_hint(made_keys)
         )
     if kept:
-        raise _kept_error([s.name for s in kept])
+        raise _kept_error([s.name for s in kept], [s.name for s, value in kept_values if isinstance(value, collections.defaultdict)])
+
+
+def _defaultdict_hint(names: list[str]) -> str:
+    return (
+        f" {names[0]} is a defaultdict, whose keys the step makes as it reads them: log into a plain dict "
+        "whose lists you make before compiling (history = {'loss': []}, then history['loss'].append(loss.item()))."
+    ) if names else ""
 
 
 def _drop_new_keys(watch: StateWatch) -> None:
@@ -438,7 +442,7 @@ def _drop_new_keys(watch: StateWatch) -> None:
             del held_now[key]
 
 
-def _kept_error(names: list[str]) -> CaptureError:
+def _kept_error(names: list[str], defaultdicts: list[str] = []) -> CaptureError:  # noqa: B006 - never changed
     return CaptureError(
         f"train_step kept a tensor (or a number computed from one) in Python state: {_listed(names)}. "
         "Its Python code runs once, at capture: there the value is a traced placeholder, and at run time the graph "
@@ -446,6 +450,7 @@ def _kept_error(names: list[str]) -> CaptureError:
         "or dict of the loss and the tensors to keep), keep it directly in a list or dict of your own held in a global, a "
         "closure or an attribute (stats.append(t), features[name] = t: set after each run), or, if nothing reads it after "
         "the step, drop it before train_step returns (.clear() the dict, del the attribute)."
+        + _defaultdict_hint(defaultdicts)
     )
 
 
