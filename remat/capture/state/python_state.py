@@ -357,7 +357,7 @@ class StateWatch:
         the state is traced again: the next trace would read another trace's placeholder."""
         kept = [(slot.name, value) for slot, value in state_slots(self.model, self.train_step) if holds_traced_value(value, False)]
         if kept:
-            raise _kept_error([name for name, _ in kept], [name for name, value in kept if isinstance(value, collections.defaultdict)])
+            raise _kept_error(kept)
 
     def numbers_changed(self, set_up: frozenset[tuple[int, str]] = frozenset()) -> list[NumberChange]:
         """The slots the traces so far left holding another number (capture.state.kept_numbers),
@@ -397,13 +397,12 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
             w.put_back()
         raise
     # A traced number in a slot watched before is named as a change (the message says where to log it).
-    kept_values = [(slot, value) for slot, value in state_slots(model, train_step) if holds_traced_value(value, slot.name not in before)]
-    kept = [slot for slot, _ in kept_values]
-    for slot in kept:
+    kept = [(slot, value) for slot, value in state_slots(model, train_step) if holds_traced_value(value, slot.name not in before)]
+    for slot, _ in kept:
         if slot.name not in before:
             slot.set(held.get(slot.name, MISSING))
     _drop_new_keys(watch)
-    kept_names = {slot.name for slot in kept}
+    kept_names = {slot.name for slot, _ in kept}
     changed, made_keys = [], []
     for name, w in before.items():
         value = w.slot.get()
@@ -424,7 +423,7 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
             + _defaultdict_hint(made_keys)
         )
     if kept:
-        raise _kept_error([s.name for s in kept], [s.name for s, value in kept_values if isinstance(value, collections.defaultdict)])
+        raise _kept_error([(slot.name, value) for slot, value in kept])
 
 
 def _defaultdict_hint(names: list[str]) -> str:
@@ -442,15 +441,16 @@ def _drop_new_keys(watch: StateWatch) -> None:
             del held_now[key]
 
 
-def _kept_error(names: list[str], defaultdicts: list[str] = []) -> CaptureError:  # noqa: B006 - never changed
+def _kept_error(kept: list[tuple[str, Any]]) -> CaptureError:
+    """The refusal of the slots in `kept` (name, value), each holding a traced value."""
     return CaptureError(
-        f"train_step kept a tensor (or a number computed from one) in Python state: {_listed(names)}. "
+        f"train_step kept a tensor (or a number computed from one) in Python state: {_listed([name for name, _ in kept])}. "
         "Its Python code runs once, at capture: there the value is a traced placeholder, and at run time the graph "
         "computes it but stores it nowhere, so it would never hold a step's value. Return it from train_step instead (a tuple "
         "or dict of the loss and the tensors to keep), keep it directly in a list or dict of your own held in a global, a "
         "closure or an attribute (stats.append(t), features[name] = t: set after each run), or, if nothing reads it after "
         "the step, drop it before train_step returns (.clear() the dict, del the attribute)."
-        + _defaultdict_hint(defaultdicts)
+        + _defaultdict_hint([name for name, value in kept if isinstance(value, collections.defaultdict)])
     )
 
 
