@@ -84,7 +84,7 @@ def test_search_doubles_then_bisects():
     assert _search(lambda b: True, 1, 20)[0] == 20
 
 
-def test_bench_records_every_run_resumes_and_replots(tmp_path, monkeypatch):
+def test_bench_records_every_run_resumes_and_replots(tmp_path, monkeypatch, capsys):
     import remat
     from remat.errors import BudgetError
 
@@ -125,8 +125,13 @@ def test_bench_records_every_run_resumes_and_replots(tmp_path, monkeypatch):
     before = (out / "results.json").read_text()
     bench("mlp-deep", [1024], ["min", 0.01], ["sequential", "hf"], out, pairs=1, resume=True, progress=False)
     assert json.loads((out / "results.json").read_text())["runs"] == json.loads(before)["runs"]
-    # Resume with one more batch size: only that one runs.
-    bench("mlp-deep", [1024, 512], ["min"], [], out, pairs=1, resume=True, progress=False)
+    # Resume with one more batch size: only that one runs. Its progress, written where no bar
+    # is drawn (here, pytest's capture; a log file), is lines: the first stage and the last.
+    capsys.readouterr()
+    bench("mlp-deep", [1024, 512], ["min"], [], out, pairs=1, resume=True, progress=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert re.fullmatch(r"mlp-deep b=512: capture \+ profile \(1/5, 0:\d\d\)", lines[0]), lines
+    assert re.fullmatch(r"mlp-deep: tables and plots \(5/5, \d+:\d\d\)", lines[-1]), lines
     doc = load_results(out)
     assert {r["batch_size"] for r in doc["runs"]} == {512, 1024}
     assert [r.get("seconds_all") for r in doc["runs"] if r["batch_size"] == 1024] == [

@@ -25,6 +25,7 @@ from typing import Any, Callable
 from remat.budget import MiB
 from remat.defaults import DEFAULT_PLANNER
 from remat.profile.allocator import persistent_bytes
+from remat.progress import progress_bar
 from remat.measurement.plots import plot_latency_vs_batch, plot_peak_vs_batch, plot_tradeoff
 from remat.measurement.results import failure_reason, Method, RESULTS_HEADER, Results, load_results, methods_for, results_rows, write_markdown, write_results_csv, write_stats_csv, write_top_activations_csv
 
@@ -379,7 +380,6 @@ def bench(
     results.retry_failed = retry_failed
     results.meta.update(budgets=sorted(set(results.meta.get("budgets", [])) | set(budgets), key=lambda b: (isinstance(b, str), -b if not isinstance(b, str) else 0)))
     methods = methods_for(budgets, baselines)
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     def steps_for(b: int) -> int:
         todo = [m for m in methods if m.kind != "eager" and not results.done(b, m.name)]
@@ -387,19 +387,13 @@ def bench(
             return 0
         return 2 + len(todo) + pairs
 
-    total = sum(steps_for(b) for b in batch_sizes)
-    from remat.measurement.report import console_for
-
-    console = console_for(sys.stderr)
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console, disable=not progress) as bar:
-        task = bar.add_task(f"{model}", total=total)
+    total = sum(steps_for(b) for b in batch_sizes) + 1  # and the tables and plots
+    with progress_bar(progress, total, model) as bar:
 
         def advance(what: str) -> None:
-            bar.update(task, advance=1, description=f"{model} {what}")
+            bar.advance(f"{model} {what}")
 
-        def say(msg: str) -> None:
-            bar.console.print(msg)
-
+        say = bar.say
         for b in batch_sizes:
             try:
                 run_batch(model, b, methods, results, optimizer=optimizer, device=device, planner=planner, pairs=pairs, seed=seed, say=say, advance=advance)
@@ -409,7 +403,7 @@ def bench(
                     results.put(dict(model=model, device=device, optimizer=optimizer, batch_size=b, method="eager", kind="eager", budget=None, status="failed", reason=failure_reason(e)))
                 results.write()
             gc.collect()
-        bar.update(task, completed=total, description=f"{model} done")
+        bar.advance(f"{model}: tables and plots")
     return replot(out)
 
 

@@ -206,19 +206,19 @@ def profile(
         total = warmup + runs + 2
         times: list[np.ndarray] = []
         host_times: list[np.ndarray] = []  # CUDA: each op's issuing on the host
-        with progress_bar(progress, total, "warm-up" if warmup else "timing") as advance:
+        with progress_bar(progress, total, "warm-up" if warmup else "timing") as bar:
             for i in range(warmup + runs):
                 t, host = time_run_cuda(runner, inputs, dev) if is_cuda else (time_run_cpu(runner, inputs, check_layout=i == 0), None)
                 if i >= warmup:
                     times.append(t)
                     if host is not None:
                         host_times.append(host)
-                advance("timing" if i + 1 < warmup + runs else "memory per node")
+                bar.advance("timing" if i + 1 < warmup + runs else "memory per node")
             mem = _memory_run_cuda(runner, inputs, dev) if is_cuda else _memory_run_cpu(runner, inputs)
-            advance("measured peak")
+            bar.advance("measured peak")
             measured = measure_peak(lambda: tg.gm(*inputs), dev)
             del measured.result
-            advance("done")
+            bar.advance("done")
         del inputs
 
     repeats = find_repeats(tg)
