@@ -20,7 +20,7 @@ from remat import compile_notes, failed_step, ranks
 from remat import build as pipeline
 from remat.capture import data_parallel, optimizer_state, sharded
 from remat.capture.optimizers import as_one
-from remat.capture.state import first_call, read_numbers
+from remat.capture.state import default_keys, first_call, read_numbers
 from remat.budget import format_bytes, not_held, parse_budget
 from remat.passes import cuda_graph as cuda_graphs, inductor_regions
 from remat.capture.capture import capture
@@ -113,6 +113,7 @@ class RematStep:
     # A DDP step whose gradient buckets made the budget unreachable: gradients all-reduced one by one.
     _reduce_per_gradient: bool = False
     _set_up: list[Any] = field(default_factory=list)  # first_call.SetUp of the graphs compiled since the last call, made at the next
+    _default_keys: list[Any] = field(default_factory=list)  # keys the graphs' steps make in defaultdicts: made before each call's key is read
     _hit: tuple[Any, Guards, CompiledGraph] | None = None  # the last graph found, and what its key was found from (guards)
     _accumulating: list[torch.Tensor] | None = None  # a step that adds to gradients it finds set: its parameters, whose .grad set or not is in the key
 
@@ -147,6 +148,7 @@ class RematStep:
         shapes = self._with_gradients_set(shapes)
         first_call.make(self._set_up)  # the first run's set-up of a graph compiled before: its key holds it
         self._set_up = []
+        default_keys.make(self._default_keys)  # as the step's read makes them: its key holds them
         same_state = self._hit is not None and self._hit[1].hold()
         if same_state and self._hit[0] == shapes:
             return self._hit[2]  # the Python state the key was found from is as it was
@@ -195,9 +197,10 @@ class RematStep:
         self._read -= constant
         self._constant |= constant
         self._signed |= set(tg.call.number_signs)
-        with first_call.applied(tg.call.set_up):
+        with first_call.applied(tg.call.set_up), default_keys.made(tg.call.default_keys):
             compiled.step_values = self._key_values()
         self._set_up += tg.call.set_up
+        self._default_keys += [k for k in tg.call.default_keys if k.name not in {d.name for d in self._default_keys}]
         self._structure = _signature(batch)[0]
         self._graphs[(shapes, compiled.step_values)] = compiled
         compile_notes.warn_many_shapes(len({s[0] if self._accumulating else s for s, _ in self._graphs}), compiled.report.compile_seconds)

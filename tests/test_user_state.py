@@ -706,21 +706,82 @@ def _history_step(history, logged):  # type: ignore[no-untyped-def]
     return train_step
 
 
+class _Logs:
+    """A loop's logs: a defaultdict of lists and one of sums, each made anew or emptied per epoch."""
+
+    def __init__(self) -> None:
+        self.history: collections.defaultdict = collections.defaultdict(list)
+        self.totals: collections.defaultdict = collections.defaultdict(float)
+
+
+def _logging_step(logs: _Logs, logged):  # type: ignore[no-untyped-def]
+    def train_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+        loss = _step(model, optimizer, batch)
+        logs.history["loss"].append(logged(loss))
+        logs.totals["loss"] += loss.item()
+        logs.totals["steps"] += 1
+        return loss
+
+    return train_step
+
+
 @pytest.mark.parametrize("logged", [torch.Tensor.item, torch.Tensor.detach], ids=["number", "tensor"])
-def test_a_defaultdict_the_step_logs_into_is_refused_with_advice_that_works(logged) -> None:  # type: ignore[no-untyped-def]
+def test_defaultdicts_the_step_logs_and_counts_into_make_their_keys_as_in_eager_with_one_graph(logged) -> None:  # type: ignore[no-untyped-def]
+    model, batches = _mlp(), _batches(5)
+    eager_model = copy.deepcopy(model)
+    opt, eager_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager_model.parameters(), lr=0.1)
+    logs, eager_logs = _Logs(), _Logs()
+    step = remat.compile(_logging_step(logs, logged), model, opt, batches[0], memory_budget=None)
+    assert (logs.history, logs.totals) == ({}, {}), "compiling makes no key"
+    eager_step = _logging_step(eager_logs, logged)
+    for i, batch in enumerate(batches):
+        if i == 3:  # a new epoch: a new defaultdict of lists, the sums emptied
+            logs.history, eager_logs.history = collections.defaultdict(list), collections.defaultdict(list)
+            logs.totals.clear()
+            eager_logs.totals.clear()
+        assert torch.equal(step(batch), eager_step(eager_model, eager_opt, batch))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), eager_model.parameters()))
+    assert list(logs.history) == ["loss"] and len(logs.history["loss"]) == 2
+    assert all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(logs.history["loss"], eager_logs.history["loss"]))
+    assert dict(logs.totals) == dict(eager_logs.totals) and logs.totals["steps"] == 2.0
+    assert len(step._graphs) == 1
+
+
+def test_a_dict_of_logged_tensors_copied_between_steps_finds_the_same_graph() -> None:
+    """The loop copies the dict the step logs tensors into: the step's key is found again
+    from the state walked anew (the dict split by key as when its list was empty)."""
     model, batches = _mlp(), _batches(3)
     eager_model = copy.deepcopy(model)
     opt, eager_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager_model.parameters(), lr=0.1)
-    made_as_read = collections.defaultdict(list)
-    with pytest.raises(remat.CaptureError, match=r"is a defaultdict, .* a plain dict whose lists you make before compiling"):
-        remat.compile(_history_step(made_as_read, logged), model, opt, batches[0], memory_budget=None)
-    assert made_as_read == {}
-    history, eager_history = {"loss": []}, {"loss": []}
-    step = remat.compile(_history_step(history, logged), model, opt, batches[0], memory_budget=None)
+    logs, eager_logs = _Logs(), _Logs()
+    logs.history, eager_logs.history = {"loss": []}, {"loss": []}
+    step, eager_step = remat.compile(_logging_step(logs, torch.Tensor.detach), model, opt, batches[0], memory_budget=None), _logging_step(eager_logs, torch.Tensor.detach)
     for batch in batches:
-        assert torch.equal(step(batch), _history_step(eager_history, logged)(eager_model, eager_opt, batch))
-    assert len(history["loss"]) == 3
-    assert all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(history["loss"], eager_history["loss"]))
+        assert torch.equal(step(batch), eager_step(eager_model, eager_opt, batch))
+        logs.history, eager_logs.history = {"loss": list(logs.history["loss"])}, {"loss": list(eager_logs.history["loss"])}
+    assert all(torch.equal(a, b) for a, b in zip(logs.history["loss"], eager_logs.history["loss"])) and len(logs.history["loss"]) == 3
+    assert len(step._graphs) == 1
+
+
+def test_a_defaultdict_whose_keys_change_from_step_to_step_is_refused_with_advice_that_works() -> None:
+    model, batches = _mlp(), _batches(3)
+    eager_model = copy.deepcopy(model)
+    opt, eager_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager_model.parameters(), lr=0.1)
+    by_step = collections.defaultdict(list)
+
+    def keyed_by_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+        loss = _step(model, optimizer, batch)
+        by_step[f"step {len(by_step)}"].append(loss.item())
+        return loss
+
+    with pytest.raises(remat.CaptureError, match=r"made keys in a defaultdict .* a plain dict whose lists you make before compiling"):
+        remat.compile(keyed_by_step, model, opt, batches[0], memory_budget=None)
+    assert by_step == {}
+    history, eager_history = {"loss": []}, {"loss": []}
+    step = remat.compile(_history_step(history, torch.Tensor.item), model, opt, batches[0], memory_budget=None)
+    for batch in batches:
+        assert torch.equal(step(batch), _history_step(eager_history, torch.Tensor.item)(eager_model, eager_opt, batch))
+    assert history == eager_history and len(history["loss"]) == 3
 
 
 def _save_output(module, args, out, name, storage):  # type: ignore[no-untyped-def]

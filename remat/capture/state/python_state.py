@@ -51,9 +51,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.errors import CaptureError
-from remat.capture.state import library_objects, module_hooks, user_code
+from remat.capture.state import default_keys, library_objects, module_hooks, user_code
 from remat.capture import param_hooks
-from remat.capture.state.slots import MISSING, Slot, fields_of
+from remat.capture.state.slots import MISSING, Slot, fields_of, item_name
 
 _PLAIN = (bool, int, float, str, type(None))
 NUMBERS = (bool, int, float)
@@ -232,22 +232,18 @@ def _in_container(slot: Slot, value: Any) -> list[tuple[str, Any]]:
 
 
 def _items(slot: Slot, value: Any) -> list[tuple[Slot, Any]]:
-    """A dict of numbers (traced ones too) and lists of numbers under str keys (metrics, a history of losses)
-    held outside a module, as one slot per key: the step may count or log into one key
-    (capture.state.kept_numbers, logged_numbers) while the others are watched as values. Its
-    keys are watched through the items' names. Any other value: its own slot."""
-    if type(value) is not dict or not value or len(value) > _MOST_KEYS or isinstance(slot.owner, torch.nn.Module):
+    """A dict (or defaultdict) of numbers (traced ones too) and lists of numbers or tensors under
+    str keys (metrics, a history of losses) held outside a module, as one slot per key: the
+    step may count or log into one key (capture.state.kept_numbers, logged_numbers) while the
+    others are watched as values. Its keys are watched through the items' names. Any other
+    value: its own slot. (A list the step logs tensors into splits its dict as it did when
+    empty: the step found again after the loop touched the state.)"""
+    if type(value) not in (dict, collections.defaultdict) or not value or len(value) > _MOST_KEYS or isinstance(slot.owner, torch.nn.Module):
         return [(slot, value)]
     for k, v in value.items():
-        if type(k) is not str or not (is_number(v) or (type(v) is list and all(is_number(x) for x in v))):
+        if type(k) is not str or not (is_number(v) or (type(v) is list and all(is_number(x) or isinstance(x, torch.Tensor) for x in v))):
             return [(slot, value)]
     return [(Slot(item_name(slot, f"[{k!r}]"), slot, k), v) for k, v in value.items()]
-
-
-def item_name(slot: Slot, index: str) -> str:
-    """`index` after the name of what the slot holds: `state['seen'] (from the closure of step)`."""
-    base, closure, fn = slot.name.partition(" (from the closure of ")
-    return f"{base}{index}{closure}{fn}"
 
 
 def _watched(slots: list[tuple[Slot, Any]]) -> dict[str, _Watched]:
@@ -352,10 +348,25 @@ class StateWatch:
             w.content = copied(w.value)
         self.set_up: set[str] = set()  # slots the step's first run sets once (first_call): put back, not refused
 
+    def refuse_made_keys(self) -> None:
+        """Refuse, as MadeKeys (capture then traces the step again with them made), the keys a
+        trace made in the user's defaultdicts, watched whole or split by key (default_keys)."""
+        whole = [default_keys.new_keys(w.slot, set(w.content)) for w in self.before.values() if isinstance(w.content, dict)]
+        split = [default_keys.new_keys(parent, keys) for parent, keys in self.split.values()]
+        made = [key for keys in [*whole, *split] for key in keys]
+        if made:
+            raise default_keys.MadeKeys(
+                f"train_step made keys in a defaultdict as it read them ({_listed([key.name for key in made])}) while it "
+                "was traced, and others when traced again with those made: remat makes the keys a step reads before each "
+                "call, so they must be the same at every step. Log into a plain dict whose lists you make before compiling "
+                "(history = {'loss': []}, then history['loss'].append(loss.item())).",
+                made,
+            )
+
     def refuse_traced_tensors(self) -> None:
         """Refuse a tensor a trace left in the state (a cache made at the first call) before
         the state is traced again: the next trace would read another trace's placeholder."""
-        kept = [(slot.name, value) for slot, value in state_slots(self.model, self.train_step) if holds_traced_value(value, False)]
+        kept = [slot.name for slot, value in state_slots(self.model, self.train_step) if holds_traced_value(value, False)]
         if kept:
             raise _kept_error(kept)
 
@@ -403,7 +414,7 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
             slot.set(held.get(slot.name, MISSING))
     _drop_new_keys(watch)
     kept_names = {slot.name for slot, _ in kept}
-    changed, made_keys = [], []
+    changed = []
     for name, w in before.items():
         value = w.slot.get()
         now = _snapshot(value)
@@ -411,7 +422,6 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
             text = shown(now) if now is not NOT_PLAIN else "deleted" if value is MISSING else _short(repr(value))
             if name not in kept_names and name not in watch.set_up:
                 changed.append(f"{name} ({shown(w.frozen)} -> {text})")
-                made_keys += [name] if isinstance(value, collections.defaultdict) else []
             w.put_back()
     if changed:
         raise CaptureError(
@@ -420,17 +430,9 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
             "would be a traced placeholder, not a number). Keep such state outside train_step and pass what the step "
             "computes from it as a tensor (in the batch, or a buffer of the model updated between steps); to log a "
             "value, return it from train_step or append it to a list of your own (a global, a closure's, an attribute)."
-            + _defaultdict_hint(made_keys)
         )
     if kept:
-        raise _kept_error([(slot.name, value) for slot, value in kept])
-
-
-def _defaultdict_hint(names: list[str]) -> str:
-    return (
-        f" {names[0]} is a defaultdict, whose keys the step makes as it reads them: log into a plain dict "
-        "whose lists you make before compiling (history = {'loss': []}, then history['loss'].append(loss.item()))."
-    ) if names else ""
+        raise _kept_error([slot.name for slot, _ in kept])
 
 
 def _drop_new_keys(watch: StateWatch) -> None:
@@ -441,16 +443,15 @@ def _drop_new_keys(watch: StateWatch) -> None:
             del held_now[key]
 
 
-def _kept_error(kept: list[tuple[str, Any]]) -> CaptureError:
-    """The refusal of the slots in `kept` (name, value), each holding a traced value."""
+def _kept_error(kept: list[str]) -> CaptureError:
+    """The refusal of the slots named in `kept`, each holding a traced value."""
     return CaptureError(
-        f"train_step kept a tensor (or a number computed from one) in Python state: {_listed([name for name, _ in kept])}. "
+        f"train_step kept a tensor (or a number computed from one) in Python state: {_listed(kept)}. "
         "Its Python code runs once, at capture: there the value is a traced placeholder, and at run time the graph "
         "computes it but stores it nowhere, so it would never hold a step's value. Return it from train_step instead (a tuple "
         "or dict of the loss and the tensors to keep), keep it directly in a list or dict of your own held in a global, a "
         "closure or an attribute (stats.append(t), features[name] = t: set after each run), or, if nothing reads it after "
         "the step, drop it before train_step returns (.clear() the dict, del the attribute)."
-        + _defaultdict_hint([name for name, value in kept if isinstance(value, collections.defaultdict)])
     )
 
 

@@ -63,6 +63,12 @@ class Slot:
             setattr(self.owner, self.key, value)
 
 
+def item_name(slot: Slot, index: str) -> str:
+    """`index` after the name of what the slot holds: `state['seen'] (from the closure of step)`."""
+    base, closure, fn = slot.name.partition(" (from the closure of ")
+    return f"{base}{index}{closure}{fn}"
+
+
 def fields_of(obj: Any) -> dict[str, Any] | None:
     """An object's attributes (None for one with __slots__ only)."""
     try:
