@@ -2,7 +2,8 @@
 
 On a terminal, a bar. Anywhere else (a log file, a batch job's output, CI) a bar is never
 drawn, so the stages are written as plain lines instead: the stage now running, how far
-along, and the time so far, at most one line per `LINE_SECONDS` (and every stage's last).
+along, and the time so far; the first at once, then at most one per `LINE_SECONDS`, and
+the last.
 """
 
 from __future__ import annotations
