@@ -346,6 +346,9 @@ class RematStep:
             node_seconds=lambda g: costs_of(g).seconds_by_node(),
         )  # fmt: skip
         if self.backend != "eager":  # the compiled regions timed as nodes of the graph that runs
+            measured_regions = gm.meta["regions"].measured_peak_bytes
+            if measured_regions is not None:  # each region's peak measured as one node's: its temporaries are Inductor's
+                predicted = max(predicted, baseline.persistent_bytes + measured_regions)
             region_costs = costs_of(gm)
             region_costs = region_costs.replayed() if self.cuda_graph else region_costs
             predicted_time = simulate_time(list(region_costs.host.values()), list(region_costs.device.values()), region_costs.synchronous)
