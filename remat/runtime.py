@@ -20,7 +20,7 @@ from remat import compile_notes, failed_step, ranks
 from remat import build as pipeline
 from remat.capture import data_parallel, optimizer_state, sharded
 from remat.capture.optimizers import as_one
-from remat.capture.state import default_keys, first_call, read_numbers
+from remat.capture.state import first_call, read_numbers
 from remat.budget import format_bytes, not_held, parse_budget
 from remat.passes import cuda_graph as cuda_graphs, inductor_regions
 from remat.capture.capture import capture
@@ -148,7 +148,7 @@ class RematStep:
         shapes = self._with_gradients_set(shapes)
         first_call.make(self._set_up)  # the first run's set-up of a graph compiled before: its key holds it
         self._set_up = []
-        default_keys.make(self._default_keys)  # as the step's read makes them: its key holds them
+        first_call.make_keys(self._default_keys)  # as the step's read makes them: its key holds them
         same_state = self._hit is not None and self._hit[1].hold()
         if same_state and self._hit[0] == shapes:
             return self._hit[2]  # the Python state the key was found from is as it was
@@ -197,7 +197,7 @@ class RematStep:
         self._read -= constant
         self._constant |= constant
         self._signed |= set(tg.call.number_signs)
-        with first_call.applied(tg.call.set_up), default_keys.made(tg.call.default_keys):
+        with first_call.applied(tg.call.set_up), first_call.keys_made(tg.call.default_keys):
             compiled.step_values = self._key_values()
         self._set_up += tg.call.set_up
         self._default_keys += [k for k in tg.call.default_keys if k.name not in {d.name for d in self._default_keys}]

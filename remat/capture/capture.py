@@ -32,7 +32,7 @@ from remat.capture.optimizers import as_one, only_passed_step
 from remat.capture.markers import marking_updates, MARKER, RECORD_FUNCTION_OPS, marker, marking_passes
 from remat.capture.trace_checks import branched_hyperparameters, check_backward_ran, check_graph_runnable, cleared_before_backward, finds_gradients, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state, where_in_users_code
 from remat.capture.train_graph import CallContract, GraphInput, InputKind, Phase, TrainGraph, TrainStep
-from remat.capture.state import default_keys, first_call
+from remat.capture.state import first_call
 from remat.capture.state.python_state import no_python_state_changed, state_slots
 from remat.capture.traced_rng import no_host_random_drawn, no_rng_state_set
 from remat.capture.user_checkpoints import plain_checkpoints
@@ -185,6 +185,7 @@ def _trace(
 
 
 @gc_paused()
+@first_call.with_keys_made(lambda train_step, model, optimizer, *rest, **kw: optimizer_state.drop_made_ahead(as_one(optimizer)))
 def capture(
     train_step: TrainStep, model: torch.nn.Module, optimizer: Any, example_batch: Any,
     read_numbers_named: frozenset[str] = frozenset(), reduce_in_buckets: bool = True, grads_in: bool = False,
@@ -195,23 +196,7 @@ def capture(
     state is created here if empty (`init_optimizer_state`), and nothing else changes.
     `read_numbers_named`: the floats (python_state slot names) to read at every call where the trace
     can (read_numbers). `reduce_in_buckets`: a DDP model's gradients all-reduced in DDP's buckets, or
-    each on its own (data_parallel.buckets). `grads_in`: the gradients set now are inputs it adds to.
-    A step that makes keys in a defaultdict of the user's is captured again with them made (default_keys)."""
-    args = (train_step, model, optimizer, example_batch, read_numbers_named, reduce_in_buckets, grads_in)
-    try:
-        return _capture(*args)
-    except default_keys.MadeKeys as refused:
-        optimizer_state.drop_made_ahead(as_one(optimizer))  # made again, as the first capture made it
-        with default_keys.made(refused.keys):
-            tg = _capture(*args)  # where this one makes keys too, its MadeKeys is the refusal
-        tg.call.default_keys = refused.keys
-        return tg
-
-
-def _capture(
-    train_step: TrainStep, model: torch.nn.Module, optimizer: Any, example_batch: Any,
-    read_numbers_named: frozenset[str], reduce_in_buckets: bool, grads_in: bool,
-) -> TrainGraph:
+    each on its own (data_parallel.buckets). `grads_in`: the gradients set now are inputs it adds to."""
     passed, optimizer = optimizer, as_one(optimizer)  # the step gets what was passed; remat reads it as one
     leaves, spec, params, buffers, trainable, device = check_arguments(model, example_batch)
     dp = data_parallel.data_parallel_of(model, in_buckets=reduce_in_buckets)
@@ -348,7 +333,7 @@ def _traces(
     try:
         with no_python_state_changed(model, train_step, slots) as watch:
             gm = recorded_trace()
-            watch.refuse_made_keys()
+            first_call.refuse_made_keys(watch)
             submodules.refuse_replaced()
             if tables.changed():
                 set_up = tables.added_attributes()

@@ -76,7 +76,7 @@ class CallContract:
     # recorded, user_code.recording_run; everything the step's code can reach is watched).
     code_read: frozenset[Any] | None = None
     set_up: list[Any] = field(default_factory=list)  # first_call.SetUp: what the step's first run sets once, made when the graph first runs
-    default_keys: list[Any] = field(default_factory=list)  # python_state.Slot: keys the step makes in a defaultdict, made before each call's key is read (default_keys)
+    default_keys: list[Any] = field(default_factory=list)  # python_state.Slot: keys the step makes in a defaultdict, made before each call's key is read (first_call)
     scheduler_calls: tuple[Any, ...] = ()  # scheduler_calls.SchedulerCall: scheduler.step() calls made again at each call
     leaves_zero_grads: bool = False  # the step ends with zero_grad(set_to_none=False): see ends_with_zero_grads
     # The step adds its gradients to those a call finds set (gradient accumulation across

@@ -1,4 +1,5 @@
-"""What a step's code sets up on its first run only, as eager's first step does.
+"""What a step's code sets up that remat makes ahead of it: what its first run sets once,
+as eager's first step does, and the keys it makes in a defaultdict at every run.
 
 A step may change Python state on its first run and never again: a warn-once flag
 (`if not self._warned: warnings.warn(...); self._warned = True`), a config made lazily
@@ -12,16 +13,30 @@ toggle: it is a set-up, and that second trace is the graph. Compiling changes no
 the user's objects, so the watch puts the state back; the change is made when the step
 first runs (`make`, before its key is read), and the key it is cached under is read with
 the change made (`applied`).
+
+Keys a step makes in a `defaultdict` by reading them (`history["loss"].append(loss.item())`,
+`totals["loss"] += loss.item()`) are made at its every run, not its first only: eager's
+step makes the key (an empty list, a zero), then logs or counts into it. A trace that
+makes one would leave a placeholder there, so a capture whose first trace made keys in
+the user's defaultdicts is refused (`MadeKeys`) and made again with those keys made first
+(`with_keys_made`): the dict is then split by key as a plain one is (python_state), each
+list a logged one, each number a counted one. The keys made for the capture are taken
+out after it (`keys_made`); before each call's key is read, the runtime makes them where
+missing, as the step's read would (`make_keys`): a dict emptied, or made anew, for an
+epoch finds the graph compiled for the first.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from remat.capture.state.python_state import NOT_PLAIN, StateWatch, copied, frozen, holds_traced_value
-from remat.capture.state.slots import Slot
+from remat.capture.state.slots import MISSING, Slot, item_name
+from remat.errors import CaptureError
 from remat.ops.op_facts import is_random
 
 _MOST_ITEMS = 1024
@@ -117,3 +132,77 @@ def _fingerprint(value: Any, depth: int = 0) -> Any:
     if depth < 3 and isinstance(value, (list, tuple)) and len(value) <= _MOST_ITEMS:
         return (type(value), tuple(_fingerprint(v, depth + 1) for v in value))
     return ("object", id(value))
+
+
+class MadeKeys(CaptureError):
+    """The first trace made keys in the user's defaultdicts (`keys`: a slot each, its owner
+    the slot holding the dict). Its message is the refusal, where a capture made them first."""
+
+    def __init__(self, message: str, keys: list[Slot]) -> None:
+        super().__init__(message)
+        self.keys = keys
+
+
+def refuse_made_keys(watch: StateWatch) -> None:
+    """After the first trace: MadeKeys for the keys it made in the user's defaultdicts,
+    watched whole or split by key."""
+    parents = [(w.slot, set(w.content)) for w in watch.before.values() if isinstance(w.content, dict)] + list(watch.split.values())
+    made = [key for parent, before in parents for key in _new_keys(parent, before)]
+    if made:
+        raise MadeKeys(
+            f"train_step made keys in a defaultdict as it read them ({', '.join(key.name for key in made[:5])}) while it "
+            "was traced, and others when traced again with those made: remat makes the keys a step reads before each "
+            "call, so they must be the same at every step. Log into a plain dict whose lists you make before compiling "
+            "(history = {'loss': []}, then history['loss'].append(loss.item())).",
+            made,
+        )
+
+
+def _new_keys(parent: Slot, before: set[Any]) -> list[Slot]:
+    """The str keys the dict `parent` holds now and did not hold (`before`), where it is a defaultdict."""
+    held = parent.get()
+    if not isinstance(held, collections.defaultdict) or held.default_factory is None:
+        return []
+    return [Slot(item_name(parent, f"[{key!r}]"), parent, key) for key in held if key not in before and type(key) is str]
+
+
+def with_keys_made(again: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A capture function refused with MadeKeys made again with the keys made (after
+    `again(*its arguments)`: what the refused capture set up), its graph noting them
+    (`call.default_keys`); where the second capture makes keys too, its MadeKeys is the refusal."""
+
+    def wrap(capture: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(capture)
+        def capturing(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return capture(*args, **kwargs)
+            except MadeKeys as refused:
+                again(*args, **kwargs)
+                with keys_made(refused.keys):
+                    tg = capture(*args, **kwargs)
+                tg.call.default_keys = refused.keys
+                return tg
+
+        return capturing
+
+    return wrap
+
+
+def make_keys(keys: list[Slot]) -> None:
+    """Each key made where its dict, a defaultdict, lacks it: by reading it, as the step does."""
+    for key in keys:
+        held = key.owner.get()
+        if isinstance(held, collections.defaultdict) and key.key not in held:
+            held[key.key]  # noqa: B018 - the read makes the key (__missing__)
+
+
+@contextlib.contextmanager
+def keys_made(keys: list[Slot]) -> Iterator[None]:
+    """The keys made while the block runs; those it made are taken out after."""
+    missing = [key for key in keys if key.get() is MISSING]
+    make_keys(keys)
+    try:
+        yield
+    finally:
+        for key in missing:
+            key.set(MISSING)

@@ -51,7 +51,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.errors import CaptureError
-from remat.capture.state import default_keys, library_objects, module_hooks, user_code
+from remat.capture.state import library_objects, module_hooks, user_code
 from remat.capture import param_hooks
 from remat.capture.state.slots import MISSING, Slot, fields_of, item_name
 
@@ -347,21 +347,6 @@ class StateWatch:
         for w in self.before.values():
             w.content = copied(w.value)
         self.set_up: set[str] = set()  # slots the step's first run sets once (first_call): put back, not refused
-
-    def refuse_made_keys(self) -> None:
-        """Refuse, as MadeKeys (capture then traces the step again with them made), the keys a
-        trace made in the user's defaultdicts, watched whole or split by key (default_keys)."""
-        whole = [default_keys.new_keys(w.slot, set(w.content)) for w in self.before.values() if isinstance(w.content, dict)]
-        split = [default_keys.new_keys(parent, keys) for parent, keys in self.split.values()]
-        made = [key for keys in [*whole, *split] for key in keys]
-        if made:
-            raise default_keys.MadeKeys(
-                f"train_step made keys in a defaultdict as it read them ({_listed([key.name for key in made])}) while it "
-                "was traced, and others when traced again with those made: remat makes the keys a step reads before each "
-                "call, so they must be the same at every step. Log into a plain dict whose lists you make before compiling "
-                "(history = {'loss': []}, then history['loss'].append(loss.item())).",
-                made,
-            )
 
     def refuse_traced_tensors(self) -> None:
         """Refuse a tensor a trace left in the state (a cache made at the first call) before
