@@ -167,9 +167,10 @@ def _new_keys(parent: Slot, before: set[Any]) -> list[Slot]:
 
 
 def with_keys_made(again: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A capture function refused with MadeKeys made again with the keys made (after
-    `again(*its arguments)`: what the refused capture set up), its graph noting them
-    (`call.default_keys`); where the second capture makes keys too, its MadeKeys is the refusal."""
+    """Wraps a capture function: where it is refused with MadeKeys, `again(*its arguments)`
+    undoes what the refused capture set up, and it captures again with those keys made, its
+    graph noting them (`call.default_keys`). Where that capture makes keys too, its MadeKeys
+    is the refusal."""
 
     def wrap(capture: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(capture)
