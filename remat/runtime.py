@@ -200,7 +200,8 @@ class RematStep:
         with first_call.applied(tg.call.set_up), first_call.keys_made(tg.call.default_keys):
             compiled.step_values = self._key_values()
         self._set_up += tg.call.set_up
-        self._default_keys += [k for k in tg.call.default_keys if k.name not in {d.name for d in self._default_keys}]
+        known = {key.name for key in self._default_keys}
+        self._default_keys += [key for key in tg.call.default_keys if key.name not in known]
         self._structure = _signature(batch)[0]
         self._graphs[(shapes, compiled.step_values)] = compiled
         compile_notes.warn_many_shapes(len({s[0] if self._accumulating else s for s, _ in self._graphs}), compiled.report.compile_seconds)

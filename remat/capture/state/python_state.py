@@ -393,12 +393,12 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
             w.put_back()
         raise
     # A traced number in a slot watched before is named as a change (the message says where to log it).
-    kept = [(slot, value) for slot, value in state_slots(model, train_step) if holds_traced_value(value, slot.name not in before)]
-    for slot, _ in kept:
+    kept = [slot for slot, value in state_slots(model, train_step) if holds_traced_value(value, slot.name not in before)]
+    for slot in kept:
         if slot.name not in before:
             slot.set(held.get(slot.name, MISSING))
     _drop_new_keys(watch)
-    kept_names = {slot.name for slot, _ in kept}
+    kept_names = {slot.name for slot in kept}
     changed = []
     for name, w in before.items():
         value = w.slot.get()
@@ -417,7 +417,7 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
             "value, return it from train_step or append it to a list of your own (a global, a closure's, an attribute)."
         )
     if kept:
-        raise _kept_error([slot.name for slot, _ in kept])
+        raise _kept_error([slot.name for slot in kept])
 
 
 def _drop_new_keys(watch: StateWatch) -> None:
@@ -428,10 +428,10 @@ def _drop_new_keys(watch: StateWatch) -> None:
             del held_now[key]
 
 
-def _kept_error(kept: list[str]) -> CaptureError:
-    """The refusal of the slots named in `kept`, each holding a traced value."""
+def _kept_error(names: list[str]) -> CaptureError:
+    """The refusal of the slots named, each holding a traced value."""
     return CaptureError(
-        f"train_step kept a tensor (or a number computed from one) in Python state: {_listed(kept)}. "
+        f"train_step kept a tensor (or a number computed from one) in Python state: {_listed(names)}. "
         "Its Python code runs once, at capture: there the value is a traced placeholder, and at run time the graph "
         "computes it but stores it nowhere, so it would never hold a step's value. Return it from train_step instead (a tuple "
         "or dict of the loss and the tensors to keep), keep it directly in a list or dict of your own held in a global, a "
