@@ -14,17 +14,17 @@ from typing import Any
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 
 from remat import compile_notes, failed_step, ranks
 from remat import build as pipeline
+from remat.batch_signature import check_dtype_device, signature, without_devices
 from remat.capture import data_parallel, optimizer_state, sharded
 from remat.capture.optimizers import as_one
 from remat.capture.state import first_call, read_numbers
 from remat.budget import format_bytes, not_held, parse_budget
 from remat.passes import cuda_graph as cuda_graphs, inductor_regions
 from remat.capture.capture import capture
-from remat.capture.step_inputs import ModelView, batch_leaf_names, flatten_batch, run_captured
+from remat.capture.step_inputs import ModelView, run_captured
 from remat.capture.train_graph import TrainGraph, TrainStep
 from remat.errors import BudgetError, CaptureError, RematError
 from remat.profile.allocator import measure_step_peak
@@ -36,6 +36,8 @@ from remat.planners import DEFAULT_PLANNER, make_plan
 from remat.profile.profiles import Profile, graph_fingerprint
 from remat.capture.call_inputs import CallInputs, gradients_set
 from remat.capture.state.guards import Guards
+from remat.capture.state.kept_numbers import CountedBranch
+from remat.capture.state.library_objects import read_by_trace
 from remat.capture.state.python_state import changed_values, state_slots, step_values
 from remat.capture.state.scheduler_calls import make_calls
 from remat.memory.simulator import simulate
@@ -58,25 +60,19 @@ class CompiledGraph:
     call_inputs: CallInputs | None = None  # its inputs at each call, made at the first
     cuda_graph: cuda_graphs.CudaGraphStep | None = None  # runs gm as a CUDA graph (cuda_graph=True)
 
+    def rekeyed(self, now: tuple[tuple[str, Any], ...], names: set[str]) -> tuple[tuple[str, Any], ...]:
+        """Its key, watching `names` too, with the values they hold `now` (a key just read):
+        for values its trace did not read. As it was where a name it watched is not in `now`."""
+        held = dict(self.step_values)
+        if not held.keys() <= dict(now).keys():
+            return self.step_values
+        self.step_values = tuple((n, held.get(n, v)) for n, v in now if n in held or n in names)
+        return self.step_values
+
     def inputs(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> tuple[list[torch.Tensor], ModelView]:
         if self.call_inputs is None:
             self.call_inputs = CallInputs(self.tg)
         return self.call_inputs.gather(model, optimizer, batch)
-
-
-def _signature(batch: Any) -> tuple[str, tuple[tuple[tuple[int, ...], torch.dtype, str], ...]]:
-    leaves, spec = flatten_batch(batch)
-    sig = tuple(
-        (tuple(leaf.shape), leaf.dtype, str(leaf.device)) if isinstance(leaf, torch.Tensor)
-        else ((), float if isinstance(leaf, float) else type(leaf), "")  # a float: read at every call, any value
-        for leaf in leaves
-    )
-    return str(spec), sig
-
-
-def _shapes(sig: tuple[tuple[tuple[int, ...], Any, str], ...]) -> list[tuple[tuple[int, ...], str]]:
-    """A signature without devices: what must be equal on every rank (each has its own device)."""
-    return [(shape, str(dtype)) for shape, dtype, _ in sig]
 
 
 @dataclass
@@ -116,6 +112,8 @@ class RematStep:
     _default_keys: list[Any] = field(default_factory=list)  # keys the graphs' steps make in defaultdicts: made before each call's key is read
     _hit: tuple[Any, Guards, CompiledGraph] | None = None  # the last graph found, and what its key was found from (guards)
     _accumulating: list[torch.Tensor] | None = None  # a step that adds to gradients it finds set: its parameters, whose .grad set or not is in the key
+    _library_read: frozenset[tuple[type, str]] = frozenset()  # library fields the traces read (a library's flag): in the key
+    _branches: list[Any] = field(default_factory=list)  # kept_numbers.CountedBranch of the graphs: the branch a library's count picks is in the key
 
     def __post_init__(self) -> None:
         # Parse now: a bad budget is an error at compile time, not at the first step.
@@ -144,8 +142,8 @@ class RematStep:
 
     def compiled_for(self, batch: Any) -> CompiledGraph:
         """The compiled graph for this batch's shape, compiling it if it is new."""
-        shapes = self._agreed("reading the batch", lambda: self._checked_signature(batch), summary=_shapes, differ="the batch's shapes and dtypes")
-        shapes = self._with_gradients_set(shapes)
+        shapes = self._agreed("reading the batch", lambda: self._checked_signature(batch), summary=without_devices, differ="the batch's shapes and dtypes")
+        shapes = self._with_call_state(shapes)
         first_call.make(self._set_up)  # the first run's set-up of a graph compiled before: its key holds it
         self._set_up = []
         first_call.make_keys(self._default_keys)  # as the step's read makes them: its key holds them
@@ -161,7 +159,7 @@ class RematStep:
         now = self._key_values(slots)
         cached = self._graphs.get((shapes, now))
         if cached is not None:
-            self._hit = (shapes, Guards.of(self.model, slots, self._unkeyed, self._read, self._signed), cached)
+            self._hit = (shapes, Guards.of(self.model, slots, self._unkeyed, self._read, self._signed, self._library_read), cached)
             return cached
         self._hit = None
         same_shape = [g for (s, _), g in self._graphs.items() if s == shapes]
@@ -186,12 +184,16 @@ class RematStep:
             if promoted:  # the graphs holding them as constants are never used again
                 self._graphs = {k: g for k, g in self._graphs.items() if k[0] != shapes}
         tg = compiled.tg
-        if tg.call.accumulates and self._accumulating is None:  # from now on, which gradients are set is in the key
-            self._accumulating = [p for n, p in self.model.named_parameters() if n in set(tg.call.trainable)]
-            shapes = self._with_gradients_set(shapes)
+        branches = [u for u in tg.call.state_updates if isinstance(u, CountedBranch) and u.slot.name not in {b.slot.name for b in self._branches}]
+        if (tg.call.accumulates and self._accumulating is None) or branches:  # from now on, these are in the key
+            if tg.call.accumulates and self._accumulating is None:
+                self._accumulating = [p for n, p in self.model.named_parameters() if n in set(tg.call.trainable)]
+            self._branches += branches
+            shapes = self._with_call_state(signature(batch)[1])
         # What the traces ran, where every capture recorded it; else all the step's code can reach.
         self._all_code = self._all_code or tg.call.code_read is None
         self._ran = None if self._all_code else (self._ran or frozenset()) | tg.call.code_read
+        newly_read, self._library_read = tg.call.library_read - self._library_read, self._library_read | tg.call.library_read
         self._unkeyed |= {update.slot.name for update in tg.call.state_updates if not update.keyed} | tg.call.unread_containers  # changed at every call
         constant = {name for name in self._read if name not in tg.call.numbers and name not in tg.call.number_signs}  # the trace branches on them
         self._read -= constant
@@ -202,14 +204,24 @@ class RematStep:
         self._set_up += tg.call.set_up
         known = {key.name for key in self._default_keys}
         self._default_keys += [key for key in tg.call.default_keys if key.name not in known]
-        self._structure = _signature(batch)[0]
+        self._structure = signature(batch)[0]
+        if newly_read:  # the graphs before did not read these library flags: right whatever they hold, keyed with them now
+            self._graphs = {(s, g.rekeyed(compiled.step_values, self._library_slots(newly_read))): g for (s, _), g in self._graphs.items()}
         self._graphs[(shapes, compiled.step_values)] = compiled
-        compile_notes.warn_many_shapes(len({s[0] if self._accumulating else s for s, _ in self._graphs}), compiled.report.compile_seconds)
+        compile_notes.warn_many_shapes(len({s[0] if self._accumulating is not None or self._branches else s for s, _ in self._graphs}), compiled.report.compile_seconds)
         return compiled
 
-    def _with_gradients_set(self, shapes: Any) -> Any:
-        """The key's shapes, with which gradients are set for a step that adds to them."""
-        return shapes if self._accumulating is None else (shapes, gradients_set(self._accumulating))
+    def _with_call_state(self, shapes: Any) -> Any:
+        """The key's shapes, with which gradients are set for a step that adds to them, and
+        the branch each library count the step moves picks for this call."""
+        if self._accumulating is None and not self._branches:
+            return shapes
+        gradients = gradients_set(self._accumulating) if self._accumulating is not None else None
+        return (shapes, gradients, tuple(branch.branch() for branch in self._branches))
+
+    def _library_slots(self, fields: frozenset[tuple[type, str]]) -> set[str]:
+        """The names of the library slots holding these fields (library_objects.read_by_trace)."""
+        return {slot.name for slot, _ in state_slots(self.model, self.train_step, self._ran) if slot.library and read_by_trace(slot, fields)}
 
     def _warn_changed(self, before: tuple[tuple[str, Any], ...]) -> None:
         """Name the values, changed since the last graph of this shape was compiled, that
@@ -228,19 +240,19 @@ class RematStep:
         """The watched values the compiled graph depends on: each value itself, but for a
         number read at every call only whether it is a float, and its sign where the
         graph assumes it. `slots`: python_state.state_slots, where just walked."""
-        values = step_values(self.model, self.train_step, skip=self._unkeyed, ran=self._ran, slots=slots)
+        values = step_values(self.model, self.train_step, skip=self._unkeyed, ran=self._ran, slots=slots, library_read=self._library_read)
         return tuple((name, read_numbers.key(value, name in self._signed)) if name in self._read else (name, value) for name, value in values)
 
     def _checked_signature(self, batch: Any) -> Any:
         """The batch's shape signature, or an error for a batch this step cannot take."""
-        structure, sig = _signature(batch)
+        structure, sig = signature(batch)
         if self._structure is not None and structure != self._structure:
             raise CaptureError(
                 f"this step was compiled for batches structured as {self._structure}, got {structure}; "
                 "compile another step for another batch structure"
             )
         if self._graphs and all(shapes != sig for shapes, _ in self._graphs):
-            self._check_dtype_device(batch, next(iter(self._graphs.values())).tg)
+            check_dtype_device(batch, next(iter(self._graphs.values())).tg)
         return sig
 
     def _agreed(self, what: str, fn: Any, summary: Any = None, differ: str = "") -> Any:
@@ -252,18 +264,6 @@ class RematStep:
         if summary is not None:
             ranks.same_everywhere(summaries, differ)
         return result
-
-    def _check_dtype_device(self, batch: Any, tg: TrainGraph) -> None:
-        leaves = pytree.tree_leaves(batch)
-        for name, leaf, (_, dtype, device) in zip(batch_leaf_names(batch), leaves, tg.batch_signature()):
-            if not isinstance(leaf, torch.Tensor):
-                continue  # a float: read at every call, whatever graph takes it
-            got_dtype = str(leaf.dtype).replace("torch.", "")
-            if got_dtype != dtype or str(leaf.device) != device:
-                raise CaptureError(
-                    f"{name} is {got_dtype} on {leaf.device}, but the step was compiled for {dtype} on {device}; "
-                    "convert the batch (e.g. .to(device, dtype)) or compile a new step"
-                )
 
     def _compile(self, batch: Any) -> CompiledGraph:
         start = time.perf_counter()
@@ -324,7 +324,7 @@ class RematStep:
                         stacklevel=3,
                     )
                     return self._compile(batch)
-                shapes = ", ".join(str(tuple(shape)) for shape, _, _ in _signature(batch)[1])
+                shapes = ", ".join(str(tuple(shape)) for shape, _, _ in signature(batch)[1])
                 warnings.warn(
                     f"remat: for the batch shaped {shapes}, {self._budget.describe()} is {format_bytes(budget_bytes)}, "
                     f"below any plan's peak; it is planned under {format_bytes(earlier)}, the budget of a batch shape "

@@ -116,7 +116,7 @@ LAYERS = [
     {"passes", "profile"},  # graph passes; measuring a graph
     {"planners"},
     {"build", "workloads"},
-    {"ranks", "failed_step", "step_report", "compile_notes"},
+    {"ranks", "failed_step", "step_report", "compile_notes", "batch_signature"},
     {"runtime"},
     {"remat"},  # the package's public names
     {"measurement", "integrations"},  # measuring plans; remat inside Trainer, Lightning

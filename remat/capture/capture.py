@@ -23,7 +23,7 @@ from torch.nn.utils import stateless
 
 from remat.gc_pause import gc_paused
 from remat.capture import data_parallel, hyperparams, optimizer_state, param_hooks, sharded, sharded_norms
-from remat.capture.state import kept_numbers, kept_tensors, logged_numbers, outside_tensors, read_numbers, scheduler_calls, step_outputs, module_hooks, step_prints, train_modes, user_code
+from remat.capture.state import kept_numbers, kept_tensors, library_objects, logged_numbers, outside_tensors, read_numbers, scheduler_calls, step_outputs, module_hooks, step_prints, train_modes, user_code
 from remat.capture.cpu_strides import CpuLikeEager
 from remat.errors import CaptureError
 from remat.capture.optimizer_state import check_first_step_state, optimizer_on, optimizer_states
@@ -268,7 +268,7 @@ def capture(
         check_backward_ran(calls["backward"])
         grads = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]
         final_grads[:] = [n for n, _ in grads]
-        seen.update(left_alone=effects.left_alone, output_spec=out_spec, output_numbers=returned, backward_passes=calls["backward"], reduced=calls["reduced"], state_updates=updates, unread_containers=logged_numbers.unread(effects.logged) | effects.dicts.unread)
+        seen.update(library_read=seen.get("library_read", set()) | effects.library_read, left_alone=effects.left_alone, output_spec=out_spec, output_numbers=returned, backward_passes=calls["backward"], reduced=calls["reduced"], state_updates=updates, unread_containers=logged_numbers.unread(effects.logged) | effects.dicts.unread)
         return outputs, [g for _, g in grads]
 
     def trace() -> torch.fx.GraphModule:
@@ -303,7 +303,7 @@ def capture(
     tg.call.training, tg.call.mode_calls, tg.call.sets_mode_first = train_modes.traced_modes(model, recorded.mode_calls)
     tg.call.scheduler_calls = scheduler_calls.checked(tg, recorded.scheduler_calls)
     tg.call.trainable, tg.call.leaves_zero_grads, tg.call.accumulates, tg.call.groups, tg.call.param_hooks = trainable, leaves_zero_grads, grads_in, groups, hooks
-    tg.call.code_read = frozenset(ran) if recorded_run else None
+    tg.call.code_read, tg.call.library_read = frozenset(ran) if recorded_run else None, frozenset(seen["library_read"])
     tg.call.set_up, tg.call.value_checks = set_ups, checks.checks
     return tg
 
@@ -372,6 +372,7 @@ class _Effects:
     skips: dict[int, Any]  # GradScaler's skipped updates (optimizer_state.skipped_in_graph)
     passed: Any  # the optimizer argument, whose wrappers keep a skip (Accelerate's)
     inputs: set[int]  # the graph's inputs, by id: a tensor kept or logged is told from them
+    library_read: set[tuple[type, str]]  # the library flags the trace read (library_objects.recording_reads)
     left_alone: list[str] = field(default_factory=list)  # warnings: library numbers left as they were (kept_numbers.kept)
 
     @classmethod
@@ -391,6 +392,7 @@ class _Effects:
             stack.enter_context(optimizer_state.skipped_in_graph()),
             passed,
             inputs,
+            stack.enter_context(library_objects.recording_reads(slot.owner for slot, _ in slots if slot.library)),
         )
 
     def updates(self, numbers_unread: frozenset[str]) -> tuple[list[Any], list[list[Any]]]:

@@ -142,8 +142,7 @@ def accumulates(probe_gm: torch.fx.GraphModule, trainable: dict[str, torch.Tenso
     accumulation across calls): then each call's graph takes the gradients set when it is
     called as inputs and adds to them in place, as eager's backward does, and which are
     set is in the key. Refused under DDP or FSDP2 (`data_parallel`), whose syncing differs
-    between accumulating calls and the last. (Accelerate's accumulate() around the step is
-    refused before: the counts it keeps change the graph, kept_numbers.)
+    between accumulating calls and the last.
 
     `probe_gm` was traced with the `.grad` of every parameter in `trainable` (by name, in
     the marker's order) already set: if train_step calls zero_grad() before backward(),
@@ -188,23 +187,19 @@ def finds_gradients(
 
 
 def accumulation_refused(what: str, where: str) -> CaptureError:
-    return CaptureError(
+    error = CaptureError(
         f"{what} (gradient accumulation across calls), which remat does not follow {where}. To accumulate gradients "
         "over micro-batches, give train_step all of them and loop over them inside it (one backward() each, then one "
         "optimizer.step())."
     )
-
-
-def accelerate_accumulation_note() -> str | None:
-    """What to do instead of Accelerate's accumulate() around the step, where it accumulates."""
-    if not _accelerate_accumulates():
-        return None
-    return (
-        "remat: Accelerate's accumulate() steps the optimizer only at every gradient_accumulation_steps-th call "
-        "(gradient accumulation across calls). Drop the `with accelerator.accumulate(model):` and loop over that many "
-        "micro-batches inside train_step instead: accelerator.backward() still divides each loss by "
-        "gradient_accumulation_steps, and the optimizer steps once, as at eager's last micro-batch."
-    )
+    if _accelerate_accumulates():
+        error.add_note(
+            "remat: Accelerate's accumulate() steps the optimizer only at every gradient_accumulation_steps-th call. "
+            "Drop the `with accelerator.accumulate(model):` and loop over that many micro-batches inside train_step "
+            "instead: accelerator.backward() still divides each loss by gradient_accumulation_steps, and the optimizer "
+            "steps once, as at eager's last micro-batch."
+        )
+    return error
 
 
 def _accelerate_accumulates() -> bool:

@@ -23,7 +23,7 @@ from typing import Any, Iterable
 
 import torch
 
-from remat.capture.state import read_numbers
+from remat.capture.state import library_objects, read_numbers
 from remat.capture.state.python_state import frozen
 from remat.capture.state.slots import MISSING, Slot, fields_of
 
@@ -134,10 +134,12 @@ class Guards:
     @classmethod
     def of(
         cls, model: torch.nn.Module, slots: list[tuple[Slot, Any]], skip: set[str], read: set[str], signed: set[str],
+        library_read: frozenset[tuple[type, str]] = frozenset(),
     ) -> Guards:  # fmt: skip
         """The checks for what `slots` (python_state.state_slots, just walked) depend on:
         `skip` are left out of the key (updated by the step at every call), `read` are
-        floats read at every call (their key only), `signed` those whose sign the graph assumes."""
+        floats read at every call (their key only), `signed` those whose sign the graph
+        assumes, `library_read` the library fields the traces read (a library's flag)."""
         g = cls()
         holders: dict[int, dict[Any, Any]] = {}
         # Containers whose items are compared: each module's table of submodules (the
@@ -148,6 +150,8 @@ class Guards:
             looked_into[id(module._modules)] = module._modules
         for slot, value in slots:
             if slot.library:
+                if slot.name not in skip and library_objects.read_by_trace(slot, library_read):
+                    g.same_object.append((vars(slot.owner), slot.key, value))
                 continue
             if isinstance(value, torch.nn.Module):
                 looked_into.update((id(m._modules), m._modules) for m in value.modules())

@@ -39,7 +39,7 @@ import torch
 import torch.fx
 
 from remat.errors import CaptureError
-from remat.capture import trace_checks
+from remat.capture.state import library_objects
 from remat.capture.state.python_state import MISSING, NUMBERS, TRACED_NUMBERS, NumberChange, Slot, is_number, same_number, shown
 
 
@@ -78,6 +78,46 @@ class KeptNumber:
         for term in self.terms[1:]:
             kept = kept + value(term)
         self.slot.set(kept)
+
+
+@dataclass(frozen=True)
+class CountedBranch:
+    """A count a library's code moves inside the step and branches on, registered by an
+    integration (library_objects.counted_branch: Accelerate's accumulate()): which branch a
+    call takes is in the step's key (`branch`, read before the call), and after each run the
+    count is set to what the library's code would have left in it."""
+
+    slot: Slot
+    next_of: Callable[[Any], tuple[Any, Any]]
+    keyed: bool = False
+    count: int = 0  # of the graph's number outputs
+
+    def where(self) -> str:
+        return f"counted in {self.slot.name}"
+
+    def branch(self) -> tuple[str, Any]:
+        return self.slot.name, self.next_of(self.slot.owner)[1]
+
+    def replay(self, values: list[Any]) -> None:
+        self.slot.set(self.next_of(self.slot.owner)[0])
+
+
+def _counted_branch(change: NumberChange, value: Any) -> CountedBranch | None:
+    """The CountedBranch for a registered count, checked against what the traces left in it
+    (`change.after`, the first; `value`, the trace as the next step finds the state); None
+    for another number."""
+    next_of = library_objects.counted_branch_of(change.slot)
+    if next_of is None:
+        return None
+    predicted = next_of(change.slot.owner)[0]  # the slot holds the count as the step found it again
+    if not (same_number(change.after, predicted) and same_number(value, predicted)):
+        raise CaptureError(
+            f"train_step moves {change.slot.name}, a count {type(change.slot.owner).__name__} keeps, from "
+            f"{_shown(change.before)} to {_shown(change.after)}, where remat expected {predicted!r} from that library's "
+            f"code: this version of {type(change.slot.owner).__module__.split('.')[0]} counts otherwise, and remat cannot "
+            "follow which branch each call takes. Move that call (e.g. Accelerate's accumulate()) out of train_step."
+        )
+    return CountedBranch(change.slot, next_of)
 
 
 class _Counted:
@@ -164,15 +204,16 @@ def counting(changes: list[NumberChange], as_numbers: bool = False, library_ahea
     ended: list[tuple[NumberChange, Any]] = []
     for change in changes:
         if change.slot.library:
-            if library_ahead:
+            # A registered count stays as found: the branch it picks is in the key, not traced ahead.
+            if library_ahead and library_objects.counted_branch_of(change.slot) is None:
                 change.slot.set(change.after)
         elif type(change.before) in NUMBERS or as_numbers:
             change.slot.set(_Counted(change, (Term.SLOT,)))
     try:
         yield ended
     finally:
+        ended += [(change, change.slot.get()) for change in changes]  # all read first: two slots may be one place
         for change in changes:
-            ended.append((change, change.slot.get()))
             change.slot.set(change.before)
 
 
@@ -181,10 +222,15 @@ def kept(ended: list[tuple[NumberChange, Any]], unread: frozenset[str] = frozens
     each takes from the graph, and a warning per library object whose numbers are left as
     they were; or a CaptureError for what the graph cannot do again.
     `unread`: slots that held None or nothing, and that the step is known not to read."""
-    numbers: list[KeptNumber] = []
+    numbers: list[Any] = []  # KeptNumber, or CountedBranch
     values: list[list[Any]] = []
     left: dict[int, list[Any]] = {}  # per library object: its numbers left as they were
     for change, value in ended:
+        branch = _counted_branch(change, value) if change.slot.library else None
+        if branch is not None:
+            numbers.append(branch)
+            values.append([])
+            continue
         if change.slot.library:
             terms = _library_terms(change, value)
             if terms is None:
@@ -284,21 +330,12 @@ def traced_counting(trace: Callable[[], torch.fx.GraphModule], probe: dict[str, 
 def _refuse_library(changes: list[NumberChange]) -> None:
     named = ", ".join(f"{c.slot.name} ({_shown(c.before)} -> {_shown(c.after)})" for c in changes[:3])
     owners = sorted({type(c.slot.owner).__name__ for c in changes})
-    error = CaptureError(
+    raise CaptureError(
         f"train_step changes numbers a library's {', '.join(owners)} keeps: {named}, and the step's graph depends on "
         "them (traced again as the next step would find them, it computes something else: an EMA helper's decay from its "
         "step count). Its Python code runs once, at capture, so the graph would repeat the first step's at every step. "
         "Call the method that changes them (an EMA helper's step()) between steps, outside train_step."
     )
-    raise _with_accelerate_note(error, changes)
-
-
-def _with_accelerate_note(error: CaptureError, changes: list[NumberChange]) -> CaptureError:
-    """`error`, with what to do instead of Accelerate's accumulate() where its counters are among `changes`."""
-    note = trace_checks.accelerate_accumulation_note()
-    if note is not None and any(type(c.slot.owner).__module__.startswith("accelerate.") for c in changes):
-        error.add_note(note)
-    return error
 
 
 def _described(updates: list[Any]) -> list[tuple[Any, ...]]:

@@ -9,10 +9,11 @@ the watched values: the graph's inputs check their shapes when gathered."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 import types
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -37,10 +38,33 @@ def reach_through(model_class: type, roots: Callable[[Any], list[tuple[str, Any]
     _REACHED_THROUGH[model_class] = roots
 
 
+# Per library class and field: a count the library's own code moves inside the step and
+# branches on (Accelerate's accumulate(): its call count, and whether this call steps the
+# optimizer). An integration registers, from the library's code, what a call will leave in
+# the count and which branch it takes, both from the object as the call finds it: the
+# branch is in the step's key, and the count is moved after each run (kept_numbers.CountedBranch).
+_COUNTED_BRANCHES: dict[tuple[type, str], Callable[[Any], tuple[Any, Any]]] = {}
+_BRANCH_READS: set[types.CodeType] = set()  # the library functions whose reads a branch accounts for
+
+
+def counted_branch(owner_class: type, key: str, next_of: Callable[[Any], tuple[Any, Any]], moved_by: Callable[..., Any]) -> None:
+    """Register `next_of(owner) -> (count the call leaves, branch)` for the count an object of
+    `owner_class` keeps in its field `key`, as the library's function `moved_by` moves it:
+    what that function reads is in the branch, not in the key (recording_reads)."""
+    _COUNTED_BRANCHES[(owner_class, key)] = next_of
+    _BRANCH_READS.add(moved_by.__code__)
+
+
+def counted_branch_of(slot: Slot) -> Callable[[Any], tuple[Any, Any]] | None:
+    """The registered `next_of` for the count `slot` holds, if any."""
+    _load_integrations()
+    return next((f for (cls, key), f in _COUNTED_BRANCHES.items() if slot.key == key and isinstance(slot.owner, cls)), None)
+
+
 # remat's integrations that register with the capture what a framework's objects hold, by
 # the framework's module: each is imported, by name, once its framework is (the user's code
 # imports the framework; an integration imports the capture, never the other way).
-INTEGRATIONS = {"lightning.pytorch": "remat.integrations.lightning"}
+INTEGRATIONS = {"lightning.pytorch": "remat.integrations.lightning", "accelerate": "remat.integrations.accelerate"}
 
 
 def _load_integrations() -> None:
@@ -82,6 +106,65 @@ def fields(roots: list[tuple[str, Any]]) -> list[tuple[Slot, Any]]:
     for name, value in roots:
         walk(name, value, 0)
     return out
+
+
+@contextlib.contextmanager
+def recording_reads(objects: Iterable[Any]) -> Iterator[set[tuple[type, str]]]:
+    """While the block runs, which bool and int fields of the library objects `objects`
+    hold are read before the block sets them, as (class, field): a flag the library's code
+    branches on (Accelerate's `sync_gradients`, which `accumulate()` around a compiled step
+    sets), but for those a registered count's branch accounts for (counted_branch). A
+    library's code is not followed, so its reads are recorded where they happen:
+    each class's attribute lookup is wrapped for the block (every instance of it: Accelerate's
+    GradientState instances share one dict of fields). What a trace read is in the step's
+    key (python_state.step_values), as dynamo guards what its trace read."""
+    read: set[tuple[type, str]] = set()
+    written: set[tuple[int, str]] = set()  # (the fields dict, field): set in the block, then read
+    patched: list[tuple[type, dict[str, Any]]] = []
+
+    def fields_id(obj: Any) -> int | None:
+        try:
+            return id(object.__getattribute__(obj, "__dict__"))
+        except AttributeError:
+            return None
+
+    objects = list(objects)
+    for cls in dict.fromkeys(type(obj) for obj in objects):
+        get, put = cls.__getattribute__, cls.__setattr__
+
+        def getattribute(obj: Any, name: str, get: Any = get, cls: type = cls) -> Any:
+            value = get(obj, name)
+            if type(value) in (bool, int) and not name.startswith("__") and sys._getframe(1).f_code not in _BRANCH_READS:
+                held = fields_id(obj)
+                if held is not None and name in object.__getattribute__(obj, "__dict__") and (held, name) not in written:
+                    read.add((cls, name))
+            return value
+
+        def setattr_(obj: Any, name: str, value: Any, put: Any = put) -> None:
+            written.add((fields_id(obj), name))
+            put(obj, name, value)
+
+        own = {k: cls.__dict__[k] for k in ("__getattribute__", "__setattr__") if k in cls.__dict__}
+        try:
+            cls.__getattribute__, cls.__setattr__ = getattribute, setattr_
+        except TypeError:  # a built-in or extension type (SimpleNamespace): all its flags taken as read
+            read.update((cls, k) for obj in objects if type(obj) is cls for k, v in (fields_of(obj) or {}).items() if type(v) in (bool, int))
+            continue
+        patched.append((cls, own))
+    try:
+        yield read
+    finally:
+        for cls, own in reversed(patched):
+            for k in ("__getattribute__", "__setattr__"):
+                if k in own:
+                    setattr(cls, k, own[k])
+                else:
+                    delattr(cls, k)
+
+
+def read_by_trace(slot: Slot, read: frozenset[tuple[type, str]]) -> bool:
+    """Whether a library slot holds a field a trace read (`recording_reads`)."""
+    return any(slot.key == key and isinstance(slot.owner, cls) for cls, key in read)
 
 
 def _make_first_use_state(obj: Any) -> None:

@@ -246,11 +246,12 @@ def _items(slot: Slot, value: Any) -> list[tuple[Slot, Any]]:
     return [(Slot(item_name(slot, f"[{k!r}]"), slot, k), v) for k, v in value.items()]
 
 
-def _watched(slots: list[tuple[Slot, Any]]) -> dict[str, _Watched]:
-    """The slots holding plain values (or the user's functions), by name."""
+def _watched(slots: list[tuple[Slot, Any]], library_read: frozenset[tuple[type, str]] = frozenset()) -> dict[str, _Watched]:
+    """The slots holding plain values (or the user's functions), by name; a library's only
+    where a trace read its field (`library_read`: library_objects.recording_reads)."""
     out = {}
     for slot, value in slots:
-        if slot.library:
+        if slot.library and not library_objects.read_by_trace(slot, library_read):
             continue
         fz = _snapshot(value)
         if fz is not NOT_PLAIN:
@@ -269,14 +270,15 @@ def copied(value: Any) -> Any:
 
 def step_values(
     model: torch.nn.Module, train_step: Callable[..., Any], skip: set[str] | frozenset[str] = frozenset(), ran: frozenset[types.CodeType] | None = None,
-    slots: list[tuple[Slot, Any]] | None = None,
+    slots: list[tuple[Slot, Any]] | None = None, library_read: frozenset[tuple[type, str]] = frozenset(),
 ) -> tuple[tuple[str, Any], ...]:
     """The watched values as the graph traced with them saw them: a step is compiled again
     when one changes between steps (a temperature, a drop rate or a loss weight set by the
     loop), since the graph holds them as constants. `skip`: slots left out (a list the step
-    logs numbers to, which the graph never reads)."""
+    logs numbers to, which the graph never reads). `library_read`: the library fields the
+    traces read (library_objects.recording_reads), watched too."""
     slots = state_slots(model, train_step, ran) if slots is None else slots
-    return tuple((name, w.frozen) for name, w in _watched(slots).items() if name not in skip)
+    return tuple((name, w.frozen) for name, w in _watched(slots, library_read).items() if name not in skip)
 
 
 def _object_fields(name: str, obj: Any, names: set[str], seen: set[int], depth: int, ran: frozenset[types.CodeType] | None) -> Iterator[tuple[Slot, Any]]:
