@@ -112,7 +112,7 @@ class RematStep:
     _default_keys: list[Any] = field(default_factory=list)  # keys the graphs' steps make in defaultdicts: made before each call's key is read
     _hit: tuple[Any, Guards, CompiledGraph] | None = None  # the last graph found, and what its key was found from (guards)
     _accumulating: list[torch.Tensor] | None = None  # a step that adds to gradients it finds set: its parameters, whose .grad set or not is in the key
-    _library_read: frozenset[tuple[type, str]] = frozenset()  # library fields the traces read (a library's flag): in the key
+    _library_read: frozenset[tuple[int, str]] = frozenset()  # library fields the traces read (a library's flag): in the key
     _branches: list[Any] = field(default_factory=list)  # kept_numbers.CountedBranch of the graphs: the branch a library's count picks is in the key
 
     def __post_init__(self) -> None:
@@ -219,7 +219,7 @@ class RematStep:
         gradients = gradients_set(self._accumulating) if self._accumulating is not None else None
         return (shapes, gradients, tuple(branch.branch() for branch in self._branches))
 
-    def _library_slots(self, fields: frozenset[tuple[type, str]]) -> set[str]:
+    def _library_slots(self, fields: frozenset[tuple[int, str]]) -> set[str]:
         """The names of the library slots holding these fields (library_objects.read_by_trace)."""
         return {slot.name for slot, _ in state_slots(self.model, self.train_step, self._ran) if slot.library and read_by_trace(slot, fields)}
 

@@ -372,7 +372,7 @@ class _Effects:
     skips: dict[int, Any]  # GradScaler's skipped updates (optimizer_state.skipped_in_graph)
     passed: Any  # the optimizer argument, whose wrappers keep a skip (Accelerate's)
     inputs: set[int]  # the graph's inputs, by id: a tensor kept or logged is told from them
-    library_read: set[tuple[type, str]]  # the library flags the trace read (library_objects.recording_reads)
+    library_read: set[tuple[int, str]]  # the library flags the trace read (library_objects.recording_reads)
     left_alone: list[str] = field(default_factory=list)  # warnings: library numbers left as they were (kept_numbers.kept)
 
     @classmethod

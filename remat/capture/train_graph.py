@@ -75,7 +75,7 @@ class CallContract:
     # The user's code objects the traces ran: python_state watches what they name (None: not
     # recorded, user_code.recording_run; everything the step's code can reach is watched).
     code_read: frozenset[Any] | None = None
-    library_read: frozenset[tuple[type, str]] = frozenset()  # (class, field) of the library flags the traces read: library_objects.recording_reads
+    library_read: frozenset[tuple[int, str]] = frozenset()  # (id of the fields dict, field) of the library flags the traces read: library_objects.recording_reads
     set_up: list[Any] = field(default_factory=list)  # first_call.SetUp: what the step's first run sets once, made when the graph first runs
     default_keys: list[Any] = field(default_factory=list)  # python_state.Slot: keys the step makes in a defaultdict, made before each call's key is read (first_call)
     scheduler_calls: tuple[Any, ...] = ()  # scheduler_calls.SchedulerCall: scheduler.step() calls made again at each call

@@ -134,7 +134,7 @@ class Guards:
     @classmethod
     def of(
         cls, model: torch.nn.Module, slots: list[tuple[Slot, Any]], skip: set[str], read: set[str], signed: set[str],
-        library_read: frozenset[tuple[type, str]] = frozenset(),
+        library_read: frozenset[tuple[int, str]] = frozenset(),
     ) -> Guards:  # fmt: skip
         """The checks for what `slots` (python_state.state_slots, just walked) depend on:
         `skip` are left out of the key (updated by the step at every call), `read` are

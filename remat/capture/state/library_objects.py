@@ -1,11 +1,12 @@
 """Tensors and numbers a library's objects hold where the step can reach them: a diffusers
 noise scheduler's `alphas_cumprod` that its `add_noise` indexes inside the step, an EMA
 helper's list of shadow weights and its step count. The library's code is not followed
-(what it reads is not known), so every field of such an object that holds tensors or a
+(which tensors it reads is not known), so every field of such an object that holds tensors or a
 number is a slot; the graph reads the tensors its trace read (outside_tensors) and drops
 the others, and a number the step changes is a kept number (kept_numbers: traced as the
-next step finds it too, and refused where the graph depends on it). They are not part of
-the watched values: the graph's inputs check their shapes when gathered."""
+next step finds it too, and refused where the graph depends on it). Their tensors are not
+part of the watched values: the graph's inputs check their shapes when gathered; their
+bool and int fields a trace read are (`recording_reads`)."""
 
 from __future__ import annotations
 
@@ -109,16 +110,18 @@ def fields(roots: list[tuple[str, Any]]) -> list[tuple[Slot, Any]]:
 
 
 @contextlib.contextmanager
-def recording_reads(objects: Iterable[Any]) -> Iterator[set[tuple[type, str]]]:
+def recording_reads(objects: Iterable[Any]) -> Iterator[set[tuple[int, str]]]:
     """While the block runs, which bool and int fields of the library objects `objects`
-    hold are read before the block sets them, as (class, field): a flag the library's code
+    hold are read before the block sets them, as (id of the object's dict of fields, field),
+    which the objects of the user's state keep alive: a flag the library's code
     branches on (Accelerate's `sync_gradients`, which `accumulate()` around a compiled step
     sets), but for those a registered count's branch accounts for (counted_branch). A
     library's code is not followed, so its reads are recorded where they happen:
-    each class's attribute lookup is wrapped for the block (every instance of it: Accelerate's
-    GradientState instances share one dict of fields). What a trace read is in the step's
+    each class's attribute lookup is wrapped for the block, and a read is the read of the
+    object's dict (Accelerate's GradientState instances share one: a read through the
+    optimizer's is a read of the accelerator's). What a trace read is in the step's
     key (python_state.step_values), as dynamo guards what its trace read."""
-    read: set[tuple[type, str]] = set()
+    read: set[tuple[int, str]] = set()
     written: set[tuple[int, str]] = set()  # (the fields dict, field): set in the block, then read
     patched: list[tuple[type, dict[str, Any]]] = []
 
@@ -137,7 +140,7 @@ def recording_reads(objects: Iterable[Any]) -> Iterator[set[tuple[type, str]]]:
             if type(value) in (bool, int) and not name.startswith("__") and sys._getframe(1).f_code not in _BRANCH_READS:
                 held = fields_id(obj)
                 if held is not None and name in object.__getattribute__(obj, "__dict__") and (held, name) not in written:
-                    read.add((cls, name))
+                    read.add((held, name))
             return value
 
         def setattr_(obj: Any, name: str, value: Any, put: Any = put) -> None:
@@ -146,11 +149,12 @@ def recording_reads(objects: Iterable[Any]) -> Iterator[set[tuple[type, str]]]:
 
         own = {k: cls.__dict__[k] for k in ("__getattribute__", "__setattr__") if k in cls.__dict__}
         try:
-            cls.__getattribute__, cls.__setattr__ = getattribute, setattr_
+            cls.__getattribute__ = getattribute
         except TypeError:  # a built-in or extension type (SimpleNamespace): all its flags taken as read
-            read.update((cls, k) for obj in objects if type(obj) is cls for k, v in (fields_of(obj) or {}).items() if type(v) in (bool, int))
+            read.update((id(vars(obj)), k) for obj in objects if type(obj) is cls for k, v in vars(obj).items() if type(v) in (bool, int))
             continue
         patched.append((cls, own))
+        cls.__setattr__ = setattr_
     try:
         yield read
     finally:
@@ -162,9 +166,9 @@ def recording_reads(objects: Iterable[Any]) -> Iterator[set[tuple[type, str]]]:
                     delattr(cls, k)
 
 
-def read_by_trace(slot: Slot, read: frozenset[tuple[type, str]]) -> bool:
+def read_by_trace(slot: Slot, read: frozenset[tuple[int, str]]) -> bool:
     """Whether a library slot holds a field a trace read (`recording_reads`)."""
-    return any(slot.key == key and isinstance(slot.owner, cls) for cls, key in read)
+    return bool(read) and (id(vars(slot.owner)), slot.key) in read
 
 
 def _make_first_use_state(obj: Any) -> None:

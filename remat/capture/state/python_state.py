@@ -246,7 +246,7 @@ def _items(slot: Slot, value: Any) -> list[tuple[Slot, Any]]:
     return [(Slot(item_name(slot, f"[{k!r}]"), slot, k), v) for k, v in value.items()]
 
 
-def _watched(slots: list[tuple[Slot, Any]], library_read: frozenset[tuple[type, str]] = frozenset()) -> dict[str, _Watched]:
+def _watched(slots: list[tuple[Slot, Any]], library_read: frozenset[tuple[int, str]] = frozenset()) -> dict[str, _Watched]:
     """The slots holding plain values (or the user's functions), by name; a library's only
     where a trace read its field (`library_read`: library_objects.recording_reads)."""
     out = {}
@@ -270,7 +270,7 @@ def copied(value: Any) -> Any:
 
 def step_values(
     model: torch.nn.Module, train_step: Callable[..., Any], skip: set[str] | frozenset[str] = frozenset(), ran: frozenset[types.CodeType] | None = None,
-    slots: list[tuple[Slot, Any]] | None = None, library_read: frozenset[tuple[type, str]] = frozenset(),
+    slots: list[tuple[Slot, Any]] | None = None, library_read: frozenset[tuple[int, str]] = frozenset(),
 ) -> tuple[tuple[str, Any], ...]:
     """The watched values as the graph traced with them saw them: a step is compiled again
     when one changes between steps (a temperature, a drop rate or a loss weight set by the
