@@ -142,8 +142,8 @@ class RematStep:
 
     def compiled_for(self, batch: Any) -> CompiledGraph:
         """The compiled graph for this batch's shape, compiling it if it is new."""
-        shapes = self._agreed("reading the batch", lambda: self._checked_signature(batch), summary=without_devices, differ="the batch's shapes and dtypes")
-        shapes = self._with_call_state(shapes)
+        sig = self._agreed("reading the batch", lambda: self._checked_signature(batch), summary=without_devices, differ="the batch's shapes and dtypes")
+        shapes = self._with_call_state(sig)
         first_call.make(self._set_up)  # the first run's set-up of a graph compiled before: its key holds it
         self._set_up = []
         first_call.make_keys(self._default_keys)  # as the step's read makes them: its key holds them
@@ -184,12 +184,13 @@ class RematStep:
             if promoted:  # the graphs holding them as constants are never used again
                 self._graphs = {k: g for k, g in self._graphs.items() if k[0] != shapes}
         tg = compiled.tg
-        branches = [u for u in tg.call.state_updates if isinstance(u, CountedBranch) and u.slot.name not in {b.slot.name for b in self._branches}]
+        known = {b.slot.name for b in self._branches}
+        branches = [u for u in tg.call.state_updates if isinstance(u, CountedBranch) and u.slot.name not in known]
         if (tg.call.accumulates and self._accumulating is None) or branches:  # from now on, these are in the key
             if tg.call.accumulates and self._accumulating is None:
                 self._accumulating = [p for n, p in self.model.named_parameters() if n in set(tg.call.trainable)]
             self._branches += branches
-            shapes = self._with_call_state(signature(batch)[1])
+            shapes = self._with_call_state(sig)
         # What the traces ran, where every capture recorded it; else all the step's code can reach.
         self._all_code = self._all_code or tg.call.code_read is None
         self._ran = None if self._all_code else (self._ran or frozenset()) | tg.call.code_read
