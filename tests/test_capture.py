@@ -1086,3 +1086,30 @@ def test_a_step_clearing_every_gradient_before_backward_is_traced_once_and_one_t
     traces.clear()
     assert capture(step_clearing("never"), model, opt, torch.randn(2, 4)).call.accumulates
     assert len(traces) == 2
+
+
+@pytest.mark.parametrize("torch_trace", [False, True], ids=["quiet", "TORCH_TRACE set"])
+def test_torchs_structured_trace_log_is_quiet_while_tracing_unless_torch_trace_is_set(monkeypatch, torch_trace):
+    """torch logs a record with its stack for each symbolic float the trace specializes (the
+    optimizer's hyperparameters); a handler on its structured trace log (pytest's capture)
+    formatting them doubled a trace's time. Without TORCH_TRACE the log has no handlers while
+    remat traces, and has them back after."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("torch.__trace")
+    log.addHandler(handler)
+    if torch_trace:
+        monkeypatch.setenv("TORCH_TRACE", "/nonexistent-remat-test")
+    else:
+        monkeypatch.delenv("TORCH_TRACE", raising=False)
+    try:
+        spec = build_model("mlp-deep", 4)
+        capture(make_train_step(spec.loss_fn), spec.model, make_optimizer("adamw", spec.model.parameters()), spec.batch)
+        attached_after = handler in log.handlers
+    finally:
+        log.removeHandler(handler)
+    assert bool(records) == torch_trace, len(records)  # the records are there to be silenced
+    assert attached_after

@@ -4,6 +4,7 @@ them (a compile per value, as before)."""
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from dataclasses import dataclass
 
@@ -131,3 +132,44 @@ def test_a_float_the_step_branches_on_or_makes_a_tensor_of_stays_a_constant_comp
     assert result.match, result.summary()
     assert not compiled._last.tg.call.numbers and compiled._constant
     assert len(compiled._graphs) == 2  # 0.2 and 0.3 (0.0's was dropped when it was tried as an input); 0.2 again reuses its graph
+
+
+def test_a_rate_lowered_on_every_layer_costs_a_few_traces_not_two_per_layer(monkeypatch):
+    """Each nn.Dropout's `p` lowered between steps: what the first trace learns of one
+    dropout's `p` (F.dropout checks its range, so it cannot be a symbol) is taken for all
+    eight, and the step is compiled again once, bitwise."""
+    capture_module = importlib.import_module("remat.capture.capture")
+
+    torch.manual_seed(0)
+    layers = [m for _ in range(8) for m in (torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Dropout(0.2))]
+    net = torch.nn.Sequential(*layers, torch.nn.Linear(16, 1))
+    batch = (torch.randn(8, 16), torch.randn(8, 1))
+
+    def step(model, opt, b):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(b[0]), b[1])
+        loss.backward()
+        opt.step()
+        return loss
+
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    model, o = twin(net, opt)
+    eager_model, eager_opt = twin(net, opt)
+    traces = []
+    original = capture_module.make_fx
+    monkeypatch.setattr(capture_module, "make_fx", lambda *a, **k: traces.append(1) or original(*a, **k))
+    compiled = remat.compile(step, model, o, batch, profile_runs=1)
+
+    def lower(i, m, opt):
+        if i == 1:
+            for module in m.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.1
+
+    result = check_against_eager(step, eager_model, eager_opt, model, o, compiled, batch, steps=4, between_steps=lower)
+    assert result.match, result.summary()
+    # Every rate a constant of the graph (compiled per value; the first graph was dropped
+    # when the rates were tried as inputs), found in at most three traces.
+    assert compiled._constant == {f"model.{3 * i + 2}.p" for i in range(8)} and not compiled._last.tg.call.numbers
+    assert len(compiled._graphs) == 1
+    assert len(traces) <= 4, len(traces)  # one to compile, then at most three for the eight rates

@@ -150,7 +150,7 @@ def _trace(
     modes = [(m, m.training) for m in model.modules()]
 
     def make() -> torch.fx.GraphModule:
-        with checks.tracing(symbols):
+        with checks.tracing(symbols), hyperparams.quiet_structured_trace():
             return make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=False)(*flat)
 
     while True:

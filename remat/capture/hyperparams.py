@@ -21,6 +21,8 @@ itself, read at every call, and the other floats are fixed.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -171,6 +173,27 @@ def traced_float(tensor: torch.Tensor, name: str, known_sign: int | None, symbol
     if known_sign is not None:
         torch._check(value > 0 if known_sign > 0 else value < 0 if known_sign < 0 else value == 0)
     return value
+
+
+@contextlib.contextmanager
+def quiet_structured_trace() -> Iterator[None]:
+    """While tracing: torch's structured trace log (`torch.__trace`, what TORCH_TRACE writes
+    for tlparse) without its handlers, unless TORCH_TRACE names a folder. It logs a record
+    with a stack for each symbolic float the trace specializes, which its own handler then
+    drops; a handler another tool attached (pytest's log capture) formats every one, which
+    doubled a trace's time."""
+    log = logging.getLogger("torch.__trace")
+    if os.environ.get("TORCH_TRACE"):
+        yield
+        return
+    handlers = list(log.handlers)
+    for handler in handlers:
+        log.removeHandler(handler)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            log.addHandler(handler)
 
 
 def fixed_by_fused_kernels(optimizer: torch.optim.Optimizer | None) -> dict[str, int]:

@@ -16,12 +16,15 @@ as the constant it is (0.0 or -0.0), since what a symbol known to equal zero dec
 not always known to the tracer. A float it
 branches on otherwise (`if alpha > 0.5`, `F.dropout`'s check that its rate is in [0, 1])
 cannot be a symbol: it stays a constant of the graph, compiled again for each value as
-before.
+before. What one trace learns of a field holds for that field of every object of its
+class (every dropout's `p`), so a model of many layers costs a trace or two, not two per layer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import types
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -55,6 +58,12 @@ class Reading:
         failure (`other_failure`: a use a symbol cannot take, `torch.tensor(alpha)`) every
         number is, as without them. True if the trace is worth running again."""
         hit = [name for name in branched if name in self.symbolic]
+        # A trip on one field is taken as a trip on the same field of every object of its
+        # class (each dropout's `p`): the same code reads them, and one trace per object
+        # would cost a trace per layer. A sibling that would not have tripped is left a
+        # sign or a constant early, compiled per value as before: slower, never wrong.
+        kinds = {_kind(self.symbolic[name]) for name in hit}
+        hit += [name for name, slot in self.symbolic.items() if name not in hit and _kind(slot) in kinds]
         for name in hit:
             if name in self.signs:
                 del self.symbolic[name], self.signs[name]
@@ -97,6 +106,14 @@ class Reading:
         finally:
             for name, slot in self.symbolic.items():
                 slot.set(saved[name])
+
+
+def _kind(slot: Slot) -> tuple[Any, ...]:
+    """Which fields one piece of code reads alike: a field of an object, by its class and
+    key; any other place (a global, a dict's key, a cell) is its own kind."""
+    if isinstance(slot.owner, (Slot, dict, types.CellType, functools.partial, types.ModuleType)):
+        return (slot.name,)
+    return (type(slot.owner), slot.key)
 
 
 def value(slot: Slot) -> torch.Tensor:
