@@ -630,6 +630,50 @@ def test_mixup_drawn_with_torchs_generator_trains_bitwise():
     assert result.match, result.summary()
 
 
+def _metric_step(mean, accuracy):
+    """A step that updates torchmetrics metrics it closes over (each side of a comparison its own)."""
+
+    def step(model, opt, batch):
+        opt.zero_grad()
+        logits = model(batch["x"])
+        loss = torch.nn.functional.cross_entropy(logits, batch["y"])
+        loss.backward()
+        opt.step()
+        mean.update(loss.detach())
+        accuracy.update(logits.argmax(-1), batch["y"])
+        return loss
+
+    return step
+
+
+def test_torchmetrics_updated_in_the_step_is_refused_naming_its_checks_and_trains_bitwise_with_them_off():
+    torchmetrics = pytest.importorskip("torchmetrics")
+
+    def metrics(checks: bool):
+        mean = torchmetrics.MeanMetric() if checks else torchmetrics.MeanMetric(nan_strategy="disable")
+        return mean, torchmetrics.Accuracy(task="multiclass", num_classes=4, validate_args=checks)
+
+    torch.manual_seed(0)
+    batches = [{"x": torch.randn(16, 8), "y": torch.randint(0, 4, (16,))} for _ in range(4)]
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    (mean, accuracy), (checked_mean, checked_accuracy) = metrics(checks=False), metrics(checks=True)
+    # the NaN check's branch (MeanMetric); the label check's count of unique values (Accuracy)
+    for with_checks in ((checked_mean, accuracy), (mean, checked_accuracy)):
+        with pytest.raises(CaptureError, match="torchmetrics metric .*nan_strategy='disable'.*validate_args=False"):
+            remat.compile(_metric_step(*with_checks), model, opt, batches[0], memory_budget=None, profile_runs=1, measure=False)
+
+    eager_model, eager_opt = twin(model, opt)
+    eager_metrics, remat_metrics = metrics(checks=False), metrics(checks=False)
+    step = remat.compile(_metric_step(*remat_metrics), model, opt, batches[0], memory_budget=None, profile_runs=1, measure=False)
+    for batch in batches:
+        assert torch.equal(step(batch), _metric_step(*eager_metrics)(eager_model, eager_opt, batch))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), eager_model.parameters()))
+    for ours, eagers in zip(remat_metrics, eager_metrics, strict=True):
+        assert torch.equal(ours.compute(), eagers.compute())
+    assert remat_metrics[1].compute() > 0 and len(step._graphs) == 1
+
+
 def _mixup_of_the_batch(model, opt, batch):
     opt.zero_grad()
     lam = batch["lam"]

@@ -373,6 +373,14 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
             "captured graph cannot hold. Use an optimizer whose update does not branch on its state (SGD, Adam, "
             "AdamW, RMSprop, Adagrad, Adamax, NAdam, Adadelta, Rprop), or train this one without remat."
         )
+    if data_dependent and any("torchmetrics" in Path(f.filename).parts for f in frames):
+        return CaptureError(
+            f"a torchmetrics metric updated in train_step checks its input with a Python branch on tensor values"
+            f"{where}, which one captured graph cannot hold. Turn its checks off: nan_strategy='disable' for the "
+            "aggregation metrics (MeanMetric, SumMetric, ...), validate_args=False for the classification and "
+            "regression metrics (Accuracy, F1Score, ...); the update then runs in the graph at every step. Or update "
+            "the metric outside train_step, from tensors the step returns (return the logits with the loss)."
+        )
     if data_dependent and _drawn_just_before(frames):
         return CaptureError(
             f"train_step branches on a random draw{where}, as LayerDrop skips a layer when torch.rand() falls below "
