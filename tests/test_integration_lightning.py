@@ -98,6 +98,37 @@ def test_lightning_step_through_remat_is_bitwise(tmp_path, precision):
     assert "optimizer_step" not in vars(trainer.lightning_module)  # the module as it was after fit
 
 
+class _NetWithMetric(_Net):
+    """The canonical torchmetrics pattern: a metric held by the module, called in
+    training_step, and the metric object itself logged per step and per epoch."""
+
+    def __init__(self, seed: int):
+        torch.manual_seed(seed)
+        super().__init__()
+        torchmetrics = pytest.importorskip("torchmetrics")
+        self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4, validate_args=False)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        self.train_acc(logits.argmax(-1), y)
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+        return torch.nn.functional.cross_entropy(logits, y)
+
+
+def test_a_torchmetrics_metric_logged_as_an_object_logs_each_steps_value_bitwise(tmp_path):
+    # Lightning reads the batch's value from the metric when the log is made again after a
+    # run: the metric's update must be in place by then, or each step logs the one before.
+    eager_rows, eager_state, _, eager_trainer = _fit(tmp_path / "eager", [], module=_NetWithMetric(seed=0))
+    callback = RematCallback(memory_budget=0.9)
+    rows, state, _, trainer = _fit(tmp_path / "remat", [callback], module=_NetWithMetric(seed=0))
+    assert "train_acc_step" in rows[0][2] and len(rows) == 6
+    assert _equal_rows(rows, eager_rows)
+    assert all(torch.equal(a, b) for a, b in zip(state, eager_state, strict=True))
+    assert torch.equal(trainer.lightning_module.train_acc.compute(), eager_trainer.lightning_module.train_acc.compute())
+    assert len(callback.step._graphs) == 1  # the module's table of metrics filled before compiling, as its first log fills it
+
+
 def test_lightning_fp16_with_its_grad_scaler_is_bitwise(tmp_path):
     """precision="16-mixed" (on a GPU; on CPU Lightning turns it into bf16, so the plugin is
     given a CPU scaler here): the plugin's GradScaler, which the step reaches only through

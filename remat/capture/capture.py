@@ -397,16 +397,19 @@ class _Effects:
 
     def updates(self, numbers_unread: frozenset[str]) -> tuple[list[Any], list[list[Any]]]:
         """The updates to make again after each run (TrainGraph.call.state_updates), with the
-        traced values each takes from the graph. Prints come before the numbers kept: a
-        number the step counts up prints from the slot's number before the step."""
+        traced values each takes from the graph. The tensors kept come before prints: a
+        recorded call may read one from an object it is given (Lightning's `self.log` of a
+        torchmetrics metric reads the batch's value the metric's update kept). Prints come
+        before the numbers kept: a number the step counts up prints from the slot's number
+        before the step."""
         logs, logged_values = logged_numbers.logged(self.logged, self.inputs)
         prints, printed_values = step_prints.recorded(self.printed)
         kept, kept_values, self.left_alone = kept_numbers.kept(self.counted, numbers_unread)
         tensors = [*self.tensors, *self.dicts.kept]
         skipped, skipped_values = optimizer_state.skipped_steps(self.passed, self.skips)
         return (
-            [*logs, *prints, *kept, *(t for t, _ in tensors), *skipped],
-            [*logged_values, *printed_values, *kept_values, *([v] for _, v in tensors), *skipped_values],
+            [*logs, *(t for t, _ in tensors), *prints, *kept, *skipped],
+            [*logged_values, *([v] for _, v in tensors), *printed_values, *kept_values, *skipped_values],
         )
 
 

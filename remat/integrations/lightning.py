@@ -60,6 +60,7 @@ class RematCallback(Callback):
     def on_fit_start(self, trainer: Any, pl_module: LightningModule) -> None:
         _check_supported(trainer, pl_module, self)
         self._module, self._trainer = pl_module, trainer
+        _find_metrics(pl_module)
         pl_module.optimizer_step = self._optimizer_step  # the loop looks the hook up on the module
         loop = trainer.fit_loop.epoch_loop.automatic_optimization
         loop._make_closure = self._closure_maker(loop._make_closure)  # type: ignore[method-assign]
@@ -146,6 +147,22 @@ def _with_batch(kwargs: dict[str, Any], batch: Any, batch_idx: int, run: Any) ->
         return run()
     finally:
         kwargs.update(saved)
+
+
+def _find_metrics(module: LightningModule) -> None:
+    """Fill the table of the module's torchmetrics metrics that its first `self.log` of a
+    metric fills (as that call fills it). The logs run again after each step, so otherwise
+    the first step's would fill it, a change to the module after the step was compiled,
+    which compiles the step again."""
+    if vars(module).get("_metric_attributes", 0) is not None:
+        return
+    try:
+        from torchmetrics import Metric
+    except ImportError:
+        return
+    metrics = {id(m): name for name, m in module.named_modules() if isinstance(m, Metric)}
+    if metrics:  # none: the table stays unset, and a metric logged is refused by Lightning as it would be
+        module._metric_attributes = metrics
 
 
 def _count_zero_grad(progress: Any) -> None:
