@@ -330,6 +330,40 @@ def _sized_by_values(e: BaseException, data_dependent: bool, where: str) -> Capt
     return None
 
 
+def _library_branch(frames: list[traceback.FrameSummary], where: str) -> CaptureError | None:
+    """The refusal of a branch on tensor values in a library's code that a setting of that
+    library, or a call outside the step, avoids: what to do, by library."""
+    if any(Path(f.filename).name == "swa_utils.py" for f in frames):
+        return CaptureError(
+            "train_step calls torch.optim.swa_utils.AveragedModel.update_parameters, which branches on how many "
+            f"steps it has averaged (n_averaged == 0){where}: one captured graph cannot hold that branch. Call it "
+            "between steps, outside train_step, or keep the average yourself inside the step "
+            "(with torch.no_grad(): for e, p in zip(ema.parameters(), model.parameters()): e.lerp_(p, 1 - decay))."
+        )
+    if any(Path(f.filename).parent.parts[-2:] == ("torch", "distributions") for f in frames):
+        return CaptureError(
+            f"a torch.distributions object in train_step checks its arguments or samples with a Python branch on "
+            f"tensor values (validate_args){where}, which one captured graph cannot hold. Pass validate_args=False to "
+            "the distribution, or call torch.distributions.Distribution.set_default_validate_args(False) before the "
+            "step: its samples are then drawn in the graph at every step, as eager draws them."
+        )
+    if any(Path(f.filename).name == "batchnorm.py" and "num_batches_tracked" in (f.line or "") for f in frames):
+        return CaptureError(
+            f"a BatchNorm layer has momentum=None (a cumulative average), whose factor 1 / num_batches_tracked is read "
+            f"from a tensor at every step{where}: a number one captured graph cannot hold. Give the layer a float "
+            "momentum (the default is 0.1), or train without remat."
+        )
+    if any("torchmetrics" in Path(f.filename).parts for f in frames):
+        return CaptureError(
+            f"a torchmetrics metric updated in train_step checks its input with a Python branch on tensor values"
+            f"{where}, which one captured graph cannot hold. Turn its checks off: nan_strategy='disable' for the "
+            "aggregation metrics (MeanMetric, SumMetric, ...), validate_args=False for the classification and "
+            "regression metrics (Accuracy, F1Score, ...); the update then runs in the graph at every step. Or update "
+            "the metric outside train_step, from tensors the step returns (return the logits with the loss)."
+        )
+    return None
+
+
 def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) -> CaptureError:
     name = type(e).__name__
     first = str(e).strip().splitlines()[0] if str(e).strip() else name
@@ -337,26 +371,8 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
     frames = traceback.extract_tb(e.__traceback__)
     where = _where_in_users_code(frames)
     data_dependent = "DataDependent" in name or "GuardOnDataDependent" in name or "data-dependent" in str(e).lower()
-    if data_dependent and any(Path(f.filename).name == "swa_utils.py" for f in frames):
-        return CaptureError(
-            "train_step calls torch.optim.swa_utils.AveragedModel.update_parameters, which branches on how many "
-            f"steps it has averaged (n_averaged == 0){where}: one captured graph cannot hold that branch. Call it "
-            "between steps, outside train_step, or keep the average yourself inside the step "
-            "(with torch.no_grad(): for e, p in zip(ema.parameters(), model.parameters()): e.lerp_(p, 1 - decay))."
-        )
-    if data_dependent and any(Path(f.filename).parent.parts[-2:] == ("torch", "distributions") for f in frames):
-        return CaptureError(
-            f"a torch.distributions object in train_step checks its arguments or samples with a Python branch on "
-            f"tensor values (validate_args){where}, which one captured graph cannot hold. Pass validate_args=False to "
-            "the distribution, or call torch.distributions.Distribution.set_default_validate_args(False) before the "
-            "step: its samples are then drawn in the graph at every step, as eager draws them."
-        )
-    if data_dependent and any(Path(f.filename).name == "batchnorm.py" and "num_batches_tracked" in (f.line or "") for f in frames):
-        return CaptureError(
-            f"a BatchNorm layer has momentum=None (a cumulative average), whose factor 1 / num_batches_tracked is read "
-            f"from a tensor at every step{where}: a number one captured graph cannot hold. Give the layer a float "
-            "momentum (the default is 0.1), or train without remat."
-        )
+    if data_dependent and (known := _library_branch(frames, where)) is not None:
+        return known
     in_optimizer = [f for f in frames if Path(f.filename).parent.parts[-2:] == ("torch", "optim")]
     if data_dependent and any("fused" in f.name for f in in_optimizer):
         return CaptureError(
@@ -372,14 +388,6 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
             f"or its state (torch/optim/{Path(line.filename).name}, line {line.lineno}: {line.line}), which one "
             "captured graph cannot hold. Use an optimizer whose update does not branch on its state (SGD, Adam, "
             "AdamW, RMSprop, Adagrad, Adamax, NAdam, Adadelta, Rprop), or train this one without remat."
-        )
-    if data_dependent and any("torchmetrics" in Path(f.filename).parts for f in frames):
-        return CaptureError(
-            f"a torchmetrics metric updated in train_step checks its input with a Python branch on tensor values"
-            f"{where}, which one captured graph cannot hold. Turn its checks off: nan_strategy='disable' for the "
-            "aggregation metrics (MeanMetric, SumMetric, ...), validate_args=False for the classification and "
-            "regression metrics (Accuracy, F1Score, ...); the update then runs in the graph at every step. Or update "
-            "the metric outside train_step, from tensors the step returns (return the logits with the loss)."
         )
     if data_dependent and _drawn_just_before(frames):
         return CaptureError(
