@@ -1,12 +1,13 @@
 """What a step says about a graph it compiles again or cannot compile: a batch that comes
-in many shapes, and a budget that a call's graph cannot meet because it holds the
-gradients it finds set."""
+in many shapes, a budget given as a fraction that no plan meets, and a budget that a
+call's graph cannot meet because it holds the gradients it finds set."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
-from remat.budget import format_bytes
+from remat.budget import Budget, format_bytes
 from remat.capture.train_graph import InputKind, TrainGraph
 from remat.passes.update_buckets import nbytes
 
@@ -37,4 +38,19 @@ def note_gradients_held(error: Exception, tg: TrainGraph) -> None:
             f"holds them from its start: {format_bytes(sum(nbytes(i.shape, i.dtype) for i in held))} that a call "
             "finding none allocates only in its backward pass, so the floor of this call's graph is higher than "
             "the first one's."
+        )
+
+
+def note_fraction_reached(error: Exception, budget: Budget, persistent_bytes: int, activation_peak_bytes: int) -> None:
+    """Where the budget was a fraction, the smallest fraction that reaches the plans'
+    smallest peak: the error's advice in the form the user gave."""
+    reach = getattr(error, "reach", None)
+    if budget.fraction is None or reach is None or activation_peak_bytes <= 0:
+        return
+    needed = math.ceil(100 * (reach.best - persistent_bytes) / activation_peak_bytes) / 100
+    if needed <= 1:
+        error.add_note(
+            f"remat: as a fraction of the activation peak ({format_bytes(activation_peak_bytes)} above "
+            f"the {format_bytes(persistent_bytes)} held across steps), that is "
+            f"memory_budget={needed:g} (--budget {needed:g}); {budget.fraction:g} was asked."
         )

@@ -311,6 +311,7 @@ class RematStep:
             except BudgetError as error:
                 earlier = self._budget.for_later_shape(budget_bytes, (g.report.budget_bytes or 0 for g in self._graphs.values()))
                 if earlier is None:
+                    compile_notes.note_fraction_reached(error, self._budget, baseline.persistent_bytes, baseline.step_peak_bytes)
                     compile_notes.note_gradients_held(error, tg)
                     if self._dp is None or self._reduce_per_gradient or not data_parallel.reduces_in_buckets(tg.gm):
                         _REFUSED.clear()

@@ -438,3 +438,17 @@ def test_a_fourth_batch_shape_says_that_each_new_shape_is_compiled_again():
         step(torch.randn(2, 7, 4))
         told = [str(w.message) for w in caught if "shapes so far" in str(w.message)]
     assert len(told) == 1 and "come in 4 shapes" in told[0] and "pad_to_multiple_of=64" in told[0]
+
+
+def test_a_fraction_out_of_reach_is_refused_naming_the_fraction_that_reaches_and_that_fraction_compiles() -> None:
+    spec = build_model("mlp-deep", 32)
+    opt = make_optimizer("adamw", spec.model.parameters())
+    step_fn = make_train_step(spec.loss_fn)
+    with pytest.raises(BudgetError) as refusal:
+        remat.compile(step_fn, *twin(spec.model, opt), spec.batch, memory_budget=0.01, profile_runs=1, measure=False)
+    (note,) = [n for n in refusal.value.__notes__ if "as a fraction" in n]
+    fraction = float(re.search(r"memory_budget=([0-9.]+) \(--budget [0-9.]+\); 0.01 was asked", note).group(1))
+    assert 0.01 < fraction < 1
+    step = remat.compile(step_fn, spec.model, opt, spec.batch, memory_budget=fraction, profile_runs=1)
+    step(spec.batch)
+    assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes <= step.report.budget_bytes
