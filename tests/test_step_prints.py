@@ -7,6 +7,7 @@ import contextlib
 import copy
 import io
 import logging
+import warnings
 
 import pytest
 import torch
@@ -95,3 +96,39 @@ def test_a_number_formatted_into_text_inside_the_step_is_refused_saying_to_pass_
     model = torch.nn.Linear(16, 4)
     with pytest.raises(CaptureError, match=r"formats a number it computes into text .* Pass the number to print or logging as an argument"):
         remat.compile(step, model, torch.optim.SGD(model.parameters(), lr=0.1), _batch(0), memory_budget=None, profile_runs=1, measure=False)
+
+
+def _bar_step(bar):
+    def step(model, opt, batch):
+        x, y = batch
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        bar.set_postfix(loss=loss.item(), lr=opt.param_groups[0]["lr"])
+        bar.update(1)
+        return loss
+
+    return step
+
+
+def test_a_progress_bar_updated_inside_the_step_shows_each_steps_values_as_eager_does():
+    # Traced, set_postfix would write the trace's stand-in for loss.item() into the bar's text.
+    tqdm = pytest.importorskip("tqdm")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_model, eager_opt = copy.deepcopy((model, opt))
+    bars = [tqdm.tqdm(total=4, file=io.StringIO(), mininterval=0) for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing of the bar is left alone with a warning
+        compiled = remat.compile(_bar_step(bars[1]), model, opt, _batch(0), memory_budget=None, profile_runs=1, measure=False)
+    assert bars[1].n == 0 and bars[1].postfix is None  # compiling shows nothing
+    shown = [], []
+    for i in range(4):
+        _bar_step(bars[0])(eager_model, eager_opt, _batch(i))
+        compiled(_batch(i))
+        for bar, seen in zip(bars, shown):
+            seen.append((bar.n, bar.postfix))
+    assert shown[0] == shown[1] and shown[1][-1][0] == 4 and "loss=" in shown[1][-1][1]
+    assert len(compiled._graphs) == 1

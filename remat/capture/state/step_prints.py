@@ -12,7 +12,8 @@ the step plus the additions made by then. Text
 formatted before the call (an f-string of `loss.item()`) cannot be: the trace stops
 there, and the error says to pass the number as an argument (trace_checks). A library's
 logging method (Lightning's `self.log`) is recorded the same way once its integration
-registers it (`record_calls_of`).
+registers it (`record_calls_of`), and so are a tqdm progress bar's `update`, `set_postfix`
+and `set_description` where tqdm is loaded.
 """
 
 from __future__ import annotations
@@ -114,6 +115,23 @@ def record_calls_of(method: RecordedMethod) -> None:
     _RECORDED_METHODS[(method.cls, method.name)] = method
 
 
+# A progress bar's methods a step calls to show its progress (`pbar.set_postfix(loss=loss.item())`,
+# `pbar.update(1)`): recorded like prints where tqdm is loaded. Traced, set_postfix would
+# format the trace's stand-in for the number into the bar's text.
+_TQDM_METHODS = ("update", "set_postfix", "set_postfix_str", "set_description", "set_description_str")
+
+
+def _call_again(real: Callable[..., Any], obj: Any, *args: Any, **kwargs: Any) -> None:
+    real(obj, *args, **kwargs)
+
+
+def _loaded_library_methods() -> list[RecordedMethod]:
+    """The registered methods, and those of libraries the process has loaded (tqdm)."""
+    tqdm = getattr(sys.modules.get("tqdm.std"), "tqdm", None)
+    known = [RecordedMethod(tqdm, name, _call_again) for name in _TQDM_METHODS] if isinstance(tqdm, type) else []
+    return [*known, *_RECORDED_METHODS.values()]
+
+
 @contextlib.contextmanager
 def recording() -> Iterator[list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]]]:
     """While the block runs, the user's code's `print(...)` and logger calls recorded, not
@@ -151,7 +169,7 @@ def recording() -> Iterator[list[tuple[Callable[..., Any], tuple[Any, ...], dict
     builtins.print = recorded_print
     for name in real_methods:
         setattr(logging.Logger, name, recording_method(name))
-    library = {key: (method, getattr(method.cls, method.name), method.name in vars(method.cls)) for key, method in _RECORDED_METHODS.items()}
+    library = {(m.cls, m.name): (m, getattr(m.cls, m.name), m.name in vars(m.cls)) for m in _loaded_library_methods()}
     for (cls, name), (method, real, _) in library.items():
         setattr(cls, name, recording_library_method(method, real))
     try:
