@@ -7,6 +7,8 @@ import contextlib
 import copy
 import io
 import logging
+import os
+import sysconfig
 import warnings
 
 import pytest
@@ -132,3 +134,44 @@ def test_a_progress_bar_updated_inside_the_step_shows_each_steps_values_as_eager
             seen.append((bar.n, bar.postfix))
     assert shown[0] == shown[1] and shown[1][-1][0] == 4 and "loss=" in shown[1][-1][1]
     assert len(compiled._graphs) == 1
+
+
+def _library_function(source: str, name: str):
+    """A function as a library installed among the packages defines it (its file there)."""
+    namespace: dict = {}
+    exec(compile(source, os.path.join(sysconfig.get_paths()["purelib"], "a_library_of_the_test.py"), "exec"), namespace)
+    return namespace[name]
+
+
+def test_a_librarys_print_of_a_number_the_step_computes_is_made_after_every_run():
+    # Accelerate's accelerator.print("loss", loss.item()) prints from the library's code:
+    # made at capture it showed the trace's stand-in once, and nothing at the steps.
+    show = _library_function("def show(*args):\n    print('library:', *args)\n", "show")
+    announce = _library_function("def announce():\n    print('library: set up')\n", "announce")
+
+    def step(model, opt, batch):
+        x, y = batch
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        show("loss", loss.item())
+        announce()  # a library's own message, with nothing the step computes: made once, at capture, as before
+        return loss
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_model, eager_opt = copy.deepcopy((model, opt))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        compiled = remat.compile(step, model, opt, _batch(0), memory_budget=None, profile_runs=1, measure=False)
+    assert printed.getvalue().count("library: set up") >= 1 and "library: loss" not in printed.getvalue()
+    for i in range(3):
+        mine, eager = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(mine):
+            compiled(_batch(i))
+        with contextlib.redirect_stdout(eager):
+            step(eager_model, eager_opt, _batch(i))
+        loss_line = [line for line in eager.getvalue().splitlines() if "loss" in line]
+        assert mine.getvalue().splitlines() == loss_line and len(loss_line) == 1

@@ -11,6 +11,9 @@ step counts up (kept_numbers) prints as it was when printed: the slot's number b
 the step plus the additions made by then. Text
 formatted before the call (an f-string of `loss.item()`) cannot be: the trace stops
 there, and the error says to pass the number as an argument (trace_checks). A library's
+print or log call is recorded too where its arguments hold a number or tensor the step
+computes (`accelerator.print("loss", loss.item())`); its other messages are made once, at
+capture. A library's
 logging method (Lightning's `self.log`) is recorded the same way once its integration
 registers it (`record_calls_of`), and so are a tqdm progress bar's `update`, `set_postfix`
 and `set_description` where tqdm is loaded.
@@ -29,6 +32,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.capture.state import user_code
 from remat.capture.state.kept_numbers import Term, counted
@@ -85,13 +89,24 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 _LOGGING_DIR = os.path.dirname(logging.__file__)
 
 
-def _from_user_code() -> bool:
-    """Whether the call being recorded comes from the user's code (not a library's, whose
-    messages are made once, at capture, as before), past the logging module's own frames."""
+_OWN_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+
+
+def _from_user_code(printed: tuple[Any, ...] = ()) -> bool:
+    """Whether the call being recorded comes from the user's code, past the logging
+    module's own frames; or from a library's (not torch's or remat's) with a number or
+    tensor the step computes among `printed`, which printed now would show the trace's
+    stand-in, once (Accelerate's `accelerator.print("loss", loss.item())`). A library's
+    other messages are made once, at capture, as before."""
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(_LOGGING_DIR):
         frame = frame.f_back
-    return frame is not None and user_code.is_user_file(frame.f_code.co_filename)
+    if frame is None:
+        return False
+    where = frame.f_code.co_filename
+    if user_code.is_user_file(where):
+        return True
+    return not where.startswith(_OWN_DIRS) and any(isinstance(v, (*TRACED_NUMBERS, FakeTensor)) for v in pytree.tree_leaves(printed))
 
 
 @dataclass(frozen=True)
@@ -141,13 +156,13 @@ def recording() -> Iterator[list[tuple[Callable[..., Any], tuple[Any, ...], dict
     real_methods = {name: getattr(logging.Logger, name) for name in [*_LEVELS, "log"]}
 
     def recorded_print(*args: Any, **kwargs: Any) -> None:
-        if not _from_user_code():
+        if not _from_user_code((args, kwargs)):
             return real_print(*args, **kwargs)
         calls.append((real_print, args, kwargs))
 
     def recording_method(name: str) -> Callable[..., None]:
         def method(logger: logging.Logger, *args: Any, **kwargs: Any) -> None:
-            if not _from_user_code():
+            if not _from_user_code((args, kwargs)):
                 return real_methods[name](logger, *args, **kwargs)
             kwargs.pop("stacklevel", None)  # the call is made again from the runtime: its caller is not the step's line
             if name == "exception":
