@@ -85,15 +85,23 @@ def test_what_a_step_prints_and_logs_is_printed_after_every_run_with_its_values(
     assert len(compiled._graphs) == 1 and vars(mine) == vars(eager)
 
 
-def test_a_number_formatted_into_text_inside_the_step_is_refused_saying_to_pass_it_as_an_argument():
+def _step_then(after):
+    """A cross-entropy step that calls `after(loss, opt)` once its update is made."""
+
     def step(model, opt, batch):
         x, y = batch
         opt.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
-        print(f"loss {loss.item():.4f}")
+        after(loss, opt)
         return loss
+
+    return step
+
+
+def test_a_number_formatted_into_text_inside_the_step_is_refused_saying_to_pass_it_as_an_argument():
+    step = _step_then(lambda loss, opt: print(f"loss {loss.item():.4f}"))
 
     model = torch.nn.Linear(16, 4)
     with pytest.raises(CaptureError, match=r"formats a number it computes into text .* Pass the number to print or logging as an argument"):
@@ -101,17 +109,7 @@ def test_a_number_formatted_into_text_inside_the_step_is_refused_saying_to_pass_
 
 
 def _bar_step(bar):
-    def step(model, opt, batch):
-        x, y = batch
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        bar.set_postfix(loss=loss.item(), lr=opt.param_groups[0]["lr"])
-        bar.update(1)
-        return loss
-
-    return step
+    return _step_then(lambda loss, opt: (bar.set_postfix(loss=loss.item(), lr=opt.param_groups[0]["lr"]), bar.update(1)))
 
 
 def test_a_progress_bar_updated_inside_the_step_shows_each_steps_values_as_eager_does():
@@ -149,15 +147,8 @@ def test_a_librarys_print_of_a_number_the_step_computes_is_made_after_every_run(
     show = _library_function("def show(*args):\n    print('library:', *args)\n", "show")
     announce = _library_function("def announce():\n    print('library: set up')\n", "announce")
 
-    def step(model, opt, batch):
-        x, y = batch
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        show("loss", loss.item())
-        announce()  # a library's own message, with nothing the step computes: made once, at capture, as before
-        return loss
+    # announce(): a library's own message, with nothing the step computes: made once, at capture, as before
+    step = _step_then(lambda loss, opt: (show("loss", loss.item()), announce()))
 
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 4)
