@@ -1,5 +1,5 @@
 """What remat does with the idioms of real training loops (tests/support/loop_idioms.py):
-each runs in eager PyTorch and under remat (bert-tiny cut to one layer, AdamW, budget 0.9, 6 steps),
+each runs in eager PyTorch and under remat (bert-tiny cut to one layer, AdamW(foreach=True), budget 0.9, 6 steps),
 compared bitwise after every step.
 
     .venv/bin/python -m benchmarks.training_loops --out docs/training_loops

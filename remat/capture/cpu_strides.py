@@ -11,6 +11,8 @@ import torch
 from torch._prims_common import make_channels_last_strides_for, make_contiguous_strides_for
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from remat.capture.state import user_code
+
 _BATCH_NORMS = (
     torch.ops.aten.native_batch_norm.default,
     torch.ops.aten._native_batch_norm_legit.default,
@@ -114,7 +116,8 @@ class CpuLikeEager(TorchDispatchMode):
         device = kwargs.get("device")
         if isinstance(device, torch.device) and device.type == "cpu" and device.index is not None:
             kwargs = {**kwargs, "device": torch.device("cpu")}
-        out = func(*args, **kwargs)
+        with user_code.torch_dispatch_unrecorded(func, types):
+            out = func(*args, **kwargs)
         real = _eager_view_strides(args) if func in _VIEWS else _cpu_output_strides(func, args)
         if real is not None:
             i, want = real

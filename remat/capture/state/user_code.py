@@ -111,6 +111,30 @@ def _own_names(code: types.CodeType) -> tuple[frozenset[str], frozenset[str]]:
     return frozenset(globals_), frozenset(attributes)
 
 
+_RECORDING: list[cProfile.Profile] = []  # the profiler of the run being recorded, while one is
+
+# Operator namespaces whose kernels (real, fake and decompositions) are torch's own code.
+_TORCH_OP_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d", "_dtensor", "rngprims", "quantized", "mkldnn"})
+
+
+@contextlib.contextmanager
+def torch_dispatch_unrecorded(op: Any, types_: Any) -> Iterator[None]:
+    """Around the dispatch of one op while a run is recorded: the profiler paused where
+    only torch's code can run below (an op of torch's namespaces on torch's tensor types),
+    which is most of a trace's Python calls (make_fx's proxy and fake tensor modes), so
+    that recording costs a fraction of the trace instead of doubling it. A custom op's
+    kernels, or a tensor subclass's dispatch, may be the user's: recorded."""
+    profiler = _RECORDING[-1] if _RECORDING else None
+    if profiler is None or getattr(op, "namespace", None) not in _TORCH_OP_NAMESPACES or any(not t.__module__.startswith("torch.") for t in types_):
+        yield
+        return
+    profiler.disable()
+    try:
+        yield
+    finally:
+        profiler.enable()
+
+
 @contextlib.contextmanager
 def recording_run(ran: set[types.CodeType], device: str) -> Iterator[bool]:
     """While the block runs (a trace), every code object of the user's that starts running
@@ -125,12 +149,14 @@ def recording_run(ran: set[types.CodeType], device: str) -> Iterator[bool]:
         return
     # cProfile's C profiler records every function that runs at a fraction of the cost of
     # a Python profile function (make_fx's own Python calls are millions).
-    profiler = cProfile.Profile(builtins=False)
+    profiler = cProfile.Profile(builtins=False, subcalls=False)
+    _RECORDING.append(profiler)
     profiler.enable()
     try:
         yield True
     finally:
         profiler.disable()
+        _RECORDING.remove(profiler)
         user_files: dict[str, bool] = {}
         for entry in profiler.getstats():
             code = entry.code
