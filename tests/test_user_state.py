@@ -391,6 +391,64 @@ def test_under_a_profiler_of_the_users_the_step_watches_all_its_code_can_reach()
     assert _same_parameters(model, eager_model)
 
 
+@torch.library.custom_op("remat_test::doubled", mutates_args=())
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    _in_a_custom_kernel()
+    return x * 2
+
+
+def _in_a_custom_kernel() -> None:
+    pass
+
+
+def test_the_recording_pauses_inside_torchs_own_ops_only_and_sees_the_users_code_around_and_below_others() -> None:
+    """The profiler that records which of the user's code a trace runs is paused inside each
+    op of torch's own (most of a trace's Python calls), and on again after it; inside a custom
+    op's kernel or below a dispatch mode of the user's, either of which may run the user's
+    code, it stays on."""
+    import importlib
+    import sys
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from remat.capture.cpu_strides import CpuLikeEager
+
+    user_code = importlib.import_module("remat.capture.state.user_code")
+    profiled: list[tuple[str, bool]] = []
+
+    class Probe(TorchDispatchMode):  # the user's mode, below remat's: the profiler on inside it
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            profiled.append((func.namespace, sys.getprofile() is not None))
+            return func(*args, **(kwargs or {}))
+
+    def before() -> None:
+        pass
+
+    def after() -> None:
+        pass
+
+    ran: set = set()
+    with user_code.recording_run(ran, "cpu") as recording, Probe(), CpuLikeEager():
+        before()
+        y = torch.ones(2) + 1
+        after()
+    assert recording and {before.__code__, after.__code__} <= ran
+    assert profiled and all(on for _, on in profiled)  # the user's mode below: never paused
+
+    class TorchsProbe(Probe):  # as a mode of torch's own would see it
+        pass
+
+    TorchsProbe.__module__ = "torch.testing._probe"
+    profiled.clear()
+    ran = set()
+    with user_code.recording_run(ran, "cpu"), TorchsProbe(), CpuLikeEager():
+        y = torch.ones(2) + 1
+        after()
+        _doubled(y)
+    assert ("aten", False) in profiled and ("remat_test", True) in profiled
+    assert {after.__code__, _in_a_custom_kernel.__code__} <= ran  # on again after an op; on in a custom kernel
+
+
 _TEACHER = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Sequential(torch.nn.Linear(8, 8)))
 
 

@@ -117,15 +117,26 @@ _RECORDING: list[cProfile.Profile] = []  # the profiler of the run being recorde
 _TORCH_OP_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d", "_dtensor", "rngprims", "quantized", "mkldnn"})
 
 
+def _only_torch_below(op: Any, types_: Any) -> bool:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return (
+        getattr(op, "namespace", None) in _TORCH_OP_NAMESPACES
+        and all(t.__module__.startswith("torch.") for t in types_)
+        and all(type(mode).__module__.startswith("torch.") for mode in _get_current_dispatch_mode_stack())
+    )
+
+
 @contextlib.contextmanager
 def torch_dispatch_unrecorded(op: Any, types_: Any) -> Iterator[None]:
     """Around the dispatch of one op while a run is recorded: the profiler paused where
-    only torch's code can run below (an op of torch's namespaces on torch's tensor types),
-    which is most of a trace's Python calls (make_fx's proxy and fake tensor modes), so
-    that recording costs a fraction of the trace instead of doubling it. A custom op's
-    kernels, or a tensor subclass's dispatch, may be the user's: recorded."""
+    only torch's code can run below (an op of torch's namespaces, on torch's tensor types,
+    under torch's dispatch modes), which is most of a trace's Python calls (make_fx's proxy
+    and fake tensor modes), so that recording costs a fraction of the trace instead of
+    doubling it. A custom op's kernels, a tensor subclass's dispatch or a dispatch mode of
+    the user's may be the user's code: recorded."""
     profiler = _RECORDING[-1] if _RECORDING else None
-    if profiler is None or getattr(op, "namespace", None) not in _TORCH_OP_NAMESPACES or any(not t.__module__.startswith("torch.") for t in types_):
+    if profiler is None or not _only_torch_below(op, types_):
         yield
         return
     profiler.disable()
