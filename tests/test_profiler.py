@@ -252,3 +252,34 @@ def test_measured_peak_sees_frees_on_other_threads():
 
     measured = measure_peak(made_elsewhere)
     assert measured.peak_bytes == 3 * mib and measured.end_bytes == 2 * mib, measured
+
+
+def test_a_kernel_whose_scratch_follows_its_inputs_values_is_given_its_largest() -> None:
+    """matrix_exp holds more matrix powers the larger its input's norm. Compiled while the
+    norm is small (an orthogonal parametrization near its start), the step's peak stays
+    within the prediction after the weights grow."""
+    import remat
+    from remat.profile.allocator import measure_step_peak
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    torch.nn.utils.parametrizations.orthogonal(model[0])
+    with torch.no_grad():
+        model[0].parametrizations.weight.original.mul_(1e-3)  # a small skew part: matrix_exp's lowest degree
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.randn(16, 64), torch.randn(16, 4))
+
+    def step_fn(m, opt, b):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(m(b[0]), b[1])
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    step = remat.compile(step_fn, model, optimizer, batch, profile_runs=1)
+    step(batch)
+    assert step.report.measured_peak_bytes <= step.report.predicted_peak_bytes
+    with torch.no_grad():
+        model[0].parametrizations.weight.original.mul_(1e4)  # grown: matrix_exp's highest degree
+    later = measure_step_peak(lambda: step(batch), "cpu", model)
+    assert later.peak_bytes <= step.report.predicted_peak_bytes, (later.peak_bytes, step.report.predicted_peak_bytes)
