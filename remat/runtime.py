@@ -32,7 +32,7 @@ from remat.profile.profiler import node_costs, node_peaks
 from remat.profile.time_model import OpCosts, StepTime, simulate_time
 from remat.planners.evaluate import baseline_of, step_time
 from remat.planners.plan import Plan
-from remat.planners import DEFAULT_PLANNER, make_plan
+from remat.planners import DEFAULT_PLANNER, check_planner, make_plan
 from remat.profile.profiles import Profile, graph_fingerprint
 from remat.capture.call_inputs import CallInputs, gradients_set
 from remat.capture.state.guards import Guards
@@ -119,6 +119,9 @@ class RematStep:
         # Parse now: a bad budget is an error at compile time, not at the first step.
         self._budget = parse_budget(self.memory_budget) if self.memory_budget is not None else None
         inductor_regions.check_backend(self.backend)
+        check_planner(self.planner)
+        if isinstance(self.profile_runs, bool) or not isinstance(self.profile_runs, int) or self.profile_runs < 1:
+            raise RematError(f"profile_runs must be a whole number of at least 1 (runs timed per node), got {self.profile_runs!r}")
         # A DDP or FSDP2 model: every rank compiles and runs the same graph, agreed stage by stage (remat.ranks).
         self._sharded = sharded.is_sharded(self.model)
         shards = sharded.sharding_of(self.model) if self._sharded else None

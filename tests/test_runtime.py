@@ -12,7 +12,7 @@ import torch
 
 import remat
 from remat.measurement.check import check_against_eager, twin
-from remat.errors import BudgetError, CaptureError
+from remat.errors import BudgetError, CaptureError, PlanError, RematError
 from remat.models import build_model, make_optimizer, make_train_step
 
 CASES = [("mlp-deep", 32), ("bert-tiny", 4), ("resnet-tiny", 8)]
@@ -86,10 +86,20 @@ def test_new_shape_gets_its_own_graph_and_other_structures_or_dtypes_are_refused
         step((x[:2].double(), y[:2].double()))
 
 
-def test_bad_budget_is_refused_at_compile_time():
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"memory_budget": "lots"}, BudgetError, "invalid memory budget 'lots'"),
+        ({"planner": "fastest"}, PlanError, "unknown planner 'fastest'; available planners: mutwo, chen, milp, refined"),
+        ({"backend": "xla"}, RematError, "backend 'xla' is not one remat runs"),
+        ({"profile_runs": 0}, RematError, "profile_runs must be a whole number of at least 1"),
+    ],
+)
+def test_bad_options_are_refused_at_compile_time_naming_what_is_accepted(options, error, message):
+    """Each before anything is traced, without a budget too (a planner never used is still a typo)."""
     spec = build_model("mlp", 2)
-    with pytest.raises(BudgetError):
-        remat.compile(make_train_step(spec.loss_fn), spec.model, None, spec.batch, memory_budget="lots")
+    with pytest.raises(error, match=re.escape(message)):
+        remat.compile(make_train_step(spec.loss_fn), spec.model, None, spec.batch, **options)
 
 
 def test_a_failing_step_leaves_parameters_and_optimizer_state_and_names_the_buffers_it_wrote():

@@ -29,6 +29,11 @@ assert DEFAULT_PLANNER in PLANNERS
 
 
 @gc_paused()
+def check_planner(planner: str) -> None:
+    if planner not in _MODULES:
+        raise PlanError(f"unknown planner {planner!r}; available planners: {', '.join(PLANNERS)}")
+
+
 def make_plan(
     planner: str, index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, *,
     updates_in_backward: bool = True, lean_ops: bool = True, **meta: Any
@@ -45,8 +50,7 @@ def make_plan(
     profile's), baseline_iteration_seconds, meta. Raises BudgetError when no plan fits,
     with the smallest peak the planner reached.
     """
-    if planner not in _MODULES:
-        raise PlanError(f"unknown planner {planner!r}; available planners: {', '.join(PLANNERS)}")
+    check_planner(planner)
     check_node_seconds(index, node_seconds)
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         from remat.errors import BudgetError
