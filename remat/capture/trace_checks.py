@@ -353,6 +353,14 @@ def _library_branch(frames: list[traceback.FrameSummary], where: str) -> Capture
             f"from a tensor at every step{where}: a number one captured graph cannot hold. Give the layer a float "
             "momentum (the default is 0.1), or train without remat."
         )
+    if any(f.name == "_detect_is_causal_mask" for f in frames):
+        return CaptureError(
+            f"nn.Transformer (or nn.TransformerEncoder / nn.TransformerDecoder) was given an attention mask without "
+            f"being told whether it is causal, and compares the mask with a causal one to find out, a Python branch "
+            f"on tensor values{where}. Tell it: tgt_is_causal=True with a causal tgt_mask (nn.Transformer, "
+            "nn.TransformerDecoder), src_is_causal=True with a causal src_mask (nn.Transformer), is_causal=True with "
+            "a causal mask (nn.TransformerEncoder); False where the mask is not causal."
+        )
     if any("torchmetrics" in Path(f.filename).parts for f in frames):
         return CaptureError(
             f"a torchmetrics metric updated in train_step checks its input with a Python branch on tensor values"
