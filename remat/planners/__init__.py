@@ -28,12 +28,12 @@ PLANNERS: tuple[str, ...] = tuple(_MODULES)
 assert DEFAULT_PLANNER in PLANNERS
 
 
-@gc_paused()
 def check_planner(planner: str) -> None:
     if planner not in _MODULES:
         raise PlanError(f"unknown planner {planner!r}; available planners: {', '.join(PLANNERS)}")
 
 
+@gc_paused()
 def make_plan(
     planner: str, index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, *,
     updates_in_backward: bool = True, lean_ops: bool = True, **meta: Any
