@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from remat.capture.state import module_hooks
 from remat.capture.state.slots import MISSING, Slot
@@ -118,8 +119,6 @@ _TORCH_OP_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d", "
 
 
 def _only_torch_below(op: Any, types_: Any) -> bool:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
     return (
         getattr(op, "namespace", None) in _TORCH_OP_NAMESPACES
         and all(t.__module__.startswith("torch.") for t in types_)
