@@ -170,11 +170,12 @@ class CallInputs:
             if spec == last.batch_spec and all(isinstance(leaf, (torch.Tensor, float)) for leaf in leaves):
                 if tg.call.data_parallel is not None:
                     data_parallel.check_unchanged(model, tg.call.data_parallel)
+                for r in last.reread:  # the last call's value let go as this one's is made: the step holds one
+                    last.inputs[r.position] = r.now()
                 inputs = list(last.inputs)
-                for r in last.reread:
-                    inputs[r.position] = r.now()
                 inputs.extend(map(batch_value, leaves))
                 return inputs, last.view
+        self.last = last = None  # its inputs let go before this call's are made
         view = ModelView.of(model)
         inputs = flat_inputs(tg, model, optimizer, batch, view)
         self.last = LastCall.record(tg, view, optimizer, inputs, batch)
