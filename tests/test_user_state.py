@@ -913,3 +913,85 @@ def test_what_a_hook_that_is_a_method_of_the_users_object_keeps_is_each_steps() 
         assert torch.equal(extractor.features["third"], eager_extractor.features["third"])
     assert len(extractor.norms) == 3 and all(torch.equal(a, b) for a, b in zip(extractor.norms, eager_extractor.norms, strict=True))
     assert len(step._graphs) == 1
+
+
+class _MomentumEncoders(torch.nn.Module):
+    """MoCo's pair: a key encoder kept as a moving average of the query encoder, set through
+    `.data` inside the forward, and a queue of keys written at a pointer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.query = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+        self.key = copy.deepcopy(self.query).requires_grad_(False)
+        self.register_buffer("queue", F.normalize(torch.randn(16, 64), dim=0))
+        self.register_buffer("pointer", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = F.normalize(self.query(x), dim=1)
+        with torch.no_grad():
+            for p_q, p_k in zip(self.query.parameters(), self.key.parameters()):
+                p_k.data = p_k.data * 0.9 + p_q.data * 0.1
+            k = F.normalize(self.key(x + 0.1), dim=1)
+        logits = torch.cat([(q * k).sum(1, keepdim=True), q @ self.queue.clone()], dim=1) / 0.2
+        with torch.no_grad():
+            self.queue.index_copy_(1, (torch.arange(len(x)) + self.pointer) % 64, k.T)
+            self.pointer.add_(len(x)).remainder_(64)
+        return logits
+
+
+def _contrastive_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+    logits = model(batch["x"])
+    loss = F.cross_entropy(logits, torch.zeros(len(logits), dtype=torch.long))
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _clamped_then_trained(model, optimizer, batch):  # type: ignore[no-untyped-def]
+    w = model[0][0].weight
+    before = w.data
+    w.data = w.data.clamp(-0.05, 0.05)  # a trainable weight, rebound before the forward
+    loss = F.cross_entropy(model(batch["x"]), batch["y"]) + 1e-3 * before.pow(2).sum()  # the old values, read after
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+@pytest.mark.parametrize("case", ["momentum encoder", "trainable weight"])
+def test_a_tensors_data_set_in_the_step_is_its_value_from_then_on_and_after_as_in_eager(case: str) -> None:
+    model, train_step, budget = (_MomentumEncoders(), _contrastive_step, 0.7) if case == "momentum encoder" else (_mlp(), _clamped_then_trained, None)
+    batches = _batches(4, rows=32, width=32) if case == "momentum encoder" else _batches(4)
+    eager_model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-2, foreach=True)
+    step = remat.compile(train_step, model, opt, batches[0], memory_budget=budget)
+    for batch in batches:
+        assert torch.equal(step(batch), train_step(eager_model, eager_opt, batch))
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), eager_model.state_dict().values()))
+        assert all(torch.equal(a, b) for p, q in zip(model.parameters(), eager_model.parameters()) for a, b in zip(opt.state[p].values(), eager_opt.state[q].values()))
+    assert len(step._graphs) == 1
+    if budget is not None:
+        assert step.report.num_recomputed > 0
+
+
+def test_setting_data_to_another_inputs_memory_or_another_layout_is_refused_naming_the_line() -> None:
+    model = _mlp(width=16, depth=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def tied(model, optimizer, batch):  # type: ignore[no-untyped-def]
+        model[1][0].weight.data = model[0][0].weight.data
+        return _contrastive_step(lambda x: model(x), optimizer, batch)
+
+    def transposed(model, optimizer, batch):  # type: ignore[no-untyped-def]
+        model[1][0].weight.data = model[1][0].weight.data.t()
+        return _contrastive_step(lambda x: model(x), optimizer, batch)
+
+    batch = _batches(1, rows=8, width=16)[0]
+    with pytest.raises(CaptureError, match=r"memory of another one, at test_user_state.py, line \d+: model\[1\]\[0\].weight.data = model\[0\]\[0\].weight.data"):
+        remat.compile(tied, model, opt, batch)
+    with pytest.raises(CaptureError, match=r"strides \(1, 16\)\), at test_user_state.py, line \d+: .*\.t\(\)"):
+        remat.compile(transposed, model, opt, batch)
+    assert all(p.grad is None for p in model.parameters())  # nothing was changed

@@ -23,7 +23,7 @@ from torch.nn.utils import stateless
 
 from remat.gc_pause import gc_paused
 from remat.capture import data_parallel, hyperparams, optimizer_state, param_hooks, sharded, sharded_norms
-from remat.capture.state import kept_numbers, kept_tensors, library_objects, logged_numbers, outside_tensors, read_numbers, scheduler_calls, step_outputs, module_hooks, step_prints, train_modes, user_code
+from remat.capture.state import first_call, kept_numbers, kept_tensors, library_objects, logged_numbers, outside_tensors, read_numbers, scheduler_calls, step_outputs, module_hooks, step_prints, train_modes, user_code
 from remat.capture.cpu_strides import CpuLikeEager
 from remat.errors import CaptureError
 from remat.capture.optimizer_state import check_first_step_state, optimizer_on, optimizer_states
@@ -32,7 +32,6 @@ from remat.capture.optimizers import as_one, only_passed_step
 from remat.capture.markers import marking_updates, MARKER, RECORD_FUNCTION_OPS, marker, marking_passes
 from remat.capture.trace_checks import branched_hyperparameters, check_backward_ran, check_graph_runnable, cleared_before_backward, finds_gradients, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state, where_in_users_code
 from remat.capture.train_graph import CallContract, GraphInput, InputKind, Phase, TrainGraph, TrainStep
-from remat.capture.state import first_call
 from remat.capture.state.python_state import no_python_state_changed, state_slots
 from remat.capture.traced_rng import no_host_random_drawn, no_rng_state_set
 from remat.capture.user_checkpoints import plain_checkpoints
@@ -259,7 +258,7 @@ def capture(
             stack.enter_context(cleared_before_backward(calls, cleared := set()))
             stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots))
             stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
-            effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), set(map(id, args)), passed)
+            effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), args, passed)
             result = train_step(model, passed, t_batch)
             probe["cleared_first"] = {id(t_params[n]) for n in trainable} <= cleared
             outside_tensors.check_no_gradient([held for held, _ in outside], t_outside)
@@ -377,10 +376,12 @@ class _Effects:
 
     @classmethod
     def recording(
-        cls, stack: contextlib.ExitStack, slots: list[Any], probe: dict[str, Any], all_slots: Callable[[], list[Any]], inputs: set[int],
+        cls, stack: contextlib.ExitStack, slots: list[Any], probe: dict[str, Any], all_slots: Callable[[], list[Any]], args: tuple[Any, ...],
         passed: Any,
     ) -> _Effects:  # fmt: skip
         """Entered after the outside tensors are swapped: a tensor kept where one was is told from its placeholder."""
+        inputs = set(map(id, args))
+        stack.enter_context(kept_tensors.data_assignments(args))  # entered first: `t.data = new` written back last
         # The tensors kept are looked for once the lists and numbers are put back (it walks the state).
         tensors = stack.enter_context(kept_tensors.setting(all_slots, inputs))
         return cls(

@@ -265,6 +265,11 @@ def _where_in_users_code(frames: list) -> str:
     return ""
 
 
+def where_in_users_code_now() -> str:
+    """_where_in_users_code of the frames running now."""
+    return _where_in_users_code(traceback.extract_stack())
+
+
 def _drawn_just_before(frames: list) -> bool:
     """Whether the user's line that branched follows a `torch.rand` draw within a few lines
     (LayerDrop: `skip = torch.rand([]) < self.layerdrop`, then `if not skip:`)."""

@@ -20,6 +20,15 @@ is set to its value (detached: the step's autograd graph is freed by then, as ea
   is not compiled again when the dict holds the last step's. The user's dict is put back;
   any other change to it (a key deleted, a plain value set) is made there, and judged as
   before (python_state).
+- **A tensor's `.data`** set in the step (`param_k.data = param_k.data * m + param_q.data *
+  (1 - m)`, MoCo's key encoder): make_fx would go on reading the tensor as it was, and the
+  placeholder would stay as it came in. While the step is traced, `t.data = new` (seen by a
+  torch function mode) rebinds `t` to `new` for the rest of the trace, as eager does; a
+  graph input (a parameter, buffer or state) so set has its new value written into its
+  memory at the end of the graph, where nothing reads the value it came in with any more.
+  That needs the same shape, dtype, device and strides, and `new` made in the step: a
+  tensor of another input would share its memory from then on (`target.data =
+  online.data`), which one graph run after another cannot keep. Those are refused.
 Tensors in a list or dict nested in another container stay refused (python_state).
 """
 
@@ -29,10 +38,16 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental import proxy_tensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
 
 from remat.capture.state.logged_numbers import record_calls
+from remat.capture.trace_checks import where_in_users_code_now
+from remat.errors import CaptureError
 from remat.capture.state.python_state import MISSING, TRACED_NUMBERS, Slot, item_name
 
 _MOST_KEYS = 256  # a larger dict is left as it is (watched as a value)
@@ -170,3 +185,66 @@ def recording_dicts(slots: list[tuple[Slot, Any]], inputs: set[int]) -> Iterator
 def _computed(value: Any, inputs: set[int]) -> bool:
     """A tensor or number the trace computed (a placeholder of the graph's inputs is not)."""
     return isinstance(value, TRACED_NUMBERS) or (isinstance(value, FakeTensor) and id(value) not in inputs)
+
+
+_DATA = torch._C.TensorBase.__dict__["data"]
+_SET_DATA = _DATA.__set__
+
+
+class _DataAssignments(TorchFunctionMode):
+    """`t.data = new` while the step is traced, as eager does it (module docstring)."""
+
+    def __init__(self, inputs: tuple[Any, ...]) -> None:
+        super().__init__()
+        self.inputs = {id(t): t for t in inputs if isinstance(t, torch.Tensor)}
+        self.came_in: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # an input set: itself, and its memory as it came in
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if type(func) is type(_SET_DATA) and func == _SET_DATA:
+            return self._assign(*args)
+        return func(*args, **(kwargs or {}))
+
+    def _assign(self, t: torch.Tensor, new: torch.Tensor) -> None:
+        mode = proxy_tensor.get_proxy_mode()
+        if mode is None:
+            return _SET_DATA(t, new)
+        if id(t) in self.inputs:
+            self._check(t, new)
+            if id(t) not in self.came_in:
+                self.came_in[id(t)] = (t, _DATA.__get__(t))  # traced as a detach of the placeholder
+        _SET_DATA(t, new)
+        proxy_tensor.set_proxy_slot(t, mode.tracer, proxy_tensor.get_proxy_slot(new, mode.tracer))
+
+    def _check(self, t: torch.Tensor, new: torch.Tensor) -> None:
+        where = where_in_users_code_now()
+        if (t.shape, t.dtype, t.device, t.stride()) != (new.shape, new.dtype, new.device, new.stride()):
+            raise CaptureError(
+                f"train_step sets the .data of a parameter, buffer or optimizer state of shape {tuple(t.shape)} "
+                f"({t.dtype}, strides {t.stride()}) to one of shape {tuple(new.shape)} ({new.dtype}, strides {new.stride()}){where}. "
+                "The graph writes such a tensor's new value into its own memory, which needs the same shape, dtype, device and strides; "
+                "make the new value like the old one (`.contiguous()`, `.to(dtype)`), or change the tensor outside train_step."
+            )
+        storage = StorageWeakRef(new.untyped_storage())
+        if any(other is not t and StorageWeakRef(other.untyped_storage()) == storage for other in self.inputs.values()):
+            raise CaptureError(
+                f"train_step sets the .data of a parameter, buffer or optimizer state to the memory of another one{where}, "
+                "so that the two would share memory from then on, which a graph run at every step cannot keep. "
+                "Assign a copy (`t.data = other.data.clone()`, or `with torch.no_grad(): t.copy_(other)`), "
+                "or tie the two before compiling."
+            )
+
+    def write_back(self) -> None:
+        """Each input set: its value now, written into the memory it came in with."""
+        with torch.no_grad():
+            for t, came_in in self.came_in.values():
+                came_in.copy_(t)
+
+
+@contextlib.contextmanager
+def data_assignments(inputs: tuple[Any, ...]) -> Iterator[None]:
+    """While the block runs, `t.data = new` rebinds `t` in the trace; at its end (if it ends
+    without an error) the graph inputs so set are written with their new values."""
+    mode = _DataAssignments(inputs)
+    with mode:
+        yield
+    mode.write_back()
