@@ -219,6 +219,22 @@ def test_several_optimizers_stepped_in_one_step_train_bitwise():
     assert [sorted(g) for g in o[0].param_groups] == [sorted(g) for g in eager_opts[0].param_groups]  # Muon has no "foreach"
 
 
+class _Wrapping(torch.optim.Optimizer):
+    """SAM's shape: an optimizer with state of its own that steps the one it holds, over the same param groups."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+        self.base_optimizer = torch.optim.SGD(self.param_groups, lr=0.1, momentum=0.9)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["old_p"] = p.detach().clone()
+        self.base_optimizer.step()
+
+
 def test_an_optimizer_stepped_but_not_passed_is_refused_saying_to_pass_a_list():
     spec = build_model("mlp-deep", 8)
     params = list(spec.model.parameters())
@@ -230,6 +246,12 @@ def test_an_optimizer_stepped_but_not_passed_is_refused_saying_to_pass_a_list():
         remat.compile(step, spec.model, [first, torch.optim.SGD(params[:1], lr=1e-2)], spec.batch, profile_runs=1)
     with pytest.raises(CaptureError, match=r"optimizer must be a torch.optim.Optimizer, a list of them .* got a list of AdamW, str"):
         remat.compile(step, spec.model, [first, "sgd"], spec.batch, profile_runs=1)
+    # An optimizer that steps another over the same param groups (SAM): the advice above would
+    # give each parameter to both, so it is refused by what it is.
+    wrapping = _Wrapping(params)
+    step(spec.model, [wrapping], spec.batch)  # an eager step first: the wrapper's state is made by its own code
+    with pytest.raises(CaptureError, match=r"steps the SGD that the _Wrapping passed holds .* \(SAM, Lookahead\)"):
+        remat.compile(step, spec.model, [wrapping], spec.batch, profile_runs=1)
     # A change the graph cannot follow names the optimizer of the list it was made to.
     compiled = remat.compile(step, spec.model, [first, other], spec.batch, profile_runs=1, measure=False)
     other.param_groups[0]["nesterov"] = True

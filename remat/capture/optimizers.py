@@ -170,6 +170,14 @@ def not_passed_error(stepped: torch.optim.Optimizer, passed: "torch.optim.Optimi
     """The error for a step that steps an optimizer remat was not given: remat would neither
     read its state and settings nor update them as the step does."""
     n = sum(len(g["params"]) for g in stepped.param_groups)
+    wrapper = next((o for o in each(passed) if o.param_groups is stepped.param_groups), None)
+    if wrapper is not None:  # the advice below would give one parameter to two optimizers
+        return CaptureError(
+            f"train_step steps the {type(stepped).__name__} that the {type(wrapper).__name__} passed holds and shares its "
+            "param groups with: remat reads each parameter's state from one optimizer, and does not support an optimizer "
+            "that steps another one over the same parameters (SAM, Lookahead). "
+            f"Train with the {type(wrapper).__name__} without remat, or with one optimizer over each parameter."
+        )
     listed = ", ".join(type(o).__name__ for o in [*each(passed), stepped])
     return CaptureError(
         f"train_step steps a {type(stepped).__name__} (over {n} parameters) that was not passed to remat.compile, so "
