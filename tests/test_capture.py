@@ -1189,3 +1189,25 @@ def test_torchs_structured_trace_log_is_quiet_while_tracing_unless_torch_trace_i
         log.removeHandler(handler)
     assert bool(records) == torch_trace, len(records)  # the records are there to be silenced
     assert attached_after
+
+
+def test_torchs_lines_are_not_named_as_the_users_where_its_packages_are_reached_through_a_symlink(tmp_path) -> None:
+    """A virtual environment reached through a symlink: torch's frames resolve to another
+    path than the one it was imported from, and were named as the user's line."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    site = pathlib.Path(torch.__file__).resolve().parents[1]
+    (tmp_path / "site").symlink_to(site)
+    code = (
+        "import torch, traceback; from remat.capture import trace_checks\n"
+        "frame = traceback.FrameSummary(torch.__file__.replace('__init__.py', 'nn/functional.py'), 1, 'f', line='x')\n"
+        "assert '/site/torch/' in frame.filename, frame.filename\n"
+        "print(repr(trace_checks._where_in_users_code([frame])))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}:{pathlib.Path(remat.__file__).resolve().parents[1]}"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "''"

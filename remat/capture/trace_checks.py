@@ -252,7 +252,7 @@ def _vals(node: torch.fx.Node) -> list[torch.Tensor]:
     return [t for t in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, torch.Tensor)]
 
 
-_LIBRARY_DIRS = (Path(torch.__file__).parent, Path(__file__).resolve().parents[1])  # torch's and remat's own code
+_LIBRARY_DIRS = (Path(torch.__file__).resolve().parent, Path(__file__).resolve().parents[1])  # torch's and remat's own code (resolved, as the frames are)
 
 
 def _where_in_users_code(frames: list) -> str:
