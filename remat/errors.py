@@ -13,6 +13,16 @@ class CaptureError(RematError):
     """The training step could not be captured as one graph."""
 
 
+class ChangedSinceCompiled(CaptureError):
+    """The parameters trained or the optimizer's parameters changed since a graph was
+    compiled (a layer frozen or unfrozen, `add_param_group`): that graph cannot run the
+    step, and the step compiles a new one. `change` says what changed."""
+
+    def __init__(self, change: str):
+        super().__init__(f"{change}; compile the step again (remat.compile) for it")
+        self.change = change
+
+
 class UsageError(RematError):
     """Bad arguments (a command-line option, a model name, a size): the message says which."""
 

@@ -26,7 +26,7 @@ from remat.passes import cuda_graph as cuda_graphs, inductor_regions
 from remat.capture.capture import capture
 from remat.capture.step_inputs import ModelView, run_captured
 from remat.capture.train_graph import TrainGraph, TrainStep
-from remat.errors import BudgetError, CaptureError, RematError
+from remat.errors import BudgetError, CaptureError, ChangedSinceCompiled, RematError
 from remat.profile.allocator import measure_step_peak
 from remat.profile.profiler import node_costs, node_peaks
 from remat.profile.time_model import OpCosts, StepTime, simulate_time
@@ -133,15 +133,16 @@ class RematStep:
 
     @property
     def report(self) -> StepReport:
-        if self._last is None:
-            raise RematError("nothing compiled yet: call the step with a batch first")
-        return self._last.report
+        return self._compiled_last().report
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:
+        return self._compiled_last().gm
+
+    def _compiled_last(self) -> CompiledGraph:
         if self._last is None:
             raise RematError("nothing compiled yet: call the step with a batch first")
-        return self._last.gm
+        return self._last
 
     def compiled_for(self, batch: Any) -> CompiledGraph:
         """The compiled graph for this batch's shape, compiling it if it is new."""
@@ -359,13 +360,8 @@ class RematStep:
             region_costs = region_costs.replayed() if self.cuda_graph else region_costs
             predicted_time = simulate_time(list(region_costs.host.values()), list(region_costs.device.values()), region_costs.synchronous)
         report = StepReport(
-            profile=prof,
-            plan=plan,
-            budget_bytes=budget_bytes,
-            baseline_peak_bytes=baseline.peak_bytes,
-            predicted_peak_bytes=predicted,
-            persistent_bytes=baseline.persistent_bytes,
-            num_recomputed=plan.num_recomputed if plan else 0,
+            profile=prof, plan=plan, budget_bytes=budget_bytes, baseline_peak_bytes=baseline.peak_bytes, predicted_peak_bytes=predicted,
+            persistent_bytes=baseline.persistent_bytes, num_recomputed=plan.num_recomputed if plan else 0,
             copies=sum(1 for n in gm.graph.nodes if n.name.endswith("_recomputed")),
             compile_seconds=time.perf_counter() - start,
             backend=self.backend,
@@ -388,9 +384,15 @@ class RematStep:
 
     def _call(self, batch: Any) -> torch.Tensor:
         compiled = self.compiled_for(batch)
-        self._last = compiled
         make_calls(compiled.tg.call.scheduler_calls, before_update=True)  # read by this step's update, as in eager
-        inputs, view = self._agreed("reading the step's inputs", lambda: self._inputs(compiled, batch))
+        try:
+            inputs, view = self._agreed("reading the step's inputs", lambda: self._inputs(compiled, batch))
+        except ChangedSinceCompiled as change:
+            if self._dp is not None:  # DDP and FSDP2 set up what they reduce for the parameters trained as they were
+                raise
+            compiled = self._compiled_again(compiled, batch, change)
+            inputs, view = self._inputs(compiled, batch)  # the scheduler calls before the update were made
+        self._last = compiled
         if compiled.tg.call.data_parallel is not None:
             data_parallel.before_step(self.model)
         if self.measure and not compiled.measured:
@@ -412,6 +414,12 @@ class RematStep:
                 warnings.warn(over, stacklevel=2)
             return measured.result
         return self._run(compiled, inputs, view)
+
+    def _compiled_again(self, stale: CompiledGraph, batch: Any, change: ChangedSinceCompiled) -> CompiledGraph:
+        """A graph for the parameters trained and the optimizer's groups as they are now, in `stale`'s place."""
+        warnings.warn(f"remat: {change.change}: the step is compiled again for it.", stacklevel=5)
+        self._graphs, self._hit = {k: g for k, g in self._graphs.items() if g is not stale}, None
+        return self.compiled_for(batch)
 
     def _inputs(self, compiled: CompiledGraph, batch: Any) -> tuple[list[torch.Tensor], ModelView]:
         last = compiled.call_inputs and compiled.call_inputs.last
@@ -481,19 +489,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     The example batch is compiled right away, so errors surface here.
     """
     step = RematStep(
-        train_step=train_step,
-        model=model,
-        optimizer=optimizer,
-        memory_budget=memory_budget,
-        planner=planner,
-        profile_runs=profile_runs,
-        measure=measure,
-        progress=progress,
-        profile_cache=profile_cache,
-        updates_in_backward=updates_in_backward,
-        lean_ops=lean_ops,
-        backend=backend,
-        cuda_graph=cuda_graph,
+        train_step=train_step, model=model, optimizer=optimizer, memory_budget=memory_budget, planner=planner, profile_runs=profile_runs,
+        measure=measure, progress=progress, profile_cache=profile_cache, updates_in_backward=updates_in_backward, lean_ops=lean_ops,
+        backend=backend, cuda_graph=cuda_graph,
     )
     with step._on_shards():
         step._last = step.compiled_for(example_batch)

@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 import torch
 
-from remat.errors import CaptureError
+from remat.errors import CaptureError, ChangedSinceCompiled
 from remat.capture.optimizers import group_name
 
 # Floats that torch.optim's optimizers compare with zero before using them. Their sign is
@@ -225,17 +225,11 @@ def check_unchanged(optimizer: torch.optim.Optimizer, specs: list[GroupSpec], na
     """Refuse a change the captured update cannot follow, naming it."""
     groups = optimizer.param_groups
     if len(groups) != len(specs):
-        raise CaptureError(
-            f"the optimizer has {len(groups)} param groups, but the step was compiled with {len(specs)} "
-            "(add_param_group after remat.compile?). Compile a new step."
-        )
+        raise ChangedSinceCompiled(f"the optimizer has {len(groups)} param groups, but the step was compiled with {len(specs)}")
     for gi, (group, spec) in enumerate(zip(groups, specs)):
         params = tuple(names.get(id(p), "<not a parameter of the model>") for p in group["params"])
         if params != spec.params:
-            raise CaptureError(
-                f"{group_name(optimizer, gi)} holds other parameters than when the step was compiled; "
-                "compile a new step after changing the optimizer's parameters."
-            )
+            raise ChangedSinceCompiled(f"{group_name(optimizer, gi)} holds other parameters than when the step was compiled")
     check_settings(optimizer, groups, specs)
 
 

@@ -139,18 +139,14 @@ def optimizer_states(
     for opt in each(optimizer):
         _check_capturable(opt)
     known = {id(p) for p in params.values()}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in known:
-                raise CaptureError(
-                    "the optimizer holds a tensor that is not a parameter of the model; "
-                    "build the optimizer from model.parameters()"
-                )
+    in_groups = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if not in_groups <= known:
+        raise CaptureError("the optimizer holds a tensor that is not a parameter of the model; build the optimizer from model.parameters()")
     init_optimizer_state(optimizer, only)
     states: dict[str, dict[str, torch.Tensor]] = {}
     for name, p in params.items():
         st = optimizer.state.get(p)
-        if not st:
+        if not st or id(p) not in in_groups:  # the state of a parameter taken out of its group: no update reads it
             continue
         for key, value in st.items():
             if not isinstance(value, torch.Tensor):

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.utils._pytree as pytree
 
-from remat.errors import CaptureError
+from remat.errors import CaptureError, ChangedSinceCompiled
 from remat.capture.state.guards import same_objects
 from remat.capture import data_parallel, hyperparams, param_hooks
 from remat.capture.state import read_numbers, step_outputs, train_modes
@@ -218,11 +218,7 @@ def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: Any, batch: A
     trainable = tuple(n for n, p in params.items() if p.requires_grad)
     if trainable != tg.call.trainable:
         changed = sorted(set(trainable) ^ set(tg.call.trainable))
-        raise CaptureError(
-            f"requires_grad of {len(changed)} parameters changed since the step was compiled (first: {changed[0]}); "
-            "the captured graph computes gradients for the parameters that required them then. Compile a new step "
-            "(remat.compile) after freezing or unfreezing parameters."
-        )
+        raise ChangedSinceCompiled(f"requires_grad of {len(changed)} parameters changed since the step was compiled (first: {changed[0]})")
     param_hooks.check_unchanged(params, tg.call.param_hooks)
     if tg.has_optimizer:
         names = {id(p): n for n, p in params.items()}

@@ -233,9 +233,14 @@ def _set_lr(i, m, o):
         g["lr"] = 1e-3 * (i + 2) / 3
 
 
-def _add_group(i, m, o):
+def _freeze_embeddings(model):
+    model.bert.embeddings.requires_grad_(False)
+
+
+def _unfreeze_embeddings(i, m, o):
     if i == 1:
-        o.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+        m.bert.embeddings.requires_grad_(True)
+        o.add_param_group({"params": list(m.bert.embeddings.parameters()), "lr": 1e-4})
 
 
 _INNER_SCHEDULERS: dict[int, Any] = {}
@@ -546,7 +551,8 @@ IDIOMS = [
           step=_backward_only, between=_hook(_update_every_third)),
     Idiom("fp16 autocast with torch.amp.GradScaler and an unfused AdamW (updates skipped on overflow)", "works", step=_grad_scaler,
           setup=_add_scaler, outside=lambda m: [m.scaler._scale, m.scaler._growth_tracker]),
-    Idiom("optimizer.add_param_group after compiling", "refused", between=_hook(_add_group)),
+    Idiom("a frozen layer unfrozen and given to the optimizer (add_param_group) after compiling: compiled again", "works",
+          setup=_freeze_embeddings, between=_hook(_unfreeze_embeddings)),
     Idiom("scheduler stepped inside train_step, after optimizer.step() (StepLR)", "works", step=_inner_scheduler_step,
           between=_made_before_the_loop(lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))),
     Idiom("ReduceLROnPlateau stepped on the loss inside train_step", "refused", step=_plateau_inside,
