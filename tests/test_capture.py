@@ -1211,3 +1211,25 @@ def test_torchs_lines_are_not_named_as_the_users_where_its_packages_are_reached_
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "''"
+
+
+def test_a_lazy_module_not_yet_run_is_refused_naming_its_parameter_and_trains_after_a_first_forward() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.LazyLinear(32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+
+    def step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    with pytest.raises(CaptureError, match=r"the model's 0.weight is not initialized yet .* run the model once on an example batch"):
+        remat.compile(step, model, torch.optim.SGD(model.parameters(), lr=0.1), batch)
+    model(batch[0])  # the advice
+    eager_model = copy.deepcopy(model)
+    opt, eager_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager_model.parameters(), lr=0.1)
+    compiled = remat.compile(step, model, opt, batch)
+    for _ in range(2):
+        assert torch.equal(compiled(batch), step(eager_model, eager_opt, batch))

@@ -87,6 +87,12 @@ def check_arguments(
     buffers = unique_named(model.named_buffers())
     if not params:
         raise CaptureError("the model has no parameters: there is nothing to train")
+    lazy = [n for n, t in [*params.items(), *buffers.items()] if isinstance(t, torch.nn.parameter.UninitializedTensorMixin)]
+    if lazy:
+        raise CaptureError(
+            f"the model's {lazy[0]} is not initialized yet (a lazy module's, such as nn.LazyLinear's, whose shape its first "
+            "forward sets): run the model once on an example batch before compiling, as the lazy modules ask"
+        )
     trainable = tuple(n for n, p in params.items() if p.requires_grad)
     if not trainable:
         raise CaptureError("no parameter of the model requires a gradient: there is nothing to train")
