@@ -5,10 +5,12 @@ followed is refused by name."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import remat
 from remat.measurement.check import check_against_eager, twin
@@ -737,3 +739,58 @@ def test_steps_that_differentiate_twice_or_for_the_batch_train_bitwise_at_the_ti
     result = check_against_eager(step_fn, eager_model, eager_opt, model, opt, step, batch, steps=4)
     assert result.match, result.summary()
     assert step.report.num_recomputed > 0 and step.report.measured_peak_bytes == step.report.predicted_peak_bytes
+
+
+class _Pix2Pix(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.G = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 32))
+        self.D = nn.Sequential(nn.Linear(48, 64), nn.LeakyReLU(0.2), nn.Linear(64, 1))
+
+
+def _discriminator_turn(model, opt_d, batch):
+    a, b = batch
+    model.D.requires_grad_(True)  # pix2pix's set_requires_grad(netD, True)
+    model.zero_grad()
+    fake = model.G(a).detach()
+    real_logits, fake_logits = model.D(torch.cat((a, b), 1)), model.D(torch.cat((a, fake), 1))
+    loss = F.binary_cross_entropy_with_logits(real_logits, torch.ones_like(real_logits)) + F.binary_cross_entropy_with_logits(fake_logits, torch.zeros_like(fake_logits))
+    loss.backward()
+    opt_d.step()
+    return loss
+
+
+def _generator_turn(model, opt_g, batch):
+    a, b = batch
+    model.D.requires_grad_(False)  # frozen for the generator's turn, and left so
+    model.zero_grad()
+    fake = model.G(a)
+    logits = model.D(torch.cat((a, fake), 1))
+    loss = F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits)) + 10 * F.l1_loss(fake, b)
+    loss.backward()
+    opt_g.step()
+    return loss
+
+
+def test_a_gan_whose_turns_set_requires_grad_leaves_the_flags_as_eager_and_trains_bitwise():
+    model, eager = _Pix2Pix(), _Pix2Pix()
+    opts = [torch.optim.Adam(m.D.parameters() if k == 0 else m.G.parameters(), lr=2e-4, betas=(0.5, 0.999)) for m in (model, eager) for k in range(2)]
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(32, 16, generator=g), torch.randn(32, 32, generator=g)) for _ in range(4)]
+    d_turn = remat.compile(_discriminator_turn, model, opts[0], batches[0], profile_runs=1, measure=False)
+    g_turn = remat.compile(_generator_turn, model, opts[1], batches[0], profile_runs=1, measure=False)
+    for batch in batches:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the discriminator's turn, compiled with D thawed, is compiled again for D frozen
+            torch.manual_seed(7)
+            d = d_turn(batch)
+        torch.manual_seed(7)
+        assert torch.equal(d, _discriminator_turn(eager, opts[2], batch))
+        torch.manual_seed(8)
+        gl = g_turn(batch)
+        torch.manual_seed(8)
+        assert torch.equal(gl, _generator_turn(eager, opts[3], batch))
+        assert [p.requires_grad for p in model.parameters()] == [p.requires_grad for p in eager.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), eager.state_dict().values()))
+    assert len(d_turn._graphs) == len(g_turn._graphs) == 1

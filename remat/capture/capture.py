@@ -267,7 +267,7 @@ def capture(
         check_backward_ran(calls["backward"])
         grads = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]
         final_grads[:] = [n for n, _ in grads]
-        seen.update(library_read=seen.get("library_read", set()) | effects.library_read, left_alone=effects.left_alone, output_spec=out_spec, output_numbers=returned, backward_passes=calls["backward"], reduced=calls["reduced"], state_updates=updates, unread_containers=logged_numbers.unread(effects.logged) | effects.dicts.unread)
+        seen.update(library_read=seen.get("library_read", set()) | effects.library_read, left_alone=effects.left_alone, output_spec=out_spec, output_numbers=returned, backward_passes=calls["backward"], reduced=calls["reduced"], state_updates=updates, unread_containers=logged_numbers.unread(effects.logged) | effects.dicts.unread, requires_grad_set=train_modes.requires_grad_set(t_params, trainable))
         return outputs, [g for _, g in grads]
 
     def trace() -> torch.fx.GraphModule:
@@ -297,8 +297,8 @@ def capture(
     numbers.attach(tg)
     if dp is not None:
         data_parallel.attach(tg, dp, synced_last=bool(seen["reduced"]))
-    tg.call.output_spec, tg.call.output_numbers, tg.backward_passes, tg.call.state_updates, tg.call.unread_containers = (
-        seen[k] for k in ("output_spec", "output_numbers", "backward_passes", "state_updates", "unread_containers"))
+    tg.call.output_spec, tg.call.output_numbers, tg.backward_passes, tg.call.state_updates, tg.call.unread_containers, tg.call.requires_grad_set = (
+        seen[k] for k in ("output_spec", "output_numbers", "backward_passes", "state_updates", "unread_containers", "requires_grad_set"))
     tg.call.training, tg.call.mode_calls, tg.call.sets_mode_first = train_modes.traced_modes(model, recorded.mode_calls)
     tg.call.scheduler_calls = scheduler_calls.checked(tg, recorded.scheduler_calls)
     tg.call.trainable, tg.call.leaves_zero_grads, tg.call.accumulates, tg.call.groups, tg.call.param_hooks = trainable, leaves_zero_grads, grads_in, groups, hooks

@@ -360,6 +360,7 @@ def run_captured(
         value_checks.raise_as_eager(e, tg.call.value_checks)
         raise
     train_modes.make_mode_calls(model, tg)
+    train_modes.set_requires_grad(view.params, tg)
     for p, g in zip(view.graded(tg.grad_names), grads):
         p.grad = g
     if tg.call.leaves_zero_grads:

@@ -69,6 +69,7 @@ class CallContract:
     # the first is the whole model's, before any forward, so the mode the step starts in does not matter.
     mode_calls: tuple[tuple[str, bool], ...] = ()
     sets_mode_first: bool = False
+    requires_grad_set: tuple[tuple[str, bool], ...] = ()  # requires_grad the step leaves other than it found, as (parameter, flag): set after each run
     outside: dict[str, Any] = field(default_factory=dict)  # OUTSIDE input name -> outside_tensors.OutsideTensor, read at each call
     numbers: dict[str, Any] = field(default_factory=dict)  # NUMBER input name -> the python_state.Slot it is read from at each call
     number_signs: dict[str, int] = field(default_factory=dict)  # NUMBER input name -> its sign, where the step compares it with zero

@@ -1,4 +1,4 @@
-"""The model's train/eval flags around a captured step.
+"""The model's train/eval flags, and its parameters' requires_grad, around a captured step.
 
 Dropout and BatchNorm are traced in the mode each module is in, so a step runs only in
 the modes it was traced in. Two things keep that from refusing ordinary loops: each
@@ -7,6 +7,12 @@ model in training mode stays so), and the train()/eval() calls train_step makes 
 recorded while it is traced and made again after each run. When the first of them sets
 the whole model's mode before any forward (`model.train()` first thing in train_step), the
 mode the loop left does not matter.
+
+A step may set requires_grad itself: a GAN's generator turn freezes the discriminator
+(`set_requires_grad(netD, False)`), which the next turn thaws. The trace follows that on
+its stand-ins for the parameters; the flags it leaves other than it found are set on the
+parameters after each run, as eager leaves them. The flags a step starts from are checked
+at each call as any loop's (a change compiles the step again).
 """
 
 from __future__ import annotations
@@ -44,6 +50,18 @@ def traced_modes(model: torch.nn.Module, calls: list[tuple[str, bool, bool]]) ->
     as (module name, mode), and whether the first sets the whole model's mode before any forward."""
     training = tuple(m.training for m in model.modules())
     return training, tuple((name, mode) for name, mode, _ in calls), bool(calls) and calls[0][0] == "" and calls[0][2]
+
+
+def requires_grad_set(traced_params: dict[str, torch.Tensor], trainable: tuple[str, ...]) -> tuple[tuple[str, bool], ...]:
+    """After the step's code has run on the traced parameters (their flags set from
+    `trainable` before it): the flags it changed, as (name, flag)."""
+    return tuple((n, p.requires_grad) for n, p in traced_params.items() if p.requires_grad != (n in trainable))
+
+
+def set_requires_grad(params: dict[str, torch.Tensor], tg: TrainGraph) -> None:
+    """After a run: the requires_grad flags train_step's own code leaves, as in eager."""
+    for name, flag in tg.call.requires_grad_set:
+        params[name].requires_grad_(flag)
 
 
 def put_back_modes(modes: list[tuple[torch.nn.Module, bool]]) -> None:
