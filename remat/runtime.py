@@ -419,6 +419,7 @@ class RematStep:
         """A graph for the parameters trained and the optimizer's groups as they are now, in `stale`'s place."""
         warnings.warn(f"remat: {change.change}: the step is compiled again for it.", stacklevel=5)
         self._graphs, self._hit = {k: g for k, g in self._graphs.items() if g is not stale}, None
+        optimizer_state.drop_made_ahead(as_one(self.optimizer))  # made for the stale graph, before any run: made anew
         return self.compiled_for(batch)
 
     def _inputs(self, compiled: CompiledGraph, batch: Any) -> tuple[list[torch.Tensor], ModelView]:

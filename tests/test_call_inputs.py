@@ -62,6 +62,8 @@ FOLLOWED: dict[str, Callable[[torch.nn.Module, torch.optim.Optimizer], Any]] = {
     "a parameter frozen": lambda m, o: m[0].weight.requires_grad_(False),
     "a group's list of parameters replaced": lambda m, o: o.param_groups[0].__setitem__("params", o.param_groups[0]["params"][1:]),
     "the same parameters in another order": lambda m, o: o.param_groups[0]["params"].reverse(),
+    "an optimizer flag changed": lambda m, o: o.param_groups[0].__setitem__("maximize", True),
+    "weight decay set to zero": lambda m, o: o.param_groups[0].__setitem__("weight_decay", 0.0),
 }
 
 
@@ -80,8 +82,6 @@ REFUSED: dict[str, tuple[Callable[[torch.nn.Module, torch.optim.Optimizer], Any]
     "the model put in eval mode": (lambda m, o: m.eval(), "train/eval mode"),
     "a parameter replaced": (lambda m, o: setattr(m[0], "bias", torch.nn.Parameter(torch.zeros(16))), "not a parameter of the model"),
     "a layer replaced": (lambda m, o: m.__setitem__(3, torch.nn.Linear(16, 4)), "not a parameter of the model"),
-    "an optimizer flag changed": (lambda m, o: o.param_groups[0].__setitem__("maximize", True), "maximize"),
-    "weight decay set to zero": (lambda m, o: o.param_groups[0].__setitem__("weight_decay", 0.0), "weight_decay"),
 }
 
 

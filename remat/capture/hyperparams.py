@@ -234,8 +234,9 @@ def check_unchanged(optimizer: torch.optim.Optimizer, specs: list[GroupSpec], na
 
 
 def check_settings(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]], specs: list[GroupSpec]) -> None:
-    """Refuse a setting of `groups` (the optimizer's, as many as `specs`) changed in a way
-    the captured update cannot follow: a flag, a fixed number, a sign it branches on."""
+    """A setting of `groups` (the optimizer's, as many as `specs`) changed in a way the
+    captured update cannot follow (a flag, a fixed number, a sign it branches on): the step
+    is compiled again for it (ChangedSinceCompiled, which names it)."""
     for gi, (group, spec) in enumerate(zip(groups, specs)):
         where = group_name(optimizer, gi)
         flags = dict(_flags(group, where))
@@ -243,26 +244,18 @@ def check_settings(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]
         for key, was in spec.flags:
             now = flags.get(key, repr(floats.get(key, "<missing>")))
             if now != was:
-                raise CaptureError(
-                    f"{where}[{key!r}] changed from {was} to {now} since the step was compiled; "
-                    "the captured update depends on it. Compile a new step (remat.compile) after changing it."
-                )
+                raise ChangedSinceCompiled(f"{where}[{key!r}] changed from {was} to {now} since the step was compiled, and the captured update depends on it")
         for key, was in spec.fixed:
             if floats.get(key) != was:
-                raise CaptureError(
-                    f"{where}[{key!r}] changed from {was!r} to {floats.get(key, '<missing>')!r}; the "
-                    "captured update takes it as a fixed number (a count it loops over, a threshold it compares with, a "
-                    "setting of a fused kernel, fused=True, which reads only its learning rate at every call). Compile a "
-                    "new step (remat.compile) after changing it, or use foreach=True, which reads every setting at every call."
+                raise ChangedSinceCompiled(
+                    f"{where}[{key!r}] changed from {was!r} to {floats.get(key, '<missing>')!r}, which the captured update takes as a "
+                    "fixed number (a count it loops over, a threshold, a setting of a fused kernel: foreach=True reads every setting at every call)"
                 )
         for key, was in spec.signs:
-            if key not in floats:
-                raise CaptureError(f"{where}[{key!r}] is no longer a float; compile a new step.")
-            if sign(floats[key]) != was:
-                raise CaptureError(
-                    f"{where}[{key!r}] changed from {_SIGN_WORDS[was]} to {floats[key]!r}; the update "
-                    f"skips or runs a whole term on whether it is {_SIGN_WORDS[was]}, which the captured graph fixed. "
-                    "Compile a new step (remat.compile) after changing it."
+            now = floats.get(key, "<not a float>")
+            if key not in floats or sign(floats[key]) != was:
+                raise ChangedSinceCompiled(
+                    f"{where}[{key!r}] changed from {_SIGN_WORDS[was]} to {now!r}, and the update skips or runs a whole term on whether it is {_SIGN_WORDS[was]}"
                 )
 
 
