@@ -960,10 +960,27 @@ def _clamped_then_trained(model, optimizer, batch):  # type: ignore[no-untyped-d
     return loss
 
 
-@pytest.mark.parametrize("case", ["momentum encoder", "trainable weight"])
+def _pulled_back_through_a_flat_vector(model, optimizer, batch):  # type: ignore[no-untyped-def]
+    """Lookahead's pull towards slow weights, through torch's vector_to_parameters (which
+    sets each parameter's .data to a view of one flat vector)."""
+    loss = F.cross_entropy(model(batch["x"]), batch["y"])
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        flat = torch.nn.utils.parameters_to_vector(model.parameters())
+        torch.nn.utils.vector_to_parameters(flat * 0.5 + flat.roll(1) * 0.5, model.parameters())
+    return loss
+
+
+@pytest.mark.parametrize("case", ["momentum encoder", "trainable weight", "flat vector"])
 def test_a_tensors_data_set_in_the_step_is_its_value_from_then_on_and_after_as_in_eager(case: str) -> None:
-    model, train_step, budget = (_MomentumEncoders(), _contrastive_step, 0.7) if case == "momentum encoder" else (_mlp(), _clamped_then_trained, None)
-    batches = _batches(4, rows=32, width=32) if case == "momentum encoder" else _batches(4)
+    model, train_step, budget = {
+        "momentum encoder": (_MomentumEncoders(), _contrastive_step, 0.7),
+        "trainable weight": (_mlp(), _clamped_then_trained, None),
+        "flat vector": (_mlp(width=32, depth=2), _pulled_back_through_a_flat_vector, None),
+    }[case]
+    batches = _batches(4, rows=32, width=32) if case != "trainable weight" else _batches(4)
     eager_model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-2, foreach=True)

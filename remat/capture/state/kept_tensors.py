@@ -198,6 +198,7 @@ class _DataAssignments(TorchFunctionMode):
         super().__init__()
         self.inputs = {id(t): t for t in inputs if isinstance(t, torch.Tensor)}
         self.came_in: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # an input set: itself, and its memory as it came in
+        self._memory: dict[int, StorageWeakRef] | None = None  # each input's memory as it came in, made at the first assignment
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         if type(func) is type(_SET_DATA) and func == _SET_DATA:
@@ -224,8 +225,10 @@ class _DataAssignments(TorchFunctionMode):
                 "The graph writes such a tensor's new value into its own memory, which needs the same shape, dtype, device and strides; "
                 "make the new value like the old one (`.contiguous()`, `.to(dtype)`), or change the tensor outside train_step."
             )
+        if self._memory is None:  # before any input is set: each one's own memory
+            self._memory = {i: StorageWeakRef(other.untyped_storage()) for i, other in self.inputs.items()}
         storage = StorageWeakRef(new.untyped_storage())
-        if any(other is not t and StorageWeakRef(other.untyped_storage()) == storage for other in self.inputs.values()):
+        if any(i != id(t) and memory == storage for i, memory in self._memory.items()):
             raise CaptureError(
                 f"train_step sets the .data of a parameter, buffer or optimizer state to the memory of another one{where}, "
                 "so that the two would share memory from then on, which a graph run at every step cannot keep. "
