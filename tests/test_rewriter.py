@@ -93,6 +93,45 @@ def test_batchnorm_is_recomputed_with_its_stat_free_twin():
     assert bn_copies and all(n.args[3] is None and n.args[4] is None for n in bn_copies)
 
 
+def _frozen_norms_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+    """Fine-tuning with BatchNorm frozen (a detection backbone's): the model in training
+    mode, each BatchNorm put in eval mode by the step, its affine parameters frozen."""
+    model.train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.eval()
+    optimizer.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def test_a_batchnorm_in_eval_mode_is_recomputed_reading_its_running_stats():
+    import remat
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(), torch.nn.Conv2d(16, 32, 3, padding=1),
+        torch.nn.BatchNorm2d(32), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, 10),
+    )  # fmt: skip
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.requires_grad_(False)
+            m.running_mean.uniform_(-0.5, 0.5)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(3)]
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01, momentum=0.9)
+    eager_model, eager_opt = twin(model, opt)
+    step = remat.compile(_frozen_norms_step, model, opt, batches[0], memory_budget=0.85, profile_runs=1)
+    copies = [n for n in step.graph_module.graph.nodes if n.name.endswith(RECOMPUTED_SUFFIX) and n.target is torch.ops.aten.native_batch_norm.default]
+    assert copies and all(n.args[3] is not None and n.args[5] is False for n in copies)  # eval mode: the stats are read
+    for batch in batches:
+        assert torch.equal(step(batch), _frozen_norms_step(eager_model, eager_opt, batch))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), eager_model.state_dict().values()))
+    assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes
+
+
 def test_dropout_is_recomputed_by_replaying_the_generator_exactly():
     """Dropout masks are candidates: their copies replay the generator state the forward
     consumed (the same mask), and leave the random stream where eager leaves it."""

@@ -16,12 +16,23 @@ aten = torch.ops.aten
 
 def _bn_twin(args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
     # native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
+    if not _updates_stats(args):
+        return aten.native_batch_norm.default, args, kwargs
     return aten.native_batch_norm.default, (*args[:3], None, None, *args[5:]), kwargs
 
 
 def _bn_legit_twin(args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
     # _native_batch_norm_legit(input, weight, bias, running_mean, running_var, training, momentum, eps)
+    if not _updates_stats(args):
+        return aten._native_batch_norm_legit.default, args, kwargs
     return aten._native_batch_norm_legit.no_stats, (*args[:3], *args[5:]), kwargs
+
+
+def _updates_stats(args: tuple) -> bool:
+    """Whether a BatchNorm call updates its running stats: in training mode, where it has
+    them. In eval mode it reads them instead (a BatchNorm frozen for fine-tuning), and has
+    no side effect to leave out."""
+    return bool(args[5]) and args[3] is not None
 
 
 # Ops that mutate module state as a side effect, with a twin that computes the same
@@ -34,7 +45,7 @@ STATE_FREE_TWINS: dict[Any, Callable[[tuple, dict], tuple[Any, tuple, dict]]] = 
 TWIN_READS: dict[Any, tuple[int, ...]] = {aten.native_batch_norm.default: (0, 1, 2), aten._native_batch_norm_legit.default: (0, 1, 2)}
 
 # Ops that write some inputs in place without saying so in their schema: argument positions.
-# native_batch_norm updates running_mean / running_var in training mode.
+# native_batch_norm updates running_mean / running_var in training mode (only: _updates_stats).
 UNDECLARED_WRITES: dict[Any, tuple[int, ...]] = {
     aten.native_batch_norm.default: (3, 4),
     aten.cudnn_batch_norm.default: (3, 4),
@@ -58,9 +69,9 @@ def written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return []
-    out: list[torch.fx.Node] = [
-        node.args[i] for i in UNDECLARED_WRITES.get(target, ()) if i < len(node.args) and isinstance(node.args[i], torch.fx.Node)
-    ]
+    undeclared = UNDECLARED_WRITES.get(target, ())
+    undeclared = undeclared if undeclared and _updates_stats(tuple(node.args)) else ()
+    out: list[torch.fx.Node] = [node.args[i] for i in undeclared if i < len(node.args) and isinstance(node.args[i], torch.fx.Node)]
     for i, name, kwarg_only in _written_arguments(target):
         value = node.args[i] if i < len(node.args) and not kwarg_only else node.kwargs.get(name)
         for v in value if isinstance(value, (list, tuple)) else [value]:
@@ -82,7 +93,7 @@ def _written_arguments(target: torch._ops.OpOverload) -> tuple[tuple[int, str, b
 def copy_reads(node: torch.fx.Node) -> list[str] | None:
     """The input names a copy of `node` reads when it is a twin that reads fewer (None: all)."""
     keep = TWIN_READS.get(node.target)
-    if keep is None:
+    if keep is None or not _updates_stats(tuple(node.args)):
         return None
     wanted = [node.args[i] for i in keep if isinstance(node.args[i], torch.fx.Node)]
     return list(dict.fromkeys(a.name for a in wanted))
