@@ -217,11 +217,10 @@ class _DataAssignments(TorchFunctionMode):
         proxy_tensor.set_proxy_slot(t, mode.tracer, proxy_tensor.get_proxy_slot(new, mode.tracer))
 
     def _check(self, t: torch.Tensor, new: torch.Tensor) -> None:
-        where = where_in_users_code_now()
         if (t.shape, t.dtype, t.device, t.stride()) != (new.shape, new.dtype, new.device, new.stride()):
             raise CaptureError(
                 f"train_step sets the .data of a parameter, buffer or optimizer state of shape {tuple(t.shape)} "
-                f"({t.dtype}, strides {t.stride()}) to one of shape {tuple(new.shape)} ({new.dtype}, strides {new.stride()}){where}. "
+                f"({t.dtype}, strides {t.stride()}) to one of shape {tuple(new.shape)} ({new.dtype}, strides {new.stride()}){where_in_users_code_now()}. "
                 "The graph writes such a tensor's new value into its own memory, which needs the same shape, dtype, device and strides; "
                 "make the new value like the old one (`.contiguous()`, `.to(dtype)`), or change the tensor outside train_step."
             )
@@ -230,7 +229,7 @@ class _DataAssignments(TorchFunctionMode):
         storage = StorageWeakRef(new.untyped_storage())
         if any(i != id(t) and memory == storage for i, memory in self._memory.items()):
             raise CaptureError(
-                f"train_step sets the .data of a parameter, buffer or optimizer state to the memory of another one{where}, "
+                f"train_step sets the .data of a parameter, buffer or optimizer state to the memory of another one{where_in_users_code_now()}, "
                 "so that the two would share memory from then on, which a graph run at every step cannot keep. "
                 "Assign a copy (`t.data = other.data.clone()`, or `with torch.no_grad(): t.copy_(other)`), "
                 "or tie the two before compiling."
