@@ -973,12 +973,28 @@ def _pulled_back_through_a_flat_vector(model, optimizer, batch):  # type: ignore
     return loss
 
 
-@pytest.mark.parametrize("case", ["momentum encoder", "trainable weight", "flat vector"])
+class _Counting(torch.nn.Module):
+    """A layer that rebinds its buffers in its forward (new tensors, not in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 64)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("scale", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        self.scale = 0.9 * self.scale + 0.1 * x.norm().detach()
+        return F.gelu(self.lin(x)) / (1 + self.scale)
+
+
+@pytest.mark.parametrize("case", ["momentum encoder", "trainable weight", "flat vector", "buffers rebound"])
 def test_a_tensors_data_set_in_the_step_is_its_value_from_then_on_and_after_as_in_eager(case: str) -> None:
     model, train_step, budget = {
         "momentum encoder": (_MomentumEncoders(), _contrastive_step, 0.7),
         "trainable weight": (_mlp(), _clamped_then_trained, None),
         "flat vector": (_mlp(width=32, depth=2), _pulled_back_through_a_flat_vector, None),
+        "buffers rebound": (torch.nn.Sequential(_Counting(), torch.nn.Linear(64, 10)), _step, None),
     }[case]
     batches = _batches(4, rows=32, width=32) if case != "trainable weight" else _batches(4)
     eager_model = copy.deepcopy(model)
@@ -1007,7 +1023,7 @@ def test_setting_data_to_another_inputs_memory_or_another_layout_is_refused_nami
         return _contrastive_step(lambda x: model(x), optimizer, batch)
 
     batch = _batches(1, rows=8, width=16)[0]
-    with pytest.raises(CaptureError, match=r"memory of another one, at test_user_state.py, line \d+: model\[1\]\[0\].weight.data = model\[0\]\[0\].weight.data"):
+    with pytest.raises(CaptureError, match=r"memory of another graph input, at test_user_state.py, line \d+: model\[1\]\[0\].weight.data = model\[0\]\[0\].weight.data"):
         remat.compile(tied, model, opt, batch)
     with pytest.raises(CaptureError, match=r"strides \(1, 16\)\), at test_user_state.py, line \d+: .*\.t\(\)"):
         remat.compile(transposed, model, opt, batch)

@@ -258,7 +258,7 @@ def capture(
             stack.enter_context(cleared_before_backward(calls, cleared := set()))
             stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots))
             stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
-            effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), args, passed)
+            effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), args, passed, model)
             result = train_step(model, passed, t_batch)
             probe["cleared_first"] = {id(t_params[n]) for n in trainable} <= cleared
             outside_tensors.check_no_gradient([held for held, _ in outside], t_outside)
@@ -377,11 +377,11 @@ class _Effects:
     @classmethod
     def recording(
         cls, stack: contextlib.ExitStack, slots: list[Any], probe: dict[str, Any], all_slots: Callable[[], list[Any]], args: tuple[Any, ...],
-        passed: Any,
+        passed: Any, model: torch.nn.Module,
     ) -> _Effects:  # fmt: skip
         """Entered after the outside tensors are swapped: a tensor kept where one was is told from its placeholder."""
         inputs = set(map(id, args))
-        stack.enter_context(kept_tensors.data_assignments(args))  # entered first: `t.data = new` written back last
+        stack.enter_context(kept_tensors.data_assignments(args, model))  # entered first: `t.data = new` written back last
         # The tensors kept are looked for once the lists and numbers are put back (it walks the state).
         tensors = stack.enter_context(kept_tensors.setting(all_slots, inputs))
         return cls(

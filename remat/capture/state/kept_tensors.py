@@ -28,7 +28,11 @@ is set to its value (detached: the step's autograd graph is freed by then, as ea
   memory at the end of the graph, where nothing reads the value it came in with any more.
   That needs the same shape, dtype, device and strides, and `new` made in the step: a
   tensor of another input would share its memory from then on (`target.data =
-  online.data`), which one graph run after another cannot keep. Those are refused.
+  online.data`), which one graph run after another cannot keep. Those are refused. A
+  buffer the step rebinds (`self.num_calls = self.num_calls + 1`, an average kept as
+  `self.avg = 0.9 * self.avg + ...` in a forward) is the same case: make_fx's module
+  stand-in would be put back with the buffer as it came in, so its new value is written
+  into its memory the same way.
 Tensors in a list or dict nested in another container stay refused (python_state).
 """
 
@@ -210,16 +214,17 @@ class _DataAssignments(TorchFunctionMode):
         if mode is None:
             return _SET_DATA(t, new)
         if id(t) in self.inputs:
-            self._check(t, new)
+            self._check(t, new, "the .data of a parameter, buffer or optimizer state")
             if id(t) not in self.came_in:
                 self.came_in[id(t)] = (t, _DATA.__get__(t))  # traced as a detach of the placeholder
         _SET_DATA(t, new)
         proxy_tensor.set_proxy_slot(t, mode.tracer, proxy_tensor.get_proxy_slot(new, mode.tracer))
 
-    def _check(self, t: torch.Tensor, new: torch.Tensor) -> None:
+    def _check(self, t: torch.Tensor, new: torch.Tensor, what: str) -> None:
+        """Refuse setting `what` (input `t`) to `new` where its memory cannot take it."""
         if (t.shape, t.dtype, t.device, t.stride()) != (new.shape, new.dtype, new.device, new.stride()):
             raise CaptureError(
-                f"train_step sets the .data of a parameter, buffer or optimizer state of shape {tuple(t.shape)} "
+                f"train_step sets {what} of shape {tuple(t.shape)} "
                 f"({t.dtype}, strides {t.stride()}) to one of shape {tuple(new.shape)} ({new.dtype}, strides {new.stride()}){where_in_users_code_now()}. "
                 "The graph writes such a tensor's new value into its own memory, which needs the same shape, dtype, device and strides; "
                 "make the new value like the old one (`.contiguous()`, `.to(dtype)`), or change the tensor outside train_step."
@@ -229,24 +234,32 @@ class _DataAssignments(TorchFunctionMode):
         storage = StorageWeakRef(new.untyped_storage())
         if any(i != id(t) and memory == storage for i, memory in self._memory.items()):
             raise CaptureError(
-                f"train_step sets the .data of a parameter, buffer or optimizer state to the memory of another one{where_in_users_code_now()}, "
+                f"train_step sets {what} to the memory of another graph input{where_in_users_code_now()}, "
                 "so that the two would share memory from then on, which a graph run at every step cannot keep. "
                 "Assign a copy (`t.data = other.data.clone()`, or `with torch.no_grad(): t.copy_(other)`), "
                 "or tie the two before compiling."
             )
 
-    def write_back(self) -> None:
-        """Each input set: its value now, written into the memory it came in with."""
+    def write_back(self, rebound: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Each input set, and each buffer of `rebound` (name: the buffer as it came in, the
+        tensor the step bound in its place): its value now, written into the memory it came in with."""
+        for name, (t, new) in rebound.items():
+            self._check(t, new, f"the model's buffer {name} (rebinding it in a forward or the step)")
         with torch.no_grad():
             for t, came_in in self.came_in.values():
                 came_in.copy_(t)
+            for t, new in rebound.values():
+                t.copy_(new)
 
 
 @contextlib.contextmanager
-def data_assignments(inputs: tuple[Any, ...]) -> Iterator[None]:
+def data_assignments(inputs: tuple[Any, ...], model: torch.nn.Module) -> Iterator[None]:
     """While the block runs, `t.data = new` rebinds `t` in the trace; at its end (if it ends
-    without an error) the graph inputs so set are written with their new values."""
+    without an error) the graph inputs so set, and the model's buffers the step bound to
+    another tensor, are written with their new values."""
     mode = _DataAssignments(inputs)
+    buffers = dict(model.named_buffers())  # the traced inputs, while the model holds them
     with mode:
         yield
-    mode.write_back()
+    now = dict(model.named_buffers())
+    mode.write_back({n: (t, now[n]) for n, t in buffers.items() if now.get(n) is not t and isinstance(now.get(n), torch.Tensor)})
