@@ -1027,4 +1027,11 @@ def test_setting_data_to_another_inputs_memory_or_another_layout_is_refused_nami
         remat.compile(tied, model, opt, batch)
     with pytest.raises(CaptureError, match=r"strides \(1, 16\)\), at test_user_state.py, line \d+: .*\.t\(\)"):
         remat.compile(transposed, model, opt, batch)
+
+    def replaced(model, optimizer, batch):  # type: ignore[no-untyped-def]
+        model[1][0].weight = torch.nn.Parameter(model[1][0].weight.detach() * 0.5)  # dropped by the trace before
+        return _contrastive_step(lambda x: model(x), optimizer, batch)
+
+    with pytest.raises(CaptureError, match=r"replaces the model's parameter 1.0.weight with another one .* p.data = new"):
+        remat.compile(replaced, model, opt, batch)
     assert all(p.grad is None for p in model.parameters())  # nothing was changed

@@ -258,8 +258,15 @@ def data_assignments(inputs: tuple[Any, ...], model: torch.nn.Module) -> Iterato
     without an error) the graph inputs so set, and the model's buffers the step bound to
     another tensor, are written with their new values."""
     mode = _DataAssignments(inputs)
-    buffers = dict(model.named_buffers())  # the traced inputs, while the model holds them
+    buffers, params = dict(model.named_buffers()), dict(model.named_parameters())  # the traced inputs, while the model holds them
     with mode:
         yield
+    replaced = [n for n, p in model.named_parameters() if params.get(n) is not p]
+    if replaced:
+        raise CaptureError(
+            f"train_step replaces the model's parameter {replaced[0]} with another one (`module.weight = nn.Parameter(...)` in a "
+            "forward or the step), which the optimizer does not hold and the graph cannot keep. Change the parameter in place "
+            "(`with torch.no_grad(): p.copy_(new)`, or `p.data = new`), or replace it outside train_step and compile again."
+        )
     now = dict(model.named_buffers())
     mode.write_back({n: (t, now[n]) for n, t in buffers.items() if now.get(n) is not t and isinstance(now.get(n), torch.Tensor)})
