@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from remat.errors import CaptureError
+from remat.errors import ChangedSinceCompiled
 
 
 @dataclass(frozen=True)
@@ -57,13 +57,12 @@ def register_on(hooks: dict[str, ParamHooks], stand_ins: dict[str, torch.Tensor]
 
 
 def check_unchanged(params: dict[str, torch.Tensor], captured: dict[str, ParamHooks]) -> None:
-    """Refuse a step whose parameters' hooks differ from those traced into its graph."""
+    """A step whose parameters' hooks differ from those traced into its graph is compiled
+    again (ChangedSinceCompiled): the graph runs the hooks registered when it was traced."""
     now = of(params)
     changed = sorted(n for n in set(now) | set(captured) if now.get(n) != captured.get(n))
     if changed:
-        raise CaptureError(
+        raise ChangedSinceCompiled(
             f"the gradient hooks on {len(changed)} parameter{'s' if len(changed) > 1 else ''} changed since the step was compiled "
-            f"(first: {changed[0]}); "
-            "the captured graph runs the hooks that were registered then (register_hook, "
-            "register_post_accumulate_grad_hook). Compile a new step (remat.compile) after adding or removing hooks."
+            f"(first: {changed[0]})"
         )

@@ -566,7 +566,7 @@ IDIOMS = [
           step=_library_ema_inside, setup=_keep_library_ema),
     Idiom("gradient hooks on the parameters (register_hook clamping, register_post_accumulate_grad_hook scaling)", "works",
           between=_with_gradient_hooks),
-    Idiom("a gradient hook added to a parameter after compiling", "refused", between=_hook(_hook_added)),
+    Idiom("a gradient hook added to a parameter after compiling: compiled again", "works", between=_hook(_hook_added)),
     Idiom("distillation from a frozen teacher held in a global", "works", step=_distill, setup=_make_teacher),
     Idiom("hidden states a library collects through forward hooks it installs on the first forward (output_hidden_states)",
           "works", step=_hidden_states_step),
