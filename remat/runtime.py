@@ -230,10 +230,9 @@ class RematStep:
 
     def _warn_changed(self, before: tuple[tuple[str, Any], ...]) -> None:
         """Name the values, changed since the last graph of this shape was compiled, that
-        the graph about to be compiled holds as constants."""
-        if not before:
-            return
-        changed = [c for c in changed_values(before, self._key_values()) if c.split(" (")[0] not in self._read]
+        the graph about to be compiled holds as constants (not the floats read at every call)."""
+        unread = lambda values: tuple((name, value) for name, value in values if name not in self._read)  # noqa: E731
+        changed = changed_values(unread(before), unread(self._key_values())) if before else []
         if changed:
             warnings.warn(
                 f"remat: {', '.join(changed[:3])}{' and more' if len(changed) > 3 else ''} changed since the step was "

@@ -173,3 +173,39 @@ def test_a_rate_lowered_on_every_layer_costs_a_few_traces_not_two_per_layer(monk
     assert compiled._constant == {f"model.{3 * i + 2}.p" for i in range(8)} and not compiled._last.tg.call.numbers
     assert len(compiled._graphs) == 1
     assert len(traces) <= 4, len(traces)  # one to compile, then at most three for the eight rates
+
+
+def test_a_weight_in_a_closures_dict_beside_a_distributions_value_check_is_read_at_every_call():
+    """A VAE's KL weight annealed in a dict the step reads through its closure, where the
+    step also builds a `torch.distributions.Normal` (whose argument checks are checks of
+    values the graph makes, decided by tracing again): those retraces keep the weight a
+    graph input, so the step compiles once more and never again, quietly, bitwise."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    config = {"beta": 0.0}
+
+    def step(model, opt, x):
+        opt.zero_grad()
+        mu, log_var = model(x).chunk(2, dim=-1)
+        q = torch.distributions.Normal(mu, (0.5 * log_var).exp())
+        kl = torch.distributions.kl_divergence(q, torch.distributions.Normal(0.0, 1.0)).sum(-1).mean()
+        loss = (q.rsample() - x[:, :4]).pow(2).mean() + config["beta"] * kl
+        loss.backward()
+        opt.step()
+        return loss
+
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    model, o = twin(net, opt)
+    eager_model, eager_opt = twin(net, opt)
+    batch = torch.randn(8, 16)
+    compiled = remat.compile(step, model, o, batch, profile_runs=1)
+
+    def anneal(i, m, opt):
+        config["beta"] = 0.25 * (i + 1)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no compile is announced: the weight is not a constant
+        result = check_against_eager(step, eager_model, eager_opt, model, o, compiled, batch, steps=5, between_steps=anneal)
+    assert result.match, result.summary()
+    assert len(compiled._graphs) == 1 and not compiled._constant
+    assert [i.name for i in compiled._last.tg.inputs if i.kind is InputKind.NUMBER] == ["config['beta'] (from the closure of step)"]

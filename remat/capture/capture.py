@@ -161,7 +161,7 @@ def _trace(
         except (Exception, SystemExit) as e:  # noqa: BLE001 - translated into a message a user can act on (sys.exit: a check's failing side)
             branched = branched_hyperparameters(e, symbols)
             batch_floats.refuse_branch(branched, e)
-            if numbers.tripped(branched, other_failure=not any(name in hyper_values for name in branched)):
+            if numbers.tripped(branched, other_failure=not checks.at_check(e) and not any(name in hyper_values for name in branched)):
                 continue
             new = [name for name in branched if name not in sign_facts]
             fixed = [name for name in branched if sign_facts.get(name, hyperparams.FIXED) != hyperparams.FIXED and type(hyper_values[name]) is int]

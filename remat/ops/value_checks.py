@@ -165,6 +165,13 @@ class ValueChecks:
             return True
         return False
 
+    def at_check(self, e: BaseException) -> bool:
+        """Whether the trace failed at a check of a value the graph makes (a `bool()` of a
+        tensor), or at the step's own raise on the side of one being tried: what `retry`
+        decides, not anything the numbers the trace reads could cause."""
+        trying = self._trial is not None and _raised_by_code(e)
+        return trying or getattr(_guard_of(e), "remat_value_check", None) is not None
+
     def finished(self) -> bool:
         """After a trace succeeded: whether it must run again (a check not yet decided, or
         decided for the other side)."""
