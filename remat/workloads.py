@@ -272,10 +272,11 @@ _IMAGE_SIZE = 224
 
 def _hf_batch(config: Any, kind: str, batch_size: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     if kind == "image":
-        size = getattr(config, "image_size", _IMAGE_SIZE)  # a model that takes any size has none (SegFormer)
+        vision = getattr(config, "vision_config", None) or config  # a model of two towers (CLIP, SigLIP): its image tower's
+        size = getattr(vision, "image_size", _IMAGE_SIZE)  # a model that takes any size has none (SegFormer)
         size = size if isinstance(size, int) else size[0]
         return {
-            "pixel_values": torch.randn(batch_size, config.num_channels, size, size, generator=gen),
+            "pixel_values": torch.randn(batch_size, vision.num_channels, size, size, generator=gen),
             "labels": torch.randint(0, config.num_labels, (batch_size,), generator=gen),
         }
     vocab = config.vocab_size

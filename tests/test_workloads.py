@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from remat.cli import main
-from remat.workloads import WorkloadError, build_hf, load
+from remat.workloads import WorkloadError, _hf_batch, build_hf, load
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_GPT2 = "hf:gpt2:n_layer=1,n_embd=32,n_head=2,vocab_size=128,n_positions=32"
@@ -95,6 +95,18 @@ def test_hf_heads_and_batches(spec, head):
     assert head in type(model).__name__ and model.training
     assert torch.isfinite(model(**batch).loss)
 
+
+
+def test_a_model_of_two_towers_gets_the_batch_of_its_image_tower():
+    """CLIP's image head (`hf:clip`): the image size and channels are its vision config's
+    (the top-level config has none)."""
+    from transformers import CLIPConfig, CLIPForImageClassification
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8)
+    config = CLIPConfig(vision_config=vision, problem_type="single_label_classification")
+    batch = _hf_batch(config, "image", 2, torch.Generator().manual_seed(0))
+    assert batch["pixel_values"].shape == (2, 3, 32, 32)
+    assert torch.isfinite(CLIPForImageClassification(config)(**batch).loss)
 
 def test_config_fields_parse_numbers_words_and_lists_with_or_without_quotes():
     from remat.workloads import _config_overrides
