@@ -797,3 +797,39 @@ def test_a_gan_whose_turns_set_requires_grad_leaves_the_flags_as_eager_and_train
         assert [p.requires_grad for p in model.parameters()] == [p.requires_grad for p in eager.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), eager.state_dict().values()))
     assert len(d_turn._graphs) == len(g_turn._graphs) == 1
+
+
+def _fine_tuned_head(stale: bool):
+    """An MLP whose backbone was trained, then frozen with its last gradients left set
+    (`stale`), and an optimizer for the head."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    F.mse_loss(net(torch.randn(8, 16)), torch.randn(8, 1)).backward()
+    for p in net[0].parameters():
+        p.requires_grad_(False)
+        if not stale:
+            p.grad = None
+    return net, torch.optim.SGD(net[2].parameters(), lr=0.1)
+
+
+def _clipped_step(model, opt, batch):
+    opt.zero_grad()
+    loss = F.mse_loss(model(batch[0]), batch[1])
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # over every parameter: eager counts a frozen one's gradient
+    opt.step()
+    return loss
+
+
+def test_a_frozen_parameter_holding_a_gradient_is_named_in_a_warning_whose_advice_trains_bitwise():
+    batch = (torch.randn(8, 16), torch.randn(8, 1))
+    model, opt = _fine_tuned_head(stale=True)
+    with pytest.warns(UserWarning, match=r"2 parameters that require no gradient hold one \(first: 0\.weight\.grad\).*Set their \.grad to None"):
+        remat.compile(_clipped_step, model, opt, batch, profile_runs=1, measure=False)(batch)
+    model, opt = _fine_tuned_head(stale=False)  # as the warning says
+    eager, eager_opt = twin(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiled = remat.compile(_clipped_step, model, opt, batch, profile_runs=1, measure=False)
+        result = check_against_eager(_clipped_step, eager, eager_opt, model, opt, compiled, batch, steps=3)
+    assert result.match, result.summary()

@@ -8,6 +8,7 @@ numbers read at every call (`BatchFloats`)."""
 from __future__ import annotations
 
 import operator
+import warnings
 import weakref
 from collections import UserDict
 from dataclasses import dataclass
@@ -94,6 +95,7 @@ def check_arguments(
             "forward sets): run the model once on an example batch before compiling, as the lazy modules ask"
         )
     trainable = tuple(n for n, p in params.items() if p.requires_grad)
+    warn_frozen_gradients(params)
     if not trainable:
         raise CaptureError("no parameter of the model requires a gradient: there is nothing to train")
     devices = {str(t.device) for t in [*params.values(), *buffers.values(), *leaves] if isinstance(t, torch.Tensor)}
@@ -102,6 +104,21 @@ def check_arguments(
     device = devices.pop()
     return leaves, spec, params, buffers, trainable, device
 
+
+
+def warn_frozen_gradients(params: dict[str, torch.Tensor]) -> None:
+    """A parameter that requires no gradient but holds one (frozen after a backward) is not
+    seen by the trace, which starts every frozen parameter without one: eager's step would
+    count it in `clip_grad_norm_` over all parameters, and leave it set unless a zero_grad
+    clears it; remat's step sets it to None."""
+    frozen = [n for n, p in params.items() if not p.requires_grad and p.grad is not None]
+    if frozen:
+        warnings.warn(
+            f"remat: {len(frozen)} parameters that require no gradient hold one (first: {frozen[0]}.grad), which remat's "
+            "step does not read and sets to None, where eager's would count it in clip_grad_norm_ over all parameters "
+            "and keep it. Set their .grad to None before compiling (model.zero_grad() before freezing).",
+            stacklevel=2,
+        )
 
 def flatten_batch(batch: Any) -> tuple[list[Any], Any]:
     """The batch's leaves and structure (pytree), with UserDicts looked into: transformers'
