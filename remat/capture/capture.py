@@ -197,7 +197,7 @@ def capture(
     can (read_numbers). `reduce_in_buckets`: a DDP model's gradients all-reduced in DDP's buckets, or
     each on its own (data_parallel.buckets). `grads_in`: the gradients set now are inputs it adds to."""
     passed, optimizer = optimizer, as_one(optimizer)  # the step gets what was passed; remat reads it as one
-    leaves, spec, params, buffers, trainable, device = check_arguments(model, example_batch)
+    leaves, spec, params, buffers, trainable, device = check_arguments(model, example_batch, optimizer)
     dp = data_parallel.data_parallel_of(model, in_buckets=reduce_in_buckets)
     shards = sharded.sharding_of(model)  # called inside sharded.local_view: the model holds the shards
     if shards is not None:

@@ -72,9 +72,10 @@ class ModelView:
 
 
 def check_arguments(
-    model: torch.nn.Module, example_batch: Any
+    model: torch.nn.Module, example_batch: Any, optimizer: Any = None
 ) -> tuple[list[Any], Any, dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[str, ...], str]:
-    """(batch leaves, batch spec, parameters, buffers, trainable names, device), or a CaptureError naming what is wrong."""
+    """(batch leaves, batch spec, parameters, buffers, trainable names, device), or a CaptureError
+    naming what is wrong; `optimizer` (one, as_one's) for a warning on stale gradients."""
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if any(type(m).__name__ == "OptimizedModule" and hasattr(m, "_orig_mod") for m in model.modules()):
@@ -95,7 +96,7 @@ def check_arguments(
             "forward sets): run the model once on an example batch before compiling, as the lazy modules ask"
         )
     trainable = tuple(n for n, p in params.items() if p.requires_grad)
-    warn_frozen_gradients(params)
+    warn_frozen_gradients(params, optimizer)
     if not trainable:
         raise CaptureError("no parameter of the model requires a gradient: there is nothing to train")
     devices = {str(t.device) for t in [*params.values(), *buffers.values(), *leaves] if isinstance(t, torch.Tensor)}
@@ -106,19 +107,23 @@ def check_arguments(
 
 
 
-def warn_frozen_gradients(params: dict[str, torch.Tensor]) -> None:
-    """A parameter that requires no gradient but holds one (frozen after a backward) is not
-    seen by the trace, which starts every frozen parameter without one: eager's step would
-    count it in `clip_grad_norm_` over all parameters, and leave it set unless a zero_grad
-    clears it; remat's step sets it to None."""
-    frozen = [n for n, p in params.items() if not p.requires_grad and p.grad is not None]
+def warn_frozen_gradients(params: dict[str, torch.Tensor], optimizer: Any) -> None:
+    """A parameter that requires no gradient and is in no param group of the optimizer but
+    holds a gradient (frozen after a backward, a new optimizer for the rest) is not seen by
+    the trace, which starts every frozen parameter without one: eager's step would count
+    it in `clip_grad_norm_` over all parameters and leave it set, as no zero_grad of the
+    optimizer clears it; remat's step sets it to None."""
+    grouped = {id(p) for group in getattr(optimizer, "param_groups", None) or [] for p in group["params"]}
+    frozen = [n for n, p in params.items() if not p.requires_grad and p.grad is not None and id(p) not in grouped]
     if frozen:
         warnings.warn(
-            f"remat: {len(frozen)} parameters that require no gradient hold one (first: {frozen[0]}.grad), which remat's "
-            "step does not read and sets to None, where eager's would count it in clip_grad_norm_ over all parameters "
-            "and keep it. Set their .grad to None before compiling (model.zero_grad() before freezing).",
+            f"remat: {len(frozen)} parameters that require no gradient and are not in the optimizer hold one (first: "
+            f"{frozen[0]}.grad), which remat's step does not read and sets to None, where eager's would count it in "
+            "clip_grad_norm_ over all parameters and keep it. Set their .grad to None before compiling "
+            "(model.zero_grad() before freezing).",
             stacklevel=2,
         )
+
 
 def flatten_batch(batch: Any) -> tuple[list[Any], Any]:
     """The batch's leaves and structure (pytree), with UserDicts looked into: transformers'
