@@ -106,7 +106,6 @@ def check_arguments(
     return leaves, spec, params, buffers, trainable, device
 
 
-
 def warn_frozen_gradients(params: dict[str, torch.Tensor], optimizer: Any) -> None:
     """A parameter that requires no gradient and is in no param group of the optimizer but
     holds a gradient (frozen after a backward, a new optimizer for the rest) is not seen by
