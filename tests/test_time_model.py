@@ -3,6 +3,8 @@ plan's step priced op by op (copies, buckets of a multi-tensor update)."""
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 import torch
@@ -64,7 +66,10 @@ def test_node_times_keep_their_medians_ratios_and_add_up_to_the_median_run():
     assert seconds[0] == pytest.approx(seconds[1]) and seconds[2] / seconds[0] == pytest.approx(np.median(runs[:, 2]) / 1.0)
 
 
-def test_a_plans_step_is_the_captured_step_and_its_copies():
+@pytest.mark.parametrize("line", [None, -5e-6], ids=["calibrated", "negative line"])
+def test_a_plans_step_is_the_captured_step_and_its_copies(line, monkeypatch):
+    if line is not None:  # as a loaded machine calibrates it: ops cheaper than it cost zero, in both sums
+        monkeypatch.setattr(importlib.import_module("remat.profile.profiler"), "line_seconds", lambda device: line)
     spec = build_model("mlp-deep", 32)
     opt = torch.optim.SGD(spec.model.parameters(), lr=0.1, foreach=False)
     step = remat.compile(make_train_step(spec.loss_fn), spec.model, opt, spec.batch, memory_budget=0.25, profile_runs=1)
