@@ -158,7 +158,7 @@ class ValueChecks:
             if outcome != tried:
                 return True
             # Decided for the side just traced, which went on: to the next check, or to a failure of its own.
-        new = getattr(_guard_of(e), "remat_value_check", None)
+        new = _check_index(e)
         if new is not None and new == len(self.assumed):
             self._trial = _Trial(new, e, where)
             self.assumed.append(True)
@@ -170,7 +170,7 @@ class ValueChecks:
         tensor), or at the step's own raise on the side of one being tried: what `retry`
         decides, not anything the numbers the trace reads could cause."""
         trying = self._trial is not None and _raised_by_code(e)
-        return trying or getattr(_guard_of(e), "remat_value_check", None) is not None
+        return trying or _check_index(e) is not None
 
     def finished(self) -> bool:
         """After a trace succeeded: whether it must run again (a check not yet decided, or
@@ -250,6 +250,11 @@ def _as_raised(where: str, holds: bool, error: BaseException) -> ValueCheck:
     shown = _TRACED_VALUE.sub(_SHOWN_INSTEAD, message)
     plain = shown == message and all(a is None or type(a) in (str, int, float, bool) for a in error.args)
     return ValueCheck(where, holds, type(error), shown, error.args if plain else None)
+
+
+def _check_index(e: BaseException) -> int | None:
+    """The index of the value check whose `bool()` the trace failed at, if it failed at one."""
+    return getattr(_guard_of(e), "remat_value_check", None)
 
 
 def _guard_of(e: BaseException | None) -> BaseException | None:
