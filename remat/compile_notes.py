@@ -31,7 +31,7 @@ def warn_many_shapes(shapes: int, compile_seconds: float) -> None:
 def note_gradients_held(error: Exception, tg: TrainGraph) -> None:
     """Where a budget error's graph takes the gradients a call finds set, say so: they are
     held from its start, which a call finding none does not."""
-    held = [i for i in tg.inputs if i.kind is InputKind.GRADIENT]
+    held = [i for i in tg.inputs if i.kind is InputKind.GRADIENT and i.name in tg.call.trainable]  # not a frozen one's, held in eager too
     if held:
         error.add_note(
             f"remat: this call finds {len(held)} gradients set (gradient accumulation across calls), and its graph "

@@ -24,7 +24,7 @@ from remat.capture.state import first_call, read_numbers
 from remat.budget import format_bytes, not_held, parse_budget
 from remat.passes import cuda_graph as cuda_graphs, inductor_regions
 from remat.capture.capture import capture
-from remat.capture.step_inputs import ModelView, run_captured
+from remat.capture.step_inputs import ModelView, frozen_gradients_taken, run_captured
 from remat.capture.train_graph import TrainGraph, TrainStep
 from remat.errors import BudgetError, CaptureError, ChangedSinceCompiled, RematError
 from remat.profile.allocator import measure_step_peak
@@ -112,6 +112,7 @@ class RematStep:
     _default_keys: list[Any] = field(default_factory=list)  # keys the graphs' steps make in defaultdicts: made before each call's key is read
     _hit: tuple[Any, Guards, CompiledGraph] | None = None  # the last graph found, and what its key was found from (guards)
     _accumulating: list[torch.Tensor] | None = None  # a step that adds to gradients it finds set: its parameters, whose .grad set or not is in the key
+    _frozen_graded: list[torch.Tensor] = field(default_factory=list)  # frozen parameters whose gradient a graph takes: set or not is in the key
     _library_read: frozenset[tuple[int, str]] = frozenset()  # library fields the traces read (a library's flag): in the key
     _branches: list[Any] = field(default_factory=list)  # kept_numbers.CountedBranch of the graphs: the branch a library's count picks is in the key
 
@@ -190,10 +191,11 @@ class RematStep:
         tg = compiled.tg
         known = {b.slot.name for b in self._branches}
         branches = [u for u in tg.call.state_updates if isinstance(u, CountedBranch) and u.slot.name not in known]
-        if (tg.call.accumulates and self._accumulating is None) or branches:  # from now on, these are in the key
+        frozen = [p for p in frozen_gradients_taken(tg, self.model) if all(p is not q for q in self._frozen_graded)]
+        if (tg.call.accumulates and self._accumulating is None) or branches or frozen:  # from now on, these are in the key
             if tg.call.accumulates and self._accumulating is None:
                 self._accumulating = [p for n, p in self.model.named_parameters() if n in set(tg.call.trainable)]
-            self._branches += branches
+            self._branches, self._frozen_graded = self._branches + branches, self._frozen_graded + frozen
             shapes = self._with_call_state(sig)
         # What the traces ran, where every capture recorded it; else all the step's code can reach.
         self._all_code = self._all_code or tg.call.code_read is None
@@ -213,16 +215,16 @@ class RematStep:
         if newly_read:  # the graphs before did not read these library flags: right whatever they hold, keyed with them now
             self._graphs = {(s, g.rekeyed(compiled.step_values, self._library_slots(newly_read))): g for (s, _), g in self._graphs.items()}
         self._graphs[(shapes, compiled.step_values)] = compiled
-        compile_notes.warn_many_shapes(len({s[0] if self._accumulating is not None or self._branches else s for s, _ in self._graphs}), compiled.report.compile_seconds)
+        compile_notes.warn_many_shapes(len({s[0] if self._accumulating is not None or self._branches or self._frozen_graded else s for s, _ in self._graphs}), compiled.report.compile_seconds)
         return compiled
 
     def _with_call_state(self, shapes: Any) -> Any:
-        """The key's shapes, with which gradients are set for a step that adds to them, and
-        the branch each library count the step moves picks for this call."""
-        if self._accumulating is None and not self._branches:
+        """The key's shapes, with which gradients are set for a step that adds to them or of
+        the frozen parameters a graph takes, and the branch each library count picks."""
+        if self._accumulating is None and not self._branches and not self._frozen_graded:
             return shapes
         gradients = gradients_set(self._accumulating) if self._accumulating is not None else None
-        return (shapes, gradients, tuple(branch.branch() for branch in self._branches))
+        return (shapes, gradients, gradients_set(self._frozen_graded), tuple(branch.branch() for branch in self._branches))
 
     def _library_slots(self, fields: frozenset[tuple[int, str]]) -> set[str]:
         """The names of the library slots holding these fields (library_objects.read_by_trace)."""

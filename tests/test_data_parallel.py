@@ -73,14 +73,16 @@ def test_ranks_with_different_batches_stop_together_and_can_go_on():
 
 
 def test_refused_settings_unused_parameters_buffer_options_and_gradient_hooks():
-    """Four small cases in one spawn: settings the graph cannot honour are refused; unused
-    parameters with find_unused_parameters keep no gradient; options that only change DDP's
-    buffers train the same; hooks on the parameters' gradients run as in eager DDP."""
+    """Four small cases in one spawn: settings the graph cannot honour are refused (a frozen
+    parameter's gradient, not read across ranks, named in a warning); unused parameters with
+    find_unused_parameters keep no gradient; options that only change DDP's buffers train
+    the same; hooks on the parameters' gradients run as in eager DDP."""
     calls = [("refusals", ()), ("unused_found", ()), ("options_like_eager", ()), ("hooks_like_eager", ())]
     for refused, unused, options, hooks in two_ranks(ddp_workers.several, calls):
         assert "communication hook" in refused["comm_hook"]
         assert "find_unused_parameters=True" in refused["unused"]
         assert "no_sync()" in refused["no_sync_outside"]
+        assert "1 parameters that require no gradient hold one" in refused["frozen_gradient"] and "across ranks" in refused["frozen_gradient"], refused
         assert "gradient accumulation across calls" in refused["across_calls"] and "loop over them inside" in refused["across_calls"]
         assert unused["state_equal"] and unused["unused_grad"], unused
         assert options == {"static_graph": True, "gradient_as_bucket_view": True}, options

@@ -821,15 +821,42 @@ def _clipped_step(model, opt, batch):
     return loss
 
 
-def test_a_frozen_parameter_holding_a_gradient_is_named_in_a_warning_whose_advice_trains_bitwise():
+def test_a_frozen_parameter_holding_a_gradient_is_clipped_and_kept_as_eager_keeps_it():
     batch = (torch.randn(8, 16), torch.randn(8, 1))
     model, opt = _fine_tuned_head(stale=True)
-    with pytest.warns(UserWarning, match=r"2 parameters that require no gradient and are not in the optimizer hold one \(first: 0\.weight\.grad\).*Set their \.grad to None"):
-        remat.compile(_clipped_step, model, opt, batch, profile_runs=1, measure=False)(batch)
-    model, opt = _fine_tuned_head(stale=False)  # as the warning says
+    stale = [p.grad.clone() for p in model[0].parameters()]
     eager, eager_opt = twin(model, opt)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         compiled = remat.compile(_clipped_step, model, opt, batch, profile_runs=1, measure=False)
         result = check_against_eager(_clipped_step, eager, eager_opt, model, opt, compiled, batch, steps=3)
     assert result.match, result.summary()
+    for p, e, s in zip(model[0].parameters(), eager[0].parameters(), stale):
+        assert torch.equal(p.grad, e.grad) and not torch.equal(p.grad, s)  # scaled at every step, as eager's
+    assert len(compiled._graphs) == 1
+    for m in (model, eager):
+        m[0].zero_grad()  # cleared: the step finds none, and compiles again
+    for _ in range(2):
+        assert torch.equal(compiled(batch), _clipped_step(eager, eager_opt, batch))
+    assert all(p.grad is None for p in model[0].parameters())
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), eager.parameters()))
+    assert len(compiled._graphs) == 2
+
+
+def test_a_frozen_parameter_holding_a_gradient_in_the_optimizer_is_updated_with_it_as_eager_does():
+    batch = (torch.randn(8, 16), torch.randn(8, 1))
+    model, _ = _fine_tuned_head(stale=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # the frozen ones too: step() applies their gradient
+
+    def step_then_clear(model, opt, batch):
+        loss = F.mse_loss(model(batch[0]), batch[1])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    eager, eager_opt = twin(model, opt)
+    compiled = remat.compile(step_then_clear, model, opt, batch, profile_runs=1, measure=False)
+    result = check_against_eager(step_then_clear, eager, eager_opt, model, opt, compiled, batch, steps=3)
+    assert result.match, result.summary()
+    assert not torch.equal(model[0].weight, _fine_tuned_head(stale=True)[0][0].weight)  # moved by its stale gradient

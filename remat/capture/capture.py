@@ -37,7 +37,7 @@ from remat.capture.traced_rng import no_host_random_drawn, no_rng_state_set
 from remat.capture.user_checkpoints import plain_checkpoints
 from remat.ops import ctc_loss, value_checks
 from remat.ops import training_workspace
-from remat.capture.step_inputs import BatchFloats, accumulated_gradients, batch_leaf_names, batch_value, check_arguments, describe
+from remat.capture.step_inputs import BatchFloats, accumulated_gradients, batch_leaf_names, batch_value, check_arguments, describe, held_gradients
 
 
 def _user_state(
@@ -209,7 +209,7 @@ def capture(
     slots, held, outside, own = _user_state(model, train_step, params, buffers, states, example_batch)
     hooks = param_hooks.of(params)  # the user's gradient hooks: traced in, and checked at every call
     numbers = read_numbers.Reading.of(slots, read_numbers_named)
-    entry_grads = accumulated_gradients(params, trainable, dp or shards) if grads_in else {}
+    entry_grads = held_gradients(params, trainable, dp or shards, grads_in)
     inputs, flat, hyper_values = _graph_inputs(params, buffers, states, entry_grads, optimizer, numbers.slots, outside, example_batch, leaves)
 
     state_keys = [(n, list(st)) for n, st in states.items()]
@@ -279,7 +279,7 @@ def capture(
     kept_numbers.warn_left_alone(seen.get("left_alone", []))  # the last trace's, once
     leaves_zero_grads = bool(final_grads) and ends_with_zero_grads(gm)
     grads_in = grads_in or finds_gradients(probe_gm, probe["cleared_first"], leaves_zero_grads, {n: params[n] for n in trainable}, optimizer, dp or shards)
-    if grads_in and not entry_grads and accumulated_gradients(params, trainable, dp or shards):  # this call finds some: its graph takes them
+    if grads_in and not set(entry_grads) & set(trainable) and accumulated_gradients(params, trainable, dp or shards):  # this call finds some: its graph takes them
         optimizer_state.drop_made_ahead(optimizer)  # as it was: made again, where read
         return capture(train_step, model, passed, example_batch, read_numbers_named, reduce_in_buckets, grads_in=True)
     check_static_shapes(gm)

@@ -96,7 +96,6 @@ def check_arguments(
             "forward sets): run the model once on an example batch before compiling, as the lazy modules ask"
         )
     trainable = tuple(n for n, p in params.items() if p.requires_grad)
-    warn_frozen_gradients(params, optimizer)
     if not trainable:
         raise CaptureError("no parameter of the model requires a gradient: there is nothing to train")
     devices = {str(t.device) for t in [*params.values(), *buffers.values(), *leaves] if isinstance(t, torch.Tensor)}
@@ -106,21 +105,17 @@ def check_arguments(
     return leaves, spec, params, buffers, trainable, device
 
 
-def warn_frozen_gradients(params: dict[str, torch.Tensor], optimizer: Any) -> None:
-    """A parameter that requires no gradient and is in no param group of the optimizer but
-    holds a gradient (frozen after a backward, a new optimizer for the rest) is not seen by
-    the trace, which starts every frozen parameter without one: eager's step would count
-    it in `clip_grad_norm_` over all parameters and leave it set, as no zero_grad of the
-    optimizer clears it; remat's step sets it to None."""
-    grouped = {id(p) for group in getattr(optimizer, "param_groups", None) or [] for p in group["params"]}
-    frozen = [n for n, p in params.items() if not p.requires_grad and p.grad is not None and id(p) not in grouped]
+def _warn_frozen_gradients(frozen: list[str]) -> None:
+    """A data-parallel step does not take a frozen parameter's gradient (GRADIENT inputs
+    are refused across ranks): eager's would count it in `clip_grad_norm_` over all
+    parameters and leave it set; remat's step sets it to None."""
     if frozen:
         warnings.warn(
-            f"remat: {len(frozen)} parameters that require no gradient and are not in the optimizer hold one (first: "
-            f"{frozen[0]}.grad), which remat's step does not read and sets to None, where eager's would count it in "
+            f"remat: {len(frozen)} parameters that require no gradient hold one (first: {frozen[0]}.grad), which remat's "
+            "step across ranks (DDP, FSDP2) does not read and sets to None, where eager's would count it in "
             "clip_grad_norm_ over all parameters and keep it. Set their .grad to None before compiling "
             "(model.zero_grad() before freezing).",
-            stacklevel=2,
+            stacklevel=3,
         )
 
 
@@ -282,6 +277,20 @@ def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: Any, batch: A
     return out
 
 
+def held_gradients(params: dict[str, torch.Tensor], trainable: tuple[str, ...], across_ranks: Any, grads_in: bool) -> dict[str, torch.Tensor]:
+    """The gradients set now that the graph takes (GRADIENT inputs): where `grads_in`, the
+    trainable parameters' (accumulated_gradients); and always those a frozen parameter
+    holds (frozen after a backward that set it): eager's step counts it in
+    `clip_grad_norm_` over all parameters, an optimizer holding the parameter applies it,
+    and what clears nothing leaves it set. The key holds which of these are set."""
+    held = accumulated_gradients(params, trainable, across_ranks) if grads_in else {}
+    frozen = [n for n, p in params.items() if not p.requires_grad and p.grad is not None]
+    if across_ranks is not None:
+        _warn_frozen_gradients(frozen)
+        return held
+    return held | {n: accumulated_gradient(n, params[n]) for n in frozen}
+
+
 def accumulated_gradients(params: dict[str, torch.Tensor], trainable: tuple[str, ...], across_ranks: Any = None) -> dict[str, torch.Tensor]:
     """The gradients set now on the parameters `trainable` names, which a step that
     accumulates across calls adds to; refused for a step `across_ranks` (DDP, FSDP2)."""
@@ -304,6 +313,13 @@ def accumulated_gradient(name: str, param: torch.Tensor) -> torch.Tensor:
             "(optimizer.zero_grad()) or to a tensor like the parameter."
         )
     return g
+
+
+def frozen_gradients_taken(tg: TrainGraph, model: torch.nn.Module) -> list[torch.Tensor]:
+    """The frozen parameters whose gradient the graph takes (held_gradients): the call
+    finding one of them set or not picks another graph."""
+    taken = {i.name for i in tg.inputs if i.kind is InputKind.GRADIENT} - set(tg.call.trainable)
+    return [p for n, p in model.named_parameters() if n in taken]
 
 
 def state_owners(tg: TrainGraph) -> tuple[str, ...]:

@@ -89,7 +89,8 @@ def measure_call_time(step: Any, batch: Any, calls: int = 30, steps: int = 5) ->
 
 def _clear(params: list[torch.Tensor]) -> None:
     for p in params:
-        p.grad = None
+        if p.requires_grad:  # a frozen one's is the step's input (held_gradients): kept, as the step keeps it
+            p.grad = None
 
 
 def _timed_call(step: Any, batch: Any, params: list[torch.Tensor]) -> float:

@@ -71,8 +71,12 @@ def compare_state(
 
 
 def twin(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
-    """An independent copy of the model and its optimizer (the optimizer pointing at the copy)."""
-    return copy.deepcopy((model, optimizer))
+    """An independent copy of the model and its optimizer (the optimizer pointing at the
+    copy), with the gradients set now: deepcopy leaves a parameter's `.grad` behind."""
+    copied = copy.deepcopy((model, optimizer))
+    for p, q in zip(model.parameters(), copied[0].parameters()):
+        q.grad = None if p.grad is None else p.grad.detach().clone()
+    return copied
 
 
 def check_against_eager(

@@ -7,6 +7,7 @@ remat on the same rank-dependent batches, and reports what the test asserts on."
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import torch
@@ -207,6 +208,17 @@ def refusals() -> dict[str, str]:
         out["no_sync_outside"] = "no error"
     except remat.RematError as e:
         out["no_sync_outside"] = str(e)
+
+    # A parameter frozen after a backward, its gradient left set: not read across ranks, named.
+    spec = build_model("mlp", 8, seed=0)
+    first = next(spec.model.parameters())
+    first.grad = torch.ones_like(first)
+    first.requires_grad_(False)
+    ddp = DDP(spec.model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        remat.compile(_step(spec.loss_fn, 1), ddp, make_optimizer("sgd", [p for p in ddp.parameters() if p.requires_grad]), _batch("mlp", 8, 0, 0), memory_budget=None)(_batch("mlp", 8, 0, 0))
+    out["frozen_gradient"] = " ".join(str(w.message) for w in caught)
     return out
 
 
