@@ -43,7 +43,7 @@ class _ChangedOnFailure:
         grads = [i.name for i in changed if i.kind is InputKind.GRADIENT]
         if grads:
             error.add_note(
-                f"remat: the step failed after adding to {len(grads)} gradients it found set (first: {grads[0]}.grad); "
+                f"remat: the step failed after writing {len(grads)} gradients it found set in place (first: {grads[0]}.grad); "
                 "they are not restored"
             )
         if outside:
