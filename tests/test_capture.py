@@ -117,6 +117,16 @@ def test_data_dependent_control_flow_is_refused_with_a_reason():
         capture(_step, _Branchy(), None, torch.randn(2, 4))
 
 
+def test_a_number_read_from_a_tensor_made_a_tensor_again_is_refused_saying_to_keep_it_a_tensor():
+    def step(model, opt, batch):
+        loss = model(batch).pow(2).mean()
+        loss.backward()
+        return loss, torch.tensor(loss.item())  # a metric read on the host, then wrapped again
+
+    with pytest.raises(CaptureError, match=r"line \d+: return loss, torch\.tensor\(loss\.item\(\)\).*keep it a tensor \(t\.detach\(\)\)"):
+        capture(step, torch.nn.Linear(4, 4), None, torch.randn(2, 4))
+
+
 class _GroupedExperts(torch.nn.Module):
     """Two experts applied to the rows of their group by one grouped matmul, in float32: the
     CPU kernel runs it, its shape function (which tracing runs) accepts only bfloat16."""

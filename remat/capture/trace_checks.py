@@ -415,7 +415,9 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
             f"train_step has data-dependent Python control flow or an op whose output shape depends "
             f"on tensor values ({name}: {first}){where}. Make the branch independent of tensor values "
             "(e.g. use torch.where), or move it out of train_step. (A branch one side of which raises, as an input "
-            "check or an assert does, is held in the graph as a check; this one goes on either way.)"
+            "check or an assert does, is held in the graph as a check; this one goes on either way.) A number read "
+            "from a tensor (.item(), float(t)) can be returned, printed or logged as it is, but not compared, used as "
+            "a size or made a tensor again (torch.tensor(acc)): keep it a tensor (t.detach()) for those."
         )
     if "DynamicOutputShape" in name and "_ctc_loss" in first:
         return CaptureError(
