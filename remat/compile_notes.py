@@ -15,6 +15,25 @@ from remat.passes.update_buckets import nbytes
 MANY_SHAPES = 4
 
 
+def warn_constants_changed(changed: list[str], needed: bool) -> None:
+    """Name the values the graph about to be compiled holds as constants that changed since
+    the last graph of its shape (`changed`, as `python_state.changed_values` writes them);
+    `needed`: among them a number the loop changes that the step needs the value of."""
+    if not changed:
+        return
+    warnings.warn(
+        f"remat: {', '.join(changed[:3])}{' and more' if len(changed) > 3 else ''} changed since the step was "
+        "compiled: the graph holds such values as constants, so the step is compiled again for them."
+        + (
+            " A number the loop changes is read at every call, unless the step needs its value: as a list's index, "
+            "a tensor's size, text, torch.tensor(n), or a branch beyond what it can keep as a condition. Compute "
+            "that use between steps (a float the step reads is read at every call), or pass it in the batch as a tensor."
+            if needed else ""
+        ),
+        stacklevel=5,
+    )
+
+
 def warn_many_shapes(shapes: int, compile_seconds: float) -> None:
     """Say, at the shape that makes them many, that every new batch shape is a capture."""
     if shapes == MANY_SHAPES:

@@ -103,7 +103,7 @@ class RematStep:
     _unkeyed: set[str] = field(default_factory=set)  # slots the step updates and never reads (TrainGraph.call.state_updates)
     _read: set[str] = field(default_factory=set)  # floats the loop changed between steps, read at every call (read_numbers)
     _constant: set[str] = field(default_factory=set)  # such floats the step branches on: constants of the graph
-    _signed: set[str] = field(default_factory=set)  # such floats the step compares with zero: their sign is in the key
+    _keys: read_numbers.KeyRules = field(default_factory=read_numbers.KeyRules)  # what the key holds of them (a float's sign, an int's conditions)
     _ran: frozenset[Any] | None = None  # the user's code the traces ran (None before the first): the key watches what it names
     _all_code: bool = False  # a capture could not record the code it ran: watch all the step's code can reach
     # A DDP step whose gradient buckets made the budget unreachable: gradients all-reduced one by one.
@@ -164,15 +164,15 @@ class RematStep:
         now = self._key_values(slots)
         cached = self._graphs.get((shapes, now))
         if cached is not None:
-            self._hit = (shapes, Guards.of(self.model, slots, self._unkeyed, self._read, self._signed, self._library_read), cached)
+            self._hit = (shapes, Guards.of(self.model, slots, self._unkeyed, self._read, self._keys, self._library_read), cached)
             return cached
         self._hit = None
         same_shape = [g for (s, _), g in self._graphs.items() if s == shapes]
         before = same_shape[-1].step_values if same_shape else ()
-        # Floats changed since: read at every call from now on, compiled once more, then
-        # never again for them (read_numbers).
+        # Floats and ints changed since: read at every call from now on, compiled once more,
+        # then only for an int's new side of a comparison the step makes (read_numbers).
         last = dict(before)
-        promoted = {n for n, v in now if type(v) is float and type(last.get(n)) is float and v != last[n]} - self._constant
+        promoted = {n for n, v in now if type(v) in (float, int) and type(last.get(n)) is type(v) and v != last[n]} - self._constant
         self._read |= promoted
         self._warn_changed(before)
         try:
@@ -202,10 +202,10 @@ class RematStep:
         self._ran = None if self._all_code else (self._ran or frozenset()) | tg.call.code_read
         newly_read, self._library_read = tg.call.library_read - self._library_read, self._library_read | tg.call.library_read
         self._unkeyed |= {update.slot.name for update in tg.call.state_updates if not update.keyed} | tg.call.unread_containers  # changed at every call
-        constant = {name for name in self._read if name not in tg.call.numbers and name not in tg.call.number_signs}  # the trace branches on them
+        constant = {n for n in self._read if n not in tg.call.numbers and n not in tg.call.number_signs and n not in tg.call.number_conditions}  # the trace branches on them
         self._read -= constant
         self._constant |= constant
-        self._signed |= set(tg.call.number_signs)
+        self._keys.learn(tg.call.number_signs, tg.call.number_conditions)
         with first_call.applied(tg.call.set_up), first_call.keys_made(tg.call.default_keys):
             compiled.step_values = self._key_values()
         self._set_up += tg.call.set_up
@@ -234,20 +234,17 @@ class RematStep:
         """Name the values, changed since the last graph of this shape was compiled, that
         the graph about to be compiled holds as constants (not the floats read at every call)."""
         unread = lambda values: tuple((name, value) for name, value in values if name not in self._read)  # noqa: E731
-        changed = changed_values(unread(before), unread(self._key_values())) if before else []
-        if changed:
-            warnings.warn(
-                f"remat: {', '.join(changed[:3])}{' and more' if len(changed) > 3 else ''} changed since the step was "
-                "compiled: the graph holds such values as constants, so the step is compiled again for them.",
-                stacklevel=4,
-            )
+        now = self._key_values()
+        changed = changed_values(unread(before), unread(now)) if before else []
+        needed = any(type(v) in (int, float) and n in self._constant and dict(before).get(n) != v for n, v in now)
+        compile_notes.warn_constants_changed(changed, needed)
 
     def _key_values(self, slots: list[Any] | None = None) -> tuple[tuple[str, Any], ...]:
         """The watched values the compiled graph depends on: each value itself, but for a
         number read at every call only whether it is a float, and its sign where the
         graph assumes it. `slots`: python_state.state_slots, where just walked."""
         values = step_values(self.model, self.train_step, skip=self._unkeyed, ran=self._ran, slots=slots, library_read=self._library_read)
-        return tuple((name, read_numbers.key(value, name in self._signed)) if name in self._read else (name, value) for name, value in values)
+        return tuple((name, self._keys.key(name, value)) if name in self._read else (name, value) for name, value in values)
 
     def _checked_signature(self, batch: Any) -> Any:
         """The batch's shape signature, or an error for a batch this step cannot take."""

@@ -68,7 +68,7 @@ def _fit(tmp_path, extra: list, precision: str = "32-true", module: L.LightningM
         trainer_args["precision"] = precision
     trainer = L.Trainer(
         max_steps=6, callbacks=[seen, *extra], default_root_dir=str(tmp_path), logger=False, enable_progress_bar=False,
-        accelerator="cpu", val_check_interval=3, limit_val_batches=1, **{"gradient_clip_val": 1.0, **trainer_args},
+        accelerator="cpu", limit_val_batches=1, **{"gradient_clip_val": 1.0, "val_check_interval": 3, **trainer_args},
     )
     trainer.fit(module, _data(1024), _data(128))
     opt = trainer.optimizers[0]
@@ -96,6 +96,38 @@ def test_lightning_step_through_remat_is_bitwise(tmp_path, precision):
     assert len(state) == len(eager_state) and all(torch.equal(a, b) for a, b in zip(state, eager_state))
     assert progress == eager_progress
     assert "optimizer_step" not in vars(trainer.lightning_module)  # the module as it was after fit
+
+
+class _NetByStep(_Net):
+    """A warm-up and a term every other step computed in training_step from
+    `self.global_step`, and a weight from `self.current_epoch`: counts the loop moves, behind
+    properties of the module and its trainer."""
+
+    def __init__(self):
+        torch.manual_seed(0)
+        super().__init__()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.net(x), y) * min(1.0, (self.global_step + 1) / 3)
+        if self.global_step % 2 == 0:
+            loss = loss + 0.01 * self.net[0].weight.pow(2).mean()
+        loss = loss * (1.0 + 0.1 * self.current_epoch)
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_a_training_step_computing_with_global_step_and_current_epoch_trains_as_eager_does(tmp_path):
+    # Each count is read at every call once it has changed (a graph held the first step's
+    # before, with no error): a graph per side of what the step compares, not one per step.
+    eager_rows, eager_state, eager_progress, _ = _fit(tmp_path / "eager", [], module=_NetByStep(), limit_train_batches=2, val_check_interval=2)
+    callback = RematCallback(memory_budget=0.9)
+    rows, state, progress, _ = _fit(tmp_path / "remat", [callback], module=_NetByStep(), limit_train_batches=2, val_check_interval=2)
+    assert [r[0] for r in rows] == [1, 2, 3, 4, 5, 6] and _equal_rows(rows, eager_rows)
+    assert all(torch.equal(a, b) for a, b in zip(state, eager_state, strict=True)) and progress == eager_progress
+    counts = {n.rsplit(".", 2)[0] for n in callback.step._read}
+    assert counts == {"trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step", "trainer.fit_loop.epoch_progress"}, counts
+    assert len(callback.step._graphs) <= 5
 
 
 class _NetWithMetric(_Net):

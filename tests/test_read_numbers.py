@@ -1,6 +1,6 @@
-"""Floats the loop changes between steps: read at every call as graph inputs after their first
-change (one more compile, then none), or constants of the graph where the step branches on
-them (a compile per value, as before)."""
+"""Floats and ints the loop changes between steps: read at every call as graph inputs after
+their first change (one more compile, then none for a float, one per side of each comparison
+for an int), or constants of the graph where the step needs the value (a compile per value)."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def test_a_weight_compared_with_zero_keeps_its_sign_and_compiles_again_only_when
     # Positive (the first change: the weight becomes an input, its sign known), then zero
     # (a graph holding 0.0); 0.3 and the later zeros reuse those.
     assert len(compiles) == 2 and len(compiled._graphs) == 2
-    assert compiled._signed == {"global SETTINGS.aux_weight"} and not compiled._constant
+    assert compiled._keys.signed == {"global SETTINGS.aux_weight"} and not compiled._constant
 
 
 @pytest.mark.parametrize("step", [_branching_step, _as_tensor_step], ids=["branch", "torch.tensor"])
@@ -209,3 +209,117 @@ def test_a_weight_in_a_closures_dict_beside_a_distributions_value_check_is_read_
     assert result.match, result.summary()
     assert len(compiled._graphs) == 1 and not compiled._constant
     assert [i.name for i in compiled._last.tg.inputs if i.kind is InputKind.NUMBER] == ["config['beta'] (from the closure of step)"]
+
+
+@dataclass
+class _Loop:
+    it: int = 0  # the iteration count a training loop keeps, read by the step
+
+
+LOOP = _Loop()
+_SCHEDULE = [0.5 + 0.1 * i for i in range(16)]
+
+
+def _mlp_compiled(step, budget=None, steps=8, count=lambda i: i + 1):
+    """An MLP with dropout trained by `step` against eager for `steps` steps, the count set
+    to `count(i)` after step i; the compiled step, with the compiles it made."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    model, o = twin(net, opt)
+    eager_model, eager_opt = twin(net, opt)
+    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    LOOP.it = 0
+    compiled = remat.compile(step, model, o, batch, memory_budget=budget, profile_runs=1)
+    compiles = []
+    original = compiled._compile
+    compiled._compile = lambda b: compiles.append(LOOP.it) or original(b)
+
+    def count_up(i, m, opt):
+        LOOP.it = count(i)
+
+    result = check_against_eager(step, eager_model, eager_opt, model, o, compiled, batch, steps=steps, between_steps=count_up)
+    assert result.match, result.summary()
+    return compiled, compiles
+
+
+def _warmed_up(model, opt, batch):
+    """A warm-up and an auxiliary term every third step, computed in the step from the count."""
+    opt.zero_grad()
+    out = model(batch[0])
+    loss = torch.nn.functional.cross_entropy(out, batch[1]) * min(1.0, (LOOP.it + 1) / 4)
+    if LOOP.it % 3 == 0:
+        loss = loss + 0.1 * out.pow(2).mean()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _accumulated(model, opt, batch):
+    """Gradients accumulated over two calls, the update on every second, by the count."""
+    loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1]) / 2
+    loss.backward()
+    if (LOOP.it + 1) % 2 == 0:
+        opt.step()
+        opt.zero_grad()
+    return loss.detach()
+
+
+def test_an_iteration_count_the_step_compares_compiles_once_per_side_not_once_per_value():
+    """The count read at every call as an int64 input: a graph for each side of the two
+    comparisons the trace made (warming up or not, the third step or not), reused for every
+    later value on that side, bitwise, with no warning of a constant changed."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiled, compiles = _mlp_compiled(_warmed_up, budget=0.9, steps=10)
+    name = "global LOOP.it"
+    taken = {(i.name, i.dtype) for g in compiled._graphs.values() for i in g.tg.inputs if i.kind is InputKind.NUMBER}
+    assert taken == {(name, "int64")}  # warmed up and not a third step, the graph no longer takes it
+    assert len(compiled._keys.conditions[name]) == 2 and name in compiled._read and name not in compiled._constant
+    # 1: the count becomes an input (warming up, not a third step); 3: warmed up ((3 + 1) / 4
+    # is not below 1), a third step; 4: warmed up, not a third step. 5 to 10 reuse those.
+    assert compiles == [1, 3, 4], compiles
+    assert compiled.report.measured_peak_bytes == compiled.report.predicted_peak_bytes
+
+
+def test_an_update_every_second_call_by_the_count_trains_as_eager_with_a_graph_per_side():
+    compiled, compiles = _mlp_compiled(_accumulated, steps=8)
+    assert len(compiles) <= 3, compiles  # the count an input, then each side with the gradients set
+    assert len(compiled._keys.conditions["global LOOP.it"]) == 1
+
+
+def _scheduled(model, opt, batch):
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1]) * _SCHEDULE[LOOP.it]  # a list's index needs the value
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _sliced(model, opt, batch):
+    opt.zero_grad()
+    k = 6 + LOOP.it % 2  # a tensor's size needs the value
+    loss = torch.nn.functional.cross_entropy(model(batch[0][:k]), batch[1][:k])
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _labelled(model, opt, batch):
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+    loss.backward()
+    opt.step()
+    print(f"step {LOOP.it:03d}", loss.item())  # text needs the value
+    return loss.detach()
+
+
+@pytest.mark.parametrize("step", [_scheduled, _sliced, _labelled], ids=["index", "size", "text"])
+def test_an_int_used_where_only_its_value_can_go_stays_a_constant_compiled_per_value(step, capsys):
+    with pytest.warns(UserWarning, match="changed since the step was compiled"):
+        compiled, compiles = _mlp_compiled(step, steps=4, count=lambda i: i % 2 + 1)  # 1, 2, 1, 2
+    assert "global LOOP.it" in compiled._constant and not compiled._last.tg.call.numbers
+    assert compiles == [1, 2], compiles  # 1 (tried as an input, left a constant), then 2; 1 and 2 again reuse theirs
+    if step is _labelled:
+        printed = [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
+        assert printed == ["000", "000", "001", "001", "002", "002", "001", "001"][: len(printed)] and len(printed) == 8

@@ -222,7 +222,7 @@ def _rereads(tg: TrainGraph, optimizer: Any, groups: list[dict[str, Any]], view:
             gi, key = hyperparams.parse_input_name(inp.name)
             out.append(_Reread(position, lambda gi=gi, key=key: hyperparams.read(optimizer, groups, gi, key)))
         elif inp.kind is InputKind.NUMBER:
-            out.append(_Reread(position, lambda slot=tg.call.numbers[inp.name]: read_numbers.number(slot)))
+            out.append(_Reread(position, lambda slot=tg.call.numbers[inp.name], dtype=inp.dtype: read_numbers.number(slot, dtype)))
         elif inp.kind is InputKind.OUTSIDE:
             out.append(_Reread(position, lambda inp=inp: outside_value(tg, inp)))
     return out

@@ -30,9 +30,9 @@ from remat.capture.optimizer_state import check_first_step_state, optimizer_on, 
 from remat.capture.optimizers import as_one, only_passed_step
 
 from remat.capture.markers import marking_updates, MARKER, RECORD_FUNCTION_OPS, marker, marking_passes
-from remat.capture.trace_checks import branched_hyperparameters, check_backward_ran, check_graph_runnable, cleared_before_backward, finds_gradients, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state, where_in_users_code
+from remat.capture.trace_checks import branched_hyperparameters, data_dependent_condition, check_backward_ran, check_graph_runnable, cleared_before_backward, finds_gradients, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state, where_in_users_code
 from remat.capture.train_graph import CallContract, GraphInput, InputKind, Phase, TrainGraph, TrainStep
-from remat.capture.state.python_state import no_python_state_changed, state_slots
+from remat.capture.state.python_state import no_python_state_changed, put_back_as_now, state_slots
 from remat.capture.traced_rng import no_host_random_drawn, no_rng_state_set
 from remat.capture.user_checkpoints import plain_checkpoints
 from remat.ops import ctc_loss, value_checks
@@ -108,8 +108,8 @@ def _graph_inputs(
                 inputs.append(GraphInput(name, InputKind.HYPERPARAMETER, (), "float64", "cpu"))
                 flat.append(torch.tensor(value, dtype=torch.float64))
     for name, slot in numbers.items():
-        inputs.append(GraphInput(name, InputKind.NUMBER, (), "float64", "cpu"))
         flat.append(read_numbers.value(slot))
+        inputs.append(GraphInput(name, InputKind.NUMBER, (), str(flat[-1].dtype).removeprefix("torch."), "cpu"))
     for held, t in outside:
         inputs.append(GraphInput(held.name, InputKind.OUTSIDE, *describe(t)))
         flat.append(t)
@@ -121,12 +121,10 @@ def _graph_inputs(
 
 def _as_stand_ins(t_params: dict[str, torch.Tensor], trainable: tuple[str, ...], grads: dict[str, torch.Tensor], preset: bool) -> None:
     """Each traced parameter requires a gradient as its parameter does, and starts with the
-    gradient it adds to (`grads`: GRADIENT inputs) or without one. Made fake from a real
-    parameter, it carries a fake copy of that one's `.grad`, which the trace would hold as
-    a constant: a step that calls zero_grad(set_to_none=False) on gradients an eager step
-    left zeroed the constant in place, and the graph then wrote into it at every call.
-    `preset`: every trainable one starts with zeros instead, marked (accumulates reads
-    whether the step adds to them)."""
+    gradient it adds to (`grads`: GRADIENT inputs) or without one, not the fake copy of its
+    real one's `.grad` (a constant of the trace, which zero_grad(set_to_none=False) would
+    zero in place, and the graph then write into at every call). `preset`: every trainable
+    one starts with zeros instead, marked (accumulates reads whether the step adds to them)."""
     for n, p in t_params.items():
         p.requires_grad_(n in trainable)
         p.grad = grads.get(n)
@@ -143,25 +141,28 @@ def _trace(
 ) -> torch.fx.GraphModule:  # fmt: skip
     """make_fx of `traced`; a branch on a hyperparameter other than the known ones fixes its
     sign too (in `sign_facts`), and where its sign was not enough for an int, its value (a
-    count: `hyperparams.FIXED`), and traces again; so does a branch on a number read at every
-    call, or any other failure while some are symbols (`Reading.tripped`). A branch on a
-    float of the batch, or a use only a fixed number can take, is refused."""
+    count: `hyperparams.FIXED`), and traces again, from the Python state the first found; so
+    does a branch on a number read at every call, a size made of one, or any other failure
+    while some are symbols (`Reading`). A float of the batch branched on, or used where only a
+    fixed number can go, is refused."""
     modes = [(m, m.training) for m in model.modules()]
 
     def make() -> torch.fx.GraphModule:
         with checks.tracing(symbols), hyperparams.quiet_structured_trace():
             return make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=False)(*flat)
 
+    put_back = put_back_as_now()
     while True:
         try:
             gm = make()
-            if checks.finished():
+            if checks.finished() or numbers.sized(gm, symbols):
                 continue
             return gm
         except (Exception, SystemExit) as e:  # noqa: BLE001 - translated into a message a user can act on (sys.exit: a check's failing side)
+            put_back()
             branched = branched_hyperparameters(e, symbols)
             batch_floats.refuse_branch(branched, e)
-            if numbers.tripped(branched, other_failure=not checks.at_check(e) and not any(name in hyper_values for name in branched)):
+            if numbers.tripped(branched, not checks.at_check(e) and not any(name in hyper_values for name in branched), data_dependent_condition(e), symbols):
                 continue
             new = [name for name in branched if name not in sign_facts]
             fixed = [name for name in branched if sign_facts.get(name, hyperparams.FIXED) != hyperparams.FIXED and type(hyper_values[name]) is int]
@@ -190,12 +191,11 @@ def capture(
     read_numbers_named: frozenset[str] = frozenset(), reduce_in_buckets: bool = True, grads_in: bool = False,
 ) -> TrainGraph:
     """Trace one call of `train_step(model, optimizer, batch)` into a TrainGraph.
-
     `optimizer`: one, a list of those the step steps (capture.optimizers), or None; its
     state is created here if empty (`init_optimizer_state`), and nothing else changes.
-    `read_numbers_named`: the floats (python_state slot names) to read at every call where the trace
-    can (read_numbers). `reduce_in_buckets`: a DDP model's gradients all-reduced in DDP's buckets, or
-    each on its own (data_parallel.buckets). `grads_in`: the gradients set now are inputs it adds to."""
+    `read_numbers_named`: the floats and ints (python_state slot names) to read at every call where the
+    trace can (read_numbers). `reduce_in_buckets`: a DDP model's gradients all-reduced in DDP's buckets,
+    or each on its own (data_parallel.buckets). `grads_in`: the gradients set now are inputs it adds to."""
     passed, optimizer = optimizer, as_one(optimizer)  # the step gets what was passed; remat reads it as one
     leaves, spec, params, buffers, trainable, device = check_arguments(model, example_batch, optimizer)
     dp = data_parallel.data_parallel_of(model, in_buckets=reduce_in_buckets)

@@ -272,7 +272,7 @@ def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: Any, batch: A
         elif inp.kind is InputKind.OUTSIDE:
             out.append(outside_value(tg, inp))
         elif inp.kind is InputKind.NUMBER:
-            out.append(read_numbers.value(tg.call.numbers[inp.name]))
+            out.append(read_numbers.value(tg.call.numbers[inp.name], inp.dtype))
     out.extend(map(batch_value, leaves))
     return out
 

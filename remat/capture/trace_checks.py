@@ -23,13 +23,19 @@ from remat.capture.train_graph import GraphInput, InputKind
 
 
 def branched_hyperparameters(e: BaseException, symbols: dict[str, str]) -> list[str]:
-    """The hyperparameters a failed trace branched on, from a data-dependent guard's condition."""
+    """The hyperparameters and numbers read at every call a failed trace branched on, from a data-dependent guard's condition."""
+    cond = data_dependent_condition(e)
+    return [symbols[str(s)] for s in cond.free_symbols if str(s) in symbols] if cond is not None else []
+
+
+def data_dependent_condition(e: BaseException | None) -> Any:
+    """The condition (torch's sympy) of the data-dependent guard a failed trace stopped at, or None."""
     while e is not None:
         cond = getattr(e, "cond", None)
         if cond is not None and hasattr(cond, "free_symbols"):
-            return [symbols[str(s)] for s in cond.free_symbols if str(s) in symbols]
-        e = e.__cause__ or e.__context__  # type: ignore[assignment]
-    return []
+            return cond
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def drop_unread_inputs(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> list[GraphInput]:

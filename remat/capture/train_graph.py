@@ -30,7 +30,7 @@ class InputKind(str, Enum):
     GRADIENT = "gradient"
     HYPERPARAMETER = "hyperparameter"  # a float of optimizer.param_groups, read at every call
     OUTSIDE = "outside"  # a tensor the user's state holds (a teacher's weight, an EMA copy): outside_tensors
-    NUMBER = "number"  # a float the loop changes between steps, read from where it is held at every call: read_numbers
+    NUMBER = "number"  # a float or int the loop changes between steps, read from where it is held at every call: read_numbers
     BATCH = "batch"
 
 
@@ -73,6 +73,7 @@ class CallContract:
     outside: dict[str, Any] = field(default_factory=dict)  # OUTSIDE input name -> outside_tensors.OutsideTensor, read at each call
     numbers: dict[str, Any] = field(default_factory=dict)  # NUMBER input name -> the python_state.Slot it is read from at each call
     number_signs: dict[str, int] = field(default_factory=dict)  # NUMBER input name -> its sign, where the step compares it with zero
+    number_conditions: dict[str, tuple[Any, ...]] = field(default_factory=dict)  # an int read at every call -> the read_numbers.Condition its graph assumes
     # The user's code objects the traces ran: python_state watches what they name (None: not
     # recorded, user_code.recording_run; everything the step's code can reach is watched).
     code_read: frozenset[Any] | None = None

@@ -209,9 +209,17 @@ def _trainer_state(module: LightningModule) -> list[tuple[str, Any]]:
     scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
     if scaler is not None:
         roots.append(("trainer.precision_plugin.scaler", scaler))
-    progress = getattr(getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "manual_optimization", None), "optim_step_progress", None)
+    fit_loop = getattr(trainer, "fit_loop", None)
+    progress = getattr(getattr(getattr(fit_loop, "epoch_loop", None), "manual_optimization", None), "optim_step_progress", None)
     if progress is not None and not module.automatic_optimization:
         roots.append(("trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress", progress))
+    # The counts `self.global_step` and `self.current_epoch` read, which the loop moves
+    # between steps: watched where a step reads them (library_objects.recording_reads).
+    steps = getattr(getattr(getattr(getattr(getattr(fit_loop, "epoch_loop", None), "automatic_optimization", None), "optim_progress", None), "optimizer", None), "step", None)
+    if steps is not None and module.automatic_optimization:
+        roots.append(("trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step", steps))
+    if getattr(fit_loop, "epoch_progress", None) is not None:
+        roots.append(("trainer.fit_loop.epoch_progress", fit_loop.epoch_progress))
     return roots
 
 

@@ -222,6 +222,29 @@ def _dropout_schedule(i, m, o):
                 module.p = max(0.0, module.p - 0.05)
 
 
+_LOOP = {"step": 0}  # a loop's iteration count, which the step below reads
+
+
+def _count_from_zero(model):
+    _LOOP["step"] = 0
+
+
+def _count_up(i, m, o):
+    _LOOP["step"] = i + 1
+
+
+def _warm_up_by_count(model, optimizer, batch):
+    """A warm-up weight and a term on every other step, computed in the step from the loop's count."""
+    optimizer.zero_grad()
+    out = model(**batch)
+    loss = out.loss * min(1.0, (_LOOP["step"] + 1) / 3)
+    if _LOOP["step"] % 2 == 0:
+        loss = loss + 1e-3 * out.logits.float().pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
 def _freeze(model):
     for name, p in model.named_parameters():
         if "embeddings" in name:
@@ -539,6 +562,8 @@ IDIOMS = [
     Idiom("resuming: load_state_dict into model and optimizer after compiling", "works", between=_hook(_resume)),
     Idiom("weights changed in place between steps (decay, EMA-style)", "works", between=_hook(_ema_in_place)),
     Idiom("dropout rate lowered between steps (nn.Dropout.p)", "works", between=_hook(_dropout_schedule)),
+    Idiom("a warm-up and a term every other step computed in train_step from the loop's iteration count", "works",
+          step=_warm_up_by_count, setup=_count_from_zero, between=_hook(_count_up)),
     Idiom("a last batch of another size", "works", other_sizes=True),
     Idiom("frozen parameters (fine-tuning a part)", "works", setup=_freeze),
     Idiom("train_step returns (loss, logits)", "works", step=_outputs),
@@ -631,7 +656,8 @@ def run_idiom(idiom: Idiom) -> dict[str, Any]:
             result.mismatches += [f"outside tensor {i} differs" for i, (a, b) in enumerate(pairs) if not torch.equal(a, b)]
             result.match = result.match and not result.mismatches
         if result.match:
-            outcome.update(outcome="works", detail=f"bitwise equal to eager over {STEPS} steps ({step.report.num_recomputed} activations recomputed)")
+            graphs = f"{len(step._graphs)} graph{'s' if len(step._graphs) > 1 else ''}"
+            outcome.update(outcome="works", detail=f"bitwise equal to eager over {STEPS} steps ({step.report.num_recomputed} activations recomputed; {graphs})")
         else:
             outcome.update(outcome="WRONG", detail=result.summary())
     outcome["as_expected"] = outcome["outcome"] == idiom.expect

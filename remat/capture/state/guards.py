@@ -126,21 +126,22 @@ class Guards:
     same_cell: list[tuple[types.CellType, Any]] = field(default_factory=list)
     same_items: SameContents | None = None  # containers it looked into, and the modules' tables of submodules
     same_frozen: list[tuple[Slot, Any]] = field(default_factory=list)  # mutable values and tensors, frozen
-    same_key: list[tuple[Slot, bool, Any]] = field(default_factory=list)  # floats read at every call: read_numbers.key
+    same_key: list[tuple[Slot, Any]] = field(default_factory=list)  # numbers read at every call: their key by `rules`
+    rules: read_numbers.KeyRules = field(default_factory=read_numbers.KeyRules)
     # same_object, and the keys of the dicts the walk looked names up in, in forms
     # compared by C-level maps (_flat_checks)
     _checks: tuple[Any, ...] = field(default=(SameEntries([], [], [], [], []), [], [], [], []), repr=False)
 
     @classmethod
     def of(
-        cls, model: torch.nn.Module, slots: list[tuple[Slot, Any]], skip: set[str], read: set[str], signed: set[str],
+        cls, model: torch.nn.Module, slots: list[tuple[Slot, Any]], skip: set[str], read: set[str], rules: read_numbers.KeyRules,
         library_read: frozenset[tuple[int, str]] = frozenset(),
     ) -> Guards:  # fmt: skip
         """The checks for what `slots` (python_state.state_slots, just walked) depend on:
         `skip` are left out of the key (updated by the step at every call), `read` are
-        floats read at every call (their key only), `signed` those whose sign the graph
-        assumes, `library_read` the library fields the traces read (a library's flag)."""
-        g = cls()
+        numbers read at every call (their key by `rules` only), `library_read` the library
+        fields the traces read (a library's flag)."""
+        g = cls(rules=rules)
         holders: dict[int, dict[Any, Any]] = {}
         # Containers whose items are compared: each module's table of submodules (the
         # model's, and another's held in a slot), and plain containers held in slots.
@@ -171,7 +172,7 @@ class Guards:
             if slot.name in skip:
                 continue
             if slot.name in read:
-                g.same_key.append((slot, slot.name in signed, read_numbers.key(value, slot.name in signed)))
+                g.same_key.append((slot, rules.key(slot.name, value)))
                 continue
             if isinstance(slot.owner, types.CellType):
                 g.same_cell.append((slot.owner, value))
@@ -204,9 +205,8 @@ class Guards:
                 return False
         if self.same_items is not None and not self.same_items.hold():
             return False
-        for slot, signed, key in self.same_key:
-            if read_numbers.key(slot.get(), signed) != key:
-                return False
+        if self.same_key and any(self.rules.key(slot.name, slot.get()) != key for slot, key in self.same_key):
+            return False
         return all(frozen(slot.get()) == value for slot, value in self.same_frozen)
 
 

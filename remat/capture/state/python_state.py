@@ -232,16 +232,17 @@ def _in_container(slot: Slot, value: Any) -> list[tuple[str, Any]]:
 
 
 def _items(slot: Slot, value: Any) -> list[tuple[Slot, Any]]:
-    """A dict (or defaultdict) of numbers (traced ones too) and lists of numbers or tensors under
-    str keys (metrics, a history of losses) held outside a module, as one slot per key: the
-    step may count or log into one key (capture.state.kept_numbers, logged_numbers) while the
-    others are watched as values. Its keys are watched through the items' names. Any other
-    value: its own slot. (A list the step logs tensors into splits its dict as it did when
+    """A dict (or defaultdict) of numbers (traced ones too), strings, None and lists of numbers
+    or tensors under str keys (metrics, a history of losses, a loop's state) held outside a
+    module, as one slot per key: the step may count or log into one key
+    (capture.state.kept_numbers, logged_numbers) while the others are watched as values, and
+    a number the loop changes is read at every call on its own (read_numbers). Its keys are
+    watched through the items' names. Any other value: its own slot. (A list the step logs tensors into splits its dict as it did when
     empty: the step found again after the loop touched the state.)"""
     if type(value) not in (dict, collections.defaultdict) or not value or len(value) > _MOST_KEYS or isinstance(slot.owner, torch.nn.Module):
         return [(slot, value)]
     for k, v in value.items():
-        if type(k) is not str or not (is_number(v) or (type(v) is list and all(is_number(x) or isinstance(x, torch.Tensor) for x in v))):
+        if type(k) is not str or not (is_number(v) or type(v) in (str, type(None)) or (type(v) is list and all(is_number(x) or isinstance(x, torch.Tensor) for x in v))):
             return [(slot, value)]
     return [(Slot(item_name(slot, f"[{k!r}]"), slot, k), v) for k, v in value.items()]
 
@@ -384,6 +385,7 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
     before the capture."""
     watch = StateWatch(model, train_step, slots)
     held, before = watch.held, watch.before
+    _CAPTURES.append(watch)
     try:
         yield watch
     except BaseException:  # a capture that failed leaves the state as it found it too
@@ -394,6 +396,8 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
         for w in before.values():
             w.put_back()
         raise
+    finally:
+        _CAPTURES.remove(watch)
     # A traced number in a slot watched before is named as a change (the message says where to log it).
     kept = [slot for slot, value in state_slots(model, train_step) if holds_traced_value(value, slot.name not in before)]
     for slot in kept:
@@ -420,6 +424,22 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
         )
     if kept:
         raise _kept_error([slot.name for slot in kept])
+
+
+_CAPTURES: list[StateWatch] = []  # the captures under way, the innermost last
+
+
+def put_back_as_now() -> Callable[[], None]:
+    """The state the capture under way watches, as it is now, as a function that puts it
+    back: a trace that fails midway (and is made again, knowing more) may have set state
+    its code sets back only on success (Lightning's name of the hook running), and the
+    next trace must start from the state this one started from."""
+    if not _CAPTURES:
+        return lambda: None
+    now = _watched([(w.slot, w.slot.get()) for w in _CAPTURES[-1].before.values()])
+    for w in now.values():
+        w.content = copied(w.value)
+    return lambda: [w.put_back() for w in now.values()] and None
 
 
 def _drop_new_keys(watch: StateWatch) -> None:
