@@ -206,6 +206,7 @@ class RematStep:
         self._read -= constant
         self._constant |= constant
         self._keys.learn(tg.call.number_signs, tg.call.number_conditions)
+        self._read |= set(tg.call.number_conditions)  # and those the step counts up itself, read at every call
         with first_call.applied(tg.call.set_up), first_call.keys_made(tg.call.default_keys):
             compiled.step_values = self._key_values()
         self._set_up += tg.call.set_up
@@ -243,7 +244,7 @@ class RematStep:
         """The watched values the compiled graph depends on: each value itself, but for a
         number read at every call only whether it is a float, and its sign where the
         graph assumes it. `slots`: python_state.state_slots, where just walked."""
-        values = step_values(self.model, self.train_step, skip=self._unkeyed, ran=self._ran, slots=slots, library_read=self._library_read)
+        values = step_values(self.model, self.train_step, skip=self._unkeyed - self._read, ran=self._ran, slots=slots, library_read=self._library_read)
         return tuple((name, self._keys.key(name, value)) if name in self._read else (name, value) for name, value in values)
 
     def _checked_signature(self, batch: Any) -> Any:

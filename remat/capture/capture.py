@@ -185,6 +185,7 @@ def _trace(
 
 
 @gc_paused()
+@kept_numbers.with_counts_read(lambda train_step, model, optimizer, *rest, **kw: optimizer_state.drop_made_ahead(as_one(optimizer)))
 @first_call.with_keys_made(lambda train_step, model, optimizer, *rest, **kw: optimizer_state.drop_made_ahead(as_one(optimizer)))
 def capture(
     train_step: TrainStep, model: torch.nn.Module, optimizer: Any, example_batch: Any,
@@ -262,7 +263,7 @@ def capture(
             result = train_step(model, passed, t_batch)
             probe["cleared_first"] = {id(t_params[n]) for n in trainable} <= cleared
             outside_tensors.check_no_gradient([held for held, _ in outside], t_outside)
-        updates, update_values = effects.updates(probe["numbers_unread"])
+        updates, update_values = effects.updates(probe["numbers_unread"], numbers.kept())
         outputs, out_spec, returned = step_outputs.as_graph_outputs(result, update_values)
         check_backward_ran(calls["backward"])
         grads = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]
@@ -396,21 +397,21 @@ class _Effects:
             stack.enter_context(library_objects.recording_reads(slot.owner for slot, _ in slots if slot.library)),
         )
 
-    def updates(self, numbers_unread: frozenset[str]) -> tuple[list[Any], list[list[Any]]]:
+    def updates(self, numbers_unread: frozenset[str], counts: list[Any]) -> tuple[list[Any], list[list[Any]]]:
         """The updates to make again after each run (TrainGraph.call.state_updates), with the
         traced values each takes from the graph. The tensors kept come before prints: a
         recorded call may read one from an object it is given (Lightning's `self.log` of a
         torchmetrics metric reads the batch's value the metric's update kept). Prints come
         before the numbers kept: a number the step counts up prints from the slot's number
-        before the step."""
+        before the step. `counts`: the ints read at every call that the step counts up (read_numbers)."""
         logs, logged_values = logged_numbers.logged(self.logged, self.inputs)
         prints, printed_values = step_prints.recorded(self.printed)
         kept, kept_values, self.left_alone = kept_numbers.kept(self.counted, numbers_unread)
         tensors = [*self.tensors, *self.dicts.kept]
         skipped, skipped_values = optimizer_state.skipped_steps(self.passed, self.skips)
         return (
-            [*logs, *(t for t, _ in tensors), *prints, *kept, *skipped],
-            [*logged_values, *([v] for _, v in tensors), *printed_values, *kept_values, *skipped_values],
+            [*logs, *(t for t, _ in tensors), *prints, *kept, *counts, *skipped],
+            [*logged_values, *([v] for _, v in tensors), *printed_values, *kept_values, *([] for _ in counts), *skipped_values],
         )
 
 
@@ -440,13 +441,7 @@ def _step_patches(model: torch.nn.Module, recorded: _Recorded, updating: Callabl
 
 
 def _finish(
-    gm: torch.fx.GraphModule,
-    inputs: list[GraphInput],
-    grad_order: list[str],
-    final_grads: list[str],
-    batch_spec: str,
-    has_optimizer: bool,
-    device: str,
+    gm: torch.fx.GraphModule, inputs: list[GraphInput], grad_order: list[str], final_grads: list[str], batch_spec: str, has_optimizer: bool, device: str,
 ) -> TrainGraph:
     """Read the markers into phases, then remove them and the profiler's record_function nodes."""
     graph = gm.graph
@@ -488,13 +483,6 @@ def _finish(
     gm.recompile()
     assert loss_node is not None
     return TrainGraph(
-        gm=gm,
-        inputs=inputs,
-        grad_names=final_grads,
-        phase=phase,
-        loss_node=loss_node,
-        grad_nodes=grad_nodes,
-        has_optimizer=has_optimizer,
-        call=CallContract(batch_spec=batch_spec),
-        device=device,
+        gm=gm, inputs=inputs, grad_names=final_grads, phase=phase, loss_node=loss_node, grad_nodes=grad_nodes,
+        has_optimizer=has_optimizer, call=CallContract(batch_spec=batch_spec), device=device,
     )

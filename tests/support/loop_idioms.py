@@ -322,20 +322,18 @@ def _seeded_step(model, optimizer, batch):
     return plain_step(model, optimizer, batch)
 
 
-def _warmed_up_loss() -> Step:
+def _count_calls(model):
+    model.calls = 0  # on the model: each side counts its own calls
+
+
+def _warmed_up_loss(model, optimizer, batch):
     """A loss weight warmed up from a Python counter the step keeps (a KL-weight schedule)."""
-    calls = 0
-
-    def step(model, optimizer, batch):
-        nonlocal calls
-        calls += 1
-        optimizer.zero_grad()
-        loss = model(**batch).loss * min(1.0, calls / 4)
-        loss.backward()
-        optimizer.step()
-        return loss
-
-    return step
+    model.calls += 1
+    optimizer.zero_grad()
+    loss = model(**batch).loss * min(1.0, model.calls / 4)
+    loss.backward()
+    optimizer.step()
+    return loss
 
 
 _FEATURES: dict[str, torch.Tensor] = {}
@@ -584,7 +582,8 @@ IDIOMS = [
           between=_made_before_the_loop(lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o))),
     Idiom("the model's own activation checkpointing (gradient_checkpointing_enable, dropout inside)", "works", setup=_checkpointing),
     Idiom("torch.manual_seed inside train_step", "refused", step=_seeded_step),
-    Idiom("a loss weight warmed up from a Python counter inside train_step", "refused", step=_warmed_up_loss()),
+    Idiom("a loss weight warmed up from a Python counter the step counts up (model.calls += 1)", "works", step=_warmed_up_loss,
+          setup=_count_calls, kept=lambda m: m.calls),
     Idiom("an EMA copy of the weights updated inside train_step (a helper object the model holds)", "works", step=_ema_inside,
           setup=_keep_ema, outside=lambda m: m.ema.shadow),
     Idiom("a library's EMA helper (diffusers' EMAModel, its decay from a step count it keeps) stepped inside train_step", "refused",

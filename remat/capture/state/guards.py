@@ -169,10 +169,10 @@ class Guards:
                     g.same_object.append((parent_holder, parent.key, held))
                 elif isinstance(parent.owner, types.CellType):
                     g.same_cell.append((parent.owner, held))
-            if slot.name in skip:
-                continue
-            if slot.name in read:
+            if slot.name in read:  # an int the step counts up too: its key, not its value
                 g.same_key.append((slot, rules.key(slot.name, value)))
+                continue
+            if slot.name in skip:
                 continue
             if isinstance(slot.owner, types.CellType):
                 g.same_cell.append((slot.owner, value))

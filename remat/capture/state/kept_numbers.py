@@ -7,10 +7,11 @@ the user's state (python_state's) the step leaves holding another number, it is 
 again with each such number swapped for a `_Counted`: a stand-in that can only be added
 to. Anything else the step does with it (compare it, scale it, print it, pass it to torch)
 is refused, naming the slot: the graph would hold what it computed from the count at
-capture. What the slot ends as is done again after each run, on the number it holds then:
-the same additions in the same order (so that floats round as eager's do), the numbers
-the graph computes (`loss.item()`) taken from its outputs. A value set outright is set
-again.
+capture; but an int of the user's is captured again read at every call (`CountUsed`,
+read_numbers), where what it computes with the int holds for any value. What the slot
+ends as is done again after each run, on the number it holds then: the same additions
+in the same order (so that floats round as eager's do), the numbers the graph computes
+(`loss.item()`) taken from its outputs. A value set outright is set again.
 
 A library object's number (library_objects: its code is not followed, so any use may
 matter) is not swapped: the step is traced with it as this step found it and as the next
@@ -31,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -156,8 +158,41 @@ class _Counted:
         return f"<{self.change.slot.name}, counted while traced>"
 
 
+class CountUsed(CaptureError):
+    """A use of an int of the user's that the step counts up (`self.step += 1`, then `if
+    self.step % 10 == 0`): the capture tries again with it read at every call as a symbol
+    (read_numbers), the count made again after each run; where it cannot be, this error."""
+
+    def __init__(self, message: str, name: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+def with_counts_read(again: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Wraps a capture function: where it is refused with CountUsed, `again(*its arguments)`
+    undoes what the refused capture set up, and it captures again with that int among the
+    numbers it reads at every call (its argument `read_numbers_named`, the fifth); where
+    the int is among them already (a use that needs its value), the refusal stands."""
+
+    def wrap(capture: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(capture)
+        def capturing(train_step: Any, model: Any, optimizer: Any, batch: Any, read_numbers_named: frozenset[str] = frozenset(), *rest: Any, **kwargs: Any) -> Any:
+            try:
+                return capture(train_step, model, optimizer, batch, read_numbers_named, *rest, **kwargs)
+            except CountUsed as refused:
+                if refused.name in read_numbers_named:
+                    raise
+                again(train_step, model, optimizer, batch, read_numbers_named, *rest, **kwargs)
+                return capturing(train_step, model, optimizer, batch, read_numbers_named | {refused.name}, *rest, **kwargs)
+
+        return capturing
+
+    return wrap
+
+
 def _refuse(change: NumberChange, op: str) -> Any:
-    raise CaptureError(
+    counted_int = type(change.before) is int and not change.slot.library
+    raise (functools.partial(CountUsed, name=change.slot.name) if counted_int else CaptureError)(
         f"train_step changed Python state while it was traced: {change.slot.name} ({_shown(change.before)} -> "
         f"{_shown(change.after)}), which it also uses ({op}). Its Python code runs once, at capture, so what it computes "
         "from that number would be the same at every step. A step may add to a number it keeps (a step count, a sum of "

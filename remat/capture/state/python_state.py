@@ -237,8 +237,9 @@ def _items(slot: Slot, value: Any) -> list[tuple[Slot, Any]]:
     module, as one slot per key: the step may count or log into one key
     (capture.state.kept_numbers, logged_numbers) while the others are watched as values, and
     a number the loop changes is read at every call on its own (read_numbers). Its keys are
-    watched through the items' names. Any other value: its own slot. (A list the step logs tensors into splits its dict as it did when
-    empty: the step found again after the loop touched the state.)"""
+    watched through the items' names. Any other value: its own slot. (A list the step logs
+    tensors into splits its dict as it did when empty: the step found again after the loop
+    touched the state.)"""
     if type(value) not in (dict, collections.defaultdict) or not value or len(value) > _MOST_KEYS or isinstance(slot.owner, torch.nn.Module):
         return [(slot, value)]
     for k, v in value.items():

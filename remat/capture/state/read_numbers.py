@@ -26,7 +26,9 @@ which side the int is on now (`torch._check`), and the key holds that side, so a
 compiles once per side of each condition (two graphs for `it % 4 == 0`), not once per
 value, and the arithmetic is Python's, on the same int, bitwise. An int used where only a
 fixed number can go (a list's index, a tensor's size, a format) stays a constant of the
-graph, compiled again for each value as before.
+graph, compiled again for each value as before. An int the step counts up itself and
+computes with (`self.step += 1; if self.step % 10 == 0`) is read the same way
+(kept_numbers.CountUsed), and what the trace added to it is added again after each run.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from torch.utils._sympy.printers import PythonPrinter
 
 from remat.errors import CaptureError
 from remat.capture.hyperparams import sign, traced_float
+from remat.capture.state.kept_numbers import KeptNumber, Term
 from remat.capture.state.python_state import Slot
 from remat.capture.train_graph import InputKind, TrainGraph
 
@@ -102,6 +105,7 @@ class Reading:
     symbolic: dict[str, Slot] = field(default_factory=dict)
     signs: dict[str, int] = field(default_factory=dict)
     conditions: dict[str, list[Condition]] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)  # ints the step counts up (`self.step += 1`), by how much
 
     @classmethod
     def of(cls, slots: list[tuple[Slot, Any]], names: frozenset[str]) -> Reading:
@@ -173,6 +177,10 @@ class Reading:
         # even where the graph no longer takes it (its branches all decided).
         tg.call.number_conditions = {name: tuple(self.conditions.get(name, ())) for name, slot in self.symbolic.items() if type(slot.get()) is int}
 
+    def kept(self) -> list[KeptNumber]:
+        """The ints the last trace counted up (`self.step += 1`), to count up again after each run."""
+        return [KeptNumber(self.slots[name], (Term.SLOT, count), keyed=False) for name, count in self.counts.items() if name in self.symbolic]
+
     @contextlib.contextmanager
     def traced(self, tensors: dict[str, torch.Tensor], symbols: dict[str, str]) -> Iterator[None]:
         """While tracing: each number still a symbol is the `.item()` of its graph input
@@ -198,7 +206,9 @@ class Reading:
             with _text_trips({str(v.node.expr) for v in placed.values() if isinstance(v, (torch.SymInt, torch.SymFloat))}), _math_on_symbols():
                 yield
             for name, slot in self.symbolic.items():
-                if slot.get() is not placed[name]:
+                if slot.get() is not placed[name] and (count := _added(slot.get(), placed[name])) is not None:
+                    self.counts[name] = count  # added again after each run (kept), to the number held then
+                elif slot.get() is not placed[name]:
                     raise CaptureError(
                         f"train_step changed {name} while it ran, which the loop also changes between steps; remat reads "
                         "it at every call. Change it in one place: between steps, or in the step only."
@@ -206,6 +216,14 @@ class Reading:
         finally:
             for name, slot in self.symbolic.items():
                 slot.set(saved[name])
+
+
+def _added(now: Any, placed: Any) -> int | None:
+    """What the step added to an int read at every call (`self.step += 1`: 1), where that is all it did to it."""
+    if not isinstance(now, torch.SymInt) or not isinstance(placed, torch.SymInt):
+        return None
+    added = sympy.expand(now.node.expr - placed.node.expr)
+    return int(added) if added.is_Integer else None
 
 
 class TextOfNumber(RuntimeError):
