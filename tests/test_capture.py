@@ -1252,3 +1252,17 @@ def test_a_lazy_module_not_yet_run_is_refused_naming_its_parameter_and_trains_af
     compiled = remat.compile(step, model, opt, batch)
     for _ in range(2):
         assert torch.equal(compiled(batch), step(eager_model, eager_opt, batch))
+
+
+def _reads_the_loops_count(model, opt, batch):
+    opt.zero_grad()
+    loss = model(batch).sum() * (_COUNT_SET_BY_THE_LOOP + 1)  # noqa: F821 - the loop sets it after compiling
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_a_global_the_loop_sets_only_after_compiling_is_named_saying_to_give_it_a_value_first():
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(CaptureError, match=r"NameError: name '_COUNT_SET_BY_THE_LOOP' is not defined.*give each global it reads a value before compiling"):
+        remat.compile(_reads_the_loops_count, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 4), memory_budget=None)

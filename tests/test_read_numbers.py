@@ -5,6 +5,7 @@ for an int), or constants of the graph where the step needs the value (a compile
 from __future__ import annotations
 
 import importlib
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -323,3 +324,39 @@ def test_an_int_used_where_only_its_value_can_go_stays_a_constant_compiled_per_v
     if step is _labelled:
         printed = [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
         assert printed == ["000", "000", "001", "001", "002", "002", "001", "001"][: len(printed)] and len(printed) == 8
+
+
+_PIPED_LOOP = """
+import copy, torch, remat
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+eager_model = copy.deepcopy(model)
+opt, eager_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager_model.parameters(), lr=0.1)
+it = 0
+
+def train_step(model, opt, batch):
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(batch), batch[:, :2]) * (it + 1)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+batches = [torch.randn(4, 8) for _ in range(4)]
+step = remat.compile(train_step, model, opt, batches[0])
+same = True
+for it, batch in enumerate(batches):
+    same = same and torch.equal(step(batch), train_step(eager_model, eager_opt, batch))
+print("bitwise", same, "graphs", len(step._graphs))
+"""
+
+
+def test_a_script_piped_to_python_has_its_loop_count_read_as_a_files_would():
+    """Code with no file (`python -`, `python -c`, exec of a string) is the user's too: the
+    globals it reads are watched, so the loop's count is read at every call, not held at the
+    first step's value (which trained with the first step's count before, silently)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-"], input=_PIPED_LOOP, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-4:] == ["bitwise", "True", "graphs", "1"], done.stdout

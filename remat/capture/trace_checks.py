@@ -453,6 +453,11 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
             "register_post_accumulate_grad_hook, is not needed: pass one optimizer (or a list) to remat.compile and "
             "step it in train_step; remat runs each parameter's update as soon as its gradient is final."
         )
+    if isinstance(e, NameError):  # a global the loop sets later (`for it, batch in enumerate(loader)` after compiling)
+        return CaptureError(
+            f"could not capture train_step: {name}: {first}{where}. remat.compile runs train_step once, on the example "
+            "batch, to trace it: give each global it reads a value before compiling (it = 0), as the first step will find it."
+        )
     if "Unsupported" in name or "NotImplemented" in name:
         return CaptureError(f"train_step uses an op that cannot be traced on fake tensors ({name}: {first}){where}; replace or remove it.")
     dispatch = _fake_dispatch_of(e)

@@ -36,8 +36,16 @@ _LIBRARY_DIRS = tuple(
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
+# Code with no file that the user typed or ran: a script piped to `python -`, `python -c`,
+# exec() of a string, the interactive console, older IPython's cells. Other code with no
+# file (`<frozen ...>` modules of the standard library, torch.fx's generated forwards) is not.
+_USER_PSEUDO_FILES = ("<stdin>", "<string>", "<console>", "<ipython-input-")
+
+
 def is_user_file(path: str) -> bool:
-    return not path.startswith("<") and not path.startswith(_LIBRARY_DIRS) and not path.startswith(_OWN_DIR)
+    if path.startswith("<"):
+        return path.startswith(_USER_PSEUDO_FILES)
+    return not path.startswith(_LIBRARY_DIRS) and not path.startswith(_OWN_DIR)
 
 
 def user_function(value: Any) -> types.FunctionType | None:
