@@ -53,7 +53,9 @@ def user_function(value: Any) -> types.FunctionType | None:
     user wrote it."""
     while isinstance(value, (types.MethodType, functools.partial, staticmethod, classmethod, property)):
         value = value.fget if isinstance(value, property) else getattr(value, "__func__", None) or value.func
-    if isinstance(value, types.FunctionType) and is_user_file(value.__code__.co_filename):
+    # A dataclass's generated methods (`__init__`, `__eq__`: their file is `<string>`) are
+    # not the user's code: they name every field, which would watch all of them.
+    if isinstance(value, types.FunctionType) and is_user_file(value.__code__.co_filename) and "__create_fn__" not in getattr(value.__code__, "co_qualname", ""):
         return value
     return None
 
