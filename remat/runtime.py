@@ -216,7 +216,7 @@ class RematStep:
         if newly_read:  # the graphs before did not read these library flags: right whatever they hold, keyed with them now
             self._graphs = {(s, g.rekeyed(compiled.step_values, self._library_slots(newly_read))): g for (s, _), g in self._graphs.items()}
         self._graphs[(shapes, compiled.step_values)] = compiled
-        compile_notes.warn_many_shapes(len({s[0] if self._accumulating is not None or self._branches or self._frozen_graded else s for s, _ in self._graphs}), compiled.report.compile_seconds)
+        compile_notes.warn_many_shapes(len({s[0] if wrapped else s for wrapped in [self._with_call_state(None) is not None] for s, _ in self._graphs}), compiled.report.compile_seconds)  # batch shapes
         return compiled
 
     def _with_call_state(self, shapes: Any) -> Any:

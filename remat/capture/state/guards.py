@@ -205,7 +205,7 @@ class Guards:
                 return False
         if self.same_items is not None and not self.same_items.hold():
             return False
-        if self.same_key and any(self.rules.key(slot.name, slot.get()) != key for slot, key in self.same_key):
+        if any(self.rules.key(slot.name, slot.get()) != key for slot, key in self.same_key):
             return False
         return all(frozen(slot.get()) == value for slot, value in self.same_frozen)
 

@@ -206,9 +206,12 @@ class Reading:
             with _text_trips({str(v.node.expr) for v in placed.values() if isinstance(v, (torch.SymInt, torch.SymFloat))}), _math_on_symbols():
                 yield
             for name, slot in self.symbolic.items():
-                if slot.get() is not placed[name] and (count := _added(slot.get(), placed[name])) is not None:
+                if slot.get() is placed[name]:
+                    continue
+                count = _added(slot.get(), placed[name])
+                if count is not None:
                     self.counts[name] = count  # added again after each run (kept), to the number held then
-                elif slot.get() is not placed[name]:
+                else:
                     raise CaptureError(
                         f"train_step changed {name} while it ran, which the loop also changes between steps; remat reads "
                         "it at every call. Change it in one place: between steps, or in the step only."
