@@ -15,21 +15,30 @@ from remat.passes.update_buckets import nbytes
 MANY_SHAPES = 4
 
 
-def warn_constants_changed(changed: list[str], needed: bool) -> None:
+def warn_constants_changed(changed: list[str], needed: bool, reading_needs: int | None = None) -> None:
     """Name the values the graph about to be compiled holds as constants that changed since
     the last graph of its shape (`changed`, as `python_state.changed_values` writes them);
-    `needed`: among them a number the loop changes that the step needs the value of."""
+    `needed`: among them a number the loop changes that the step needs the value of;
+    `reading_needs`: among them a number held constant because the graph reading it at every
+    call has no plan under the budget, the smallest peak that graph reaches."""
     if not changed:
         return
-    warnings.warn(
-        f"remat: {', '.join(changed[:3])}{' and more' if len(changed) > 3 else ''} changed since the step was "
-        "compiled: the graph holds such values as constants, so the step is compiled again for them."
-        + (
+    why = ""
+    if reading_needs is not None:
+        why = (
+            f" A number the loop changes is read at every call, but reading it adds an input to the graph, whose "
+            f"plans then reach no lower than {format_bytes(reading_needs)} ({reading_needs} bytes), over the memory "
+            f"budget. Raise the budget to at least {reading_needs} bytes to have it read at every call."
+        )
+    elif needed:
+        why = (
             " A number the loop changes is read at every call, unless the step needs its value: as a list's index, "
             "a tensor's size, text, torch.tensor(n), or a branch beyond what it can keep as a condition. Compute "
             "that use between steps (a float the step reads is read at every call), or pass it in the batch as a tensor."
-            if needed else ""
-        ),
+        )
+    warnings.warn(
+        f"remat: {', '.join(changed[:3])}{' and more' if len(changed) > 3 else ''} changed since the step was "
+        "compiled: the graph holds such values as constants, so the step is compiled again for them." + why,
         stacklevel=5,
     )
 

@@ -103,6 +103,7 @@ class RematStep:
     _unkeyed: set[str] = field(default_factory=set)  # slots the step updates and never reads (TrainGraph.call.state_updates)
     _read: set[str] = field(default_factory=set)  # floats the loop changed between steps, read at every call (read_numbers)
     _constant: set[str] = field(default_factory=set)  # such floats the step branches on: constants of the graph
+    _unread_for_budget: dict[str, int] = field(default_factory=dict)  # numbers constant as reading them needs this budget
     _keys: read_numbers.KeyRules = field(default_factory=read_numbers.KeyRules)  # what the key holds of them (a float's sign, an int's conditions)
     _ran: frozenset[Any] | None = None  # the user's code the traces ran (None before the first): the key watches what it names
     _all_code: bool = False  # a capture could not record the code it ran: watch all the step's code can reach
@@ -177,12 +178,13 @@ class RematStep:
         self._warn_changed(before)
         try:
             compiled = self._compile(batch)
-        except BudgetError:
+        except BudgetError as error:
             if not promoted:
                 raise
             # Their inputs add a few bytes, over a budget at the very peak: constants, as before.
             self._read -= promoted
             self._constant |= promoted
+            self._unread_for_budget.update(dict.fromkeys(promoted, error.reach.best if error.reach is not None else None))
             self._warn_changed(before)
             compiled = self._compile(batch)
         else:
@@ -237,8 +239,8 @@ class RematStep:
         unread = lambda values: tuple((name, value) for name, value in values if name not in self._read)  # noqa: E731
         now = self._key_values()
         changed = changed_values(unread(before), unread(now)) if before else []
-        needed = any(type(v) in (int, float) and n in self._constant and dict(before).get(n) != v for n, v in now)
-        compile_notes.warn_constants_changed(changed, needed)
+        moved = [n for n, v in now if type(v) in (int, float) and n in self._constant and dict(before).get(n) != v]
+        compile_notes.warn_constants_changed(changed, bool(moved), max((self._unread_for_budget.get(n) or 0 for n in moved), default=0) or None)
 
     def _key_values(self, slots: list[Any] | None = None) -> tuple[tuple[str, Any], ...]:
         """The watched values the compiled graph depends on: each value itself, but for a

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -281,6 +282,29 @@ def test_an_iteration_count_the_step_compares_compiles_once_per_side_not_once_pe
     # is not below 1), a third step; 4: warmed up, not a third step. 5 to 10 reuse those.
     assert compiles == [1, 3, 4], compiles
     assert compiled.report.measured_peak_bytes == compiled.report.predicted_peak_bytes
+
+
+def test_a_count_at_a_budget_its_input_does_not_fit_stays_constant_and_the_warning_names_the_budget_that_reads_it():
+    """At a budget of the very peak the first graph reaches (the figure a refusal advises),
+    the graph that reads the count takes one more input and has no plan: the count stays a
+    constant, compiled per value, and the warning names the budget that reads it instead;
+    at that budget it is read at every call."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 4))
+    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    LOOP.it = 0
+    with pytest.raises(remat.BudgetError) as refused:
+        remat.compile(_warmed_up, net, torch.optim.AdamW(net.parameters()), batch, memory_budget=0.01, profile_runs=1)
+    floor = refused.value.reach.best
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled, compiles = _mlp_compiled(_warmed_up, budget=floor, steps=4)
+    assert compiles == [1, 1, 2, 3] and "global LOOP.it" in compiled._constant  # read, refused; then a constant per value
+    advised = {int(m) for w in caught for m in re.findall(r"Raise the budget to at least (\d+) bytes to have it read", str(w.message))}
+    assert len(advised) == 1 and min(advised) > floor, [str(w.message) for w in caught]
+    compiled, compiles = _mlp_compiled(_warmed_up, budget=min(advised), steps=6)
+    assert compiles == [1, 3, 4] and "global LOOP.it" in compiled._read
+    assert compiled.report.measured_peak_bytes <= min(advised)
 
 
 def test_an_update_every_second_call_by_the_count_trains_as_eager_with_a_graph_per_side():

@@ -4,7 +4,6 @@ the plan made of the chosen set (`assemble_plan`), and the error when none fits.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -13,7 +12,7 @@ import torch.fx
 
 from remat.budget import format_bytes
 from remat.errors import BudgetError, PlanError
-from remat.memory.schedule import GraphIndex, RebuildPolicy, Schedule, build_schedule, recompute_seconds
+from remat.memory.schedule import GraphIndex, RebuildPolicy, Schedule, ScheduleTooLarge, build_schedule, recompute_seconds
 from remat.memory.simulator import ScheduleIntervals, Timeline, schedule_intervals, simulate_schedule
 from remat.passes.update_buckets import made_from, positions
 from remat.planners.bound import PeakLowerBound
@@ -49,6 +48,18 @@ def evaluate(
     made = schedule_intervals(index, schedule, touches=True) if touches else None
     timeline = simulate_schedule(index, schedule, made=made)
     return Evaluation(schedule, timeline, recompute_seconds(schedule, node_seconds), made)
+
+
+# A rebuilt copy counts this many schedule steps of simulation work (building its block's
+# closure costs that much more): the unit in which searches limit themselves, so that
+# where they stop does not depend on the machine's speed.
+COPY_WORK = 8
+
+
+def simulation_work(evaluation: Evaluation) -> int:
+    """The simulation work `evaluation` took: its schedule steps and its copies."""
+    schedule = evaluation.schedule
+    return len(schedule.steps) + COPY_WORK * len(schedule.copy_positions)
 
 
 def step_time(index: GraphIndex, schedule: Schedule, costs: OpCosts) -> StepTime:
@@ -161,7 +172,9 @@ def describe_recomputed(index: GraphIndex, dropped: set[int] | frozenset[int], o
     return out
 
 
-REFINE_SECONDS = 5.0  # how long a failed planner may spend pinning down the smallest peak it can reach
+# The simulation work a failed planner may spend pinning down the smallest peak it can
+# reach (about 3 s on a 2-core CPU) ...
+REACH_WORK = 3_000_000
 # ... and how close it pins it: near the floor each simulation can take half a second, for
 # plans whose bounds differ by a few hundred KB of a GB.
 REACH_TOLERANCE = 0.001
@@ -216,34 +229,38 @@ class Evaluator:
         self._best_peak = min(self._best_peak, ev.peak_bytes)
         return ev.peak_bytes <= self.budget_bytes, ev.peak_bytes, ev
 
-    def smallest_peak(self, time_limit: float | None = REFINE_SECONDS) -> "Reach":
+    def smallest_peak(self, work_limit: int = REACH_WORK) -> "Reach":
         """The smallest peak over every set checked so far.
 
         Sets skipped by the bound are simulated now, lowest bound first (smaller sets
         first among equal bounds: they are cheaper), while their bound is below the best
-        peak seen. Past `time_limit` seconds, or once every bound left is within
-        `REACH_TOLERANCE` of the best peak after it simulated one set itself, it stops and
-        says how far it got: plans that drop most activations can take seconds each to
-        simulate.
+        peak seen. Past `work_limit` units of simulation work (`simulation_work`), or once
+        every bound left is within `REACH_TOLERANCE` of the best peak after it simulated
+        one set itself, it stops and says how far it got: plans that drop most
+        activations can take seconds each to simulate. Work, not seconds, so that the
+        peak it names is the same on every run.
         """
         best = self._best_peak
-        t0 = time.perf_counter()
         pending = sorted(self._skipped, key=lambda x: (x[0], len(x[1])))
-        simulated = 0
+        simulated = work = 0
         for lb, dropped in pending:
             if lb >= best:
                 return Reach(best, best, True)
             close = simulated and lb >= best * (1 - REACH_TOLERANCE)
-            if close or (time_limit is not None and time.perf_counter() - t0 > time_limit):
+            if close or work >= work_limit:
                 return Reach(best, lb, False)
             if self.bound(dropped) >= best:  # the whole bound (above stopped at the cheap part)
                 continue
             try:
-                peak = evaluate(self.index, dropped, self.node_seconds, self.policy).peak_bytes
+                evaluation = evaluate(self.index, dropped, self.node_seconds, self.policy, copy_limit=(work_limit - work) // (1 + COPY_WORK))
+            except ScheduleTooLarge:
+                return Reach(best, lb, False)
             except PlanError:
                 continue  # a set the schedule cannot run (picks that do not combine): no peak
+            peak = evaluation.peak_bytes
             self.simulations += 1
             simulated += 1
+            work += simulation_work(evaluation)
             if peak < lb:
                 self.bound_violations += 1
             best = min(best, peak)

@@ -24,7 +24,7 @@ from typing import Callable, Hashable
 from remat.errors import PlanError
 from remat.memory.schedule import GraphIndex, RebuildPolicy
 from remat.planners.compete import compete_schedules, other_schedule_meta
-from remat.planners.evaluate import REFINE_SECONDS, Evaluation, Evaluator, assemble_plan, no_plan_error
+from remat.planners.evaluate import REACH_WORK, Evaluation, Evaluator, assemble_plan, no_plan_error
 from remat.planners.plan import Plan
 
 Id = Hashable
@@ -226,6 +226,8 @@ def plan_mutwo(
     patience: int | None = None,
     bound_patience: int | None = None,
     planner_name: str = "mutwo",  # the planner a refusal names: refined's, when refined runs this first
+    rank_by_ops: bool = False,
+    retry_ranked_by_ops: bool = True,
     **meta,
 ) -> MutwoResult:
     """μ-TWO's greedy on a graph: the first pick sequence whose simulated peak fits.
@@ -236,6 +238,14 @@ def plan_mutwo(
     simulated. `simulate_every_pick` simulates them all anyway, for a complete log.
     `policy` is the rebuild policy the picks are simulated (and later run) with
     (schedule.build_schedule). A BudgetError it raises carries the `Reach` as `.reach`.
+
+    The greedy ranks by measured seconds, so which sets its prefixes pass through can
+    differ between two profiles of one graph. Where no prefix fits, it runs again ranked
+    by ops rebuilt (`rank_by_ops`: every op counted one second, the plan still priced in
+    measured seconds): the smallest peak that run reaches, the one the error names,
+    depends on the graph alone, and every budget from it up is met by the same prefixes
+    on every run. `retry_ranked_by_ops=False`: no second run (the shared policy's run,
+    whose error only records why it lost).
 
     Two stops, for a run that only competes with a plan already found (see `plan`):
     `give_up_above_seconds` ends the greedy once a simulated prefix's predicted
@@ -254,7 +264,9 @@ def plan_mutwo(
     if baseline.peak_bytes <= budget_bytes:
         plan = assemble_plan("mutwo", index, node_seconds, budget_bytes, [], baseline, baseline.timeline, time.perf_counter() - t0, meta=extra, **meta)
         return MutwoResult(plan, GreedyResult([], [], True), [])
-    records = candidate_records(index, node_seconds)
+    records = candidate_records(index, dict.fromkeys(node_seconds, 1.0) if rank_by_ops else node_seconds)
+    if rank_by_ops:
+        extra["ranked_by"] = "ops rebuilt (no prefix ranked by measured seconds fits)"
     last: dict[str, Evaluation] = {}
     stale = _Lowest(baseline.peak_bytes)  # simulated peaks
     low = _Lowest(baseline.peak_bytes)  # simulated peaks and lower bounds
@@ -280,10 +292,17 @@ def plan_mutwo(
         result = greedy(records, fits)
     except _GiveUp:
         result, gave_up = GreedyResult([], [], False), True
+    if not result.fitted and not rank_by_ops and not retry_ranked_by_ops:
+        # The other policy's run: pinned down only if its error is read.
+        raise no_plan_error(planner_name, budget_bytes, lambda: ev.smallest_peak(work_limit=0 if gave_up else REACH_WORK), baseline.peak_bytes, len(records))
+    if not result.fitted and not rank_by_ops:
+        # Measured times ranked the picks: another run's profile may rank them otherwise.
+        return plan_mutwo(
+            index, node_seconds, budget_bytes, simulate_every_pick=simulate_every_pick, policy=policy, planner_name=planner_name, rank_by_ops=True, meta=extra, **meta
+        )
     if not result.fitted:
-        # Pinned down only if the error is read: another graph or policy may well fit.
-        reach = lambda: ev.smallest_peak(time_limit=0.0 if gave_up else REFINE_SECONDS)  # noqa: E731
-        raise no_plan_error(planner_name, budget_bytes, reach, baseline.peak_bytes, len(records))
+        # The smallest peak ranked by the graph alone: a budget there is met on every run.
+        raise no_plan_error(planner_name, budget_bytes, ev.smallest_peak, baseline.peak_bytes, len(records))
     extra.update(ev.stats())
     extra["candidates"] = len(records)
     plan = assemble_plan(
@@ -344,7 +363,9 @@ def plan(index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, *
     rest = {k: v for k, v in meta.items() if k != "meta"}
 
     def run(policy: RebuildPolicy, cutoff: float) -> MutwoResult:
-        stops = {} if policy is RebuildPolicy.PER_BLOCK else {"give_up_above_seconds": cutoff, "patience": SHARED_PATIENCE, "bound_patience": SHARED_BOUND_PATIENCE}
+        stops = {} if policy is RebuildPolicy.PER_BLOCK else {
+            "give_up_above_seconds": cutoff, "patience": SHARED_PATIENCE, "bound_patience": SHARED_BOUND_PATIENCE, "retry_ranked_by_ops": False,
+        }  # fmt: skip
         return plan_mutwo(index, node_seconds, budget_bytes, policy=policy, **stops, meta=dict(meta.get("meta") or {}), **rest)
 
     competition = compete_schedules(run, lambda r: r.plan.predicted_overhead_seconds, compete=lambda r: bool(r.plan.recomputed))

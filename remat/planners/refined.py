@@ -50,7 +50,7 @@ from remat.profile.repeats import forward_counterparts
 from remat.memory.schedule import GraphIndex, RebuildPolicy, ScheduleTooLarge
 from remat.planners import mutwo
 from remat.planners.bound import KeepOneMoreBound
-from remat.planners.evaluate import Evaluation, assemble_plan, baseline_of, evaluate
+from remat.planners.evaluate import COPY_WORK, Evaluation, assemble_plan, baseline_of, evaluate, simulation_work
 from remat.planners.plan import Plan
 
 EXCHANGE_PICKS = 8  # picks tried per exchange round, costliest first
@@ -62,12 +62,10 @@ EXCHANGE_STEPS = 60_000  # schedule steps simulated in all (a 30,000-node graph'
 ALIKE_SHARES = (0.5, 0.25, 0.75)  # a class is dropped in every repeat where the plan drops more than this share of it
 ALIKE_STEPS = 200_000  # schedule steps simulated before a further share is tried
 ALIKE_SIMULATIONS = 12  # tried only where ALIKE_STEPS covers this many simulations of the plan (about 15,000 nodes)
-# The whole search stops after this much simulation work: schedule steps, each rebuilt copy
-# counted COPY_WORK times (building its block's closure costs that much more). About a
+# The whole search stops after this much simulation work (evaluate.simulation_work). About a
 # microsecond a unit on a 2-core CPU, so about 1.5 s: near the floor a simulation holds
 # thousands of copies, and the search would otherwise take its time from the plan's size.
 SEARCH_WORK = 1_500_000
-COPY_WORK = 8
 
 
 def plan(index: GraphIndex, node_seconds: dict[str, float], budget_bytes: int, **meta) -> Plan:
@@ -210,7 +208,7 @@ class _LocalSearch:
             self.work = self.work_limit
             raise
         self.steps += len(evaluation.schedule.steps)
-        self.work += len(evaluation.schedule.steps) + COPY_WORK * len(evaluation.schedule.copy_positions)
+        self.work += simulation_work(evaluation)
         return evaluation
 
     @property
