@@ -246,6 +246,66 @@ def test_a_torch_compiled_model_is_refused_saying_to_pass_the_module_before_comp
         capture(_step, model, None, torch.randn(2, 4))
 
 
+_FOCUS = 2.0  # the focal loss's gamma, which the loop changes
+
+
+@torch.compile
+def _compiled_focal_loss(logits, y):
+    logp = torch.log_softmax(logits, -1).gather(1, y[:, None]).squeeze(1)
+    return (-((1 - logp.exp()) ** _FOCUS) * logp).mean()
+
+
+def _focal_step(model, opt, batch, loss_fn=_compiled_focal_loss):
+    opt.zero_grad()
+    loss = loss_fn(model(batch[0]), batch[1])
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def test_a_step_calling_a_torch_compiled_function_traces_its_code_with_a_warning_and_trains_as_the_plain_function():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    model, o = twin(net, opt)
+    eager_model, eager_opt = twin(net, opt)
+    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    with pytest.warns(UserWarning, match=r"calls a function compiled by torch\.compile, at test_capture\.py.*loss_fn\(model"):
+        compiled = remat.compile(_focal_step, model, o, batch, memory_budget=0.8, profile_runs=1)
+    plain = lambda m, opt, b: _focal_step(m, opt, b, loss_fn=_compiled_focal_loss._torchdynamo_orig_callable)  # noqa: E731
+
+    def focus(i, m, opt):  # a global the compiled function reads, watched as the step's own
+        global _FOCUS
+        _FOCUS = 1.0 + i
+
+    try:
+        result = check_against_eager(plain, eager_model, eager_opt, model, o, compiled, batch, steps=3, between_steps=focus)
+    finally:
+        focus(1, None, None)
+    assert result.match, result.summary()
+
+
+def test_a_loss_function_given_as_a_default_argument_has_the_globals_it_reads_watched():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    model, o = twin(net, opt)
+    eager_model, eager_opt = twin(net, opt)
+    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    plain = lambda m, opt, b, loss_fn=_compiled_focal_loss._torchdynamo_orig_callable: _focal_step(m, opt, b, loss_fn)  # noqa: E731
+    compiled = remat.compile(plain, model, o, batch, profile_runs=1)
+
+    def focus(i, m, opt):
+        global _FOCUS
+        _FOCUS = 1.0 + i
+
+    try:
+        result = check_against_eager(plain, eager_model, eager_opt, model, o, compiled, batch, steps=3, between_steps=focus)
+    finally:
+        focus(1, None, None)
+    assert result.match, result.summary()
+
+
 def test_an_optimizer_whose_first_step_state_remat_cannot_make_is_refused():
     model = torch.nn.Linear(4, 4)
     with pytest.raises(CaptureError, match="_OwnSGD has no state yet and remat can create the first-step state only of torch's own"):

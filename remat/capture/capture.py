@@ -30,7 +30,7 @@ from remat.capture.optimizer_state import check_first_step_state, optimizer_on, 
 from remat.capture.optimizers import as_one, only_passed_step
 
 from remat.capture.markers import marking_updates, MARKER, RECORD_FUNCTION_OPS, marker, marking_passes
-from remat.capture.trace_checks import branched_hyperparameters, data_dependent_condition, check_backward_ran, check_graph_runnable, cleared_before_backward, finds_gradients, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state, where_in_users_code
+from remat.capture.trace_checks import branched_hyperparameters, calls_compiled_function, data_dependent_condition, check_backward_ran, check_graph_runnable, cleared_before_backward, finds_gradients, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state, where_in_users_code
 from remat.capture.train_graph import CallContract, GraphInput, InputKind, Phase, TrainGraph, TrainStep
 from remat.capture.state.python_state import no_python_state_changed, put_back_as_now, state_slots
 from remat.capture.traced_rng import no_host_random_drawn, no_rng_state_set
@@ -146,9 +146,10 @@ def _trace(
     while some are symbols (`Reading`). A float of the batch branched on, or used where only a
     fixed number can go, is refused."""
     modes = [(m, m.training) for m in model.modules()]
+    into_compiled = [False]  # a function torch.compile wrapped was called: traced as its plain code
 
     def make() -> torch.fx.GraphModule:
-        with checks.tracing(symbols), hyperparams.quiet_structured_trace():
+        with checks.tracing(symbols), hyperparams.quiet_structured_trace(), torch._dynamo.config.patch(error_on_nested_fx_trace=not into_compiled[0]):
             return make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=False)(*flat)
 
     put_back = put_back_as_now()
@@ -160,6 +161,9 @@ def _trace(
             return gm
         except (Exception, SystemExit) as e:  # noqa: BLE001 - translated into a message a user can act on (sys.exit: a check's failing side)
             put_back()
+            if not into_compiled[0] and calls_compiled_function(e):
+                into_compiled[0] = True
+                continue
             branched = branched_hyperparameters(e, symbols)
             batch_floats.refuse_branch(branched, e)
             if numbers.tripped(branched, not checks.at_check(e) and not any(name in hyper_values for name in branched), data_dependent_condition(e), symbols):

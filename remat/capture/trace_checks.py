@@ -287,6 +287,20 @@ def _drawn_just_before(frames: list) -> bool:
     return False
 
 
+def calls_compiled_function(e: BaseException) -> bool:
+    """Whether the trace failed at a call of a function torch.compile wrapped (dynamo refuses
+    to be traced into); if so, say that the trace goes on through its plain code."""
+    if "FX to symbolically trace a dynamo-optimized function" not in str(e):
+        return False
+    warnings.warn(
+        f"remat: train_step calls a function compiled by torch.compile{where_in_users_code(e)}. remat captures the "
+        "step whole, that function's Python code included, and runs it as the captured ops, which compute what it "
+        "computes without torch.compile (to fuse the step's ops too, use remat.compile(..., backend='inductor')).",
+        stacklevel=2,
+    )
+    return True
+
+
 def where_in_users_code(e: BaseException) -> str:
     """_where_in_users_code of the frames `e` was raised through."""
 

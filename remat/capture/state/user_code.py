@@ -49,10 +49,15 @@ def is_user_file(path: str) -> bool:
 
 
 def user_function(value: Any) -> types.FunctionType | None:
-    """The Python function behind `value` (itself, a bound method's, a partial's), if the
-    user wrote it."""
-    while isinstance(value, (types.MethodType, functools.partial, staticmethod, classmethod, property)):
-        value = value.fget if isinstance(value, property) else getattr(value, "__func__", None) or value.func
+    """The Python function behind `value` (itself, a bound method's, a partial's, the one
+    torch.compile wrapped: the capture traces its code), if the user wrote it."""
+    while True:
+        if isinstance(value, (types.MethodType, functools.partial, staticmethod, classmethod, property)):
+            value = value.fget if isinstance(value, property) else getattr(value, "__func__", None) or value.func
+        elif isinstance(value, types.FunctionType) and "_torchdynamo_orig_callable" in vars(value):
+            value = vars(value)["_torchdynamo_orig_callable"]
+        else:
+            break
     # A dataclass's generated methods (`__init__`, `__eq__`: their file is `<string>`) are
     # not the user's code: they name every field, which would watch all of them.
     if isinstance(value, types.FunctionType) and is_user_file(value.__code__.co_filename) and "__create_fn__" not in getattr(value.__code__, "co_qualname", ""):
@@ -225,6 +230,8 @@ def followed(pending: list[Any], step_globals: dict[str, Any] | None, ran: froze
         where = "" if globs is step_globals else f"{globs.get('__name__', '?')}."
         slots = [Slot(f"global {where}{key}", globs, key) for key in sorted(global_names(fn.__code__, ran) & globs.keys())]
         slots += [Slot(f"{key} (from the closure of {fn.__name__})", cell, key) for key, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ())]
+        # A function given as a default argument (`loss_fn=focal_loss`) runs as the step's.
+        pending += [d for d in (*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()) if user_function(d) is not None]
         for slot in slots:
             value = slot.get()
             if value is not MISSING:  # an empty closure cell
