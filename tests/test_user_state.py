@@ -68,6 +68,34 @@ def test_a_step_kept_on_a_trainer_compiles_once_and_trains_bitwise() -> None:
     assert trainer.losses == eager.losses and _same_parameters(model, eager_model)
 
 
+class _WeightedTrainer:
+    """A trainer whose step reads a weight the loop anneals, compiled as a partial of its method."""
+
+    def __init__(self) -> None:
+        self.aux = 0.0
+
+    def train_step(self, model, optimizer, batch, clip=1.0):  # type: ignore[no-untyped-def]
+        optimizer.zero_grad()
+        out = model(batch["x"])
+        loss = F.cross_entropy(out, batch["y"]) + self.aux * out.pow(2).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        return loss.detach()
+
+
+def test_a_partial_of_a_trainers_method_has_the_trainers_fields_watched() -> None:
+    model, batches = _mlp(width=32, depth=2), _batches(rows=16, width=32)
+    eager_model = copy.deepcopy(model)
+    trainer, eager = _WeightedTrainer(), _WeightedTrainer()
+    opt, eager_opt = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(eager_model.parameters())
+    step = remat.compile(functools.partial(trainer.train_step, clip=0.5), model, opt, batches[0])
+    for i, batch in enumerate(batches):
+        trainer.aux = eager.aux = 0.1 * i
+        assert torch.equal(step(batch), eager.train_step(eager_model, eager_opt, batch, clip=0.5)), i
+    assert _same_parameters(model, eager_model)
+
+
 _SCALE = 2
 
 

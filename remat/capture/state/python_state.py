@@ -42,6 +42,7 @@ user's code that ran loads by name, and the fields that code reads or writes
 from __future__ import annotations
 
 import collections
+import functools
 import contextlib
 import types
 from dataclasses import dataclass
@@ -183,7 +184,10 @@ def state_slots(model: torch.nn.Module, train_step: Callable[..., Any], ran: fro
     roots = [(slot.name, value) for slot, value in [*own, *out] if not isinstance(value, _PLAIN + _CONTAINERS)]
     # The object a method belongs to (a trainer), or the callable object that is the step;
     # and the user's object a hook is a method of (a feature extractor holding its dict).
-    owner = train_step if user_code.user_class(type(train_step)) else getattr(train_step, "__self__", None)
+    bound = train_step
+    while isinstance(bound, functools.partial):  # a partial of a trainer's method: the trainer
+        bound = bound.func
+    owner = bound if user_code.user_class(type(bound)) else getattr(bound, "__self__", None)
     for held in [owner, *(getattr(h, "__self__", None) for h in hooks if isinstance(h, types.MethodType))]:
         if held is not None and (held is owner or user_code.user_class(type(held))):
             roots.append((type(held).__name__, held))
