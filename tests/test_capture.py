@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import random
 import types
 
@@ -256,6 +257,10 @@ def _compiled_focal_loss(logits, y):
 
 
 def _focal_step(model, opt, batch, loss_fn=_compiled_focal_loss):
+    return _step_with_loss(model, opt, batch, loss_fn)
+
+
+def _step_with_loss(model, opt, batch, loss_fn):
     opt.zero_grad()
     loss = loss_fn(model(batch[0]), batch[1])
     loss.backward()
@@ -285,14 +290,16 @@ def test_a_step_calling_a_torch_compiled_function_traces_its_code_with_a_warning
     assert result.match, result.summary()
 
 
-def test_a_loss_function_given_as_a_default_argument_has_the_globals_it_reads_watched():
+@pytest.mark.parametrize("given_as", ["default argument", "partial's keyword"])
+def test_a_loss_function_given_to_the_step_has_the_globals_it_reads_watched(given_as):
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
     opt = torch.optim.AdamW(net.parameters(), lr=0.01)
     model, o = twin(net, opt)
     eager_model, eager_opt = twin(net, opt)
     batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
-    plain = lambda m, opt, b, loss_fn=_compiled_focal_loss._torchdynamo_orig_callable: _focal_step(m, opt, b, loss_fn)  # noqa: E731
+    loss_fn = _compiled_focal_loss._torchdynamo_orig_callable
+    plain = (lambda m, opt, b, loss_fn=loss_fn: _step_with_loss(m, opt, b, loss_fn)) if given_as == "default argument" else functools.partial(_step_with_loss, loss_fn=loss_fn)
     compiled = remat.compile(plain, model, o, batch, profile_runs=1)
 
     def focus(i, m, opt):

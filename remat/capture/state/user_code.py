@@ -220,6 +220,7 @@ def followed(pending: list[Any], step_globals: dict[str, Any] | None, ran: froze
             where = f"of partial {len(partials)} of {fn.__name__}"
             bound = [Slot(f"argument {i} {where}", held, str(i)) for i in range(len(held.args))]
             bindings += [(slot, slot.get()) for slot in [*bound, *(Slot(f"{k} {where}", held.keywords, k) for k in held.keywords)]]
+            pending += [v for v in (*held.args, *held.keywords.values()) if user_function(v) is not None]  # a loss_fn it binds
         if id(fn) in seen:
             continue
         seen.add(id(fn))
