@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import remat
 from remat.errors import CaptureError
 from remat.measurement.check import model_snapshot, snapshot_differences
-from tests.support import architectures
+from tests.support import architectures, loop_settings
 
 
 def _same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -94,6 +94,46 @@ def test_a_partial_of_a_trainers_method_has_the_trainers_fields_watched() -> Non
         trainer.aux = eager.aux = 0.1 * i
         assert torch.equal(step(batch), eager.train_step(eager_model, eager_opt, batch, clip=0.5)), i
     assert _same_parameters(model, eager_model)
+
+
+def _reads_a_settings_module(model, optimizer, batch):  # type: ignore[no-untyped-def]
+    optimizer.zero_grad()
+    out = model(batch["x"])
+    loss = F.cross_entropy(out, batch["y"]) + loop_settings.aux * out.pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+class _CFG:
+    """Settings kept on a class, as notebooks keep them (`CFG.aux`)."""
+
+    aux = 0.0
+
+
+def _reads_a_settings_class(model, optimizer, batch):  # type: ignore[no-untyped-def]
+    optimizer.zero_grad()
+    out = model(batch["x"])
+    loss = F.cross_entropy(out, batch["y"]) + _CFG.aux * out.pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("where", ["module", "class"])
+def test_a_field_of_the_users_module_or_class_the_step_reads_is_watched(where: str) -> None:
+    settings, train_step = (loop_settings, _reads_a_settings_module) if where == "module" else (_CFG, _reads_a_settings_class)
+    model, batches = _mlp(width=32, depth=2), _batches(rows=16, width=32)
+    eager_model = copy.deepcopy(model)
+    opt, eager_opt = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(eager_model.parameters())
+    step = remat.compile(train_step, model, opt, batches[0])
+    try:
+        for i, batch in enumerate(batches):
+            settings.aux = 0.1 * i
+            assert torch.equal(step(batch), train_step(eager_model, eager_opt, batch)), i
+    finally:
+        settings.aux = 0.0
+    assert _same_parameters(model, eager_model) and len(step._graphs) == 1
 
 
 _SCALE = 2

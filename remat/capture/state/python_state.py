@@ -288,8 +288,14 @@ def step_values(
 
 
 def _object_fields(name: str, obj: Any, names: set[str], seen: set[int], depth: int, ran: frozenset[types.CodeType] | None) -> Iterator[tuple[Slot, Any]]:
-    """The fields of a user's object (and of the user's objects in them) that the user's code names."""
-    if depth > 3 or id(obj) in seen or isinstance(obj, (type, torch.nn.Module, torch.Tensor)) or not user_code.user_class(type(obj)):
+    """The fields of a user's object, class or module (a `CFG` class or a config module the
+    step reads `CFG.aux` of), and of the user's objects in them, that the user's code names."""
+    path = getattr(obj, "__file__", None) if isinstance(obj, types.ModuleType) else None
+    if isinstance(obj, type):
+        ours = user_code.user_class(obj) and not issubclass(obj, torch.nn.Module)
+    else:
+        ours = user_code.user_class(type(obj)) or (isinstance(path, str) and user_code.is_user_file(path))
+    if depth > 3 or id(obj) in seen or isinstance(obj, (torch.nn.Module, torch.Tensor)) or not ours:
         return
     seen.add(id(obj))
     fields = fields_of(obj)

@@ -53,6 +53,9 @@ class Slot:
         elif value is MISSING:  # it was not there
             if isinstance(self.owner, dict):
                 self.owner.pop(self.key, None)
+            elif isinstance(self.owner, type):  # a class's attributes are a read-only mapping
+                if self.key in vars(self.owner):
+                    delattr(self.owner, self.key)
             elif not isinstance(self.owner, types.CellType):
                 vars(self.owner).pop(self.key, None)
         elif isinstance(self.owner, dict):
