@@ -10,6 +10,7 @@ import functools
 import types
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -134,6 +135,66 @@ def test_a_field_of_the_users_module_or_class_the_step_reads_is_watched(where: s
     finally:
         settings.aux = 0.0
     assert _same_parameters(model, eager_model) and len(step._graphs) == 1
+
+
+class _TrainerWithDefaults:
+    """A trainer whose weight is a class attribute, read through `self`."""
+
+    aux = 0.0
+
+    def train_step(self, model, optimizer, batch):  # type: ignore[no-untyped-def]
+        optimizer.zero_grad()
+        out = model(batch["x"])
+        loss = F.cross_entropy(out, batch["y"]) + self.aux * out.pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+
+@pytest.mark.parametrize("set_on", ["class", "instance"])
+def test_a_class_attribute_read_through_self_is_watched_where_the_loop_sets_it(set_on: str) -> None:
+    model, batches = _mlp(width=32, depth=2), _batches(rows=16, width=32)
+    eager_model = copy.deepcopy(model)
+    opt, eager_opt = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(eager_model.parameters())
+    trainer, eager = _TrainerWithDefaults(), _TrainerWithDefaults()
+    step = remat.compile(trainer.train_step, model, opt, batches[0])
+    try:
+        for i, batch in enumerate(batches):
+            for target in [_TrainerWithDefaults] if set_on == "class" else [trainer, eager]:
+                target.aux = 0.1 * i
+            assert torch.equal(step(batch), eager.train_step(eager_model, eager_opt, batch)), i
+    finally:
+        _TrainerWithDefaults.aux = 0.0
+    assert _same_parameters(model, eager_model) and len(step._graphs) == 1
+
+
+_LOSS_WEIGHTS = np.array([0.0, 1.0])  # a numpy array of weights the loop changes in place
+
+
+def _weighted_by_an_array(model, optimizer, batch):  # type: ignore[no-untyped-def]
+    optimizer.zero_grad()
+    out = model(batch["x"])
+    loss = float(_LOSS_WEIGHTS[1]) * F.cross_entropy(out, batch["y"]) + float(_LOSS_WEIGHTS[0]) * out.pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def test_a_numpy_array_changed_in_place_compiles_the_step_again_for_its_values() -> None:
+    model, batches = _mlp(width=32, depth=2), _batches(rows=16, width=32)
+    eager_model = copy.deepcopy(model)
+    opt, eager_opt = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(eager_model.parameters())
+    step = remat.compile(_weighted_by_an_array, model, opt, batches[0])
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i, batch in enumerate(batches):
+                _LOSS_WEIGHTS[0] = 0.1 * (i // 2)  # the same for two steps: one graph each
+                assert torch.equal(step(batch), _weighted_by_an_array(eager_model, eager_opt, batch)), i
+    finally:
+        _LOSS_WEIGHTS[0] = 0.0
+    assert _same_parameters(model, eager_model) and len(step._graphs) == 2
+    assert any("global _LOSS_WEIGHTS (array([0., 1.]) -> array([0.1, 1. ]))" in str(w.message) for w in caught), [str(w.message) for w in caught]
 
 
 _SCALE = 2

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Iterable
 
+import numpy as np
 import torch
 
 from remat.capture.state import library_objects, read_numbers
@@ -185,8 +186,8 @@ class Guards:
                 looked_into[id(value)] = value  # the same items: the same value, where they are plain
                 if not _plain_items(value):
                     g.same_frozen.append((slot, frozen(value)))
-            elif isinstance(value, torch.Tensor) or (isinstance(value, _CONTAINERS) and not _plain_items(value)):
-                g.same_frozen.append((slot, frozen(value)))
+            elif isinstance(value, (torch.Tensor, np.ndarray)) or (isinstance(value, _CONTAINERS) and not _plain_items(value)):
+                g.same_frozen.append((slot, frozen(value)))  # (an array changed in place is the same object)
         g.same_items = SameContents.of(looked_into.values())
         g._checks = _flat_checks(g.same_object, list(holders.values()))
         return g

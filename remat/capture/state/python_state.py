@@ -48,6 +48,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -94,6 +95,11 @@ def frozen(value: Any) -> Any:
             return v
         if isinstance(v, torch.Tensor):
             return TensorSignature.of(v)
+        if isinstance(v, np.generic) and not isinstance(v, np.object_):  # np.float32(0.5): by value
+            return (np.generic, v.dtype.str, (), v.tobytes())
+        if isinstance(v, np.ndarray) and v.dtype != object and v.size <= budget[0]:  # a small array of weights: by value
+            budget[0] -= v.size
+            return (np.ndarray, v.dtype.str, v.shape, v.tobytes())
         if not isinstance(v, _CONTAINERS) or depth > 8 or len(v) > budget[0]:
             raise _Skip
         budget[0] -= len(v)
@@ -115,6 +121,9 @@ class _Skip(Exception):
 
 def _thawed(value: Any) -> Any:
     """The container `frozen` stands for, made anew."""
+    if isinstance(value, tuple) and value and value[0] in (np.generic, np.ndarray):
+        array = np.frombuffer(value[3], dtype=np.dtype(value[1])).reshape(value[2])
+        return array[()] if value[0] is np.generic else array
     if not isinstance(value, tuple) or not value or value[0] not in _CONTAINERS:
         return value
     kind, items = value
@@ -298,13 +307,14 @@ def _object_fields(name: str, obj: Any, names: set[str], seen: set[int], depth: 
     if depth > 3 or id(obj) in seen or isinstance(obj, (torch.nn.Module, torch.Tensor)) or not ours:
         return
     seen.add(id(obj))
-    fields = fields_of(obj)
-    if fields is None:
-        return
+    fields = fields_of(obj) or {}
     names = names | user_code.names_in_class(type(obj), ran)  # what its own methods name (an EMA helper's update())
     for key in sorted(k for k in fields if k in names):
         yield Slot(f"{name}.{key}", obj, key), fields[key]
         yield from _object_fields(f"{name}.{key}", fields[key], names, seen, depth + 1, ran)
+    if not isinstance(obj, (type, types.ModuleType)):  # what `self.aux` reads where the class holds it
+        for cls in type(obj).__mro__:
+            yield from _object_fields(f"{name} (class {cls.__name__})", cls, names, seen, depth + 1, ran)
 
 
 def _snapshot(value: Any) -> Any:
