@@ -197,6 +197,32 @@ def test_a_numpy_array_changed_in_place_compiles_the_step_again_for_its_values()
     assert any("global _LOSS_WEIGHTS (array([0., 1.]) -> array([0.1, 1. ]))" in str(w.message) for w in caught), [str(w.message) for w in caught]
 
 
+_OPTIONS = types.SimpleNamespace(aux=0.0)
+
+
+def _reads_by_getattr(model, optimizer, batch):  # type: ignore[no-untyped-def]
+    optimizer.zero_grad()
+    out = model(batch["x"])
+    loss = F.cross_entropy(out, batch["y"]) + getattr(_OPTIONS, "aux", 0.0) * out.pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def test_a_field_read_by_getattr_with_its_name_written_out_is_watched() -> None:
+    model, batches = _mlp(width=32, depth=2), _batches(rows=16, width=32)
+    eager_model = copy.deepcopy(model)
+    opt, eager_opt = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(eager_model.parameters())
+    step = remat.compile(_reads_by_getattr, model, opt, batches[0])
+    try:
+        for i, batch in enumerate(batches):
+            _OPTIONS.aux = 0.1 * i
+            assert torch.equal(step(batch), _reads_by_getattr(eager_model, eager_opt, batch)), i
+    finally:
+        _OPTIONS.aux = 0.0
+    assert _same_parameters(model, eager_model) and len(step._graphs) == 1
+
+
 _SCALE = 2
 
 

@@ -119,12 +119,21 @@ def _read(code: types.CodeType, ran: frozenset[types.CodeType] | None, which: in
 @functools.lru_cache(maxsize=8192)
 def _own_names(code: types.CodeType) -> tuple[frozenset[str], frozenset[str]]:
     globals_, attributes = set(), set()
+    by_name = False  # after `getattr` (hasattr, setattr) is loaded, until its call: `getattr(cfg, "aux", 0.0)`
     for ins in dis.get_instructions(code):
         if ins.opname in _GLOBAL_OPS:
             globals_.add(ins.argval)
+            by_name = by_name or ins.argval in _BY_NAME
         elif ins.opname in _ATTRIBUTE_OPS:
             attributes.add(ins.argval)
+        elif by_name and ins.opname == "LOAD_CONST" and isinstance(ins.argval, str):
+            attributes.add(ins.argval)
+        elif ins.opname.startswith("CALL"):
+            by_name = False
     return frozenset(globals_), frozenset(attributes)
+
+
+_BY_NAME = frozenset({"getattr", "hasattr", "setattr", "delattr"})
 
 
 _RECORDING: list[cProfile.Profile] = []  # the profiler of the run being recorded, while one is
