@@ -8,7 +8,9 @@ import copy
 import dataclasses
 import functools
 import random
+import re
 import types
+import warnings
 
 import numpy as np
 
@@ -256,10 +258,6 @@ def _compiled_focal_loss(logits, y):
     return (-((1 - logp.exp()) ** _FOCUS) * logp).mean()
 
 
-def _focal_step(model, opt, batch, loss_fn=_compiled_focal_loss):
-    return _step_with_loss(model, opt, batch, loss_fn)
-
-
 def _step_with_loss(model, opt, batch, loss_fn):
     opt.zero_grad()
     loss = loss_fn(model(batch[0]), batch[1])
@@ -268,46 +266,37 @@ def _step_with_loss(model, opt, batch, loss_fn):
     return loss.detach()
 
 
-def test_a_step_calling_a_torch_compiled_function_traces_its_code_with_a_warning_and_trains_as_the_plain_function():
+_PLAIN_FOCAL_LOSS = _compiled_focal_loss._torchdynamo_orig_callable
+_GIVEN = {  # how the step reaches the loss function: (compiled, eager) steps
+    "torch.compile": (lambda m, opt, b, loss_fn=_compiled_focal_loss: _step_with_loss(m, opt, b, loss_fn), lambda m, opt, b: _step_with_loss(m, opt, b, _PLAIN_FOCAL_LOSS)),
+    "default argument": (lambda m, opt, b, loss_fn=_PLAIN_FOCAL_LOSS: _step_with_loss(m, opt, b, loss_fn),) * 2,
+    "partial's keyword": (functools.partial(_step_with_loss, loss_fn=_PLAIN_FOCAL_LOSS),) * 2,
+}
+
+
+@pytest.mark.parametrize("given_as", list(_GIVEN))
+def test_a_loss_function_given_to_the_step_has_the_globals_it_reads_watched_and_a_compiled_one_is_traced_as_its_plain_code(given_as):
+    """A `@torch.compile` function is traced as its plain code, with a warning, and trains as
+    the plain function does; each way the step is given it, the global it reads is watched."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
     opt = torch.optim.AdamW(net.parameters(), lr=0.01)
     model, o = twin(net, opt)
     eager_model, eager_opt = twin(net, opt)
     batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
-    with pytest.warns(UserWarning, match=r"calls a function compiled by torch\.compile, at test_capture\.py.*loss_fn\(model"):
-        compiled = remat.compile(_focal_step, model, o, batch, memory_budget=0.8, profile_runs=1)
-    plain = lambda m, opt, b: _focal_step(m, opt, b, loss_fn=_compiled_focal_loss._torchdynamo_orig_callable)  # noqa: E731
+    step, eager_step = _GIVEN[given_as]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = remat.compile(step, model, o, batch, memory_budget=0.8, profile_runs=1)
+    said = [str(w.message) for w in caught if "compiled by torch.compile" in str(w.message)]
+    assert len(said) == (given_as == "torch.compile") and all(re.search(r"at test_capture\.py.*loss_fn\(model", m) for m in said), said
 
-    def focus(i, m, opt):  # a global the compiled function reads, watched as the step's own
+    def focus(i, m, opt):  # a global the loss function reads
         global _FOCUS
         _FOCUS = 1.0 + i
 
     try:
-        result = check_against_eager(plain, eager_model, eager_opt, model, o, compiled, batch, steps=3, between_steps=focus)
-    finally:
-        focus(1, None, None)
-    assert result.match, result.summary()
-
-
-@pytest.mark.parametrize("given_as", ["default argument", "partial's keyword"])
-def test_a_loss_function_given_to_the_step_has_the_globals_it_reads_watched(given_as):
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
-    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
-    model, o = twin(net, opt)
-    eager_model, eager_opt = twin(net, opt)
-    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
-    loss_fn = _compiled_focal_loss._torchdynamo_orig_callable
-    plain = (lambda m, opt, b, loss_fn=loss_fn: _step_with_loss(m, opt, b, loss_fn)) if given_as == "default argument" else functools.partial(_step_with_loss, loss_fn=loss_fn)
-    compiled = remat.compile(plain, model, o, batch, profile_runs=1)
-
-    def focus(i, m, opt):
-        global _FOCUS
-        _FOCUS = 1.0 + i
-
-    try:
-        result = check_against_eager(plain, eager_model, eager_opt, model, o, compiled, batch, steps=3, between_steps=focus)
+        result = check_against_eager(eager_step, eager_model, eager_opt, model, o, compiled, batch, steps=3, between_steps=focus)
     finally:
         focus(1, None, None)
     assert result.match, result.summary()

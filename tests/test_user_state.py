@@ -69,41 +69,60 @@ def test_a_step_kept_on_a_trainer_compiles_once_and_trains_bitwise() -> None:
     assert trainer.losses == eager.losses and _same_parameters(model, eager_model)
 
 
-class _WeightedTrainer:
-    """A trainer whose step reads a weight the loop anneals, compiled as a partial of its method."""
-
-    def __init__(self) -> None:
-        self.aux = 0.0
-
-    def train_step(self, model, optimizer, batch, clip=1.0):  # type: ignore[no-untyped-def]
-        optimizer.zero_grad()
-        out = model(batch["x"])
-        loss = F.cross_entropy(out, batch["y"]) + self.aux * out.pow(2).mean()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        return loss.detach()
-
-
-def test_a_partial_of_a_trainers_method_has_the_trainers_fields_watched() -> None:
+def _annealed_against_eager(compiled_step, eager_step, set_weight):  # type: ignore[no-untyped-def]
+    """An MLP trained for 4 steps by `compiled_step` compiled and by `eager_step`, with
+    `set_weight(i)` before step i: bitwise at every step. The compiled step."""
     model, batches = _mlp(width=32, depth=2), _batches(rows=16, width=32)
     eager_model = copy.deepcopy(model)
-    trainer, eager = _WeightedTrainer(), _WeightedTrainer()
     opt, eager_opt = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(eager_model.parameters())
-    step = remat.compile(functools.partial(trainer.train_step, clip=0.5), model, opt, batches[0])
+    step = remat.compile(compiled_step, model, opt, batches[0])
     for i, batch in enumerate(batches):
-        trainer.aux = eager.aux = 0.1 * i
-        assert torch.equal(step(batch), eager.train_step(eager_model, eager_opt, batch, clip=0.5)), i
+        set_weight(i)
+        assert torch.equal(step(batch), eager_step(eager_model, eager_opt, batch)), i
     assert _same_parameters(model, eager_model)
+    return step
 
 
-def _reads_a_settings_module(model, optimizer, batch):  # type: ignore[no-untyped-def]
+def _with_aux(model, optimizer, batch, aux: float):  # type: ignore[no-untyped-def]
     optimizer.zero_grad()
     out = model(batch["x"])
-    loss = F.cross_entropy(out, batch["y"]) + loop_settings.aux * out.pow(2).mean()
+    loss = F.cross_entropy(out, batch["y"]) + aux * out.pow(2).mean()
     loss.backward()
     optimizer.step()
     return loss.detach()
+
+
+class _WeightedTrainer:
+    """A trainer whose weight is a class attribute (`aux`), read through `self`."""
+
+    aux = 0.0
+
+    def train_step(self, model, optimizer, batch, scale=1.0):  # type: ignore[no-untyped-def]
+        return _with_aux(model, optimizer, batch, self.aux * scale)
+
+
+def test_a_partial_of_a_trainers_method_has_the_trainers_fields_watched() -> None:
+    trainer, eager = _WeightedTrainer(), _WeightedTrainer()
+
+    def set_weight(i: int) -> None:
+        trainer.aux = eager.aux = 0.1 * i
+
+    _annealed_against_eager(functools.partial(trainer.train_step, scale=0.5), functools.partial(eager.train_step, scale=0.5), set_weight)
+
+
+@pytest.mark.parametrize("set_on", ["class", "instance"])
+def test_a_class_attribute_read_through_self_is_watched_where_the_loop_sets_it(set_on: str) -> None:
+    trainer, eager = _WeightedTrainer(), _WeightedTrainer()
+
+    def set_weight(i: int) -> None:
+        for target in [_WeightedTrainer] if set_on == "class" else [trainer, eager]:
+            target.aux = 0.1 * i
+
+    try:
+        step = _annealed_against_eager(trainer.train_step, eager.train_step, set_weight)
+    finally:
+        _WeightedTrainer.aux = 0.0
+    assert len(step._graphs) == 1
 
 
 class _CFG:
@@ -112,115 +131,40 @@ class _CFG:
     aux = 0.0
 
 
-def _reads_a_settings_class(model, optimizer, batch):  # type: ignore[no-untyped-def]
-    optimizer.zero_grad()
-    out = model(batch["x"])
-    loss = F.cross_entropy(out, batch["y"]) + _CFG.aux * out.pow(2).mean()
-    loss.backward()
-    optimizer.step()
-    return loss.detach()
+_OPTIONS = types.SimpleNamespace(aux=0.0)
+_READS = {  # where the step reads its weight from, as it reads it
+    "module": (loop_settings, lambda model, optimizer, batch: _with_aux(model, optimizer, batch, loop_settings.aux)),
+    "class": (_CFG, lambda model, optimizer, batch: _with_aux(model, optimizer, batch, _CFG.aux)),
+    "getattr": (_OPTIONS, lambda model, optimizer, batch: _with_aux(model, optimizer, batch, getattr(_OPTIONS, "aux", 0.0))),
+}
 
 
-@pytest.mark.parametrize("where", ["module", "class"])
-def test_a_field_of_the_users_module_or_class_the_step_reads_is_watched(where: str) -> None:
-    settings, train_step = (loop_settings, _reads_a_settings_module) if where == "module" else (_CFG, _reads_a_settings_class)
-    model, batches = _mlp(width=32, depth=2), _batches(rows=16, width=32)
-    eager_model = copy.deepcopy(model)
-    opt, eager_opt = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(eager_model.parameters())
-    step = remat.compile(train_step, model, opt, batches[0])
+@pytest.mark.parametrize("where", list(_READS))
+def test_a_field_of_the_users_module_or_class_or_read_by_getattr_is_watched(where: str) -> None:
+    settings, train_step = _READS[where]
     try:
-        for i, batch in enumerate(batches):
-            settings.aux = 0.1 * i
-            assert torch.equal(step(batch), train_step(eager_model, eager_opt, batch)), i
+        step = _annealed_against_eager(train_step, train_step, lambda i: setattr(settings, "aux", 0.1 * i))
     finally:
         settings.aux = 0.0
-    assert _same_parameters(model, eager_model) and len(step._graphs) == 1
-
-
-class _TrainerWithDefaults:
-    """A trainer whose weight is a class attribute, read through `self`."""
-
-    aux = 0.0
-
-    def train_step(self, model, optimizer, batch):  # type: ignore[no-untyped-def]
-        optimizer.zero_grad()
-        out = model(batch["x"])
-        loss = F.cross_entropy(out, batch["y"]) + self.aux * out.pow(2).mean()
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-
-
-@pytest.mark.parametrize("set_on", ["class", "instance"])
-def test_a_class_attribute_read_through_self_is_watched_where_the_loop_sets_it(set_on: str) -> None:
-    model, batches = _mlp(width=32, depth=2), _batches(rows=16, width=32)
-    eager_model = copy.deepcopy(model)
-    opt, eager_opt = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(eager_model.parameters())
-    trainer, eager = _TrainerWithDefaults(), _TrainerWithDefaults()
-    step = remat.compile(trainer.train_step, model, opt, batches[0])
-    try:
-        for i, batch in enumerate(batches):
-            for target in [_TrainerWithDefaults] if set_on == "class" else [trainer, eager]:
-                target.aux = 0.1 * i
-            assert torch.equal(step(batch), eager.train_step(eager_model, eager_opt, batch)), i
-    finally:
-        _TrainerWithDefaults.aux = 0.0
-    assert _same_parameters(model, eager_model) and len(step._graphs) == 1
+    assert len(step._graphs) == 1
 
 
 _LOSS_WEIGHTS = np.array([0.0, 1.0])  # a numpy array of weights the loop changes in place
 
 
 def _weighted_by_an_array(model, optimizer, batch):  # type: ignore[no-untyped-def]
-    optimizer.zero_grad()
-    out = model(batch["x"])
-    loss = float(_LOSS_WEIGHTS[1]) * F.cross_entropy(out, batch["y"]) + float(_LOSS_WEIGHTS[0]) * out.pow(2).mean()
-    loss.backward()
-    optimizer.step()
-    return loss.detach()
+    return _with_aux(model, optimizer, batch, float(_LOSS_WEIGHTS[0]))
 
 
 def test_a_numpy_array_changed_in_place_compiles_the_step_again_for_its_values() -> None:
-    model, batches = _mlp(width=32, depth=2), _batches(rows=16, width=32)
-    eager_model = copy.deepcopy(model)
-    opt, eager_opt = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(eager_model.parameters())
-    step = remat.compile(_weighted_by_an_array, model, opt, batches[0])
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for i, batch in enumerate(batches):
-                _LOSS_WEIGHTS[0] = 0.1 * (i // 2)  # the same for two steps: one graph each
-                assert torch.equal(step(batch), _weighted_by_an_array(eager_model, eager_opt, batch)), i
+            step = _annealed_against_eager(_weighted_by_an_array, _weighted_by_an_array, lambda i: _LOSS_WEIGHTS.__setitem__(0, 0.1 * (i // 2)))
     finally:
         _LOSS_WEIGHTS[0] = 0.0
-    assert _same_parameters(model, eager_model) and len(step._graphs) == 2
+    assert len(step._graphs) == 2  # the same for two steps: one graph each
     assert any("global _LOSS_WEIGHTS (array([0., 1.]) -> array([0.1, 1. ]))" in str(w.message) for w in caught), [str(w.message) for w in caught]
-
-
-_OPTIONS = types.SimpleNamespace(aux=0.0)
-
-
-def _reads_by_getattr(model, optimizer, batch):  # type: ignore[no-untyped-def]
-    optimizer.zero_grad()
-    out = model(batch["x"])
-    loss = F.cross_entropy(out, batch["y"]) + getattr(_OPTIONS, "aux", 0.0) * out.pow(2).mean()
-    loss.backward()
-    optimizer.step()
-    return loss.detach()
-
-
-def test_a_field_read_by_getattr_with_its_name_written_out_is_watched() -> None:
-    model, batches = _mlp(width=32, depth=2), _batches(rows=16, width=32)
-    eager_model = copy.deepcopy(model)
-    opt, eager_opt = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(eager_model.parameters())
-    step = remat.compile(_reads_by_getattr, model, opt, batches[0])
-    try:
-        for i, batch in enumerate(batches):
-            _OPTIONS.aux = 0.1 * i
-            assert torch.equal(step(batch), _reads_by_getattr(eager_model, eager_opt, batch)), i
-    finally:
-        _OPTIONS.aux = 0.0
-    assert _same_parameters(model, eager_model) and len(step._graphs) == 1
 
 
 _SCALE = 2
