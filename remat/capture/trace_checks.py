@@ -288,8 +288,7 @@ def _drawn_just_before(frames: list) -> bool:
 
 
 def calls_compiled_function(e: BaseException) -> bool:
-    """Whether the trace failed at a call of a function torch.compile wrapped (dynamo refuses
-    to be traced into); if so, say that the trace goes on through its plain code."""
+    """Whether the trace failed at a function torch.compile wrapped; if so, say it is traced as its plain code."""
     if "FX to symbolically trace a dynamo-optimized function" not in str(e):
         return False
     warnings.warn(

@@ -34,8 +34,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from remat.capture.state.python_state import NOT_PLAIN, StateWatch, copied, frozen, holds_traced_value
-from remat.capture.state.slots import MISSING, Slot, item_name
+from remat.capture.state.python_state import StateWatch, copied, holds_traced_value
+from remat.capture.state.slots import MISSING, NOT_PLAIN, Slot, frozen, item_name
 from remat.errors import CaptureError
 from remat.ops.op_facts import is_random
 

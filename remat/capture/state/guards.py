@@ -8,7 +8,7 @@ looked names up in, the model's tree of modules and the items of the containers 
 looked into. `Guards` records those as identities (and keys) and checks them again
 (dynamo's guards on object identity and dict contents, in Python): while they all hold,
 the walk would find the same slots holding the same values, so the key is the same. A
-mutable container and a tensor are frozen again (python_state.frozen) and compared, a
+mutable container and a tensor are frozen again (slots.frozen) and compared, a
 float read at every call by its key (read_numbers). Where any check fails, the step walks
 again (and finds the key itself, compiling where it is new); nothing is taken on trust.
 """
@@ -25,8 +25,7 @@ import numpy as np
 import torch
 
 from remat.capture.state import library_objects, read_numbers
-from remat.capture.state.python_state import frozen
-from remat.capture.state.slots import MISSING, Slot, fields_of
+from remat.capture.state.slots import MISSING, Slot, fields_of, frozen
 
 _PLAIN = (bool, int, float, str, type(None))
 _CONTAINERS = (list, tuple, dict, set, frozenset)

@@ -8,9 +8,9 @@ would repeat its first value at every step, with no error; a list the step appen
 `loss.item()` to would hold traced placeholders. And a number the loop sets between steps
 (a loss weight in a global, a config field) would keep its first value in the graph.
 
-What is watched: plain numbers, strings and None, tensors (by shape, dtype and device:
-the graph reads them at each call, see outside_tensors), and lists, tuples, dicts and
-sets of them (nested), held
+What is watched (slots.frozen): plain numbers, strings and None, tensors (by shape, dtype
+and device: the graph reads them at each call, see outside_tensors), small numpy arrays
+and scalars (by value), and lists, tuples, dicts and sets of them (nested), held
 - as attributes of the model's modules (all of them);
 - as globals or closure cells of the user's code the step runs: train_step, the functions
   it reaches through its globals and closure, and the methods of the model's classes and
@@ -48,93 +48,19 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.errors import CaptureError
 from remat.capture.state import library_objects, module_hooks, user_code
 from remat.capture import param_hooks
-from remat.capture.state.slots import MISSING, Slot, fields_of, item_name
+from remat.capture.state.slots import MISSING, NOT_PLAIN, Slot, fields_of, frozen, item_name, short, shown
 
 _PLAIN = (bool, int, float, str, type(None))
 NUMBERS = (bool, int, float)
 TRACED_NUMBERS = (torch.SymBool, torch.SymInt, torch.SymFloat)  # a number computed from tensors while tracing (`loss.item()`)
 _CONTAINERS = (list, tuple, dict, set, frozenset)
 _MOST_ITEMS = 10_000  # larger containers are not watched (each capture and step compares them)
-NOT_PLAIN = object()
-
-
-@dataclass(frozen=True)
-class TensorSignature:
-    """A tensor as the watch compares it: the graph reads a tensor held in Python state
-    (capture.state.outside_tensors) at every call, but was traced for its shape, dtype and device."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    device: str
-
-    @classmethod
-    def of(cls, t: torch.Tensor) -> TensorSignature:
-        return cls(tuple(t.shape), str(t.dtype).replace("torch.", ""), str(t.device))
-
-    def __repr__(self) -> str:
-        return f"tensor{list(self.shape)} {self.dtype}"
-
-
-def frozen(value: Any) -> Any:
-    """A hashable copy of a plain value, or of a container (list, tuple, dict, set) of plain
-    values, tensors (their signatures) and such containers; a tensor's signature; NOT_PLAIN
-    for anything else (modules, objects)."""
-    if isinstance(value, _PLAIN):
-        return value
-    budget = [_MOST_ITEMS]
-
-    def freeze(v: Any, depth: int) -> Any:
-        if isinstance(v, _PLAIN):
-            return v
-        if isinstance(v, torch.Tensor):
-            return TensorSignature.of(v)
-        if isinstance(v, np.generic) and not isinstance(v, np.object_):  # np.float32(0.5): by value
-            return (np.generic, v.dtype.str, (), v.tobytes())
-        if isinstance(v, np.ndarray) and v.dtype != object and v.size <= budget[0]:  # a small array of weights: by value
-            budget[0] -= v.size
-            return (np.ndarray, v.dtype.str, v.shape, v.tobytes())
-        if not isinstance(v, _CONTAINERS) or depth > 8 or len(v) > budget[0]:
-            raise _Skip
-        budget[0] -= len(v)
-        if isinstance(v, dict):
-            return (dict, tuple((freeze(k, depth + 1), freeze(x, depth + 1)) for k, x in v.items()))
-        if isinstance(v, (set, frozenset)):
-            return (type(v), frozenset(freeze(x, depth + 1) for x in v))
-        return (type(v), tuple(freeze(x, depth + 1) for x in v))
-
-    try:
-        return freeze(value, 0)
-    except _Skip:
-        return NOT_PLAIN
-
-
-class _Skip(Exception):
-    pass
-
-
-def _thawed(value: Any) -> Any:
-    """The container `frozen` stands for, made anew."""
-    if isinstance(value, tuple) and value and value[0] in (np.generic, np.ndarray):
-        array = np.frombuffer(value[3], dtype=np.dtype(value[1])).reshape(value[2])
-        return array[()] if value[0] is np.generic else array
-    if not isinstance(value, tuple) or not value or value[0] not in _CONTAINERS:
-        return value
-    kind, items = value
-    if kind is dict:
-        return {_thawed(k): _thawed(x) for k, x in items}
-    return kind(_thawed(x) for x in items)
-
-
-def shown(value: Any) -> str:
-    """A frozen value as the user wrote it, shortened."""
-    return _short(repr(_thawed(value)))
 
 
 def module_attributes(model: torch.nn.Module, name: str = "model", skip: frozenset[int] = frozenset()) -> Iterator[tuple[str, torch.nn.Module, str, Any]]:
@@ -431,7 +357,7 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
         value = w.slot.get()
         now = _snapshot(value)
         if now is not w.frozen and now != w.frozen:
-            text = shown(now) if now is not NOT_PLAIN else "deleted" if value is MISSING else _short(repr(value))
+            text = shown(now) if now is not NOT_PLAIN else "deleted" if value is MISSING else short(repr(value))
             if name not in kept_names and name not in watch.set_up:
                 changed.append(f"{name} ({shown(w.frozen)} -> {text})")
             w.put_back()
@@ -498,6 +424,3 @@ def holds_traced_value(value: Any, numbers: bool, depth: int = 0) -> bool:
 def _listed(names: list[str]) -> str:
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
-
-def _short(text: str) -> str:
-    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,6 +1,9 @@
 """Where a value of the user's Python state lives (dynamo's `Source`): a global, a closure
 cell, an attribute of a module or object, a key of a dict another slot holds, an argument
-a `functools.partial` binds."""
+a `functools.partial` binds; and a value held there as the watch compares it (`frozen`)
+and as a message shows it (`shown`): plain values as they are, containers of them copied,
+a tensor by its shape, dtype and device, a small numpy array or numpy scalar by its bytes
+(one changed in place is the same object), anything else NOT_PLAIN."""
 
 from __future__ import annotations
 
@@ -8,6 +11,9 @@ import functools
 import types
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+import torch
 
 MISSING = object()
 
@@ -78,3 +84,85 @@ def fields_of(obj: Any) -> dict[str, Any] | None:
         return vars(obj)
     except TypeError:
         return None
+
+
+_PLAIN = (bool, int, float, str, type(None))
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+_MOST_ITEMS = 10_000  # larger containers are not watched (each capture and step compares them)
+NOT_PLAIN = object()
+
+
+@dataclass(frozen=True)
+class TensorSignature:
+    """A tensor as the watch compares it: the graph reads a tensor held in Python state
+    (capture.state.outside_tensors) at every call, but was traced for its shape, dtype and device."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorSignature:
+        return cls(tuple(t.shape), str(t.dtype).replace("torch.", ""), str(t.device))
+
+    def __repr__(self) -> str:
+        return f"tensor{list(self.shape)} {self.dtype}"
+
+
+def frozen(value: Any) -> Any:
+    """A hashable copy of a plain value, or of a container (list, tuple, dict, set) of plain
+    values, tensors (their signatures) and such containers; a tensor's signature; NOT_PLAIN
+    for anything else (modules, objects)."""
+    if isinstance(value, _PLAIN):
+        return value
+    budget = [_MOST_ITEMS]
+
+    def freeze(v: Any, depth: int) -> Any:
+        if isinstance(v, _PLAIN):
+            return v
+        if isinstance(v, torch.Tensor):
+            return TensorSignature.of(v)
+        if isinstance(v, np.generic) and not isinstance(v, np.object_):  # np.float32(0.5): by value
+            return (np.generic, v.dtype.str, (), v.tobytes())
+        if isinstance(v, np.ndarray) and v.dtype != object and v.size <= budget[0]:  # a small array of weights: by value
+            budget[0] -= v.size
+            return (np.ndarray, v.dtype.str, v.shape, v.tobytes())
+        if not isinstance(v, _CONTAINERS) or depth > 8 or len(v) > budget[0]:
+            raise _Skip
+        budget[0] -= len(v)
+        if isinstance(v, dict):
+            return (dict, tuple((freeze(k, depth + 1), freeze(x, depth + 1)) for k, x in v.items()))
+        if isinstance(v, (set, frozenset)):
+            return (type(v), frozenset(freeze(x, depth + 1) for x in v))
+        return (type(v), tuple(freeze(x, depth + 1) for x in v))
+
+    try:
+        return freeze(value, 0)
+    except _Skip:
+        return NOT_PLAIN
+
+
+class _Skip(Exception):
+    pass
+
+
+def _thawed(value: Any) -> Any:
+    """The container `frozen` stands for, made anew."""
+    if isinstance(value, tuple) and value and value[0] in (np.generic, np.ndarray):
+        array = np.frombuffer(value[3], dtype=np.dtype(value[1])).reshape(value[2])
+        return array[()] if value[0] is np.generic else array
+    if not isinstance(value, tuple) or not value or value[0] not in _CONTAINERS:
+        return value
+    kind, items = value
+    if kind is dict:
+        return {_thawed(k): _thawed(x) for k, x in items}
+    return kind(_thawed(x) for x in items)
+
+
+def shown(value: Any) -> str:
+    """A frozen value as the user wrote it, shortened."""
+    return short(repr(_thawed(value)))
+
+
+def short(text: str) -> str:
+    return text if len(text) <= 60 else text[:57] + "..."
