@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import functools
 import types
 import warnings
@@ -131,16 +132,23 @@ class _CFG:
     aux = 0.0
 
 
+@dataclasses.dataclass(slots=True)
+class _SlottedOptions:
+    aux: float = 0.0
+
+
 _OPTIONS = types.SimpleNamespace(aux=0.0)
+_SLOTTED = _SlottedOptions()
 _READS = {  # where the step reads its weight from, as it reads it
     "module": (loop_settings, lambda model, optimizer, batch: _with_aux(model, optimizer, batch, loop_settings.aux)),
     "class": (_CFG, lambda model, optimizer, batch: _with_aux(model, optimizer, batch, _CFG.aux)),
     "getattr": (_OPTIONS, lambda model, optimizer, batch: _with_aux(model, optimizer, batch, getattr(_OPTIONS, "aux", 0.0))),
+    "__slots__": (_SLOTTED, lambda model, optimizer, batch: _with_aux(model, optimizer, batch, _SLOTTED.aux)),
 }
 
 
 @pytest.mark.parametrize("where", list(_READS))
-def test_a_field_of_the_users_module_or_class_or_read_by_getattr_is_watched(where: str) -> None:
+def test_a_field_of_the_users_module_class_or_slotted_object_or_read_by_getattr_is_watched(where: str) -> None:
     settings, train_step = _READS[where]
     try:
         step = _annealed_against_eager(train_step, train_step, lambda i: setattr(settings, "aux", 0.1 * i))

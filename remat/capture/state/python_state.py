@@ -54,7 +54,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from remat.errors import CaptureError
 from remat.capture.state import library_objects, module_hooks, user_code
 from remat.capture import param_hooks
-from remat.capture.state.slots import MISSING, NOT_PLAIN, Slot, fields_of, frozen, item_name, short, shown
+from remat.capture.state.slots import MISSING, NOT_PLAIN, Slot, fields_of, frozen, item_name, short, shown, slotted_fields
 
 _PLAIN = (bool, int, float, str, type(None))
 NUMBERS = (bool, int, float)
@@ -233,7 +233,8 @@ def _object_fields(name: str, obj: Any, names: set[str], seen: set[int], depth: 
     if depth > 3 or id(obj) in seen or isinstance(obj, (torch.nn.Module, torch.Tensor)) or not ours:
         return
     seen.add(id(obj))
-    fields = fields_of(obj) or {}
+    fields = fields_of(obj)
+    fields = slotted_fields(obj) if fields is None else fields
     names = names | user_code.names_in_class(type(obj), ran)  # what its own methods name (an EMA helper's update())
     for key in sorted(k for k in fields if k in names):
         yield Slot(f"{name}.{key}", obj, key), fields[key]

@@ -48,7 +48,8 @@ class Slot:
                 return self.owner.cell_contents
             except ValueError:  # an empty cell
                 return MISSING
-        return vars(self.owner).get(self.key, MISSING)
+        held = fields_of(self.owner)
+        return held.get(self.key, MISSING) if held is not None else getattr(self.owner, self.key, MISSING)  # __slots__
 
     def set(self, value: Any) -> None:
         if isinstance(self.owner, functools.partial):
@@ -59,11 +60,12 @@ class Slot:
         elif value is MISSING:  # it was not there
             if isinstance(self.owner, dict):
                 self.owner.pop(self.key, None)
-            elif isinstance(self.owner, type):  # a class's attributes are a read-only mapping
-                if self.key in vars(self.owner):
-                    delattr(self.owner, self.key)
             elif not isinstance(self.owner, types.CellType):
-                vars(self.owner).pop(self.key, None)
+                held = fields_of(self.owner)
+                if isinstance(held, dict):
+                    held.pop(self.key, None)
+                elif hasattr(self.owner, self.key):  # a class's (a read-only mapping), or a __slots__ attribute
+                    delattr(self.owner, self.key)
         elif isinstance(self.owner, dict):
             self.owner[self.key] = value
         elif isinstance(self.owner, types.CellType):
@@ -84,6 +86,15 @@ def fields_of(obj: Any) -> dict[str, Any] | None:
         return vars(obj)
     except TypeError:
         return None
+
+
+def slotted_fields(obj: Any) -> dict[str, Any]:
+    """The attributes set of those an object keeps in `__slots__` (a `dataclass(slots=True)`), by name."""
+    names = []
+    for cls in type(obj).__mro__:
+        declared = vars(cls).get("__slots__", ())
+        names += [declared] if isinstance(declared, str) else list(declared)
+    return {n: getattr(obj, n) for n in names if n not in ("__dict__", "__weakref__") and hasattr(obj, n)}
 
 
 _PLAIN = (bool, int, float, str, type(None))
