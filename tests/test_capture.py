@@ -302,6 +302,19 @@ def test_a_loss_function_given_to_the_step_has_the_globals_it_reads_watched_and_
     assert result.match, result.summary()
 
 
+def test_a_shape_that_depends_on_values_is_refused_naming_the_line_and_what_to_do():
+    def step(model, opt, batch):
+        opt.zero_grad()
+        out = model(batch[0])
+        picked = out[batch[1] > 0]  # boolean-mask indexing: as many rows as the mask holds
+        picked.sum().backward()
+        opt.step()
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(CaptureError, match=r"depends on tensor values \(aten\.nonzero.*at test_capture\.py, line \d+: picked = out\[batch\[1\] > 0\].*loss in train_step from its logits"):
+        capture(step, model, torch.optim.SGD(model.parameters(), lr=0.1), (torch.randn(6, 4), torch.randn(6)))
+
+
 def test_an_optimizer_whose_first_step_state_remat_cannot_make_is_refused():
     model = torch.nn.Linear(4, 4)
     with pytest.raises(CaptureError, match="_OwnSGD has no state yet and remat can create the first-step state only of torch's own"):
@@ -566,7 +579,7 @@ def test_a_recurrent_layer_on_a_packed_sequence_is_refused_saying_to_run_it_padd
     model = _PackedGRU()
     batch = {"x": torch.randn(3, 5, 4), "lengths": torch.tensor([5, 2, 4])}
     _sgd_step(model, torch.optim.SGD(model.parameters(), lr=0.1), batch)  # eager runs it
-    with pytest.raises(CaptureError, match=r"a recurrent layer on a PackedSequence .*, at test_capture\.py, line \d+: return self\.gru\(packed\).*Run the layer on the padded batch"):
+    with pytest.raises(CaptureError, match=r"a recurrent layer on a PackedSequence .*, at test_capture\.py, line \d+: packed = torch\.nn\.utils\.rnn\.pack_padded_sequence.*Run the layer on the padded batch"):
         capture(_sgd_step, model, torch.optim.SGD(model.parameters(), lr=0.1), batch)
 
 

@@ -30,14 +30,14 @@ from remat.capture.optimizer_state import check_first_step_state, optimizer_on, 
 from remat.capture.optimizers import as_one, only_passed_step
 
 from remat.capture.markers import marking_updates, MARKER, RECORD_FUNCTION_OPS, marker, marking_passes
-from remat.capture.trace_checks import branched_hyperparameters, calls_compiled_function, data_dependent_condition, check_backward_ran, check_graph_runnable, cleared_before_backward, finds_gradients, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state, where_in_users_code
+from remat.capture.trace_checks import branched_hyperparameters, calls_compiled_function, no_dynamic_output_shapes, data_dependent_condition, check_backward_ran, check_graph_runnable, cleared_before_backward, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state, where_in_users_code
 from remat.capture.train_graph import CallContract, GraphInput, InputKind, Phase, TrainGraph, TrainStep
 from remat.capture.state.python_state import no_python_state_changed, put_back_as_now, state_slots
 from remat.capture.traced_rng import no_host_random_drawn, no_rng_state_set
 from remat.capture.user_checkpoints import plain_checkpoints
 from remat.ops import ctc_loss, value_checks
 from remat.ops import training_workspace
-from remat.capture.step_inputs import BatchFloats, accumulated_gradients, batch_leaf_names, batch_value, check_arguments, describe, held_gradients
+from remat.capture.step_inputs import BatchFloats, accumulated_gradients, finds_gradients, batch_leaf_names, batch_value, check_arguments, describe, held_gradients
 
 
 def _user_state(
@@ -231,6 +231,7 @@ def capture(
     checks = value_checks.ValueChecks()  # branches on tensor values where one side raises: decided over the traces
 
     def traced(*args: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        no_dynamic_output_shapes(args)
         it = iter(args)
         t_params = {n: next(it) for n in params}
         t_buffers = {n: next(it) for n in buffers}

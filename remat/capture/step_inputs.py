@@ -8,6 +8,7 @@ numbers read at every call (`BatchFloats`)."""
 from __future__ import annotations
 
 import operator
+import sys
 import warnings
 import weakref
 from collections import UserDict
@@ -16,6 +17,7 @@ from operator import attrgetter
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.fx
 import torch.utils._pytree as pytree
 
 from remat.errors import CaptureError, ChangedSinceCompiled
@@ -26,7 +28,8 @@ from remat.capture.optimizer_state import optimizer_states
 from remat.capture.optimizers import as_one
 from remat.capture.train_graph import GraphInput, InputKind, TrainGraph
 from remat.ops import value_checks
-from remat.capture.trace_checks import accumulation_refused, check_settings, where_in_users_code
+from remat.capture.trace_checks import check_settings, where_in_users_code
+from remat.capture.markers import MARKER
 
 
 def unique_named(items: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -403,3 +406,82 @@ def run_captured(
     if tg.call.leaves_zero_grads:
         _ZERO_GRADS_LEFT[model] = [_no_gradient if p.grad is None else weakref.ref(p.grad) for p in params.values()]
     return step_outputs.as_returned(tg, outputs)
+
+
+def accumulates(probe_gm: torch.fx.GraphModule, trainable: dict[str, torch.Tensor], optimizer: Any, data_parallel: Any) -> bool:
+    """Whether the step adds its gradients to those of the step before (gradient
+    accumulation across calls): then each call's graph takes the gradients set when it is
+    called as inputs and adds to them in place, as eager's backward does, and which are
+    set is in the key. Refused under DDP or FSDP2 (`data_parallel`), whose syncing differs
+    between accumulating calls and the last.
+
+    `probe_gm` was traced with the `.grad` of every parameter in `trainable` (by name, in
+    the marker's order) already set: if train_step calls zero_grad() before backward(),
+    nothing reads those gradients (or they are zeroed in place first).
+    """
+    marker = next(n for n in probe_gm.graph.nodes if n.target is MARKER and n.args[1] == "preset_grads")
+    kept = [name for name, preset in zip(trainable, marker.args[0]) if _read_before_cleared(preset, marker)]
+    if not kept:
+        return False
+    named = f"{', '.join(kept[:3])}{f' and {len(kept) - 3} more' if len(kept) > 3 else ''}"
+    if data_parallel is not None:
+        raise accumulation_refused(
+            f"train_step leaves gradients set ({named}) and does not clear them before backward(), so each step adds "
+            "its gradients to the previous step's", "across ranks (DDP, FSDP2)",
+        )
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]} if optimizer is not None else set()
+    unheld = [name for name in kept if id(trainable[name]) not in held]
+    if held and len(unheld) == len(kept):  # the optimizer's are cleared, not these: likely an oversight
+        warnings.warn(
+            f"remat: train_step clears the gradients of its optimizer's parameters, but {len(unheld)} parameter"
+            f"{'s' if len(unheld) > 1 else ''} that no optimizer holds (first: {unheld[0]}) also get gradients, and "
+            "each call adds to them, as eager's would; the step holds them from call to call. Freeze them "
+            "(requires_grad_(False)), add them to the optimizer, or call model.zero_grad() in train_step.",
+            stacklevel=5,
+        )
+    return True
+
+
+def finds_gradients(
+    probe_gm: torch.fx.GraphModule | None, cleared_first: bool, leaves_zero_grads: bool, trainable: dict[str, torch.Tensor],
+    optimizer: Any, data_parallel: Any,
+) -> bool:  # fmt: skip
+    """Whether the graph depends on which gradients a call finds set (TrainGraph.call.accumulates).
+    Not where the step clears them all before its first backward, nor where it ends with
+    them zeroed in place (ends_with_zero_grads: checked at each call). Where it leaves some
+    set, as the trace with them preset (`probe_gm`) tells: accumulates. Where it leaves
+    none set (zero_grad() at its end), yes: only gradients set outside it (another step's,
+    an eager backward's) can be found, and it adds to them, as eager does."""
+    if cleared_first or leaves_zero_grads:
+        return False
+    return probe_gm is None or accumulates(probe_gm, trainable, optimizer, data_parallel)
+
+
+def accumulation_refused(what: str, where: str) -> CaptureError:
+    error = CaptureError(
+        f"{what} (gradient accumulation across calls), which remat does not follow {where}. To accumulate gradients "
+        "over micro-batches, give train_step all of them and loop over them inside it (one backward() each, then one "
+        "optimizer.step())."
+    )
+    if _accelerate_accumulates():
+        error.add_note(
+            "remat: Accelerate's accumulate() steps the optimizer only at every gradient_accumulation_steps-th call. "
+            "Drop the `with accelerator.accumulate(model):` and loop over that many micro-batches inside train_step "
+            "instead: accelerator.backward() still divides each loss by gradient_accumulation_steps, and the optimizer "
+            "steps once, as at eager's last micro-batch."
+        )
+    return error
+
+
+def _accelerate_accumulates() -> bool:
+    """Whether an Accelerate accelerator accumulates gradients over calls (its shared gradient state)."""
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "GradientState", None), "_shared_state", None) or {}
+    return bool(shared) and (shared.get("plugin_kwargs") or {}).get("num_steps", 1) > 1
+
+
+def _read_before_cleared(preset: torch.fx.Node, marker: torch.fx.Node) -> bool:
+    # A marker or the output is no read: a gradient the step never touches (a parameter no
+    # loss of this step reaches) is among the final gradients only because it was preset.
+    users = [u for u in preset.users if u.op == "call_function" and u.target is not MARKER]
+    return bool(users) and users[0].target not in (torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar)

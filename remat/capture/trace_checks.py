@@ -4,8 +4,8 @@ name, what remat cannot run as eager does, and passes that drop inputs nothing r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import linecache
-import sys
 import traceback
 import warnings
 from pathlib import Path
@@ -18,7 +18,6 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.errors import CaptureError
 
-from remat.capture.markers import MARKER
 from remat.capture.train_graph import GraphInput, InputKind
 
 
@@ -143,101 +142,32 @@ def check_backward_ran(backward_passes: int) -> None:
         )
 
 
-def accumulates(probe_gm: torch.fx.GraphModule, trainable: dict[str, torch.Tensor], optimizer: Any, data_parallel: Any) -> bool:
-    """Whether the step adds its gradients to those of the step before (gradient
-    accumulation across calls): then each call's graph takes the gradients set when it is
-    called as inputs and adds to them in place, as eager's backward does, and which are
-    set is in the key. Refused under DDP or FSDP2 (`data_parallel`), whose syncing differs
-    between accumulating calls and the last.
-
-    `probe_gm` was traced with the `.grad` of every parameter in `trainable` (by name, in
-    the marker's order) already set: if train_step calls zero_grad() before backward(),
-    nothing reads those gradients (or they are zeroed in place first).
-    """
-    marker = next(n for n in probe_gm.graph.nodes if n.target is MARKER and n.args[1] == "preset_grads")
-    kept = [name for name, preset in zip(trainable, marker.args[0]) if _read_before_cleared(preset, marker)]
-    if not kept:
-        return False
-    named = f"{', '.join(kept[:3])}{f' and {len(kept) - 3} more' if len(kept) > 3 else ''}"
-    if data_parallel is not None:
-        raise accumulation_refused(
-            f"train_step leaves gradients set ({named}) and does not clear them before backward(), so each step adds "
-            "its gradients to the previous step's", "across ranks (DDP, FSDP2)",
-        )
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]} if optimizer is not None else set()
-    unheld = [name for name in kept if id(trainable[name]) not in held]
-    if held and len(unheld) == len(kept):  # the optimizer's are cleared, not these: likely an oversight
-        warnings.warn(
-            f"remat: train_step clears the gradients of its optimizer's parameters, but {len(unheld)} parameter"
-            f"{'s' if len(unheld) > 1 else ''} that no optimizer holds (first: {unheld[0]}) also get gradients, and "
-            "each call adds to them, as eager's would; the step holds them from call to call. Freeze them "
-            "(requires_grad_(False)), add them to the optimizer, or call model.zero_grad() in train_step.",
-            stacklevel=5,
-        )
-    return True
-
-
-def finds_gradients(
-    probe_gm: torch.fx.GraphModule | None, cleared_first: bool, leaves_zero_grads: bool, trainable: dict[str, torch.Tensor],
-    optimizer: Any, data_parallel: Any,
-) -> bool:  # fmt: skip
-    """Whether the graph depends on which gradients a call finds set (TrainGraph.call.accumulates).
-    Not where the step clears them all before its first backward, nor where it ends with
-    them zeroed in place (ends_with_zero_grads: checked at each call). Where it leaves some
-    set, as the trace with them preset (`probe_gm`) tells: accumulates. Where it leaves
-    none set (zero_grad() at its end), yes: only gradients set outside it (another step's,
-    an eager backward's) can be found, and it adds to them, as eager does."""
-    if cleared_first or leaves_zero_grads:
-        return False
-    return probe_gm is None or accumulates(probe_gm, trainable, optimizer, data_parallel)
-
-
-def accumulation_refused(what: str, where: str) -> CaptureError:
-    error = CaptureError(
-        f"{what} (gradient accumulation across calls), which remat does not follow {where}. To accumulate gradients "
-        "over micro-batches, give train_step all of them and loop over them inside it (one backward() each, then one "
-        "optimizer.step())."
-    )
-    if _accelerate_accumulates():
-        error.add_note(
-            "remat: Accelerate's accumulate() steps the optimizer only at every gradient_accumulation_steps-th call. "
-            "Drop the `with accelerator.accumulate(model):` and loop over that many micro-batches inside train_step "
-            "instead: accelerator.backward() still divides each loss by gradient_accumulation_steps, and the optimizer "
-            "steps once, as at eager's last micro-batch."
-        )
-    return error
-
-
-def _accelerate_accumulates() -> bool:
-    """Whether an Accelerate accelerator accumulates gradients over calls (its shared gradient state)."""
-    state = sys.modules.get("accelerate.state")
-    shared = getattr(getattr(state, "GradientState", None), "_shared_state", None) or {}
-    return bool(shared) and (shared.get("plugin_kwargs") or {}).get("num_steps", 1) > 1
-
-
-def _read_before_cleared(preset: torch.fx.Node, marker: torch.fx.Node) -> bool:
-    # A marker or the output is no read: a gradient the step never touches (a parameter no
-    # loss of this step reaches) is among the final gradients only because it was preset.
-    users = [u for u in preset.users if u.op == "call_function" and u.target is not MARKER]
-    return bool(users) and users[0].target not in (torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar)
+def no_dynamic_output_shapes(args: tuple[Any, ...]) -> None:
+    """An op whose output shape depends on tensor values (nonzero, boolean-mask indexing)
+    raises where it runs, so that the refusal names the line (`check_static_shapes`, after
+    the trace, is the check where this setting is not found)."""
+    mode = torch._guards.detect_fake_mode(args)
+    env = mode.shape_env if mode is not None else None
+    if env is not None and dataclasses.is_dataclass(getattr(env, "settings", None)):
+        env.settings = dataclasses.replace(env.settings, allow_dynamic_output_shape_ops=False)
 
 
 def check_static_shapes(gm: torch.fx.GraphModule) -> None:
-    """Refuse a trace in which an op's output shape depends on tensor values.
-
-    Fake tensors give such outputs (nonzero, boolean-mask indexing) symbolic sizes instead
-    of failing; the analysis, the simulator and the planners need every size.
-    """
+    """Refuse a trace in which an op's output shape depends on tensor values (a symbolic
+    size): the analysis, the simulator and the planners need every size."""
     for node in gm.graph.nodes:
         for v in _vals(node):
             if any(not isinstance(d, int) for d in v.shape):
-                raise CaptureError(
-                    f"an op in train_step returns a shape that depends on tensor values ({node.target} "
-                    f"makes a tensor of shape {tuple(v.shape)}); remat needs static shapes: replace it "
-                    "(e.g. masked ops such as torch.where instead of nonzero/boolean indexing). Where a library's "
-                    "call makes it (a metric's update(): torchmetrics counts with bincount), call that outside "
-                    "train_step, on tensors the step returns (return the logits with the loss)."
-                )
+                raise CaptureError(f"{_VALUE_SHAPED} ({node.target} makes a tensor of shape {tuple(v.shape)}){_STATIC_SHAPES}")
+
+
+_VALUE_SHAPED = "an op in train_step returns a shape that depends on tensor values"
+_STATIC_SHAPES = (
+    "; remat needs static shapes: replace it (e.g. masked ops instead of nonzero/boolean indexing). Where a "
+    "library's code makes it: a model's own loss, given labels (call the model without them and compute the "
+    "loss in train_step from its logits), or a metric's update() (call it outside train_step, on tensors the "
+    "step returns)."
+)
 
 
 def check_graph_runnable(gm: torch.fx.GraphModule) -> None:
@@ -261,14 +191,16 @@ def _vals(node: torch.fx.Node) -> list[torch.Tensor]:
 _LIBRARY_DIRS = (Path(torch.__file__).resolve().parent, Path(__file__).resolve().parents[1])  # torch's and remat's own code (resolved, as the frames are)
 
 
+def _users_frame(frames: list) -> Any:
+    """The innermost frame outside torch and remat (the model's or the step's line), or None."""
+    users = [f for f in frames if not f.filename.startswith("<") and not any(Path(f.filename).resolve().is_relative_to(d) for d in _LIBRARY_DIRS)]
+    return users[-1] if users else None
+
+
 def _where_in_users_code(frames: list) -> str:
-    """', at file.py, line N: code' for the innermost frame outside torch and remat (the
-    model's or the step's line that led to the failure), or ''."""
-    for frame in reversed(frames):
-        path = Path(frame.filename).resolve()
-        if not any(path.is_relative_to(d) for d in _LIBRARY_DIRS) and not frame.filename.startswith("<"):
-            return f", at {path.name}, line {frame.lineno}: {(frame.line or '').strip()}"
-    return ""
+    """', at file.py, line N: code' for `_users_frame`, or ''."""
+    frame = _users_frame(frames)
+    return "" if frame is None else f", at {Path(frame.filename).resolve().name}, line {frame.lineno}: {(frame.line or '').strip()}"
 
 
 def where_in_users_code_now() -> str:
@@ -279,12 +211,9 @@ def where_in_users_code_now() -> str:
 def _drawn_just_before(frames: list) -> bool:
     """Whether the user's line that branched follows a `torch.rand` draw within a few lines
     (LayerDrop: `skip = torch.rand([]) < self.layerdrop`, then `if not skip:`)."""
-    for frame in reversed(frames):
-        path = Path(frame.filename).resolve()
-        if not any(path.is_relative_to(d) for d in _LIBRARY_DIRS) and not frame.filename.startswith("<"):
-            before = [linecache.getline(frame.filename, n) for n in range(max(1, frame.lineno - 5), frame.lineno + 1)]
-            return any("torch.rand(" in line for line in before)
-    return False
+    frame = _users_frame(frames)
+    before = [] if frame is None else [linecache.getline(frame.filename, n) for n in range(max(1, frame.lineno - 5), frame.lineno + 1)]
+    return any("torch.rand(" in line for line in before)
 
 
 def calls_compiled_function(e: BaseException) -> bool:
@@ -302,7 +231,6 @@ def calls_compiled_function(e: BaseException) -> bool:
 
 def where_in_users_code(e: BaseException) -> str:
     """_where_in_users_code of the frames `e` was raised through."""
-
     return _where_in_users_code(traceback.extract_tb(e.__traceback__))
 
 
@@ -334,7 +262,7 @@ def _sized_by_values(e: BaseException, data_dependent: bool, where: str) -> Capt
     what to do instead: a recurrent layer on a PackedSequence, a tensor read as an int."""
     name = type(e).__name__
     first = str(e).strip().splitlines()[0] if str(e).strip() else name
-    if _packed_sequence_live(e):
+    if _packed_sequence_live(e) or "_pack_padded_sequence" in first:
         return CaptureError(
             f"train_step runs a recurrent layer on a PackedSequence (nn.utils.rnn.pack_padded_sequence){where}: how "
             "many sequences each time step holds is computed from the lengths' values, a shape one captured graph "
@@ -403,7 +331,7 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
     frames = traceback.extract_tb(e.__traceback__)
     where = _where_in_users_code(frames)
     data_dependent = "DataDependent" in name or "GuardOnDataDependent" in name or "data-dependent" in str(e).lower()
-    if data_dependent and (known := _library_branch(frames, where)) is not None:
+    if (data_dependent or "DynamicOutputShape" in name) and (known := _library_branch(frames, where)) is not None:
         return known
     in_optimizer = [f for f in frames if Path(f.filename).parent.parts[-2:] == ("torch", "optim")]
     if data_dependent and any("fused" in f.name for f in in_optimizer):
@@ -447,10 +375,7 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
             "compute the loss in train_step from its logits (log_softmax, transposed to (time, batch, classes))."
         )
     if "DynamicOutputShape" in name:
-        return CaptureError(
-            f"an op in train_step returns a shape that depends on tensor values ({first}){where}; "
-            "remat needs static shapes: replace it (e.g. masked ops instead of nonzero/boolean indexing)."
-        )
+        return CaptureError(f"{_VALUE_SHAPED} ({first}){where}{_STATIC_SHAPES}")
     if "Sym" in first and "__format__" in first:
         return CaptureError(
             f"train_step formats a number it computes into text ({first}){where}: its Python code runs once, at "

@@ -83,7 +83,7 @@ class CallContract:
     scheduler_calls: tuple[Any, ...] = ()  # scheduler_calls.SchedulerCall: scheduler.step() calls made again at each call
     leaves_zero_grads: bool = False  # the step ends with zero_grad(set_to_none=False): see ends_with_zero_grads
     # The step adds its gradients to those a call finds set (gradient accumulation across
-    # calls; or it may: trace_checks.finds_gradients): which are set is in the key, and the
+    # calls; or it may: step_inputs.finds_gradients): which are set is in the key, and the
     # graph for a call that finds some takes them as GRADIENT inputs.
     accumulates: bool = False
     groups: list[hyperparams.GroupSpec] = field(default_factory=list)  # what the update assumes of param_groups
