@@ -25,10 +25,8 @@ import numpy as np
 import torch
 
 from remat.capture.state import library_objects, read_numbers
-from remat.capture.state.slots import MISSING, Slot, fields_of, frozen
+from remat.capture.state.slots import CONTAINERS, MISSING, PLAIN, Slot, fields_of, frozen
 
-_PLAIN = (bool, int, float, str, type(None))
-_CONTAINERS = (list, tuple, dict, set, frozenset)
 _SHALLOW = 64  # a container with more items is frozen again instead of compared item by item
 
 
@@ -185,7 +183,7 @@ class Guards:
                 looked_into[id(value)] = value  # the same items: the same value, where they are plain
                 if not _plain_items(value):
                     g.same_frozen.append((slot, frozen(value)))
-            elif isinstance(value, (torch.Tensor, np.ndarray)) or (isinstance(value, _CONTAINERS) and not _plain_items(value)):
+            elif isinstance(value, (torch.Tensor, np.ndarray)) or (isinstance(value, CONTAINERS) and not _plain_items(value)):
                 g.same_frozen.append((slot, frozen(value)))  # (an array changed in place is the same object)
         g.same_items = SameContents.of(looked_into.values())
         g._checks = _flat_checks(g.same_object, list(holders.values()))
@@ -245,4 +243,4 @@ def _plain_items(container: Any) -> bool:
     """Whether every item (every key and value of a dict) is a plain value, which cannot
     change in place: the same items are then the same value."""
     items = [x for kv in container.items() for x in kv] if isinstance(container, dict) else container
-    return all(isinstance(x, _PLAIN) for x in items)
+    return all(isinstance(x, PLAIN) for x in items)

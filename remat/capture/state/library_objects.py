@@ -19,11 +19,9 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from remat.capture.state import user_code
-from remat.capture.state.slots import Slot, fields_of
+from remat.capture.state.slots import CONTAINERS, PLAIN, Slot, fields_of
 
-_PLAIN = (bool, int, float, str, type(None))
 _NUMBERS = (bool, int, float)
-_CONTAINERS = (list, tuple, dict, set, frozenset)
 _MOST_ITEMS = 1024  # a larger list or dict is not taken for a table of tensors
 
 _LIBRARY_DEPTH = 1  # a library object, and the library objects in its fields
@@ -186,7 +184,7 @@ def _is_library_object(obj: Any) -> bool:
     """An instance of a library's class that may hold the step's tensors: not a module,
     tensor, class, function or Python module, not the user's own (their fields are followed
     by name), and not an optimizer or a scheduler (their tensors are the graph's own inputs)."""
-    if isinstance(obj, (_PLAIN, _CONTAINERS, type, types.ModuleType, types.FunctionType, types.MethodType, torch.nn.Module, torch.Tensor,
+    if isinstance(obj, (PLAIN, CONTAINERS, type, types.ModuleType, types.FunctionType, types.MethodType, torch.nn.Module, torch.Tensor,
                         torch.SymInt, torch.SymFloat, torch.SymBool)):
         return False
     if isinstance(obj, (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)):

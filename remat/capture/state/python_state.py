@@ -54,13 +54,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 from remat.errors import CaptureError
 from remat.capture.state import library_objects, module_hooks, user_code
 from remat.capture import param_hooks
-from remat.capture.state.slots import MISSING, NOT_PLAIN, Slot, fields_of, frozen, item_name, short, shown, slotted_fields
+from remat.capture.state.slots import CONTAINERS, MISSING, MOST_ITEMS, NOT_PLAIN, PLAIN, Slot, fields_of, frozen, item_name, short, shown, slotted_fields
 
-_PLAIN = (bool, int, float, str, type(None))
 NUMBERS = (bool, int, float)
 TRACED_NUMBERS = (torch.SymBool, torch.SymInt, torch.SymFloat)  # a number computed from tensors while tracing (`loss.item()`)
-_CONTAINERS = (list, tuple, dict, set, frozenset)
-_MOST_ITEMS = 10_000  # larger containers are not watched (each capture and step compares them)
 
 
 def module_attributes(model: torch.nn.Module, name: str = "model", skip: frozenset[int] = frozenset()) -> Iterator[tuple[str, torch.nn.Module, str, Any]]:
@@ -116,7 +113,7 @@ def state_slots(model: torch.nn.Module, train_step: Callable[..., Any], ran: fro
     hooks = [*param_hooks.functions(model), *module_hooks.functions(model)]
     code = user_code.followed([train_step, getattr(type(train_step), "__call__", None), *user_code.methods(model), *hooks], step_globals, ran)
     out = list(code.bindings)
-    roots = [(slot.name, value) for slot, value in [*own, *out] if not isinstance(value, _PLAIN + _CONTAINERS)]
+    roots = [(slot.name, value) for slot, value in [*own, *out] if not isinstance(value, PLAIN + CONTAINERS)]
     # The object a method belongs to (a trainer), or the callable object that is the step;
     # and the user's object a hook is a method of (a feature extractor holding its dict).
     bound = train_step
@@ -126,7 +123,7 @@ def state_slots(model: torch.nn.Module, train_step: Callable[..., Any], ran: fro
     for held in [owner, *(getattr(h, "__self__", None) for h in hooks if isinstance(h, types.MethodType))]:
         if held is not None and (held is owner or user_code.user_class(type(held))):
             roots.append((type(held).__name__, held))
-    contained = [item for slot, value in [*own, *out] if isinstance(value, _CONTAINERS) for item in _in_container(slot, value)]
+    contained = [item for slot, value in [*own, *out] if isinstance(value, CONTAINERS) for item in _in_container(slot, value)]
     roots += contained
     seen: set[int] = set()
     fields = [f for name, value in roots for f in _object_fields(name, value, code.names, seen, 0, ran)]
@@ -204,7 +201,7 @@ def copied(value: Any) -> Any:
     """A container copied through its nested containers (for `frozen` values: bounded)."""
     if isinstance(value, dict):
         return {k: copied(v) for k, v in value.items()}
-    if isinstance(value, _CONTAINERS):
+    if isinstance(value, CONTAINERS):
         return type(value)(copied(v) for v in value)
     return value
 
@@ -415,9 +412,9 @@ def holds_traced_value(value: Any, numbers: bool, depth: int = 0) -> bool:
     number) made while tracing."""
     if isinstance(value, (FakeTensor, *(TRACED_NUMBERS if numbers else ()))):
         return True
-    if depth < 3 and isinstance(value, (list, tuple)) and len(value) <= _MOST_ITEMS:
+    if depth < 3 and isinstance(value, (list, tuple)) and len(value) <= MOST_ITEMS:
         return any(holds_traced_value(v, numbers, depth + 1) for v in value)
-    if depth < 3 and isinstance(value, dict) and len(value) <= _MOST_ITEMS:
+    if depth < 3 and isinstance(value, dict) and len(value) <= MOST_ITEMS:
         return any(holds_traced_value(v, numbers, depth + 1) for v in value.values())
     return False
 

@@ -97,9 +97,9 @@ def slotted_fields(obj: Any) -> dict[str, Any]:
     return {n: getattr(obj, n) for n in names if n not in ("__dict__", "__weakref__") and hasattr(obj, n)}
 
 
-_PLAIN = (bool, int, float, str, type(None))
-_CONTAINERS = (list, tuple, dict, set, frozenset)
-_MOST_ITEMS = 10_000  # larger containers are not watched (each capture and step compares them)
+PLAIN = (bool, int, float, str, type(None))
+CONTAINERS = (list, tuple, dict, set, frozenset)
+MOST_ITEMS = 10_000  # larger containers are not watched (each capture and step compares them)
 NOT_PLAIN = object()
 
 
@@ -124,12 +124,12 @@ def frozen(value: Any) -> Any:
     """A hashable copy of a plain value, or of a container (list, tuple, dict, set) of plain
     values, tensors (their signatures) and such containers; a tensor's signature; NOT_PLAIN
     for anything else (modules, objects)."""
-    if isinstance(value, _PLAIN):
+    if isinstance(value, PLAIN):
         return value
-    budget = [_MOST_ITEMS]
+    budget = [MOST_ITEMS]
 
     def freeze(v: Any, depth: int) -> Any:
-        if isinstance(v, _PLAIN):
+        if isinstance(v, PLAIN):
             return v
         if isinstance(v, torch.Tensor):
             return TensorSignature.of(v)
@@ -138,7 +138,7 @@ def frozen(value: Any) -> Any:
         if isinstance(v, np.ndarray) and v.dtype != object and v.size <= budget[0]:  # a small array of weights: by value
             budget[0] -= v.size
             return (np.ndarray, v.dtype.str, v.shape, v.tobytes())
-        if not isinstance(v, _CONTAINERS) or depth > 8 or len(v) > budget[0]:
+        if not isinstance(v, CONTAINERS) or depth > 8 or len(v) > budget[0]:
             raise _Skip
         budget[0] -= len(v)
         if isinstance(v, dict):
@@ -162,7 +162,7 @@ def _thawed(value: Any) -> Any:
     if isinstance(value, tuple) and value and value[0] in (np.generic, np.ndarray):
         array = np.frombuffer(value[3], dtype=np.dtype(value[1])).reshape(value[2])
         return array[()] if value[0] is np.generic else array
-    if not isinstance(value, tuple) or not value or value[0] not in _CONTAINERS:
+    if not isinstance(value, tuple) or not value or value[0] not in CONTAINERS:
         return value
     kind, items = value
     if kind is dict:
