@@ -240,7 +240,7 @@ class RematStep:
         now = self._key_values()
         changed = changed_values(unread(before), unread(now)) if before else []
         moved = [n for n, v in now if type(v) in (int, float) and n in self._constant and dict(before).get(n) != v]
-        compile_notes.warn_constants_changed(changed, bool(moved), max((self._unread_for_budget.get(n) or 0 for n in moved), default=0) or None)
+        compile_notes.warn_constants_changed(changed, bool(moved), max((self._unread_for_budget[n] for n in moved if self._unread_for_budget.get(n)), default=None))
 
     def _key_values(self, slots: list[Any] | None = None) -> tuple[tuple[str, Any], ...]:
         """The watched values the compiled graph depends on: each value itself, but for a

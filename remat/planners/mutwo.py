@@ -292,17 +292,15 @@ def plan_mutwo(
         result = greedy(records, fits)
     except _GiveUp:
         result, gave_up = GreedyResult([], [], False), True
-    if not result.fitted and not rank_by_ops and not retry_ranked_by_ops:
-        # The other policy's run: pinned down only if its error is read.
-        raise no_plan_error(planner_name, budget_bytes, lambda: ev.smallest_peak(work_limit=0 if gave_up else REACH_WORK), baseline.peak_bytes, len(records))
-    if not result.fitted and not rank_by_ops:
+    if not result.fitted and retry_ranked_by_ops and not rank_by_ops:
         # Measured times ranked the picks: another run's profile may rank them otherwise.
         return plan_mutwo(
-            index, node_seconds, budget_bytes, simulate_every_pick=simulate_every_pick, policy=policy, planner_name=planner_name, rank_by_ops=True, meta=extra, **meta
-        )
+            index, node_seconds, budget_bytes, simulate_every_pick=simulate_every_pick, policy=policy, planner_name=planner_name,
+            rank_by_ops=True, retry_ranked_by_ops=False, meta=extra, **meta,
+        )  # fmt: skip
     if not result.fitted:
-        # The smallest peak ranked by the graph alone: a budget there is met on every run.
-        raise no_plan_error(planner_name, budget_bytes, ev.smallest_peak, baseline.peak_bytes, len(records))
+        # Pinned down only if the error is read (the shared policy's may never be).
+        raise no_plan_error(planner_name, budget_bytes, lambda: ev.smallest_peak(work_limit=0 if gave_up else REACH_WORK), baseline.peak_bytes, len(records))
     extra.update(ev.stats())
     extra["candidates"] = len(records)
     plan = assemble_plan(
