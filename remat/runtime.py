@@ -18,13 +18,14 @@ import torch.fx
 from remat import compile_notes, failed_step, ranks
 from remat import build as pipeline
 from remat.batch_signature import check_dtype_device, signature, without_devices
-from remat.capture import data_parallel, optimizer_state, sharded
+from remat.capture import data_parallel, sharded
+from remat.capture.optim import first_step_state, optimizer_state
 from remat.capture.optimizers import as_one
-from remat.capture.state import first_call, read_numbers
+from remat.capture.state import first_call, guards, read_numbers
 from remat.budget import format_bytes, not_held, parse_budget
 from remat.passes import cuda_graph as cuda_graphs, inductor_regions
 from remat.capture.capture import capture
-from remat.capture.step_inputs import ModelView, frozen_gradients_taken, run_captured
+from remat.capture.step_inputs import ModelView, frozen_gradients_taken, run_captured, unique_named
 from remat.capture.train_graph import TrainGraph, TrainStep
 from remat.errors import BudgetError, CaptureError, ChangedSinceCompiled, RematError
 from remat.profile.allocator import measure_step_peak
@@ -35,7 +36,6 @@ from remat.planners.plan import Plan
 from remat.planners import DEFAULT_PLANNER, check_planner, make_plan
 from remat.profile.profiles import Profile, graph_fingerprint
 from remat.capture.call_inputs import CallInputs, gradients_set
-from remat.capture.state.guards import Guards
 from remat.capture.state.kept_numbers import CountedBranch
 from remat.capture.state.library_objects import read_by_trace
 from remat.capture.state.python_state import changed_values, state_slots, step_values
@@ -61,8 +61,7 @@ class CompiledGraph:
     cuda_graph: cuda_graphs.CudaGraphStep | None = None  # runs gm as a CUDA graph (cuda_graph=True)
 
     def rekeyed(self, now: tuple[tuple[str, Any], ...], names: set[str]) -> tuple[tuple[str, Any], ...]:
-        """Its key, watching `names` too, with the values they hold `now` (a key just read):
-        for values its trace did not read. As it was where a name it watched is not in `now`."""
+        """Its key, watching `names` too (values its trace did not read), with the values they hold `now`; as it was where a name it watched is not in `now`."""
         held = dict(self.step_values)
         if not held.keys() <= dict(now).keys():
             return self.step_values
@@ -88,12 +87,10 @@ class RematStep:
     measure: bool = True  # measure the allocator's peak on the first step of each shape
     progress: bool = False
     profile_cache: dict[str, Profile] | None = None  # graph fingerprint -> profile, shared with other steps (see remat.build)
-    # Let the planner run each private optimizer update as soon as its gradient is final.
-    # The gradient then dies early; a step that fails in the backward pass may have
-    # updated some parameters already (the error says which).
+    # Let the planner run each private optimizer update as soon as its gradient is final. The gradient
+    # then dies early; a step that fails in the backward pass may have updated some parameters (the error says which).
     updates_in_backward: bool = True
-    # Let backward ops write their result into an input buffer that dies there (the same
-    # kernel through its out= overload: bitwise the same values, one buffer fewer).
+    # Let backward ops write their result into an input buffer that dies there (the same kernel's out= overload: bitwise, one buffer fewer).
     lean_ops: bool = True
     backend: str = "eager"  # or "inductor": the plan's regions compiled (passes.inductor_regions), not bitwise
     cuda_graph: bool = False  # replay the graph as a CUDA graph after its first call (passes.cuda_graph)
@@ -101,17 +98,16 @@ class RematStep:
     _structure: str | None = None
     _last: CompiledGraph | None = None
     _unkeyed: set[str] = field(default_factory=set)  # slots the step updates and never reads (TrainGraph.call.state_updates)
-    _read: set[str] = field(default_factory=set)  # floats the loop changed between steps, read at every call (read_numbers)
+    _read: set[str] = field(default_factory=set)  # numbers the loop changed between steps, and the optimizer state's: read at every call (read_numbers)
     _constant: set[str] = field(default_factory=set)  # such floats the step branches on: constants of the graph
     _unread_for_budget: dict[str, int] = field(default_factory=dict)  # numbers constant as reading them needs this budget
     _keys: read_numbers.KeyRules = field(default_factory=read_numbers.KeyRules)  # what the key holds of them (a float's sign, an int's conditions)
     _ran: frozenset[Any] | None = None  # the user's code the traces ran (None before the first): the key watches what it names
     _all_code: bool = False  # a capture could not record the code it ran: watch all the step's code can reach
-    # A DDP step whose gradient buckets made the budget unreachable: gradients all-reduced one by one.
-    _reduce_per_gradient: bool = False
+    _reduce_per_gradient: bool = False  # a DDP step whose gradient buckets made the budget unreachable: gradients all-reduced one by one
     _set_up: list[Any] = field(default_factory=list)  # first_call.SetUp of the graphs compiled since the last call, made at the next
     _default_keys: list[Any] = field(default_factory=list)  # keys the graphs' steps make in defaultdicts: made before each call's key is read
-    _hit: tuple[Any, Guards, CompiledGraph] | None = None  # the last graph found, and what its key was found from (guards)
+    _hit: tuple[Any, guards.Guards, CompiledGraph] | None = None  # the last graph found, and what its key was found from (guards)
     _accumulating: list[torch.Tensor] | None = None  # a step that adds to gradients it finds set: its parameters, whose .grad set or not is in the key
     _frozen_graded: list[torch.Tensor] = field(default_factory=list)  # frozen parameters whose gradient a graph takes: set or not is in the key
     _library_read: frozenset[tuple[int, str]] = frozenset()  # library fields the traces read (a library's flag): in the key
@@ -161,11 +157,11 @@ class RematStep:
             # call_inputs does not): the next call of each graph gathers its inputs in full.
             for graph in self._graphs.values():
                 graph.call_inputs = None
-        slots = state_slots(self.model, self.train_step, self._ran)
+        slots = self._slots()
         now = self._key_values(slots)
         cached = self._graphs.get((shapes, now))
         if cached is not None:
-            self._hit = (shapes, Guards.of(self.model, slots, self._unkeyed, self._read, self._keys, self._library_read), cached)
+            self._hit = (shapes, guards.Guards.of(self.model, slots, self._unkeyed, self._read, self._keys, self._library_read), cached)
             return cached
         self._hit = None
         same_shape = [g for (s, _), g in self._graphs.items() if s == shapes]
@@ -229,6 +225,10 @@ class RematStep:
         gradients = gradients_set(self._accumulating) if self._accumulating is not None else None
         return (shapes, gradients, gradients_set(self._frozen_graded), tuple(branch.branch() for branch in self._branches))
 
+    def _slots(self) -> list[Any]:
+        """The Python state the graphs depend on (python_state's), and the numbers the optimizer's state holds."""
+        return [*state_slots(self.model, self.train_step, self._ran), *optimizer_state.number_slots(as_one(self.optimizer), unique_named(self.model.named_parameters()))]
+
     def _library_slots(self, fields: frozenset[tuple[int, str]]) -> set[str]:
         """The names of the library slots holding these fields (library_objects.read_by_trace)."""
         return {slot.name for slot, _ in state_slots(self.model, self.train_step, self._ran) if slot.library and read_by_trace(slot, fields)}
@@ -246,7 +246,7 @@ class RematStep:
         """The watched values the compiled graph depends on: each value itself, but for a
         number read at every call only whether it is a float, and its sign where the
         graph assumes it. `slots`: python_state.state_slots, where just walked."""
-        values = step_values(self.model, self.train_step, skip=self._unkeyed - self._read, ran=self._ran, slots=slots, library_read=self._library_read)
+        values = step_values(self.model, self.train_step, skip=self._unkeyed - self._read, ran=self._ran, slots=self._slots() if slots is None else slots, library_read=self._library_read)
         return tuple((name, self._keys.key(name, value)) if name in self._read else (name, value) for name, value in values)
 
     def _checked_signature(self, batch: Any) -> Any:
@@ -420,7 +420,7 @@ class RematStep:
         """A graph for the parameters trained and the optimizer's groups as they are now, in `stale`'s place."""
         warnings.warn(f"remat: {change.change}: the step is compiled again for it.", stacklevel=5)
         self._graphs, self._hit = {k: g for k, g in self._graphs.items() if g is not stale}, None
-        optimizer_state.drop_made_ahead(as_one(self.optimizer))  # made for the stale graph, before any run: made anew
+        first_step_state.drop_made_ahead(as_one(self.optimizer))  # made for the stale graph, before any run: made anew
         return self.compiled_for(batch)
 
     def _inputs(self, compiled: CompiledGraph, batch: Any) -> tuple[list[torch.Tensor], ModelView]:
@@ -444,7 +444,7 @@ class RematStep:
             if dp is not None:
                 ranks.note_collective_failure(e, dp)
             raise
-        optimizer_state.made_ahead_used(as_one(self.optimizer))
+        first_step_state.made_ahead_used(as_one(self.optimizer))
         if dp is not None:
             data_parallel.after_step(self.model, dp)
         if isinstance(compiled.cuda_graph, cuda_graphs.CudaGraphStep):  # (a stand-in while its call is timed)

@@ -315,10 +315,16 @@ def test_a_shape_that_depends_on_values_is_refused_naming_the_line_and_what_to_d
         capture(step, model, torch.optim.SGD(model.parameters(), lr=0.1), (torch.randn(6, 4), torch.randn(6)))
 
 
-def test_an_optimizer_whose_first_step_state_remat_cannot_make_is_refused():
+def test_a_users_optimizer_gets_the_state_its_first_step_makes_before_the_trace():
+    """Made by its own step on a copy of each parameter (the first value set under each key),
+    with nothing of the user's changed; the graph takes it as state."""
     model = torch.nn.Linear(4, 4)
-    with pytest.raises(CaptureError, match="_OwnSGD has no state yet and remat can create the first-step state only of torch's own"):
-        capture(_step, model, _OwnSGD(model.parameters()), torch.randn(2, 4))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = _OwnSGD(model.parameters())
+    tg = capture(lambda m, o, b: _step_with_loss(m, o, b, torch.nn.functional.mse_loss), model, opt, (torch.randn(2, 4), torch.randn(2, 4)))
+    assert all(torch.equal(opt.state[p]["buf"], torch.zeros_like(p)) for p in model.parameters())
+    assert all(torch.equal(p, q) and p.grad is None for p, q in zip(model.parameters(), before))
+    assert sorted(i.name for i in tg.inputs if i.kind is InputKind.OPTIMIZER_STATE) == ["bias.buf", "weight.buf"]
 
 
 def test_other_batch_structure_is_refused_at_run_time():

@@ -27,7 +27,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from remat.errors import CaptureError
-from remat.capture import data_parallel, hyperparams
+from remat.capture import data_parallel
+from remat.capture.optim import hyperparams
 from remat.capture.state import read_numbers
 from remat.capture.state.guards import SameContents, SameEntries, same_objects
 from remat.capture.optimizers import as_one, each
@@ -84,7 +85,7 @@ class LastCall:
     fixed: list[tuple[int, str, float]]
     held: list[Any]  # each optimizer's list of param groups and its state table
     state_tables: SameContents  # each optimizer's state by parameter
-    states: SameContents  # the state the graph reads, of each parameter it reads it for
+    states: SameEntries  # the state tensors of each parameter the graph reads state for (its numbers are read at every call)
 
     @classmethod
     def record(cls, tg: TrainGraph, view: ModelView, optimizer: Any, inputs: list[torch.Tensor], batch: Any) -> LastCall:
@@ -118,7 +119,7 @@ class LastCall:
             fixed=[(gi, key, was) for gi, spec in enumerate(tg.call.groups) for key, was in spec.fixed] if tg.has_optimizer else [],
             held=_held(optimizers),
             state_tables=SameContents.of(opt.state for opt in optimizers),
-            states=SameContents.of(tables[id(p)][p] for p in owners),
+            states=SameEntries.of((st, key, value) for st in (tables[id(p)][p] for p in owners) for key, value in st.items() if isinstance(value, torch.Tensor)),
         )
 
     def holds(self, optimizer: Any) -> bool:

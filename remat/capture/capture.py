@@ -22,11 +22,13 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
 from remat.gc_pause import gc_paused
-from remat.capture import data_parallel, hyperparams, optimizer_state, param_hooks, sharded, sharded_norms
+from remat.capture import data_parallel, param_hooks, sharded, sharded_norms
+from remat.capture.optim import first_step_state, hyperparams, optimizer_state
 from remat.capture.state import first_call, kept_numbers, kept_tensors, library_objects, logged_numbers, outside_tensors, read_numbers, scheduler_calls, step_outputs, module_hooks, step_prints, train_modes, user_code
 from remat.capture.cpu_strides import CpuLikeEager
 from remat.errors import CaptureError
-from remat.capture.optimizer_state import check_first_step_state, optimizer_on, optimizer_states
+from remat.capture.optim.first_step_state import check_first_step_state
+from remat.capture.optim.optimizer_state import optimizer_on, optimizer_states
 from remat.capture.optimizers import as_one, only_passed_step
 
 from remat.capture.markers import marking_updates, MARKER, RECORD_FUNCTION_OPS, marker, marking_passes
@@ -166,10 +168,11 @@ def _trace(
                 continue
             branched = branched_hyperparameters(e, symbols)
             batch_floats.refuse_branch(branched, e)
-            if numbers.tripped(branched, not checks.at_check(e) and not any(name in hyper_values for name in branched), data_dependent_condition(e), symbols):
+            new = [name for name in branched if name in hyper_values and name not in sign_facts]
+            fixed = [name for name in branched if name in hyper_values and sign_facts.get(name, hyperparams.FIXED) != hyperparams.FIXED and type(hyper_values[name]) is int]
+            # A setting compared with a count (`step > group["warmup"]`) is decided first: the count's condition is then its own.
+            if not new and not fixed and numbers.tripped(branched, not checks.at_check(e) and not any(name in hyper_values for name in branched), data_dependent_condition(e), symbols):
                 continue
-            new = [name for name in branched if name not in sign_facts]
-            fixed = [name for name in branched if sign_facts.get(name, hyperparams.FIXED) != hyperparams.FIXED and type(hyper_values[name]) is int]
             if not new and not fixed:
                 if checks.retry(e, where_in_users_code(e)):
                     continue
@@ -189,8 +192,8 @@ def _trace(
 
 
 @gc_paused()
-@kept_numbers.with_counts_read(lambda train_step, model, optimizer, *rest, **kw: optimizer_state.drop_made_ahead(as_one(optimizer)))
-@first_call.with_keys_made(lambda train_step, model, optimizer, *rest, **kw: optimizer_state.drop_made_ahead(as_one(optimizer)))
+@kept_numbers.with_counts_read(lambda train_step, model, optimizer, *rest, **kw: first_step_state.drop_made_ahead(as_one(optimizer)))
+@first_call.with_keys_made(lambda train_step, model, optimizer, *rest, **kw: first_step_state.drop_made_ahead(as_one(optimizer)))
 def capture(
     train_step: TrainStep, model: torch.nn.Module, optimizer: Any, example_batch: Any,
     read_numbers_named: frozenset[str] = frozenset(), reduce_in_buckets: bool = True, grads_in: bool = False,
@@ -213,7 +216,7 @@ def capture(
 
     slots, held, outside, own = _user_state(model, train_step, params, buffers, states, example_batch)
     hooks = param_hooks.of(params)  # the user's gradient hooks: traced in, and checked at every call
-    numbers = read_numbers.Reading.of(slots, read_numbers_named)
+    numbers = read_numbers.Reading.of(slots, read_numbers_named, set_by_step=optimizer_state.number_slots(optimizer, params))
     entry_grads = held_gradients(params, trainable, dp or shards, grads_in)
     inputs, flat, hyper_values = _graph_inputs(params, buffers, states, entry_grads, optimizer, numbers.slots, outside, example_batch, leaves)
 
@@ -256,8 +259,8 @@ def capture(
             stack.enter_context(sharded_norms.norms_across_shards(shards, t_params, params))
             stack.enter_context(only_passed_step(optimizer))
             if optimizer is not None:
-                stack.enter_context(optimizer_on(optimizer, real_to_name, t_params, t_states))
-                stack.enter_context(hyperparams.symbolic(optimizer, t_hyper, sign_facts, symbols))
+                stack.enter_context(optimizer_on(optimizer, real_to_name, t_params, t_states, args))
+                stack.enter_context(hyperparams.symbolic(optimizer, t_hyper, sign_facts, symbols, group_counts := []))
                 stack.callback(optimizer.register_step_pre_hook(marking_updates(calls)).remove)
             stack.enter_context(numbers.traced(t_numbers, symbols))
             stack.enter_context(passes)
@@ -268,7 +271,7 @@ def capture(
             result = train_step(model, passed, t_batch)
             probe["cleared_first"] = {id(t_params[n]) for n in trainable} <= cleared
             outside_tensors.check_no_gradient([held for held, _ in outside], t_outside)
-        updates, update_values = effects.updates(probe["numbers_unread"], numbers.kept())
+        updates, update_values = effects.updates(probe["numbers_unread"], optimizer_state.kept_by_step(numbers, group_counts if optimizer is not None else [], effects.skips))
         outputs, out_spec, returned = step_outputs.as_graph_outputs(result, update_values)
         check_backward_ran(calls["backward"])
         grads = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]
@@ -286,7 +289,7 @@ def capture(
     leaves_zero_grads = bool(final_grads) and ends_with_zero_grads(gm)
     grads_in = grads_in or finds_gradients(probe_gm, probe["cleared_first"], leaves_zero_grads, {n: params[n] for n in trainable}, optimizer, dp or shards)
     if grads_in and not set(entry_grads) & set(trainable) and accumulated_gradients(params, trainable, dp or shards):  # this call finds some: its graph takes them
-        optimizer_state.drop_made_ahead(optimizer)  # as it was: made again, where read
+        first_step_state.drop_made_ahead(optimizer)  # as it was: made again, where read
         return capture(train_step, model, passed, example_batch, read_numbers_named, reduce_in_buckets, grads_in=True)
     check_static_shapes(gm)
     check_graph_runnable(gm)
@@ -408,15 +411,15 @@ class _Effects:
         recorded call may read one from an object it is given (Lightning's `self.log` of a
         torchmetrics metric reads the batch's value the metric's update kept). Prints come
         before the numbers kept: a number the step counts up prints from the slot's number
-        before the step. `counts`: the ints read at every call that the step counts up (read_numbers)."""
+        before the step. `counts`: what the step did to the numbers read at every call (read_numbers.Reading.kept), with their values."""
         logs, logged_values = logged_numbers.logged(self.logged, self.inputs)
         prints, printed_values = step_prints.recorded(self.printed)
         kept, kept_values, self.left_alone = kept_numbers.kept(self.counted, numbers_unread)
         tensors = [*self.tensors, *self.dicts.kept]
         skipped, skipped_values = optimizer_state.skipped_steps(self.passed, self.skips)
         return (
-            [*logs, *(t for t, _ in tensors), *prints, *kept, *counts, *skipped],
-            [*logged_values, *([v] for _, v in tensors), *printed_values, *kept_values, *([] for _ in counts), *skipped_values],
+            [*logs, *(t for t, _ in tensors), *prints, *kept, *(u for u, _ in counts), *skipped],
+            [*logged_values, *([v] for _, v in tensors), *printed_values, *kept_values, *(v for _, v in counts), *skipped_values],
         )
 
 

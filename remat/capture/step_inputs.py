@@ -22,9 +22,10 @@ import torch.utils._pytree as pytree
 
 from remat.errors import CaptureError, ChangedSinceCompiled
 from remat.capture.state.guards import same_objects
-from remat.capture import data_parallel, hyperparams, param_hooks
+from remat.capture import data_parallel, param_hooks
+from remat.capture.optim import hyperparams
 from remat.capture.state import read_numbers, step_outputs, train_modes
-from remat.capture.optimizer_state import optimizer_states
+from remat.capture.optim.optimizer_state import optimizer_states
 from remat.capture.optimizers import as_one
 from remat.capture.train_graph import GraphInput, InputKind, TrainGraph
 from remat.ops import value_checks

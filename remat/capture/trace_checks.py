@@ -324,6 +324,9 @@ def _library_branch(frames: list[traceback.FrameSummary], where: str) -> Capture
     return None
 
 
+_TORCH_AND_REMAT = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
+
+
 def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) -> CaptureError:
     name = type(e).__name__
     first = str(e).strip().splitlines()[0] if str(e).strip() else name
@@ -342,12 +345,16 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
             "(foreach=True is its multi-tensor path), or train without remat."
         )
     if data_dependent and in_optimizer:
-        line = in_optimizer[-1]
+        # The optimizer's own code: a library's, called from torch's step wrapper, or torch's.
+        inner = [f for f in frames[frames.index(in_optimizer[-1]) + 1 :] if not f.filename.startswith(_TORCH_AND_REMAT)]
+        line = (inner or in_optimizer)[-1]
+        adafactor = " (transformers' Adafactor: give it lr with scale_parameter=False and relative_step=False, as Hugging Face's Trainer does)"
         return CaptureError(
             "the optimizer's update branches on a value that can change from step to step, such as its step count "
-            f"or its state (torch/optim/{Path(line.filename).name}, line {line.lineno}: {line.line}), which one "
+            f"or its state ({'/'.join(Path(line.filename).parts[-3 if line in in_optimizer else -2 :])}, line {line.lineno}: {line.line}), which one "
             "captured graph cannot hold. Use an optimizer whose update does not branch on its state (SGD, Adam, "
-            "AdamW, RMSprop, Adagrad, Adamax, NAdam, Adadelta, Rprop), or train this one without remat."
+            f"AdamW, RMSprop, Adagrad, Adamax, NAdam, Adadelta, Rprop){adafactor if 'RMS' in (line.line or '') else ''}, "
+            "or train this one without remat."
         )
     if data_dependent and _drawn_just_before(frames):
         return CaptureError(

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from remat.capture import hyperparams
+from remat.capture.optim import hyperparams
 from remat.ops import op_facts
 
 TrainStep = Callable[[torch.nn.Module, "torch.optim.Optimizer | None", Any], torch.Tensor]
@@ -73,7 +73,7 @@ class CallContract:
     outside: dict[str, Any] = field(default_factory=dict)  # OUTSIDE input name -> outside_tensors.OutsideTensor, read at each call
     numbers: dict[str, Any] = field(default_factory=dict)  # NUMBER input name -> the python_state.Slot it is read from at each call
     number_signs: dict[str, int] = field(default_factory=dict)  # NUMBER input name -> its sign, where the step compares it with zero
-    number_conditions: dict[str, tuple[Any, ...]] = field(default_factory=dict)  # an int read at every call -> the read_numbers.Condition its graph assumes
+    number_conditions: dict[str, tuple[Any, ...]] = field(default_factory=dict)  # a number still read at every call -> the read_numbers.Conditions its graph assumes (an int's)
     # The user's code objects the traces ran: python_state watches what they name (None: not
     # recorded, user_code.recording_run; everything the step's code can reach is watched).
     code_read: frozenset[Any] | None = None

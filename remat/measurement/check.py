@@ -31,9 +31,12 @@ class CheckResult:
         return f"{len(self.mismatches)} mismatches; first: " + "; ".join(self.mismatches[:5])
 
 
-def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> str | None:
+def _diff(a: Any, b: Any) -> str | None:
+    """How two tensors (or the Python numbers an optimizer's state may hold) differ, or None."""
     if a is None or b is None:
         return None if a is None and b is None else "one side is None"
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return None if type(a) is type(b) and (a == b or (a != a and b != b)) else f"{a!r} vs {b!r}"
     if a.shape != b.shape or a.dtype != b.dtype:
         return f"shape/dtype {tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}"
     if torch.equal(a, b):

@@ -4,7 +4,7 @@ parameter, its gradient, an optimizer's state) runs on a copy, and the tensor ta
 copy's values only where `skip` is false: `t.copy_(torch.where(skip, t, copy))`, which
 selects, bit for bit, the written values or the old ones. Tensors the block makes for
 itself are written as they are. This holds a block that eager skips by a Python branch on
-a tensor's value (GradScaler's skipped update: capture/optimizer_state.py) in one graph.
+a tensor's value (GradScaler's skipped update: capture/optim/optimizer_state.py) in one graph.
 
 So the block costs its ops whether or not it is skipped, and each write holds one
 temporary as large as what it writes, as the out-of-place op would (a multi-tensor op is

@@ -221,24 +221,9 @@ class _DataAssignments(TorchFunctionMode):
         proxy_tensor.set_proxy_slot(t, mode.tracer, proxy_tensor.get_proxy_slot(new, mode.tracer))
 
     def _check(self, t: torch.Tensor, new: torch.Tensor, what: str) -> None:
-        """Refuse setting `what` (input `t`) to `new` where its memory cannot take it."""
-        if (t.shape, t.dtype, t.device, t.stride()) != (new.shape, new.dtype, new.device, new.stride()):
-            raise CaptureError(
-                f"train_step sets {what} of shape {tuple(t.shape)} "
-                f"({t.dtype}, strides {t.stride()}) to one of shape {tuple(new.shape)} ({new.dtype}, strides {new.stride()}){where_in_users_code_now()}. "
-                "The graph writes such a tensor's new value into its own memory, which needs the same shape, dtype, device and strides; "
-                "make the new value like the old one (`.contiguous()`, `.to(dtype)`), or change the tensor outside train_step."
-            )
         if self._memory is None:  # before any input is set: each one's own memory
-            self._memory = {i: StorageWeakRef(other.untyped_storage()) for i, other in self.inputs.items()}
-        storage = StorageWeakRef(new.untyped_storage())
-        if any(i != id(t) and memory == storage for i, memory in self._memory.items()):
-            raise CaptureError(
-                f"train_step sets {what} to the memory of another graph input{where_in_users_code_now()}, "
-                "so that the two would share memory from then on, which a graph run at every step cannot keep. "
-                "Assign a copy (`t.data = other.data.clone()`, or `with torch.no_grad(): t.copy_(other)`), "
-                "or tie the two before compiling."
-            )
+            self._memory = memory_of(self.inputs.values())
+        check_writable(t, new, what, self._memory)
 
     def write_back(self, rebound: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Each input set, and each buffer of `rebound` (name: the buffer as it came in, the
@@ -251,6 +236,32 @@ class _DataAssignments(TorchFunctionMode):
             for t, new in rebound.values():
                 t.copy_(new)
 
+
+
+def memory_of(inputs: Any) -> dict[int, StorageWeakRef]:
+    """Each graph input's memory, by the input's id."""
+    return {id(t): StorageWeakRef(t.untyped_storage()) for t in inputs if isinstance(t, torch.Tensor) and t.layout is torch.strided}
+
+
+def check_writable(t: torch.Tensor, new: torch.Tensor, what: str, memory: dict[int, StorageWeakRef]) -> None:
+    """Refuse setting `what` (graph input `t`) to `new` where the graph cannot write `new`
+    into `t`'s memory: another shape, dtype, device or strides, or the memory of another
+    input (`memory`: memory_of the inputs), which the two would share from then on."""
+    if (t.shape, t.dtype, t.device, t.stride()) != (new.shape, new.dtype, new.device, new.stride()):
+        raise CaptureError(
+            f"train_step sets {what} of shape {tuple(t.shape)} "
+            f"({t.dtype}, strides {t.stride()}) to one of shape {tuple(new.shape)} ({new.dtype}, strides {new.stride()}){where_in_users_code_now()}. "
+            "The graph writes such a tensor's new value into its own memory, which needs the same shape, dtype, device and strides; "
+            "make the new value like the old one (`.contiguous()`, `.to(dtype)`), or change the tensor outside train_step."
+        )
+    storage = StorageWeakRef(new.untyped_storage())
+    if any(i != id(t) and held == storage for i, held in memory.items()):
+        raise CaptureError(
+            f"train_step sets {what} to the memory of another graph input{where_in_users_code_now()}, "
+            "so that the two would share memory from then on, which a graph run at every step cannot keep. "
+            "Assign a copy (`other.clone()`), or copy in place (`with torch.no_grad(): t.copy_(other)`), "
+            "or tie the two before compiling."
+        )
 
 @contextlib.contextmanager
 def data_assignments(inputs: tuple[Any, ...], model: torch.nn.Module) -> Iterator[None]:

@@ -3,7 +3,7 @@
 A plain float the step reads (a loss weight in a config object, a model's temperature, a
 global) is a constant of the traced graph, so a loop that anneals it would get a compile
 for every value. Once such a float has changed between steps, the runtime captures the
-step again with it read as the optimizer's hyperparameters are (capture.hyperparams): a
+step again with it read as the optimizer's hyperparameters are (capture.optim.hyperparams): a
 0-dim float64 graph input, turned back into a Python scalar inside the trace (`.item()`, a
 symbolic float), so the step's arithmetic on it is eager's, on the same double, bitwise.
 From then on its value is read from where it is held at every call, and a new value costs
@@ -48,9 +48,10 @@ from torch.fx.experimental.sym_node import SymNode
 from torch.utils._sympy.printers import PythonPrinter
 
 from remat.errors import CaptureError
-from remat.capture.hyperparams import sign, traced_float
+from remat.capture.optim.hyperparams import sign, traced_float
 from remat.capture.state.kept_numbers import KeptNumber, Term
-from remat.capture.state.python_state import Slot
+from remat.capture.state.kept_tensors import KeptTensor
+from remat.capture.state.python_state import TRACED_NUMBERS, Slot
 from remat.capture.train_graph import InputKind, TrainGraph
 
 
@@ -91,8 +92,9 @@ class Condition:
 @functools.lru_cache(maxsize=1024)
 def _as_python(expr: Any) -> Callable[[int], Any]:
     """A condition as Python code on the int: torch's printer writes its floor division,
-    modulo and true division as Python's operators, so the side is Python's, as eager's."""
-    return eval(f"lambda n: {PythonPrinter().doprint(expr)}", {"math": math, "__builtins__": {"abs": abs, "min": min, "max": max, "float": float, "int": int}})  # noqa: S307
+    modulo and true division as Python's operators, and its square root as torch._sym_sqrt (math's on a
+    number), so the side is Python's, as eager's."""
+    return eval(f"lambda n: {PythonPrinter().doprint(expr)}", {"math": math, "torch": torch, "__builtins__": {"abs": abs, "min": min, "max": max, "float": float, "int": int}})  # noqa: S307
 
 
 @dataclass
@@ -106,12 +108,19 @@ class Reading:
     signs: dict[str, int] = field(default_factory=dict)
     conditions: dict[str, list[Condition]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)  # ints the step counts up (`self.step += 1`), by how much
+    # Numbers only the step changes (an optimizer's state: `state["step"] += 1`), and what
+    # the last trace left in those it set otherwise: a number or tensor it computed, set after each run.
+    set_by_step: frozenset[str] = frozenset()
+    set_to: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, slots: list[tuple[Slot, Any]], names: frozenset[str]) -> Reading:
-        """The slots of `names` that hold a float or an int (within int64) now."""
-        held = {slot.name: slot for slot, value in slots if slot.name in names and (type(value) is float or type(value) is int and value in _INT64)}
-        return cls(held, dict(held))
+    def of(cls, slots: list[tuple[Slot, Any]], names: frozenset[str], set_by_step: list[tuple[Slot, Any]] = ()) -> Reading:
+        """The slots of `names`, and the slots `set_by_step` (which the step may set to any
+        number or tensor it computes: an optimizer's numbers, read from the first capture on),
+        that hold a float or an int (within int64) now."""
+        names = names | {slot.name for slot, _ in set_by_step}
+        held = {slot.name: slot for slot, value in [*slots, *set_by_step] if slot.name in names and (type(value) is float or type(value) is int and value in _INT64)}
+        return cls(held, dict(held), set_by_step=frozenset(slot.name for slot, _ in set_by_step))
 
     def tripped(self, branched: list[str], other_failure: bool, cond: Any = None, symbols: dict[str, str] | None = None) -> bool:
         """After a trace failed: an int it branched on learns the condition `cond` (torch's,
@@ -173,13 +182,27 @@ class Reading:
         input is not read: the graph holds the zero)."""
         tg.call.numbers = {i.name: self.slots[i.name] for i in tg.inputs if i.kind is InputKind.NUMBER}
         tg.call.number_signs = {name: s for name, s in self.signs.items() if name in self.symbolic}
-        # Every int still a symbol, with the conditions its graph assumes: read at every call
-        # even where the graph no longer takes it (its branches all decided).
-        tg.call.number_conditions = {name: tuple(self.conditions.get(name, ())) for name, slot in self.symbolic.items() if type(slot.get()) is int}
+        # Every number still a symbol, with the conditions its graph assumes (an int's): read
+        # at every call even where the graph no longer takes it (its branches all decided).
+        tg.call.number_conditions = {name: tuple(self.conditions.get(name, ())) for name, slot in self.symbolic.items()}
 
-    def kept(self) -> list[KeptNumber]:
-        """The ints the last trace counted up (`self.step += 1`), to count up again after each run."""
-        return [KeptNumber(self.slots[name], (Term.SLOT, count), keyed=False) for name, count in self.counts.items() if name in self.symbolic]
+    def kept(self) -> list[tuple[Any, list[Any]]]:
+        """What the last trace left in the numbers it read, to do again after each run, each
+        with the traced values it takes from the graph: the ints it counted up (`self.step
+        += 1`) counted up again; a number of `set_by_step` it set otherwise, set to what the
+        graph computes (a tensor where it set a tensor, KeptTensor)."""
+        out: list[tuple[Any, list[Any]]] = [
+            (KeptNumber(self.slots[name], (Term.SLOT, count), keyed=False), []) for name, count in self.counts.items() if name in self.symbolic
+        ]
+        for name, now in self.set_to.items():
+            keyed = name not in self.symbolic  # a constant of the graph: the graph is picked by its value
+            if isinstance(now, torch.Tensor):
+                out.append((KeptTensor(self.slots[name], keyed=keyed), [now]))
+            elif isinstance(now, TRACED_NUMBERS):
+                out.append((KeptNumber(self.slots[name], (Term.GRAPH,), keyed=keyed), [now]))
+            else:
+                out.append((KeptNumber(self.slots[name], (now,), keyed=keyed), []))
+        return out
 
     @contextlib.contextmanager
     def traced(self, tensors: dict[str, torch.Tensor], symbols: dict[str, str]) -> Iterator[None]:
@@ -189,6 +212,10 @@ class Reading:
         trace trips on. Text made of one (`f"step {it}"`) trips the trace as a use that
         needs the value, rather than hold the symbol's name. The numbers are put back after."""
         saved = {name: slot.get() for name, slot in self.symbolic.items()}
+        # A number only the step changes that is a constant of the graph (a use that needs
+        # its value): what the step leaves in it is set again after each run of this graph,
+        # which its value picks.
+        constant = {name: self.slots[name].get() for name in self.set_by_step if name in self.slots and name not in self.symbolic}
         placed: dict[str, Any] = {}
         try:
             for name, slot in self.symbolic.items():
@@ -205,20 +232,31 @@ class Reading:
                 slot.set(value)
             with _text_trips({str(v.node.expr) for v in placed.values() if isinstance(v, (torch.SymInt, torch.SymFloat))}), _math_on_symbols():
                 yield
+            self.set_to = {name: self.slots[name].get() for name, was in constant.items() if self.slots[name].get() is not was}
             for name, slot in self.symbolic.items():
                 if slot.get() is placed[name]:
                     continue
                 count = _added(slot.get(), placed[name])
                 if count is not None:
                     self.counts[name] = count  # added again after each run (kept), to the number held then
+                elif name in self.set_by_step:
+                    self.set_to[name] = slot.get()
                 else:
                     raise CaptureError(
                         f"train_step changed {name} while it ran, which the loop also changes between steps; remat reads "
                         "it at every call. Change it in one place: between steps, or in the step only."
                     )
+            for name, now in self.set_to.items():
+                if not (isinstance(now, (torch.Tensor, *TRACED_NUMBERS)) or type(now) in (int, float)):
+                    raise CaptureError(
+                        f"train_step sets {name} to a {type(now).__name__}; remat can set it after each run to a number or "
+                        "tensor the step computes, not to another value. Keep that value elsewhere, or train without remat."
+                    )
         finally:
             for name, slot in self.symbolic.items():
                 slot.set(saved[name])
+            for name, was in constant.items():
+                self.slots[name].set(was)
 
 
 def _added(now: Any, placed: Any) -> int | None:
@@ -279,16 +317,25 @@ _SYMBOLIC_MATH = ("acos", "asin", "atan", "cos", "cosh", "log2", "sin", "sinh", 
 def _math_on_symbols() -> Iterator[None]:
     """While tracing: these functions of the math module take a symbolic number, traced as
     torch's `_sym_` twin, which calls math's own on the value when the graph runs (eager's
-    result); any other number goes to math's own as before. Code that imported the function
-    itself (`from math import cos`) needs the value: the number is a constant."""
-    originals = {name: getattr(math, name) for name in _SYMBOLIC_MATH}
+    result); any other number goes to math's own as before. `math.pow` of a symbol is
+    traced as `**` on floats, which computes C's pow as math.pow does (a bias correction
+    `1 - math.pow(step, -0.8)`). Code that imported the function itself (`from math
+    import cos`) needs the value: the number is a constant."""
+    originals = {name: getattr(math, name) for name in (*_SYMBOLIC_MATH, "pow")}
+    symbolic = (torch.SymInt, torch.SymFloat)
 
     def on_symbols(name: str) -> Callable[[Any], Any]:
         traced, original = getattr(torch, f"_sym_{name}"), originals[name]
-        return lambda x: traced(x) if isinstance(x, (torch.SymInt, torch.SymFloat)) else original(x)
+        return lambda x: traced(x) if isinstance(x, symbolic) else original(x)
+
+    def power(x: Any, y: Any) -> Any:
+        if isinstance(x, symbolic) or isinstance(y, symbolic):
+            return torch.sym_float(x) ** torch.sym_float(y)
+        return originals["pow"](x, y)
 
     for name in _SYMBOLIC_MATH:
         setattr(math, name, on_symbols(name))
+    math.pow = power
     try:
         yield
     finally:

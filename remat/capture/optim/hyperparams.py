@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import sympy
 import torch
 
 from remat.errors import CaptureError, ChangedSinceCompiled
@@ -82,8 +83,9 @@ def _flags(group: dict[str, Any], where: str) -> tuple[tuple[str, str], ...]:
             continue
         if isinstance(value, torch.Tensor):
             raise CaptureError(
-                f"{where}[{key!r}] is a tensor; remat reads hyperparameters as Python "
-                "floats at every step. Pass a float (a scheduler may still change it between steps)."
+                f"{where}[{key!r}] is a tensor; remat reads the param groups' settings as Python numbers at every "
+                "call. Pass a float (a scheduler may still change it between steps); where the optimizer keeps a tensor "
+                "there itself (D-Adaptation's estimates), train it without remat."
             )
         out.append((key, repr(value)))
     return tuple(sorted(out))
@@ -127,12 +129,15 @@ def symbolic(
     tensors: dict[str, torch.Tensor],
     sign_facts: dict[str, int],
     symbols: dict[str, str],
+    counted: list[GroupCount],
 ) -> Iterator[None]:
     """While tracing: each float of the param groups is the `.item()` of its graph input.
 
     `tensors`: input name -> the traced 0-dim tensor. `sign_facts`: input name -> its sign
     (-1, 0, 1), for the floats the update may branch on. `symbols` is filled with the
-    symbol of each float -> its input name, to name a branch the trace trips on.
+    symbol of each float -> its input name, to name a branch the trace trips on. An int
+    the step counts up (`group["step"] += 1`, as many libraries' optimizers keep their
+    step) goes into `counted`, to be counted again after each run.
     """
     saved = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     placed: dict[str, Any] = {}
@@ -151,17 +156,63 @@ def symbolic(
             placed[name] = value
     try:
         yield
-        for name, value in placed.items():
-            gi, key = parse_input_name(name)
-            if _get(optimizer.param_groups[gi], key) is not value:
+        # Every number, placed or a constant of the graph (a count fixed by value, or zero by its sign).
+        for gi, key in [(gi, key) for gi, values in enumerate(saved) for key in float_entries(values)]:
+            came_in = placed.get(input_name(gi, key), _get(saved[gi], key))
+            now = _get(optimizer.param_groups[gi], key)
+            if now is came_in:
+                continue
+            added = _added(now, came_in) if type(_get(saved[gi], key)) is int else None
+            if added is not None:
+                counted.append(GroupCount(optimizer, gi, key, added))
+            else:
                 raise CaptureError(
                     f"train_step changed {group_name(optimizer, gi)}[{key.split('[')[0]!r}] while it ran (a learning-rate "
                     "scheduler stepped inside train_step?). Change hyperparameters between steps, outside train_step: "
                     "remat reads them at every call."
                 )
+        added = [(gi, k) for gi, (group, values) in enumerate(zip(optimizer.param_groups, saved)) for k in group if k != "params" and k not in values]
+        if added:
+            raise CaptureError(
+                f"train_step's optimizer step adds {added[0][1]!r} to {group_name(optimizer, added[0][0])}, which remat "
+                "could not make ahead of the step; the graph would hold the value it set there at capture. Run one eager "
+                "training step before remat.compile, so that the group holds it, or train this optimizer without remat."
+            )
     finally:
         for group, values in zip(optimizer.param_groups, saved):
+            for key in [k for k in group if k != "params" and k not in values]:
+                del group[key]
             group.update(values)
+
+
+def _added(now: Any, came_in: Any) -> int | None:
+    """What the step added to a number of the groups (`group["step"] += 1`: 1), where that
+    is all it did to it: `came_in` its symbol, or the constant the graph holds for it."""
+    expr = lambda x: x.node.expr if isinstance(x, (torch.SymInt, torch.SymFloat)) else sympy.sympify(x) if _is_number(x) else None  # noqa: E731
+    if expr(now) is None or expr(came_in) is None:
+        return None
+    added = sympy.expand(expr(now) - expr(came_in))
+    return int(added) if added.is_number and float(added).is_integer() else None
+
+
+@dataclass(frozen=True)
+class GroupCount:
+    """An int of a param group the step counts up, counted up again after each run (an
+    update of TrainGraph.call.state_updates); the group is looked up at each run."""
+
+    optimizer: torch.optim.Optimizer
+    group: int
+    key: str
+    added: int
+    count = 0  # of the graph's number outputs
+    keyed = True  # it holds no slot of the user's state
+
+    def where(self) -> str:
+        return f"counted in {group_name(self.optimizer, self.group)}[{self.key!r}]"
+
+    def replay(self, values: list[Any]) -> None:
+        group = self.optimizer.param_groups[self.group]
+        _set(group, self.key, _get(group, self.key) + self.added)
 
 
 def traced_float(tensor: torch.Tensor, name: str, known_sign: int | None, symbols: dict[str, str]) -> Any:
