@@ -92,6 +92,15 @@ def _buckets(doc: list[dict[str, Any]]) -> str:
     )
 
 
+def _library_optimizers(doc: dict[str, Any]) -> str:
+    counts = doc["counts"]
+    tried = sum(counts.values()) - counts.get("not built", 0)
+    return (
+        f"{doc['library']}: {counts.get('bitwise', 0)} of {tried} optimizers bitwise over {doc['steps']} steps, "
+        f"{counts.get('refused', 0)} refused by name, {counts.get('not bitwise', 0)} wrong"
+    )
+
+
 def _trainer(doc: dict[str, Any]) -> str:
     rows = [r for r in doc["rows"] if "error" not in r]
     base = next(r for r in rows if r["variant"] == "trainer")
@@ -162,6 +171,8 @@ ROWS: list[tuple[str, str, Callable[[Any], str], str | None, str]] = [
      "python benchmarks/call_overhead.py --models bert-tiny,bert --batch-size 1 --calls 30", CPU),
     ("Multi-tensor optimizers", "docs/update-buckets/update_buckets.json", _buckets,
      "python benchmarks/update_buckets.py --models bert-tiny --batch-size 1 --budget 0.6 --pairs 21", CPU),
+    ("Optimizers beyond torch's", "docs/library-optimizers/library_optimizers.json", _library_optimizers,
+     "python benchmarks/library_optimizers.py --skip kron --out docs/library-optimizers", CPU),
     ("Hugging Face Trainer", "docs/trainer/trainer.json", _trainer, None, CPU),
     ("Compiled regions (Inductor)", "docs/inductor/resnet152-b4-0.3.json", _regions,
      "remat run --model resnet152 --batch-size 4 --budget 0.3 --backend inductor --check --pairs 5 --json", CPU),

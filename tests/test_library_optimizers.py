@@ -44,36 +44,33 @@ class _IntStepAdam(torch.optim.Optimizer):
                 p.addcdiv_(state["m"], (state["v"] / (1 - 0.999 ** state["step"])).sqrt().add_(1e-8), value=-lr / correction)
 
 
-class _Functional(torch.optim.Optimizer):
+class _EachParameter(torch.optim.Optimizer):
+    """An optimizer whose step calls `update(state, p, lr)` for each parameter."""
+
+    def __init__(self, params, update):
+        super().__init__(params, {"lr": 0.05})
+        self.update = update
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.update(self.state[p], p, group["lr"])
+
+
+def _functional(state, p, lr):
     """Momentum written functionally: the state tensor replaced at every step; a buffer
     only another setting uses held as None."""
-
-    def __init__(self, params, lr=0.05):
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if "m" not in state:
-                    state["m"] = torch.zeros_like(p)
-                    state["compensation"] = None
-                state["m"] = state["m"] * 0.9 + p.grad
-                p.add_(state["m"], alpha=-group["lr"])
+    if "m" not in state:
+        state["m"] = torch.zeros_like(p)
+        state["compensation"] = None
+    state["m"] = state["m"] * 0.9 + p.grad
+    p.add_(state["m"], alpha=-lr)
 
 
-class _Plain(torch.optim.Optimizer):
-    """An optimizer with no state at all."""
-
-    def __init__(self, params, lr=0.05):
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.add_(p.grad, alpha=-group["lr"])
+def _plain(state, p, lr):
+    """No state at all."""
+    p.add_(p.grad, alpha=-lr)
 
 
 class _GroupStep(torch.optim.Optimizer):
@@ -131,7 +128,7 @@ def test_an_int_step_count_is_read_at_every_call_and_counted_after_each_run():
 
 
 def test_a_state_tensor_the_step_replaces_is_written_into_the_one_it_replaces():
-    step, opt, said = _trains_bitwise(_Functional)
+    step, opt, said = _trains_bitwise(lambda params: _EachParameter(params, _functional))
     assert len(step._graphs) == 1 and not said, said
 
 
@@ -146,7 +143,7 @@ def test_a_count_kept_in_the_param_group_is_counted_after_each_run():
 
 
 def test_an_optimizer_without_state_trains():
-    step, opt, _ = _trains_bitwise(_Plain)
+    step, opt, _ = _trains_bitwise(lambda params: _EachParameter(params, _plain))
     assert not opt.state and len(step._graphs) == 1
 
 
@@ -170,43 +167,43 @@ def test_transformers_adafactor_trains_bitwise(settings):
     assert {type(st["RMS"]) for st in opt.state.values()} == {torch.Tensor}
 
 
-def test_what_the_optimizers_state_cannot_do_is_refused_by_name():
+def _from_the_gradient(state, p, lr):
+    if "m" not in state:
+        state["m"] = p.grad.clone()  # as SGD's first momentum: remat cannot make it ahead
+    p.add_(state["m"], alpha=-lr)
+
+
+def _reshaping(state, p, lr):
+    state.setdefault("m", torch.zeros_like(p))
+    state["m"] = p.grad.flatten()
+
+
+def _deleting(state, p, lr):
+    state.setdefault("m", torch.zeros_like(p))
+    del state["m"]
+
+
+@pytest.mark.parametrize(
+    "update, said",
+    [
+        (_from_the_gradient, r"_EachParameter's first step makes its state \('m'\) from the gradient.*Run one eager training step"),
+        (_reshaping, r"_EachParameter's state 0.weight\['m'\] of shape \(\d+, \d+\).* to one of shape \(\d+,\)"),
+        (_deleting, r"_EachParameter's state 0.weight\['m'\] is a tensor, and the optimizer's step deletes it"),
+    ],
+    ids=["from-the-gradient", "reshaping", "deleting"],
+)
+def test_what_the_optimizers_state_cannot_do_is_refused_by_name(update, said):
     spec = build_model("mlp-deep", 8)
-    step_fn = make_train_step(spec.loss_fn)
+    with pytest.raises(CaptureError, match=said):
+        remat.compile(make_train_step(spec.loss_fn), spec.model, _EachParameter(spec.model.parameters(), update), spec.batch, profile_runs=1)
 
-    class FromGradient(_Plain):
-        @torch.no_grad()
-        def step(self, closure=None):
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if "m" not in self.state[p]:
-                        self.state[p]["m"] = p.grad.clone()  # as SGD's first momentum: remat cannot make it ahead
-                    p.add_(self.state[p]["m"], alpha=-group["lr"])
 
-    with pytest.raises(CaptureError, match=r"FromGradient's first step makes its state \('m'\) from the gradient.*Run one eager training step"):
-        remat.compile(step_fn, spec.model, FromGradient(spec.model.parameters()), spec.batch, profile_runs=1)
-
-    class Reshaping(_Functional):
-        @torch.no_grad()
-        def step(self, closure=None):
-            for group in self.param_groups:
-                for p in group["params"]:
-                    self.state[p].setdefault("m", torch.zeros_like(p))
-                    self.state[p]["m"] = p.grad.flatten()
-
-    with pytest.raises(CaptureError, match=r"Reshaping's state 0.weight\['m'\] of shape \(\d+, \d+\).* to one of shape \(\d+,\)"):
-        remat.compile(step_fn, spec.model, Reshaping(spec.model.parameters()), spec.batch, profile_runs=1)
-
-    class Deleting(_Functional):
-        @torch.no_grad()
-        def step(self, closure=None):
-            for group in self.param_groups:
-                for p in group["params"]:
-                    self.state[p].setdefault("m", torch.zeros_like(p))
-                    del self.state[p]["m"]
-
-    with pytest.raises(CaptureError, match=r"Deleting's state 0.weight\['m'\] is a tensor, and the optimizer's step deletes it"):
-        remat.compile(step_fn, spec.model, Deleting(spec.model.parameters()), spec.batch, profile_runs=1)
+def test_tensors_kept_under_another_key_than_a_parameter_are_refused():
+    spec = build_model("mlp-deep", 8)
+    opt = _EachParameter(spec.model.parameters(), lambda state, p, lr: p.add_(p.grad, alpha=-lr))
+    opt.state["k"] = torch.zeros(())  # MADGRAD's step count
+    with pytest.raises(CaptureError, match=r"_EachParameter keeps tensors in its state under 'k', not under a parameter"):
+        remat.compile(make_train_step(spec.loss_fn), spec.model, opt, spec.batch, profile_runs=1)
 
 
 def test_adafactor_scaling_by_its_parameters_rms_is_refused_naming_the_line_and_the_settings_that_train():

@@ -15,7 +15,9 @@ weight_decay != 0`, RMSprop's `if momentum > 0`), its sign: negative, zero or po
 and for a number it branches on otherwise (Muon's `ns_steps`, a count of iterations),
 its value. A fused kernel (`fused=True`) takes its settings as fixed numbers but for the
 learning rate, which it reads from a tensor: there the learning rate is the graph input
-itself, read at every call, and the other floats are fixed.
+itself, read at every call, and the other floats are fixed. An int the optimizer's step
+counts up in its group (`group["step"] += 1`: a library's step count) is read the same
+way and counted up again after each run (`GroupCount`).
 """
 
 from __future__ import annotations

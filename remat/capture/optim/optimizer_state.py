@@ -8,6 +8,7 @@ in Python done after each run."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 from dataclasses import dataclass
 from collections import defaultdict
@@ -15,6 +16,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from remat.errors import CaptureError
@@ -59,6 +61,13 @@ def optimizer_states(
     if not in_groups <= known:
         raise CaptureError("the optimizer holds a tensor that is not a parameter of the model; build the optimizer from model.parameters()")
     init_optimizer_state(optimizer, only)
+    for opt in each(optimizer):
+        held = [k for k, v in opt.state.items() if not isinstance(k, torch.Tensor) and pytree.tree_any(lambda x: isinstance(x, torch.Tensor), v)]
+        if held:
+            raise CaptureError(
+                f"{type(opt).__name__} keeps tensors in its state under {held[0]!r}, not under a parameter; remat takes an "
+                "optimizer's state tensors parameter by parameter, as graph inputs. Train this optimizer without remat."
+            )
     states: dict[str, dict[str, torch.Tensor]] = {}
     for name, p in params.items():
         st = optimizer.state.get(p)
@@ -166,8 +175,11 @@ def _one_on(
                 traced_state[params[name]] = own
                 traced_state.traced_of[id(p)] = params[name]
         group["params"] = [params[real_to_name[id(p)]] for p in group["params"]]
+    # State kept under another key than a parameter (a step count under "step"): seen as it is, and refused if the step changes it.
+    table_entries = {k: (v, copy.copy(v) if isinstance(v, (dict, list)) else None) for k, v in saved_state.items() if not isinstance(k, torch.Tensor)}
+    traced_state.update((k, v) for k, (v, _) in table_entries.items())
     optimizer.state = traced_state
-    hook = optimizer.register_step_post_hook(lambda *_: _write_replaced(optimizer, params, swapped, states, inputs))
+    hook = optimizer.register_step_post_hook(lambda *_: _write_replaced(optimizer, params, swapped, states, inputs, table_entries))
     try:
         yield
     finally:
@@ -182,9 +194,19 @@ def _one_on(
                 group["foreach"] = foreach
 
 
+def _held_as_it_was(now: Any, was: tuple[Any, Any]) -> bool:
+    """`now` is the object `was` held (with a copy of its items, where a dict or list), holding the same items."""
+    obj, items = was
+    if now is not obj:
+        return False
+    if isinstance(obj, dict):
+        return obj.keys() == items.keys() and all(obj[k] is items[k] for k in obj)
+    return not isinstance(obj, list) or (len(obj) == len(items) and all(a is b for a, b in zip(obj, items)))
+
+
 def _write_replaced(
     optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor], swapped: list[tuple[str, dict[str, Any], dict[str, Any]]],
-    states: dict[str, dict[str, torch.Tensor]], inputs: tuple[Any, ...],
+    states: dict[str, dict[str, torch.Tensor]], inputs: tuple[Any, ...], table_entries: dict[Any, Any],
 ) -> None:  # fmt: skip
     """After the traced step: each state tensor it replaced, written into the memory of the
     one it replaced (the state's dict then holds that one again, as the next step finds it
@@ -192,7 +214,16 @@ def _write_replaced(
     it made anew (a dict of its own), refused."""
     names = {id(t): n for n, t in params.items()}
     held = {name: own for name, own, _ in swapped}
+    for key, st in optimizer.state.items():
+        if not isinstance(key, torch.Tensor) and (key not in table_entries or not _held_as_it_was(st, table_entries[key])):
+            raise CaptureError(
+                f"{type(optimizer).__name__} keeps state under {key!r}, not under a parameter, and its step changes it "
+                f"({type(st).__name__}); remat takes an optimizer's state parameter by parameter, and the graph would hold "
+                "what the step left there at capture. Train this optimizer without remat."
+            )
     for p, st in optimizer.state.items():
+        if not isinstance(p, torch.Tensor):
+            continue
         name = names.get(id(p), "a tensor that is not a parameter" if isinstance(p, torch.Tensor) else repr(p))
         if (not isinstance(st, dict) or st) and held.get(name) is not st:
             what = ", ".join(map(repr, st)) if isinstance(st, dict) else f"a {type(st).__name__}"
