@@ -45,7 +45,7 @@ def check_one(name: str, make: Any, steps: int, eager_first: bool, timeout: int)
     """One optimizer: its outcome ("bitwise", "refused", "not bitwise", "failed", "out of time", "not built") and what was said."""
     spec = build_model("mlp-deep", 16)
     step_fn = make_train_step(spec.loss_fn)
-    # Each side builds its own optimizer (a deep copy keeps only an optimizer's defaults, state and groups).
+    # Each side builds its own optimizer, as a user would.
     eager_model, model = twin(spec.model, None)[0], twin(spec.model, None)[0]
     try:
         eager_opt, opt = make(eager_model.parameters(), lr=1e-3), make(model.parameters(), lr=1e-3)

@@ -101,7 +101,7 @@ class _GroupStep(torch.optim.Optimizer):
 def _trains_bitwise(make_optimizer, steps=6, budget=0.85, between=None):
     spec = build_model("mlp-deep", 16)
     step_fn = make_train_step(spec.loss_fn)
-    # Each side builds its own (a deep copy would keep only an optimizer's defaults, state and groups).
+    # Each side builds its own optimizer, as a user would.
     eager_model, model = twin(spec.model, None)[0], twin(spec.model, None)[0]
     eager_opt, opt = make_optimizer(eager_model.parameters()), make_optimizer(model.parameters())
     with warnings.catch_warnings(record=True) as caught:
@@ -229,3 +229,13 @@ def test_a_grad_scaler_with_numbers_in_the_optimizers_state_is_refused():
 
     with pytest.raises(CaptureError, match=r"GradScaler may skip this optimizer's update, and it keeps Python numbers .*_IntStepAdam.state\["):
         remat.compile(scaled, spec.model, opt, spec.batch, profile_runs=1)
+
+
+def test_a_twin_keeps_the_settings_an_optimizer_holds_as_attributes_but_not_a_wrapper_of_its_step():
+    """`remat run --check` trains a twin in eager: a library optimizer's own attributes go with it."""
+    model = torch.nn.Linear(4, 4)
+    opt = _GroupStep(model.parameters(), warmup=2)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)  # wraps opt.step, bound to opt
+    copied_model, copied = twin(model, opt)
+    assert copied.warmup == 2 and "step" not in vars(copied)
+    assert copied.param_groups[0]["params"][0] is next(copied_model.parameters())

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from remat.capture.optimizers import as_one
+from remat.capture.optimizers import as_one, each
 
 
 @dataclass
@@ -75,8 +75,16 @@ def compare_state(
 
 def twin(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
     """An independent copy of the model and its optimizer (the optimizer pointing at the
-    copy), with the gradients set now: deepcopy leaves a parameter's `.grad` behind."""
-    copied = copy.deepcopy((model, optimizer))
+    copy), with the gradients set now: deepcopy leaves a parameter's `.grad` behind. An
+    optimizer's deepcopy keeps only its defaults, state and groups; the settings a
+    library's optimizer keeps as attributes (`self.foreach`) are copied too, but not a
+    function held there (a scheduler's wrapper of `step`, bound to the original)."""
+    memo: dict[int, Any] = {}
+    copied = copy.deepcopy((model, optimizer), memo)
+    for original, made in zip(each(optimizer), each(copied[1])):
+        for key, value in vars(original).items():
+            if key not in vars(made) and not callable(value):
+                setattr(made, key, copy.deepcopy(value, memo))
     for p, q in zip(model.parameters(), copied[0].parameters()):
         q.grad = None if p.grad is None else p.grad.detach().clone()
     return copied
