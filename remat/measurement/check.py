@@ -81,7 +81,7 @@ def twin(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tup
     function held there (a scheduler's wrapper of `step`, bound to the original)."""
     memo: dict[int, Any] = {}
     copied = copy.deepcopy((model, optimizer), memo)
-    for original, made in zip(each(optimizer), each(copied[1])):
+    for original, made in zip(each(as_one(optimizer)), each(as_one(copied[1]))):  # one, or a list
         for key, value in vars(original).items():
             if key not in vars(made) and not callable(value):
                 setattr(made, key, copy.deepcopy(value, memo))
