@@ -151,10 +151,9 @@ def test_an_optimizer_without_state_trains():
     "settings",
     [
         {"lr": 1e-3, "scale_parameter": False, "relative_step": False, "warmup_init": False},  # Hugging Face's Trainer's
-        {"lr": 1e-3, "scale_parameter": False, "relative_step": False, "beta1": 0.9},
-        {"lr": None, "scale_parameter": False, "relative_step": True, "warmup_init": True},
+        {"lr": None, "scale_parameter": False, "relative_step": True, "warmup_init": True, "beta1": 0.9},
     ],
-    ids=["trainer", "beta1", "relative-step"],
+    ids=["trainer", "relative-step-beta1"],
 )
 def test_transformers_adafactor_trains_bitwise(settings):
     """Adafactor makes its state at its first step: `step` and `RMS` Python ints, RMS then a
