@@ -198,12 +198,11 @@ def capture(
     train_step: TrainStep, model: torch.nn.Module, optimizer: Any, example_batch: Any,
     read_numbers_named: frozenset[str] = frozenset(), reduce_in_buckets: bool = True, grads_in: bool = False,
 ) -> TrainGraph:
-    """Trace one call of `train_step(model, optimizer, batch)` into a TrainGraph.
-    `optimizer`: one, a list of those the step steps (capture.optimizers), or None; its
-    state is created here if empty (`init_optimizer_state`), and nothing else changes.
-    `read_numbers_named`: the floats and ints (python_state slot names) to read at every call where the
-    trace can (read_numbers). `reduce_in_buckets`: a DDP model's gradients all-reduced in DDP's buckets,
-    or each on its own (data_parallel.buckets). `grads_in`: the gradients set now are inputs it adds to."""
+    """Trace one call of `train_step(model, optimizer, batch)` into a TrainGraph. `optimizer`: one, a list of
+    those the step steps (capture.optimizers), or None; its state is created here if empty (`init_optimizer_state`),
+    and nothing else changes. `read_numbers_named`: the floats and ints (python_state slot names) to read at every
+    call where the trace can (read_numbers). `reduce_in_buckets`: a DDP model's gradients all-reduced in DDP's
+    buckets, or each on its own (data_parallel.buckets). `grads_in`: the gradients set now are inputs it adds to."""
     passed, optimizer = optimizer, as_one(optimizer)  # the step gets what was passed; remat reads it as one
     leaves, spec, params, buffers, trainable, device = check_arguments(model, example_batch, optimizer)
     dp = data_parallel.data_parallel_of(model, in_buckets=reduce_in_buckets)
@@ -247,6 +246,7 @@ def capture(
         _as_stand_ins(t_params, trainable, t_grads, preset=probe["preset_grads"])
         param_hooks.register_on(hooks, t_params)
         calls = {"backward": 0, "reduced": 0, "updates": 0}
+        group_counts: list[hyperparams.GroupCount] = []  # ints the optimizer counts up in its param groups (hyperparams.symbolic)
         synced: list[bool] = []  # per forward of a DDP model: whether it syncs gradients
         passes = marking_passes(t_params, grad_order, calls, dp, synced)
         mapping = {a: t_params[c] for a, c in param_alias.items()}
@@ -260,7 +260,7 @@ def capture(
             stack.enter_context(only_passed_step(optimizer))
             if optimizer is not None:
                 stack.enter_context(optimizer_on(optimizer, real_to_name, t_params, t_states, args))
-                stack.enter_context(hyperparams.symbolic(optimizer, t_hyper, sign_facts, symbols, group_counts := []))
+                stack.enter_context(hyperparams.symbolic(optimizer, t_hyper, sign_facts, symbols, group_counts))
                 stack.callback(optimizer.register_step_pre_hook(marking_updates(calls)).remove)
             stack.enter_context(numbers.traced(t_numbers, symbols))
             stack.enter_context(passes)
@@ -271,7 +271,7 @@ def capture(
             result = train_step(model, passed, t_batch)
             probe["cleared_first"] = {id(t_params[n]) for n in trainable} <= cleared
             outside_tensors.check_no_gradient([held for held, _ in outside], t_outside)
-        updates, update_values = effects.updates(probe["numbers_unread"], optimizer_state.kept_by_step(numbers, group_counts if optimizer is not None else [], effects.skips))
+        updates, update_values = effects.updates(probe["numbers_unread"], optimizer_state.kept_by_step(numbers, group_counts, effects.skips))
         outputs, out_spec, returned = step_outputs.as_graph_outputs(result, update_values)
         check_backward_ran(calls["backward"])
         grads = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]

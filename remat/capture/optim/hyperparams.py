@@ -57,7 +57,7 @@ def sign(value: float) -> int:
 _SIGN_WORDS = {-1: "negative", 0: "zero", 1: "positive"}
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
     # Ints too: torch.optim's defaults are often int 0 (weight_decay, momentum), which a
     # user or scheduler later sets to a float.
     return type(value) in (float, int)
@@ -70,9 +70,9 @@ def float_entries(group: dict[str, Any]) -> dict[str, float]:
     for key, value in group.items():
         if key == "params":
             continue
-        if _is_number(value):
+        if is_number(value):
             out[key] = value
-        elif isinstance(value, (tuple, list)) and value and all(_is_number(v) for v in value):
+        elif isinstance(value, (tuple, list)) and value and all(is_number(v) for v in value):
             out.update({f"{key}[{i}]": v for i, v in enumerate(value)})
     return out
 
@@ -164,7 +164,7 @@ def symbolic(
             now = _get(optimizer.param_groups[gi], key)
             if now is came_in:
                 continue
-            added = _added(now, came_in) if type(_get(saved[gi], key)) is int else None
+            added = added_to(now, came_in) if type(_get(saved[gi], key)) is int else None
             if added is not None:
                 counted.append(GroupCount(optimizer, gi, key, added))
             else:
@@ -187,10 +187,11 @@ def symbolic(
             group.update(values)
 
 
-def _added(now: Any, came_in: Any) -> int | None:
-    """What the step added to a number of the groups (`group["step"] += 1`: 1), where that
-    is all it did to it: `came_in` its symbol, or the constant the graph holds for it."""
-    expr = lambda x: x.node.expr if isinstance(x, (torch.SymInt, torch.SymFloat)) else sympy.sympify(x) if _is_number(x) else None  # noqa: E731
+def added_to(now: Any, came_in: Any) -> int | None:
+    """What the traced step added to a number (`group["step"] += 1`: 1), where adding a
+    whole number is all it did to it: `came_in` the number as the trace began, its symbol
+    or the constant the graph holds for it; None for any other change."""
+    expr = lambda x: x.node.expr if isinstance(x, (torch.SymInt, torch.SymFloat)) else sympy.sympify(x) if is_number(x) else None  # noqa: E731
     if expr(now) is None or expr(came_in) is None:
         return None
     added = sympy.expand(expr(now) - expr(came_in))

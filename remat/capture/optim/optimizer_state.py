@@ -21,7 +21,7 @@ from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from remat.errors import CaptureError
 from remat.capture.optim.first_step_state import drop_made_ahead, init_optimizer_state, torchs
-from remat.capture.optim.hyperparams import GroupCount
+from remat.capture.optim.hyperparams import GroupCount, is_number
 from remat.capture.state.read_numbers import Reading
 from remat.capture.state.kept_tensors import check_writable, memory_of
 from remat.capture.state.slots import MISSING, Slot
@@ -74,7 +74,7 @@ def optimizer_states(
         if not st or id(p) not in in_groups:  # the state of a parameter taken out of its group: no update reads it
             continue
         for key, value in st.items():
-            if not isinstance(value, torch.Tensor) and not _is_number(value) and value is not None:
+            if not isinstance(value, torch.Tensor) and not is_number(value) and value is not None:
                 raise CaptureError(
                     f"{type(optimizer).__name__}'s state {name}[{key!r}] is a {type(value).__name__}: remat captures "
                     "optimizers whose state holds tensors and numbers (a number is read at every call, and what the step "
@@ -83,10 +83,6 @@ def optimizer_states(
                 )
         states[name] = {key: value for key, value in sorted(st.items()) if isinstance(value, torch.Tensor)}
     return states
-
-
-def _is_number(value: Any) -> bool:
-    return type(value) in (int, float)
 
 
 def number_slots(optimizer: "torch.optim.Optimizer | Optimizers | None", params: dict[str, torch.Tensor]) -> list[tuple[Slot, Any]]:
@@ -101,10 +97,8 @@ def number_slots(optimizer: "torch.optim.Optimizer | Optimizers | None", params:
         table = Slot(f"{type(opt).__name__}.state", opt, "state")
         for p, st in opt.state.items():
             if isinstance(st, dict) and id(p) in names:
-                for key, value in st.items():
-                    if _is_number(value):
-                        held = Slot(f"{table.name}[{names[id(p)]}]", table, p)
-                        out.append((Slot(f"{held.name}[{key!r}]", held, key), value))
+                held = Slot(f"{table.name}[{names[id(p)]}]", table, p)
+                out += [(Slot(f"{held.name}[{key!r}]", held, key), value) for key, value in st.items() if is_number(value)]
     return out
 
 
@@ -215,16 +209,15 @@ def _write_replaced(
     names = {id(t): n for n, t in params.items()}
     held = {name: own for name, own, _ in swapped}
     for key, st in optimizer.state.items():
-        if not isinstance(key, torch.Tensor) and (key not in table_entries or not _held_as_it_was(st, table_entries[key])):
-            raise CaptureError(
-                f"{type(optimizer).__name__} keeps state under {key!r}, not under a parameter, and its step changes it "
-                f"({type(st).__name__}); remat takes an optimizer's state parameter by parameter, and the graph would hold "
-                "what the step left there at capture. Train this optimizer without remat."
-            )
-    for p, st in optimizer.state.items():
-        if not isinstance(p, torch.Tensor):
+        if not isinstance(key, torch.Tensor):
+            if key not in table_entries or not _held_as_it_was(st, table_entries[key]):
+                raise CaptureError(
+                    f"{type(optimizer).__name__} keeps state under {key!r}, not under a parameter, and its step changes it "
+                    f"({type(st).__name__}); remat takes an optimizer's state parameter by parameter, and the graph would hold "
+                    "what the step left there at capture. Train this optimizer without remat."
+                )
             continue
-        name = names.get(id(p), "a tensor that is not a parameter" if isinstance(p, torch.Tensor) else repr(p))
+        name = names.get(id(key), "a tensor that is not a parameter")
         if (not isinstance(st, dict) or st) and held.get(name) is not st:
             what = ", ".join(map(repr, st)) if isinstance(st, dict) else f"a {type(st).__name__}"
             raise CaptureError(

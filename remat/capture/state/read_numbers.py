@@ -48,7 +48,7 @@ from torch.fx.experimental.sym_node import SymNode
 from torch.utils._sympy.printers import PythonPrinter
 
 from remat.errors import CaptureError
-from remat.capture.optim.hyperparams import sign, traced_float
+from remat.capture.optim.hyperparams import added_to, sign, traced_float
 from remat.capture.state.kept_numbers import KeptNumber, Term
 from remat.capture.state.kept_tensors import KeptTensor
 from remat.capture.state.python_state import TRACED_NUMBERS, Slot
@@ -236,7 +236,7 @@ class Reading:
             for name, slot in self.symbolic.items():
                 if slot.get() is placed[name]:
                     continue
-                count = _added(slot.get(), placed[name])
+                count = added_to(slot.get(), placed[name]) if isinstance(slot.get(), torch.SymInt) and isinstance(placed[name], torch.SymInt) else None
                 if count is not None:
                     self.counts[name] = count  # added again after each run (kept), to the number held then
                 elif name in self.set_by_step:
@@ -257,14 +257,6 @@ class Reading:
                 slot.set(saved[name])
             for name, was in constant.items():
                 self.slots[name].set(was)
-
-
-def _added(now: Any, placed: Any) -> int | None:
-    """What the step added to an int read at every call (`self.step += 1`: 1), where that is all it did to it."""
-    if not isinstance(now, torch.SymInt) or not isinstance(placed, torch.SymInt):
-        return None
-    added = sympy.expand(now.node.expr - placed.node.expr)
-    return int(added) if added.is_Integer else None
 
 
 class TextOfNumber(RuntimeError):
