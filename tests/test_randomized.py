@@ -397,6 +397,37 @@ def test_an_op_whose_real_strides_differ_from_the_trace_is_refused(monkeypatch: 
         remat.compile(make_train_step(MSE_ON_TRANSPOSE), model, opt, batch, memory_budget=0.5, profile_runs=1)
 
 
+class ActivationOnTranspose(nn.Module):
+    """An activation of a transposed tensor whose gradient comes back contiguous (through a
+    matrix product): the CPU backward kernel lays its output out like the gradient, the
+    fake kernel (a decomposition) like the input."""
+
+    def __init__(self, activation: nn.Module) -> None:
+        super().__init__()
+        self.lin, self.act, self.mix = nn.Linear(8, 8), activation, nn.Parameter(torch.randn(6, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.act(self.lin(x).transpose(1, 2)) @ self.mix).pow(2).mean()
+
+
+@pytest.mark.parametrize("activation", [nn.Softplus(), nn.Hardswish(), nn.ELU(), nn.Hardtanh(), nn.Hardsigmoid()], ids=type)
+def test_an_activation_of_a_transposed_tensor_trains_bitwise(activation: nn.Module) -> None:
+    torch.manual_seed(0)
+    model, x = ActivationOnTranspose(activation), torch.randn(4, 6, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_model, eager_opt = twin(model, opt)
+
+    def step_fn(m: nn.Module, o: torch.optim.Optimizer, b: torch.Tensor) -> torch.Tensor:
+        o.zero_grad()
+        loss = m(b)
+        loss.backward()
+        o.step()
+        return loss
+
+    step = remat.compile(step_fn, model, opt, x, memory_budget=0.9, profile_runs=1)
+    assert check_against_eager(step_fn, eager_model, eager_opt, model, opt, step, x, steps=2).match
+
+
 class StaleView(nn.Module):
     """A view of a tensor that is then written in place, read after the write."""
 

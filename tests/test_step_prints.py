@@ -166,3 +166,21 @@ def test_a_librarys_print_of_a_number_the_step_computes_is_made_after_every_run(
             step(eager_model, eager_opt, _batch(i))
         loss_line = [line for line in eager.getvalue().splitlines() if "loss" in line]
         assert mine.getvalue().splitlines() == loss_line and len(loss_line) == 1
+
+
+def test_a_librarys_log_record_made_while_the_step_is_traced_names_the_librarys_line():
+    from remat.capture.state import step_prints
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    library_logger = logging.getLogger("torch.some_library")
+    library_logger.addHandler(handler)
+    try:
+        # a line of torch's: made at once, not recorded
+        torch_line = os.path.join(os.path.dirname(torch.__file__), "a_module_of_torch.py")
+        with step_prints.recording():
+            exec(compile("logger.warning('from torch')", torch_line, "exec"), {"logger": library_logger})
+    finally:
+        library_logger.removeHandler(handler)
+    assert [(r.getMessage(), r.pathname) for r in records] == [("from torch", torch_line)]

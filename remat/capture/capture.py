@@ -38,6 +38,7 @@ from remat.capture.state.python_state import no_python_state_changed, put_back_a
 from remat.capture.traced_rng import no_host_random_drawn, no_rng_state_set
 from remat.capture.user_checkpoints import plain_checkpoints
 from remat.ops import ctc_loss, value_checks
+from remat.ops.cpu_shape_functions import cpu_kernels_as_shape_functions
 from remat.ops import training_workspace
 from remat.capture.step_inputs import BatchFloats, accumulated_gradients, finds_gradients, batch_leaf_names, batch_value, check_arguments, describe, held_gradients
 
@@ -151,7 +152,8 @@ def _trace(
     into_compiled = [False]  # a function torch.compile wrapped was called: traced as its plain code
 
     def make() -> torch.fx.GraphModule:
-        with checks.tracing(symbols), hyperparams.quiet_structured_trace(), torch._dynamo.config.patch(error_on_nested_fx_trace=not into_compiled[0]):
+        with checks.tracing(symbols), hyperparams.quiet_structured_trace(), cpu_kernels_as_shape_functions(), \
+                torch._dynamo.config.patch(error_on_nested_fx_trace=not into_compiled[0]):
             return make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=False)(*flat)
 
     put_back = put_back_as_now()

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch._prims_common import make_channels_last_strides_for, make_contiguous_strides_for
+from torch._prims_common import compute_elementwise_output_strides, make_channels_last_strides_for, make_contiguous_strides_for
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat.capture.state import user_code
@@ -34,6 +34,19 @@ _CPU_CONTIGUOUS_OUTPUT = (
     torch.ops.aten.huber_loss_backward.default,
     torch.ops.aten._log_softmax_backward_data.default,
 )
+# - elementwise ops whose fake kernels (Python decompositions) lay their output out after
+#   another operand than the CPU kernel's TensorIterator, which follows the first among
+#   operands of different layouts (an activation's backward with the gradient contiguous
+#   and the input transposed):
+_ELEMENTWISE_OPERAND_ORDER = (
+    torch.ops.aten.softplus_backward.default,
+    torch.ops.aten.hardswish_backward.default,
+    torch.ops.aten.hardsigmoid_backward.default,
+    torch.ops.aten.hardtanh_backward.default,
+    torch.ops.aten.elu_backward.default,
+    torch.ops.aten.logit_backward.default,
+    torch.ops.aten.copysign.Tensor,
+)
 _LAYER_NORM_BACKWARD = torch.ops.aten.native_layer_norm_backward.default
 _DROPOUT_BACKWARD = torch.ops.aten.native_dropout_backward.default
 
@@ -56,6 +69,8 @@ def _cpu_output_strides(func: Any, args: tuple) -> tuple[int, tuple[int, ...]] |
         return 0, tuple(make_contiguous_strides_for(args[1].shape))
     if func is _DROPOUT_BACKWARD:
         return 0, _like(x)
+    if func in _ELEMENTWISE_OPERAND_ORDER:
+        return 0, tuple(compute_elementwise_output_strides(*(a for a in args if isinstance(a, torch.Tensor))))
     if func in _BATCH_NORMS or (func is _BATCH_NORM_BACKWARD and args[9][0]):
         x = args[1] if func is _BATCH_NORM_BACKWARD else args[0]
         if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
@@ -85,7 +100,9 @@ def _eager_view_strides(args: tuple) -> tuple[int, tuple[int, ...]] | None:
 
 
 # Ops whose fake outputs CpuLikeEager follows with a view of the real strides.
-CORRECTED_STRIDES = frozenset({*_BATCH_NORMS, _BATCH_NORM_BACKWARD, *_CPU_CONTIGUOUS_OUTPUT, _LAYER_NORM_BACKWARD, _DROPOUT_BACKWARD})
+CORRECTED_STRIDES = frozenset(
+    {*_BATCH_NORMS, _BATCH_NORM_BACKWARD, *_CPU_CONTIGUOUS_OUTPUT, *_ELEMENTWISE_OPERAND_ORDER, _LAYER_NORM_BACKWARD, _DROPOUT_BACKWARD}
+)
 
 
 class CpuLikeEager(TorchDispatchMode):

@@ -23,6 +23,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from remat.ops import rng_replay
+from remat.ops.cpu_shape_functions import cpu_kernels_as_shape_functions
 from remat.ops.op_facts import aliases_its_input
 from remat.capture.train_graph import InputKind, Phase, TrainGraph
 
@@ -123,7 +124,7 @@ def refresh_fake_values(gm: torch.fx.GraphModule) -> None:
     if not renewed:
         return
     mode = detect_fake_mode(fake_inputs)
-    with mode:
+    with mode, cpu_kernels_as_shape_functions():
         FakeTensorProp(gm, mode).run(*fake_inputs, initial_env=kept)
 
 

@@ -163,7 +163,8 @@ def recording() -> Iterator[list[tuple[Callable[..., Any], tuple[Any, ...], dict
     def recording_method(name: str) -> Callable[..., None]:
         def method(logger: logging.Logger, *args: Any, **kwargs: Any) -> None:
             if not _from_user_code((args, kwargs)):
-                return real_methods[name](logger, *args, **kwargs)
+                # one frame more: the record names the library's line, not this wrapper's
+                return real_methods[name](logger, *args, **{**kwargs, "stacklevel": kwargs.get("stacklevel", 1) + 1})
             kwargs.pop("stacklevel", None)  # the call is made again from the runtime: its caller is not the step's line
             if name == "exception":
                 kwargs.setdefault("exc_info", True)

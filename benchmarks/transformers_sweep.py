@@ -1,0 +1,214 @@
+"""Held-out model coverage: every architecture `transformers` builds for a task, trained
+through remat beside eager. Bitwise, refused by name, or neither (a bug).
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.transformers_sweep --jobs 2 --out docs/transformers-sweep
+
+For each model type of a task's auto class (`--tasks`: causal-lm, masked-lm,
+image-classification), a config is made small from the type's defaults (each size its
+`__init__` takes set to a small value: 2 layers, width 64, 4 heads, vocab 256, images
+32×32), with random weights and attention "eager". A type whose model cannot be built so,
+or whose eager step fails on the batch, is counted as such: that is the generic config's
+failing, not remat's. Each other model: `run_model` (tests/support/architectures.py),
+AdamW, `remat.compile` at budget 0.5 (or the smallest peak the planner says it reaches),
+3 steps compared bitwise with eager, predicted against measured peak. Each model runs in
+a process of its own, with `--timeout` seconds and 8 GiB of address space. Writes
+`transformers_sweep.json` (a row per model) and `transformers_sweep.md` under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Sizes any config's __init__ may take, set where it does.
+SMALL: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    vocab_size=256, max_position_embeddings=128, d_model=64, n_embd=64, n_layer=2, n_head=4, n_positions=128, n_ctx=128,
+    max_seq_len=128, n_heads=4, n_layers=2, ffn_dim=128, encoder_layers=1, decoder_layers=1, num_layers=2, n_inner=128,
+    rotary_dim=8, encoder_ffn_dim=128, decoder_ffn_dim=128, encoder_attention_heads=4, decoder_attention_heads=4,
+    num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=32, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+    v_head_dim=16, d_ff=128, d_kv=16, num_heads=4, sliding_window=32, first_k_dense_replace=1, n_group=1, topk_group=1,
+    state_size=8, expand=2, conv_kernel=4, time_step_rank=8, num_decoder_layers=1, decoder_start_token_id=0,
+    mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16, mamba_expand=2,
+    image_size=32, patch_size=4, num_channels=3, embedding_size=16, embed_dim=16,
+)
+VOCAB, SEQ, BATCH, IMAGE = 256, 64, 4, 32
+
+
+def _small_list(key: str, value: list[Any]) -> list[Any]:
+    """A per-stage list (a convolutional or hierarchical model's depths, widths, heads) cut
+    to two stages, each small."""
+    first = value[:2]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in first):
+        return first
+    if "depth" in key or "layers" in key or "blocks" in key:
+        return [1 for _ in first]
+    if "head" in key:
+        return [min(v, 2) for v in first]
+    if any(w in key for w in ("size", "dim", "channel", "width", "hidden")):
+        return [16 * 2**i for i in range(len(first))]
+    return first
+
+
+def make_config(model_type: str, per_stage: bool = True) -> Any:
+    """`model_type`'s config made small; `per_stage`: its per-stage lists cut too."""
+    import transformers
+
+    cls = transformers.CONFIG_MAPPING[model_type]
+    params = inspect.signature(cls.__init__).parameters
+    defaults = cls()
+    kwargs: dict[str, Any] = {}
+    for key in params:
+        value = getattr(defaults, key, None)
+        if isinstance(value, (list, tuple)) and value:
+            if per_stage:
+                kwargs[key] = _small_list(key, value)
+        elif key in SMALL and not isinstance(value, (list, tuple, dict)):
+            kwargs[key] = SMALL[key]
+    if "qk_rope_head_dim" in params:  # multi-head latent attention derives its head size
+        kwargs.pop("head_dim", None)
+    config = cls(**kwargs)
+    config.num_labels = 10
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value >= VOCAB or isinstance(value, list):
+            setattr(config, key, 1)
+    return config
+
+
+def _lm_batch(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _image_batch(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    return {"pixel_values": torch.randn(BATCH, 3, IMAGE, IMAGE, generator=gen), "labels": torch.randint(0, 10, (BATCH,), generator=gen)}
+
+
+def _tasks() -> dict[str, tuple[Any, str, Any]]:
+    from transformers import AutoModelForCausalLM, AutoModelForImageClassification, AutoModelForMaskedLM
+    from transformers.models.auto import modeling_auto as auto
+
+    return {
+        "causal-lm": (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, AutoModelForCausalLM, _lm_batch),
+        "masked-lm": (auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, AutoModelForMaskedLM, _lm_batch),
+        "image-classification": (auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES, AutoModelForImageClassification, _image_batch),
+    }
+
+
+def check_one(task: str, model_type: str, budget: float) -> dict[str, Any]:
+    """One model type: its outcome ("bitwise", "refused", "not bitwise", "peak off",
+    "failed", "not built", "eager fails") and what was said."""
+    from remat.measurement.check import twin
+    from tests.support.architectures import run_model
+
+    _, auto_class, make_batch = _tasks()[task]
+    batch = make_batch(torch.Generator().manual_seed(0))
+    for per_stage in (True, False):  # cut lists of stages may not fit together (a stage's input width is the last's output)
+        torch.manual_seed(0)
+        try:
+            model = auto_class.from_config(make_config(model_type, per_stage), attn_implementation="eager").train()
+        except Exception as e:  # noqa: BLE001 - the generic config does not suit this type
+            failed = {"outcome": "not built", "said": f"{type(e).__name__}: {e}"[:300]}
+            continue
+        params = sum(p.numel() for p in model.parameters())
+        try:
+            copy, _ = twin(model, None)
+            copy(**batch).loss.backward()
+            break
+        except Exception as e:  # noqa: BLE001 - the model does not train on this batch in eager either
+            failed = {"outcome": "eager fails", "said": f"{type(e).__name__}: {e}"[:300], "params": params}
+    else:
+        return failed
+    row = run_model(model_type, model, batch, f"{params:,} parameters", budget, steps=3, pairs=0, profile_runs=1)
+    if row.status != "ok":
+        return {"outcome": "failed" if "not a remat error" in row.error else "refused", "said": f"{row.status}: {row.error}"[:400], "params": params}
+    peaks = {"baseline": row.baseline_peak_bytes, "predicted": row.predicted_peak_bytes, "measured": row.measured_peak_bytes}
+    outcome = "bitwise" if row.grads_match else "not bitwise"
+    if row.grads_match and row.measured_peak_bytes != row.predicted_peak_bytes:
+        outcome = "peak off"
+    return {"outcome": outcome, "said": row.error[:400], "params": params, "budget": row.budget, "recomputed": row.num_recomputed, **peaks}
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+
+def _run_child(task: str, model_type: str, budget: float, timeout: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "benchmarks.transformers_sweep", "--one", task, model_type, "--budget", str(budget)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=_limit_memory)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("ROW ")]
+        row = json.loads(lines[-1][4:]) if lines else {"outcome": "failed", "said": f"exit {done.returncode}: {done.stderr[-300:]}"}
+    except subprocess.TimeoutExpired:
+        row = {"outcome": "out of time", "said": f"over {timeout} s"}
+    return {"task": task, "model_type": model_type, **row, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def markdown(rows: list[dict[str, Any]], versions: str) -> str:
+    counts = Counter(r["outcome"] for r in rows)
+    lines = [f"{len(rows)} model types ({versions}): " + ", ".join(f"{n} {k}" for k, n in counts.most_common()), "",
+             "| task | model type | outcome | peak: eager → predicted / measured (bytes) | what was said |", "|---|---|---|---|---|"]
+    for r in rows:
+        peaks = f"{r['baseline']:,} → {r['predicted']:,} / {r['measured']:,}" if r.get("measured") else ""
+        said = str(r.get("said", "")).replace("|", "\\|").replace("\n", " ")[:200]
+        lines.append(f"| {r['task']} | {r['model_type']} | {r['outcome']} | {peaks} | {said} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", default="causal-lm,masked-lm,image-classification")
+    parser.add_argument("--only", default="", help="comma-separated model types (default: every one of each task)")
+    parser.add_argument("--budget", type=float, default=0.5)
+    parser.add_argument("--jobs", type=int, default=1, help="models checked at once, each in its own process")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per model")
+    parser.add_argument("--out", type=Path, default=Path("runs/transformers-sweep"))
+    parser.add_argument("--one", nargs=2, metavar=("TASK", "MODEL_TYPE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+    if args.one:
+        try:
+            row = check_one(*args.one, args.budget)
+        except Exception as e:  # noqa: BLE001 - recorded with where it came from
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            row = {"outcome": "failed", "said": f"{type(e).__name__}: {e} ({where.filename}:{where.lineno})"[:400]}
+        print("ROW " + json.dumps(row), flush=True)
+        return
+    tasks = _tasks()
+    only = set(filter(None, args.only.split(",")))
+    todo = [(t, m) for t in args.tasks.split(",") for m in tasks[t][0] if not only or m in only]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    rows: list[dict[str, Any]] = []
+    with ThreadPoolExecutor(args.jobs) as pool:
+        for i, row in enumerate(pool.map(lambda tm: _run_child(*tm, args.budget, args.timeout), todo), 1):
+            rows.append(row)
+            print(f"[{i}/{len(todo)}] {row['task']} {row['model_type']}: {row['outcome']} ({row['seconds']} s) {str(row.get('said', ''))[:150]}", flush=True)
+    versions = f"transformers {transformers.__version__}, torch {torch.__version__}, remat at budget {args.budget:g}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "transformers_sweep.json").write_text(json.dumps({"versions": versions, "rows": rows}, indent=1) + "\n")
+    (args.out / "transformers_sweep.md").write_text(markdown(rows, versions))
+    print(markdown(rows, versions).splitlines()[0])
+
+
+if __name__ == "__main__":
+    main()
