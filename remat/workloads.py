@@ -237,7 +237,8 @@ def build_hf(spec: str, batch_size: int, *, seed: int = 0, device: str | torch.d
         raise WorkloadError(f"{model_type} has no causal-LM, masked-LM, seq2seq, image- or sequence-classification head to train")
     # "eager" attention: plain aten ops on every device (see remat.models._build_bert).
     # Mixture-of-experts layers as batched matmuls: the default grouped matmul's shape
-    # function accepts only bfloat16, so a float32 model cannot be traced with it.
+    # function accepts only bfloat16 (as its CUDA kernel), so a float32 model on a GPU
+    # could not be traced with it.
     kwargs: dict[str, Any] = {"attn_implementation": "eager", "experts_implementation": "batched_mm"}
     if kind in ("image", "classify"):
         # Set up front: otherwise the first forward writes it into the config, inside the step.
