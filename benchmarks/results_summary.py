@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
@@ -101,6 +102,16 @@ def _library_optimizers(doc: dict[str, Any]) -> str:
     )
 
 
+def _transformers_sweep(doc: dict[str, Any]) -> str:
+    counts = Counter(r["outcome"] for r in doc["rows"])
+    tried = sum(counts.values()) - counts["not built"] - counts["eager fails"] - counts["out of memory"]
+    return (
+        f"{doc['versions'].split(',')[0]}: {counts['bitwise']} of {tried} model types that train in eager are bitwise over "
+        f"3 steps with measured peak = predicted, {counts['refused']} refused by name, "
+        f"{counts['not bitwise']} wrong, {counts['failed'] + counts['peak off'] + counts['out of time']} other failures"
+    )
+
+
 def _trainer(doc: dict[str, Any]) -> str:
     rows = [r for r in doc["rows"] if "error" not in r]
     base = next(r for r in rows if r["variant"] == "trainer")
@@ -173,6 +184,8 @@ ROWS: list[tuple[str, str, Callable[[Any], str], str | None, str]] = [
      "python benchmarks/update_buckets.py --models bert-tiny --batch-size 1 --budget 0.6 --pairs 21", CPU),
     ("Optimizers beyond torch's", "docs/library-optimizers/library_optimizers.json", _library_optimizers,
      "python benchmarks/library_optimizers.py --skip kron --out docs/library-optimizers", CPU),
+    ("Architectures beyond the tests", "docs/transformers-sweep/transformers_sweep.json", _transformers_sweep,
+     "python -m benchmarks.transformers_sweep --jobs 2 --out docs/transformers-sweep", CPU),
     ("Hugging Face Trainer", "docs/trainer/trainer.json", _trainer, None, CPU),
     ("Compiled regions (Inductor)", "docs/inductor/resnet152-b4-0.3.json", _regions,
      "remat run --model resnet152 --batch-size 4 --budget 0.3 --backend inductor --check --pairs 5 --json", CPU),

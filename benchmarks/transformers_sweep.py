@@ -48,12 +48,16 @@ SMALL: dict[str, Any] = dict(
     image_size=32, patch_size=4, num_channels=3, embedding_size=16, embed_dim=16,
 )
 VOCAB, SEQ, BATCH, IMAGE = 256, 64, 4, 32
+_OUT_OF_MEMORY = "can't allocate memory"  # the 8 GiB each model's process has
 
 
 def _small_list(key: str, value: list[Any]) -> list[Any]:
     """A per-stage list (a convolutional or hierarchical model's depths, widths, heads) cut
     to two stages, each small."""
     first = value[:2]
+    if all(isinstance(v, str) for v in value):  # a kind per layer (a hybrid's attention and recurrent layers): one of each
+        kinds = list(dict.fromkeys(value))[:2]
+        return kinds + kinds[:1] * (2 - len(kinds))
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in first):
         return first
     if "depth" in key or "layers" in key or "blocks" in key:
@@ -80,8 +84,9 @@ def make_config(model_type: str, per_stage: bool = True) -> Any:
                 kwargs[key] = _small_list(key, value)
         elif key in SMALL and not isinstance(value, (list, tuple, dict)):
             kwargs[key] = SMALL[key]
-    if "qk_rope_head_dim" in params:  # multi-head latent attention derives its head size
+    if "qk_rope_head_dim" in params:  # multi-head latent attention: its own head size, a key and value per head
         kwargs.pop("head_dim", None)
+        kwargs["num_key_value_heads"] = SMALL["num_attention_heads"]
     config = cls(**kwargs)
     config.num_labels = 10
     for key in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id"):
@@ -112,8 +117,10 @@ def _tasks() -> dict[str, tuple[Any, str, Any]]:
 
 
 def check_one(task: str, model_type: str, budget: float) -> dict[str, Any]:
-    """One model type: its outcome ("bitwise", "refused", "not bitwise", "peak off",
-    "failed", "not built", "eager fails") and what was said."""
+    """One model type: its outcome and what was said. remat's: "bitwise", "refused" (a
+    RematError), "not bitwise", "peak off" (measured is not predicted), "failed" (another
+    error); the generic config's: "not built", "eager fails", "out of memory" (over the
+    process's 8 GiB: a type whose nested configs were not made small)."""
     from remat.measurement.check import twin
     from tests.support.architectures import run_model
 
@@ -137,7 +144,9 @@ def check_one(task: str, model_type: str, budget: float) -> dict[str, Any]:
         return failed
     row = run_model(model_type, model, batch, f"{params:,} parameters", budget, steps=3, pairs=0, profile_runs=1)
     if row.status != "ok":
-        return {"outcome": "failed" if "not a remat error" in row.error else "refused", "said": f"{row.status}: {row.error}"[:400], "params": params}
+        out_of_memory = row.status == "MemoryError" or _OUT_OF_MEMORY in row.error
+        outcome = "refused" if "not a remat error" not in row.error else "out of memory" if out_of_memory else "failed"
+        return {"outcome": outcome, "said": f"{row.status}: {row.error}"[:400], "params": params}
     peaks = {"baseline": row.baseline_peak_bytes, "predicted": row.predicted_peak_bytes, "measured": row.measured_peak_bytes}
     outcome = "bitwise" if row.grads_match else "not bitwise"
     if row.grads_match and row.measured_peak_bytes != row.predicted_peak_bytes:
@@ -191,7 +200,8 @@ def main() -> None:
             row = check_one(*args.one, args.budget)
         except Exception as e:  # noqa: BLE001 - recorded with where it came from
             where = traceback.extract_tb(e.__traceback__)[-1]
-            row = {"outcome": "failed", "said": f"{type(e).__name__}: {e} ({where.filename}:{where.lineno})"[:400]}
+            out_of_memory = isinstance(e, MemoryError) or _OUT_OF_MEMORY in str(e)
+            row = {"outcome": "out of memory" if out_of_memory else "failed", "said": f"{type(e).__name__}: {e} ({where.filename}:{where.lineno})"[:400]}
         print("ROW " + json.dumps(row), flush=True)
         return
     tasks = _tasks()
@@ -205,7 +215,9 @@ def main() -> None:
             print(f"[{i}/{len(todo)}] {row['task']} {row['model_type']}: {row['outcome']} ({row['seconds']} s) {str(row.get('said', ''))[:150]}", flush=True)
     versions = f"transformers {transformers.__version__}, torch {torch.__version__}, remat at budget {args.budget:g}"
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "transformers_sweep.json").write_text(json.dumps({"versions": versions, "rows": rows}, indent=1) + "\n")
+    counts = dict(Counter(r["outcome"] for r in rows).most_common())
+    doc = {"versions": versions, "counts": counts, "rows": rows}
+    (args.out / "transformers_sweep.json").write_text(json.dumps(doc, indent=1) + "\n")
     (args.out / "transformers_sweep.md").write_text(markdown(rows, versions))
     print(markdown(rows, versions).splitlines()[0])
 

@@ -24,7 +24,7 @@ aten = torch.ops.aten
 CPU_KERNEL_SHAPES = frozenset({aten._grouped_mm.default})
 
 
-def _on_cpu(func: torch._ops.OpOverload) -> bool:
+def _listed(func: torch._ops.OpOverload) -> bool:
     return func in CPU_KERNEL_SHAPES
 
 
@@ -39,7 +39,7 @@ def _cpu_kernel_on_zeros(fake_mode: FakeTensorMode, func: torch._ops.OpOverload,
 @contextlib.contextmanager
 def cpu_kernels_as_shape_functions() -> Iterator[None]:
     """While the block runs, fake tensors take the listed ops' shapes from the CPU kernel."""
-    entry = (_on_cpu, _cpu_kernel_on_zeros)
+    entry = (_listed, _cpu_kernel_on_zeros)
     fake_impls.op_implementations_checks.insert(0, entry)
     try:
         yield
