@@ -144,7 +144,16 @@ class _GroupedExperts(torch.nn.Module):
         return torch.nn.functional.grouped_mm(x, self.w, offs=offs)
 
 
-def test_an_op_whose_shape_function_refuses_its_inputs_is_named():
+def test_a_grouped_matmul_in_float32_on_a_cpu_is_captured_with_the_cpu_kernels_shape():
+    model, x = _GroupedExperts(), torch.randn(4, 8)
+    y = next(n.meta["val"] for n in capture(_step, model, None, x).gm.graph.nodes if n.target is torch.ops.aten._grouped_mm.default)
+    assert (y.shape, y.dtype) == (torch.Size([4, 8]), torch.float32)
+
+
+def test_an_op_whose_shape_function_refuses_its_inputs_is_named(monkeypatch):
+    from remat.ops import cpu_shape_functions
+
+    monkeypatch.setattr(cpu_shape_functions, "CPU_KERNEL_SHAPES", frozenset())  # the meta function decides
     model, x = _GroupedExperts(), torch.randn(4, 8)
     _step(model, None, x)  # eager runs it
     with pytest.raises(CaptureError, match=r"aten\._grouped_mm\.default's shape function.*refuses these inputs.*batched_mm"):

@@ -38,10 +38,14 @@ def _cpu_kernel_on_zeros(fake_mode: FakeTensorMode, func: torch._ops.OpOverload,
 
 @contextlib.contextmanager
 def cpu_kernels_as_shape_functions() -> Iterator[None]:
-    """While the block runs, fake tensors take the listed ops' shapes from the CPU kernel."""
+    """While the block runs, fake tensors take the listed ops' shapes from the CPU kernel.
+    Afterwards torch decides as before: the fake tensors' dispatch cache, which every fake
+    mode shares, forgets the outputs it kept for the listed ops."""
     entry = (_listed, _cpu_kernel_on_zeros)
     fake_impls.op_implementations_checks.insert(0, entry)
     try:
         yield
     finally:
         fake_impls.op_implementations_checks.remove(entry)
+        for key in [k for k in FakeTensorMode.cache if k.key and _listed(k.key[0])]:
+            del FakeTensorMode.cache[key]
