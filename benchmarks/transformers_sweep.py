@@ -30,7 +30,7 @@ import warnings
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -105,7 +105,7 @@ def _image_batch(gen: torch.Generator) -> dict[str, torch.Tensor]:
     return {"pixel_values": torch.randn(BATCH, 3, IMAGE, IMAGE, generator=gen), "labels": torch.randint(0, 10, (BATCH,), generator=gen)}
 
 
-def _tasks() -> dict[str, tuple[Any, str, Any]]:
+def _tasks() -> dict[str, tuple[dict[str, str], Any, Callable[[torch.Generator], dict[str, torch.Tensor]]]]:
     from transformers import AutoModelForCausalLM, AutoModelForImageClassification, AutoModelForMaskedLM
     from transformers.models.auto import modeling_auto as auto
 
