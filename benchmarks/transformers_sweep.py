@@ -48,7 +48,11 @@ SMALL: dict[str, Any] = dict(
     image_size=32, patch_size=4, num_channels=3, embedding_size=16, embed_dim=16,
 )
 VOCAB, SEQ, BATCH, IMAGE = 256, 64, 4, 32
-_OUT_OF_MEMORY = "can't allocate memory"  # the 8 GiB each model's process has
+
+
+def _out_of_memory(error_class: str, said: str) -> bool:
+    """Whether a failure is the 8 GiB each model's process has running out."""
+    return error_class == "MemoryError" or "can't allocate memory" in said
 
 
 def _small_list(key: str, value: list[Any]) -> list[Any]:
@@ -144,8 +148,7 @@ def check_one(task: str, model_type: str, budget: float) -> dict[str, Any]:
         return failed
     row = run_model(model_type, model, batch, f"{params:,} parameters", budget, steps=3, pairs=0, profile_runs=1)
     if row.status != "ok":
-        out_of_memory = row.status == "MemoryError" or _OUT_OF_MEMORY in row.error
-        outcome = "refused" if "not a remat error" not in row.error else "out of memory" if out_of_memory else "failed"
+        outcome = "refused" if "not a remat error" not in row.error else "out of memory" if _out_of_memory(row.status, row.error) else "failed"
         return {"outcome": outcome, "said": f"{row.status}: {row.error}"[:400], "params": params}
     peaks = {"baseline": row.baseline_peak_bytes, "predicted": row.predicted_peak_bytes, "measured": row.measured_peak_bytes}
     outcome = "bitwise" if row.grads_match else "not bitwise"
@@ -200,8 +203,7 @@ def main() -> None:
             row = check_one(*args.one, args.budget)
         except Exception as e:  # noqa: BLE001 - recorded with where it came from
             where = traceback.extract_tb(e.__traceback__)[-1]
-            out_of_memory = isinstance(e, MemoryError) or _OUT_OF_MEMORY in str(e)
-            row = {"outcome": "out of memory" if out_of_memory else "failed", "said": f"{type(e).__name__}: {e} ({where.filename}:{where.lineno})"[:400]}
+            row = {"outcome": "out of memory" if _out_of_memory(type(e).__name__, str(e)) else "failed", "said": f"{type(e).__name__}: {e} ({where.filename}:{where.lineno})"[:400]}
         print("ROW " + json.dumps(row), flush=True)
         return
     tasks = _tasks()
