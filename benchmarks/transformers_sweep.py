@@ -3,8 +3,9 @@ through remat beside eager. Bitwise, refused by name, or neither (a bug).
 
     OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.transformers_sweep --jobs 2 --out docs/transformers-sweep
 
-For each model type of a task's auto class (`--tasks`: causal-lm, masked-lm,
-image-classification), a config is made small from the type's defaults (each size its
+For each model type of a task's auto class (`--tasks`, by default all of `AUTO_CLASSES`:
+language modelling, classification of sequences, tokens and images, question answering,
+multiple choice, segmentation, speech recognition), a config is made small from the type's defaults (each size its
 `__init__` takes set to a small value: 2 layers, width 64, 4 heads, vocab 256, images
 32×32), with random weights and attention "eager". A type whose model cannot be built so,
 or whose eager step fails on the batch, is counted as such: that is the generic config's
@@ -46,8 +47,12 @@ SMALL: dict[str, Any] = dict(
     state_size=8, expand=2, conv_kernel=4, time_step_rank=8, num_decoder_layers=1, decoder_start_token_id=0,
     mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16, mamba_expand=2,
     image_size=32, patch_size=4, num_channels=3, embedding_size=16, embed_dim=16,
+    # LayerDrop branches on a random draw, which remat refuses by name, advising a rate of 0.
+    layerdrop=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0,
+    # SpecAugment draws its masks with numpy, which remat refuses by name, advising this.
+    mask_time_prob=0.0, mask_feature_prob=0.0,
 )
-VOCAB, SEQ, BATCH, IMAGE = 256, 64, 4, 32
+VOCAB, SEQ, BATCH, IMAGE, AUDIO = 256, 64, 4, 32, 4000
 
 
 def _out_of_memory(error_class: str, said: str) -> bool:
@@ -97,27 +102,61 @@ def make_config(model_type: str, per_stage: bool = True) -> Any:
         value = getattr(config, key, None)
         if isinstance(value, int) and value >= VOCAB or isinstance(value, list):
             setattr(config, key, 1)
+    if getattr(config, "pad_token_id", 0) is None:  # a decoder's sequence classifier finds each row's last token by it
+        config.pad_token_id = 1
     return config
 
 
-def _lm_batch(gen: torch.Generator) -> dict[str, torch.Tensor]:
-    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)
-    return {"input_ids": ids, "labels": ids}
+def _ids(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, shape, generator=gen)
 
 
-def _image_batch(gen: torch.Generator) -> dict[str, torch.Tensor]:
-    return {"pixel_values": torch.randn(BATCH, 3, IMAGE, IMAGE, generator=gen), "labels": torch.randint(0, 10, (BATCH,), generator=gen)}
+def _labels(gen: torch.Generator, *shape: int, classes: int = 10) -> torch.Tensor:
+    return torch.randint(0, classes, shape, generator=gen)
 
 
-def _tasks() -> dict[str, tuple[dict[str, str], Any, Callable[[torch.Generator], dict[str, torch.Tensor]]]]:
-    from transformers import AutoModelForCausalLM, AutoModelForImageClassification, AutoModelForMaskedLM
+def _audio(gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(BATCH, AUDIO, generator=gen)
+
+
+# What a task's model takes: the batch, made from a seeded generator.
+BATCHES: dict[str, Callable[[torch.Generator], dict[str, torch.Tensor]]] = {
+    "causal-lm": lambda g: {"input_ids": (ids := _ids(g, BATCH, SEQ)), "labels": ids},
+    "masked-lm": lambda g: {"input_ids": (ids := _ids(g, BATCH, SEQ)), "labels": ids},
+    "seq2seq-lm": lambda g: {"input_ids": _ids(g, BATCH, SEQ), "labels": _ids(g, BATCH, SEQ // 2)},
+    "sequence-classification": lambda g: {"input_ids": _ids(g, BATCH, SEQ), "labels": _labels(g, BATCH)},
+    "token-classification": lambda g: {"input_ids": _ids(g, BATCH, SEQ), "labels": _labels(g, BATCH, SEQ)},
+    "question-answering": lambda g: {"input_ids": _ids(g, BATCH, SEQ), "start_positions": _labels(g, BATCH, classes=SEQ),
+                                     "end_positions": _labels(g, BATCH, classes=SEQ)},
+    "multiple-choice": lambda g: {"input_ids": _ids(g, BATCH, 2, SEQ), "labels": _labels(g, BATCH, classes=2)},
+    "image-classification": lambda g: {"pixel_values": torch.randn(BATCH, 3, IMAGE, IMAGE, generator=g), "labels": _labels(g, BATCH)},
+    "semantic-segmentation": lambda g: {"pixel_values": torch.randn(BATCH, 3, IMAGE, IMAGE, generator=g),
+                                        "labels": _labels(g, BATCH, IMAGE, IMAGE)},
+    "ctc": lambda g: {"input_values": _audio(g), "labels": _ids(g, BATCH, 8)},
+    "audio-classification": lambda g: {"input_values": _audio(g), "labels": _labels(g, BATCH)},
+}
+# Each task's auto class, by the name of its mapping in transformers.models.auto.modeling_auto.
+AUTO_CLASSES = {
+    "causal-lm": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+    "masked-lm": ("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+    "seq2seq-lm": ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
+    "sequence-classification": ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
+    "token-classification": ("AutoModelForTokenClassification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"),
+    "question-answering": ("AutoModelForQuestionAnswering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"),
+    "multiple-choice": ("AutoModelForMultipleChoice", "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES"),
+    "image-classification": ("AutoModelForImageClassification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
+    "semantic-segmentation": ("AutoModelForSemanticSegmentation", "MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES"),
+    "ctc": ("AutoModelForCTC", "MODEL_FOR_CTC_MAPPING_NAMES"),
+    "audio-classification": ("AutoModelForAudioClassification", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES"),
+}
+
+
+def _tasks() -> dict[str, tuple[Any, Any, Callable[[torch.Generator], dict[str, torch.Tensor]]]]:
+    """Each task's model types, auto class and batch."""
+    import transformers
     from transformers.models.auto import modeling_auto as auto
 
-    return {
-        "causal-lm": (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, AutoModelForCausalLM, _lm_batch),
-        "masked-lm": (auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, AutoModelForMaskedLM, _lm_batch),
-        "image-classification": (auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES, AutoModelForImageClassification, _image_batch),
-    }
+    return {task: (getattr(auto, names), getattr(transformers, cls), BATCHES[task]) for task, (cls, names) in AUTO_CLASSES.items()}
 
 
 def check_one(task: str, model_type: str, budget: float) -> dict[str, Any]:
@@ -186,7 +225,7 @@ def markdown(rows: list[dict[str, Any]], versions: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", default="causal-lm,masked-lm,image-classification")
+    parser.add_argument("--tasks", default=",".join(AUTO_CLASSES), help="comma-separated, of: " + ", ".join(AUTO_CLASSES))
     parser.add_argument("--only", default="", help="comma-separated model types (default: every one of each task)")
     parser.add_argument("--budget", type=float, default=0.5)
     parser.add_argument("--jobs", type=int, default=1, help="models checked at once, each in its own process")

@@ -677,8 +677,10 @@ def _drawing_step(draw, checked=False):
     def step(model, opt, batch):
         opt.zero_grad()
         loss = model(batch).square().mean() * draw()  # a mixup coefficient drawn on the host
-        if checked:  # a value check: one of its traces fails after the draw
+        if checked == "with-a-value-check":  # one of its traces fails after the draw
             assert torch.isfinite(loss)
+        if checked == "then-masked-by-it":  # the trace fails on the draw's use (SpecAugment's masks)
+            loss = loss + model(batch)[torch.tensor([draw() < 0.5, draw() < 0.5])].sum()
         loss.backward()
         opt.step()
         return loss
@@ -691,7 +693,7 @@ def _drawing_step(draw, checked=False):
     [(lambda: random.random(), r"draws from Python's random module"), (lambda: np.random.beta(0.4, 0.4), r"draws from numpy's global generator"),
      (lambda: _NUMPY_RNG.random(), r"draws from global _NUMPY_RNG")],
 )  # fmt: skip
-@pytest.mark.parametrize("checked", [False, True], ids=["plain", "with-a-value-check"])
+@pytest.mark.parametrize("checked", ["plain", "with-a-value-check", "then-masked-by-it"])
 def test_a_draw_from_pythons_or_numpys_generator_in_the_step_is_refused_and_their_states_put_back(draw, message, checked):
     # Drawn once while tracing, it would be the same number at every step, with no error.
     global _NUMPY_RNG

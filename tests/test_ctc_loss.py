@@ -85,3 +85,63 @@ def test_concatenated_targets_are_refused_saying_to_pad_them():
     batch = {"x": torch.randn(2, 8, 16), "targets": torch.randint(1, 12, (2, 5))}
     with pytest.raises(CaptureError, match=r"CTC loss on targets given as one concatenated 1-D tensor.*padded to \(batch, longest\)"):
         remat.compile(step_fn, model, torch.optim.SGD(model.parameters(), lr=0.1), batch, memory_budget=None)
+
+
+def _flattening_step(reduction, extra_read=False):
+    """Hugging Face's CTC heads: labels padded with -100, flattened by their mask."""
+
+    def step_fn(model, optimizer, batch):
+        optimizer.zero_grad()
+        labels = batch["labels"]
+        mask = labels >= 0
+        lp = model(batch["x"])
+        loss = nn.functional.ctc_loss(lp, labels.masked_select(mask), batch["input_lengths"], mask.sum(-1) + batch["more"],
+                                      reduction=reduction, zero_infinity=True)  # fmt: skip
+        if extra_read:
+            loss = loss + labels.masked_select(mask).float().mean()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return step_fn
+
+
+def _labelled(g, lengths):
+    labels = torch.randint(1, 12, (len(lengths), 20), generator=g)
+    for row, n in enumerate(lengths):
+        labels[row, n:] = -100
+    return {"x": torch.randn(len(lengths), 8, 64, generator=g), "labels": labels, "input_lengths": torch.randint(40, 65, (len(lengths),), generator=g),
+            "more": torch.zeros(len(lengths), dtype=torch.long)}  # fmt: skip
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_targets_flattened_by_a_mask_train_bitwise_under_remat(reduction):
+    # masked_select's length is the mask's count, a value: traced through a static stand-in.
+    torch.manual_seed(0)
+    model = _Recognizer()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(2)
+    batches = [_labelled(g, [20, 3, 0, 11]), _labelled(g, [5, 17, 9, 1]), _labelled(g, [2, 2, 2, 2])]
+    step_fn = _flattening_step(reduction)
+    step = remat.compile(step_fn, model, opt, batches[0], memory_budget=0.9)
+    for b in batches:
+        assert torch.equal(step(b), step_fn(ref, ref_opt, b))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes
+    more = _labelled(g, [4, 4, 4, 4])
+    more["more"][1] = 1  # lengths that do not add up to the targets: eager's kernel raises, and so does the step
+    with pytest.raises(RuntimeError):
+        step_fn(ref, ref_opt, more)
+    with pytest.raises(RuntimeError, match="sum of the target lengths"):
+        step(more)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def test_a_masked_select_read_by_more_than_ctc_is_refused_naming_its_line():
+    from remat.errors import CaptureError
+
+    model = _Recognizer()
+    batch = _labelled(torch.Generator().manual_seed(0), [3, 5, 7, 9])
+    with pytest.raises(CaptureError, match=r"aten.masked_select.default\), at test_ctc_loss.py, line \d+: loss = loss \+ labels.masked_select"):
+        remat.compile(_flattening_step("mean", extra_read=True), model, torch.optim.SGD(model.parameters(), lr=0.1), batch, memory_budget=None)

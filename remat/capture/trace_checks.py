@@ -17,6 +17,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.errors import CaptureError
+from remat.ops import ctc_loss
 
 from remat.capture.train_graph import GraphInput, InputKind
 
@@ -154,7 +155,10 @@ def no_dynamic_output_shapes(args: tuple[Any, ...]) -> None:
 
 def check_static_shapes(gm: torch.fx.GraphModule) -> None:
     """Refuse a trace in which an op's output shape depends on tensor values (a symbolic
-    size): the analysis, the simulator and the planners need every size."""
+    size): the analysis, the simulator and the planners need every size. A masked_select
+    held by its static stand-in for CTC's targets is refused where anything else reads it."""
+    for where in ctc_loss.flat_selections(gm):
+        raise CaptureError(f"{_VALUE_SHAPED} (aten.masked_select.default){where}{_STATIC_SHAPES}")
     for node in gm.graph.nodes:
         for v in _vals(node):
             if any(not isinstance(d, int) for d in v.shape):

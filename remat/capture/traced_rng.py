@@ -96,20 +96,25 @@ def no_host_random_drawn(values: list[tuple[str, Any]]) -> Iterator[None]:
     putting their states back."""
     generators = _host_generators(values)
     before = [_state(g) for _, g in generators]
-    drawn: list[str] = []
+    failed: BaseException | None = None
     try:
         yield
-    finally:  # a trace that fails (one side of a value check tried) puts them back too
-        drawn = [name for (name, g), state in zip(generators, before) if not _same(_state(g), state)]
-        for (_, g), state in zip(generators, before):
-            _restore(g, state)
+    except BaseException as e:  # noqa: BLE001 - a draw, if any, is said first: the trace may have failed on what it drew
+        failed = e
+    drawn = [name for (name, g), state in zip(generators, before) if not _same(_state(g), state)]
+    for (_, g), state in zip(generators, before):  # a trace that fails (one side of a value check tried) puts them back too
+        _restore(g, state)
+    if failed is not None and not drawn:
+        raise failed
     if drawn:
         raise CaptureError(
             f"train_step draws from {drawn[0]} while it runs: its Python code runs once, at capture, so every step "
             "would reuse that first draw. Draw with torch's generator instead (torch.rand, torch.randint, "
             "torch.distributions: the graph draws those at every step, as eager does), or draw outside train_step "
-            "and pass the values in the batch."
-        )
+            "and pass the values in the batch. Where a library draws it: Hugging Face's speech models (wav2vec2, "
+            "HuBERT, WavLM, ...) mask time steps and features with numpy in training (SpecAugment): set "
+            "apply_spec_augment=False, or mask_time_prob=0 and mask_feature_prob=0, in the model's config."
+        ) from failed
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -66,6 +66,12 @@ class ValueCheckFailed(RuntimeError):
     """Raised by a graph's value check; `raise_as_eager` turns it into what eager raises."""
 
 
+class KernelCheck(RuntimeError):
+    """Raised, while tracing, by remat's static stand-in for an op where the values make
+    eager's kernel raise (ops/ctc_loss.py): a side of a branch that raises, as a library's
+    own check is."""
+
+
 @dataclass
 class ValueCheck:
     """One check: where the step branches, the side the graph takes, and what the other raises."""
@@ -275,6 +281,8 @@ def _raised_by_code(e: BaseException) -> bool:
     trace itself (fake tensors, fx, remat)."""
     if isinstance(e, RematError) or _guard_of(e) is not None:
         return False
+    if isinstance(e, KernelCheck):
+        return True
     frames = traceback.extract_tb(e.__traceback__)
     if not frames:
         return False
