@@ -106,7 +106,8 @@ def _transformers_sweep(doc: dict[str, Any]) -> str:
     counts = Counter(r["outcome"] for r in doc["rows"])
     tried = sum(counts.values()) - counts["not built"] - counts["eager fails"] - counts["out of memory"]
     return (
-        f"{doc['versions'].split(',')[0]}: {counts['bitwise']} of {tried} model types that train in eager are bitwise over "
+        f"{doc['versions'].split(',')[0]}, {len({r['task'] for r in doc['rows']})} tasks: {counts['bitwise']} of {tried} models "
+        "(a model type with a task's head) that train in eager are bitwise over "
         f"3 steps with measured peak = predicted, {counts['refused']} refused by name, "
         f"{counts['not bitwise']} wrong, {counts['failed'] + counts['peak off'] + counts['out of time']} other failures"
     )

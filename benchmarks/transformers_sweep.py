@@ -13,7 +13,8 @@ failing, not remat's. Each other model: `run_model` (tests/support/architectures
 AdamW, `remat.compile` at budget 0.5 (or the smallest peak the planner says it reaches),
 3 steps compared bitwise with eager, predicted against measured peak. Each model runs in
 a process of its own, with `--timeout` seconds and 8 GiB of address space. Writes
-`transformers_sweep.json` (a row per model) and `transformers_sweep.md` under --out.
+`transformers_sweep.json` (a row per model) and `transformers_sweep.md` under --out,
+keeping the rows already there (same versions) of models this run did not check.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ def check_one(task: str, model_type: str, budget: float) -> dict[str, Any]:
         try:
             model = auto_class.from_config(make_config(model_type, per_stage), attn_implementation="eager").train()
         except Exception as e:  # noqa: BLE001 - the generic config does not suit this type
-            failed = {"outcome": "not built", "said": f"{type(e).__name__}: {e}"[:300]}
+            failed = {"outcome": "out of memory" if _out_of_memory(type(e).__name__, str(e)) else "not built", "said": f"{type(e).__name__}: {e}"[:300]}
             continue
         params = sum(p.numel() for p in model.parameters())
         try:
@@ -214,13 +215,31 @@ def _run_child(task: str, model_type: str, budget: float, timeout: int) -> dict[
 
 def markdown(rows: list[dict[str, Any]], versions: str) -> str:
     counts = Counter(r["outcome"] for r in rows)
-    lines = [f"{len(rows)} model types ({versions}): " + ", ".join(f"{n} {k}" for k, n in counts.most_common()), "",
-             "| task | model type | outcome | peak: eager → predicted / measured (bytes) | what was said |", "|---|---|---|---|---|"]
+    outcomes = [k for k, _ in counts.most_common()]
+    lines = [f"{len(rows)} models, a model type with a task's head ({versions}): " + ", ".join(f"{n} {k}" for k, n in counts.most_common()), "",
+             "| task | " + " | ".join(outcomes) + " |", "|---|" + "---:|" * len(outcomes)]
+    for task in dict.fromkeys(r["task"] for r in rows):
+        by_task = Counter(r["outcome"] for r in rows if r["task"] == task)
+        lines.append(f"| {task} | " + " | ".join(str(by_task[k]) for k in outcomes) + " |")
+    lines += ["", "| task | model type | outcome | peak: eager → predicted / measured (bytes) | what was said |", "|---|---|---|---|---|"]
     for r in rows:
         peaks = f"{r['baseline']:,} → {r['predicted']:,} / {r['measured']:,}" if r.get("measured") else ""
         said = str(r.get("said", "")).replace("|", "\\|").replace("\n", " ")[:200]
         lines.append(f"| {r['task']} | {r['model_type']} | {r['outcome']} | {peaks} | {said} |")
     return "\n".join(lines) + "\n"
+
+
+def _kept_rows(path: Path, versions: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of an earlier sweep in `path` (same versions) of models this one did not check:
+    a sweep of some tasks or types adds to the file rather than replacing it."""
+    if not path.exists():
+        return []
+    earlier = json.loads(path.read_text())
+    if earlier.get("versions") != versions:
+        print(f"{path}: made with {earlier.get('versions')}, not {versions}; its rows are replaced", flush=True)
+        return []
+    done = {(r["task"], r["model_type"]) for r in rows}
+    return [r for r in earlier["rows"] if (r["task"], r["model_type"]) not in done and r["task"] in AUTO_CLASSES]
 
 
 def main() -> None:
@@ -256,6 +275,8 @@ def main() -> None:
             print(f"[{i}/{len(todo)}] {row['task']} {row['model_type']}: {row['outcome']} ({row['seconds']} s) {str(row.get('said', ''))[:150]}", flush=True)
     versions = f"transformers {transformers.__version__}, torch {torch.__version__}, remat at budget {args.budget:g}"
     args.out.mkdir(parents=True, exist_ok=True)
+    rows = _kept_rows(args.out / "transformers_sweep.json", versions, rows) + rows
+    rows.sort(key=lambda r: (list(AUTO_CLASSES).index(r["task"]), r["model_type"]))
     counts = dict(Counter(r["outcome"] for r in rows).most_common())
     doc = {"versions": versions, "counts": counts, "rows": rows}
     (args.out / "transformers_sweep.json").write_text(json.dumps(doc, indent=1) + "\n")
