@@ -16,7 +16,7 @@ from tests.support.architectures import run_one
 SLACK = 128 * 1024
 
 
-@pytest.mark.parametrize("name", ["gpt2", "t5", "lstm", "mixtral"])
+@pytest.mark.parametrize("name", ["gpt2", "t5", "lstm", "mixtral", "wav2vec2"])
 def test_transformers_architecture_trains_bitwise_within_budget(name: str) -> None:
     row = run_one(name, size="tiny", budget=0.5, steps=3, pairs=0, profile_runs=1)
     assert row.status == "ok", row.error

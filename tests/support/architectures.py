@@ -87,6 +87,25 @@ def _mixtral(size: str, gen: torch.Generator):  # type: ignore[no-untyped-def]
     return MixtralForCausalLM(config), _lm_batch(s, gen), desc
 
 
+def _wav2vec2(size: str, gen: torch.Generator):  # type: ignore[no-untyped-def]
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    s = SIZES[size]
+    # LayerDrop and SpecAugment off: both draw at random in Python (torch.rand decides a
+    # branch; numpy draws the masks), which remat refuses by name.
+    config = Wav2Vec2Config(hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+                            intermediate_size=s["ffn"], vocab_size=s["vocab"], conv_dim=(16, 32), conv_stride=(5, 2),
+                            conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2,
+                            layerdrop=0.0, mask_time_prob=0.0, attn_implementation="eager")
+    samples = 25 * s["seq"] * 2
+    labels = torch.randint(1, s["vocab"], (s["batch"], s["target"]), generator=gen)
+    for row in range(s["batch"]):  # padded with -100 after each row's length, as a data collator pads
+        labels[row, torch.randint(1, s["target"] + 1, (), generator=gen):] = -100
+    desc = (f"{s['layers']} layers, d {s['hidden']}, 2 convolutions, CTC over {s['vocab']} symbols; "
+            f"batch {s['batch']}×{samples} samples, targets of at most {s['target']}")
+    return Wav2Vec2ForCTC(config), {"input_values": torch.randn(s["batch"], samples, generator=gen), "labels": labels}, desc
+
+
 def _vit(size: str, gen: torch.Generator):  # type: ignore[no-untyped-def]
     from transformers import ViTConfig, ViTForImageClassification
 
@@ -186,6 +205,7 @@ ARCHITECTURES: dict[str, Arch] = {
         Arch("llama", "LlamaForCausalLM: decoder-only LM (RMSNorm, RoPE, SwiGLU, GQA)", _llama),
         Arch("mixtral", "MixtralForCausalLM: mixture of experts (the experts' products one grouped_mm each)", _mixtral),
         Arch("vit", "ViTForImageClassification: vision transformer", _vit),
+        Arch("wav2vec2", "Wav2Vec2ForCTC: speech recognition (convolutions, CTC loss on targets flattened by a mask)", _wav2vec2),
         Arch("t5", "T5ForConditionalGeneration: encoder-decoder", _t5),
         Arch("bart", "BartForConditionalGeneration: encoder-decoder", _bart),
         Arch("lstm", "nn.LSTM language model (oneDNN's layer on CPU)", _recurrent(torch.nn.LSTM)),
