@@ -97,8 +97,10 @@ def _flattening_step(reduction, extra_read=False):
         lp = model(batch["x"])
         loss = nn.functional.ctc_loss(lp, labels.masked_select(mask), batch["input_lengths"], mask.sum(-1) + batch["more"],
                                       reduction=reduction, zero_infinity=True)  # fmt: skip
-        if extra_read:
+        if extra_read == "labels":
             loss = loss + labels.masked_select(mask).float().mean()
+        if extra_read == "log-probs":  # a float selection, with a gradient
+            loss = loss + lp.masked_select(lp > -2).mean()
         loss.backward()
         optimizer.step()
         return loss
@@ -138,10 +140,12 @@ def test_targets_flattened_by_a_mask_train_bitwise_under_remat(reduction):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 
 
-def test_a_masked_select_read_by_more_than_ctc_is_refused_naming_its_line():
+@pytest.mark.parametrize("read", ["labels", "log-probs"])
+def test_a_masked_select_read_by_more_than_ctc_is_refused_naming_its_line(read):
     from remat.errors import CaptureError
 
     model = _Recognizer()
     batch = _labelled(torch.Generator().manual_seed(0), [3, 5, 7, 9])
-    with pytest.raises(CaptureError, match=r"aten.masked_select.default\), at test_ctc_loss.py, line \d+: loss = loss \+ labels.masked_select"):
-        remat.compile(_flattening_step("mean", extra_read=True), model, torch.optim.SGD(model.parameters(), lr=0.1), batch, memory_budget=None)
+    line = {"labels": r"loss = loss \+ labels.masked_select", "log-probs": r"loss = loss \+ lp.masked_select"}[read]
+    with pytest.raises(CaptureError, match=r"aten.masked_select.default\), at test_ctc_loss.py, line \d+: " + line):
+        remat.compile(_flattening_step("mean", extra_read=read), model, torch.optim.SGD(model.parameters(), lr=0.1), batch, memory_budget=None)

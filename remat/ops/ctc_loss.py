@@ -124,8 +124,14 @@ def _rows_of_flat(source: torch.Tensor, mask: torch.Tensor, lengths: torch.Tenso
     return flat[(starts[:, None] + torch.arange(width)).clamp_max(flat.numel() - 1)]
 
 
+def _integral_and_mask(source: Any, mask: Any) -> bool:
+    """Integers (as CTC's targets are) selected by a boolean mask."""
+    tensors = isinstance(source, torch.Tensor) and isinstance(mask, torch.Tensor)
+    return tensors and mask.dtype == torch.bool and not (source.is_floating_point() or source.is_complex())
+
+
 class _FlatTargets(TorchFunctionMode):
-    """masked_select as its stand-in, remembering what it selected from."""
+    """masked_select of integers as its stand-in, remembering what it selected from."""
 
     def __init__(self, where_now: Callable[[], str]):
         super().__init__()
@@ -134,7 +140,7 @@ class _FlatTargets(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - TorchFunctionMode's signature
         kwargs = kwargs or {}
-        if func in (torch.masked_select, torch.Tensor.masked_select) and not kwargs and len(args) == 2 and args[1].dtype == torch.bool:
+        if func in (torch.masked_select, torch.Tensor.masked_select) and not kwargs and len(args) == 2 and _integral_and_mask(*args):
             out = masked_select_flat(args[0], args[1], self.where_now())
             self.selected[id(out)] = (out, args[0], args[1])
             return out
