@@ -105,6 +105,8 @@ def make_config(model_type: str, per_stage: bool = True) -> Any:
             setattr(config, key, 1)
     if getattr(config, "pad_token_id", 0) is None:  # a decoder's sequence classifier finds each row's last token by it
         config.pad_token_id = 1
+    if config.is_encoder_decoder and getattr(config, "decoder_start_token_id", None) is None:  # T5's: the labels shifted right start with it
+        config.decoder_start_token_id = 0
     return config
 
 
