@@ -317,6 +317,14 @@ def _library_branch(frames: list[traceback.FrameSummary], where: str) -> Capture
             "nn.TransformerDecoder), src_is_causal=True with a causal src_mask (nn.Transformer), is_causal=True with "
             "a causal mask (nn.TransformerEncoder); False where the mask is not causal."
         )
+    if any("(labels >= 0).nonzero()" in (f.line or "") for f in frames):
+        return CaptureError(
+            f"the model's own classification loss keeps the examples whose label is not negative, a shape that "
+            f"depends on tensor values{where} (DeBERTa's, where config.problem_type is None). Set "
+            "model.config.problem_type = 'single_label_classification' (its loss is then plain cross-entropy, which "
+            "ignores labels of -100 only), or call the model without labels and compute the loss in train_step from "
+            "its logits."
+        )
     if any("torchmetrics" in Path(f.filename).parts for f in frames):
         return CaptureError(
             f"a torchmetrics metric updated in train_step checks its input with a Python branch on tensor values"
