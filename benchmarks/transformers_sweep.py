@@ -47,7 +47,7 @@ SMALL: dict[str, Any] = dict(
     v_head_dim=16, d_ff=128, d_kv=16, num_heads=4, sliding_window=32, first_k_dense_replace=1, n_group=1, topk_group=1,
     state_size=8, expand=2, conv_kernel=4, time_step_rank=8, num_decoder_layers=1, decoder_start_token_id=0,
     mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16, mamba_expand=2,
-    image_size=32, patch_size=4, num_channels=3, embedding_size=16, embed_dim=16,
+    image_size=32, patch_size=4, num_channels=3, embedding_size=16, embed_dim=16, d_inner=128, d_head=16,
     # LayerDrop branches on a random draw, which remat refuses by name, advising a rate of 0.
     layerdrop=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0,
     # SpecAugment draws its masks with numpy, which remat refuses by name, advising this.
@@ -70,7 +70,7 @@ def _small_list(key: str, value: list[Any]) -> list[Any]:
         return kinds + kinds[:1] * (2 - len(kinds))
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in first):
         return first
-    if "depth" in key or "layers" in key or "blocks" in key:
+    if "depth" in key or "layers" in key or "blocks" in key or key == "block_sizes":  # Funnel's block_sizes: layers per block
         return [1 for _ in first]
     if "head" in key:
         return [min(v, 2) for v in first]
