@@ -47,7 +47,7 @@ SMALL: dict[str, Any] = dict(
     v_head_dim=16, d_ff=128, d_kv=16, num_heads=4, sliding_window=32, first_k_dense_replace=1, n_group=1, topk_group=1,
     state_size=8, expand=2, conv_kernel=4, time_step_rank=8, num_decoder_layers=1, decoder_start_token_id=0,
     mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16, mamba_expand=2,
-    image_size=32, patch_size=4, num_channels=3, embedding_size=16, embed_dim=16, d_inner=128, d_head=16,
+    image_size=32, patch_size=4, num_channels=3, embedding_size=16, embed_dim=16, d_inner=128, d_head=16, d_latents=64, num_latents=16, num_self_attends_per_block=2,
     # LayerDrop branches on a random draw, which remat refuses by name, advising a rate of 0.
     layerdrop=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0,
     # SpecAugment draws its masks with numpy, which remat refuses by name, advising this.
@@ -58,7 +58,7 @@ VOCAB, SEQ, BATCH, IMAGE, AUDIO = 256, 64, 4, 32, 4000
 
 def _out_of_memory(error_class: str, said: str) -> bool:
     """Whether a failure is the 8 GiB each model's process has running out."""
-    return error_class == "MemoryError" or "can't allocate memory" in said
+    return error_class == "MemoryError" or "MemoryError" in said or "can't allocate memory" in said
 
 
 def _small_list(key: str, value: list[Any]) -> list[Any]:
@@ -190,7 +190,7 @@ def check_one(task: str, model_type: str, budget: float) -> dict[str, Any]:
         return failed
     row = run_model(model_type, model, batch, f"{params:,} parameters", budget, steps=3, pairs=0, profile_runs=1)
     if row.status != "ok":
-        outcome = "refused" if "not a remat error" not in row.error else "out of memory" if _out_of_memory(row.status, row.error) else "failed"
+        outcome = "out of memory" if _out_of_memory(row.status, row.error) else "refused" if "not a remat error" not in row.error else "failed"
         return {"outcome": outcome, "said": f"{row.status}: {row.error}"[:400], "params": params}
     peaks = {"baseline": row.baseline_peak_bytes, "predicted": row.predicted_peak_bytes, "measured": row.measured_peak_bytes}
     outcome = "bitwise" if row.grads_match else "not bitwise"
