@@ -13,8 +13,8 @@ failing, not remat's. Each other model: `run_model` (tests/support/architectures
 AdamW, `remat.compile` at budget 0.5 (or the smallest peak the planner says it reaches),
 3 steps compared bitwise with eager, predicted against measured peak. Each model runs in
 a process of its own, with `--timeout` seconds and 8 GiB of address space. Writes
-`transformers_sweep.json` (a row per model) and `transformers_sweep.md` under --out,
-keeping the rows already there (same versions) of models this run did not check.
+`transformers_sweep.json` (a row per model) and `transformers_sweep.md` under --out after
+each model, keeping the rows already there (same versions) of models this run does not check.
 """
 
 from __future__ import annotations
@@ -175,7 +175,9 @@ def check_one(task: str, model_type: str, budget: float) -> dict[str, Any]:
     for per_stage in (True, False):  # cut lists of stages may not fit together (a stage's input width is the last's output)
         torch.manual_seed(0)
         try:
-            model = auto_class.from_config(make_config(model_type, per_stage), attn_implementation="eager").train()
+            config = make_config(model_type, per_stage)
+            config.num_labels = 2 if task == "question-answering" else config.num_labels  # a start and an end logit
+            model = auto_class.from_config(config, attn_implementation="eager").train()
         except Exception as e:  # noqa: BLE001 - the generic config does not suit this type
             failed = {"outcome": "out of memory" if _out_of_memory(type(e).__name__, str(e)) else "not built", "said": f"{type(e).__name__}: {e}"[:300]}
             continue
@@ -270,20 +272,24 @@ def main() -> None:
     only = set(filter(None, args.only.split(",")))
     todo = [(t, m) for t in args.tasks.split(",") for m in tasks[t][0] if not only or m in only]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    versions = f"transformers {transformers.__version__}, torch {torch.__version__}, remat at budget {args.budget:g}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "transformers_sweep.json"
+    kept = _kept_rows(path, versions, [{"task": t, "model_type": m} for t, m in todo])
     rows: list[dict[str, Any]] = []
     with ThreadPoolExecutor(args.jobs) as pool:
         for i, row in enumerate(pool.map(lambda tm: _run_child(*tm, args.budget, args.timeout), todo), 1):
             rows.append(row)
             print(f"[{i}/{len(todo)}] {row['task']} {row['model_type']}: {row['outcome']} ({row['seconds']} s) {str(row.get('said', ''))[:150]}", flush=True)
-    versions = f"transformers {transformers.__version__}, torch {torch.__version__}, remat at budget {args.budget:g}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    rows = _kept_rows(args.out / "transformers_sweep.json", versions, rows) + rows
-    rows.sort(key=lambda r: (list(AUTO_CLASSES).index(r["task"]), r["model_type"]))
-    counts = dict(Counter(r["outcome"] for r in rows).most_common())
-    doc = {"versions": versions, "counts": counts, "rows": rows}
-    (args.out / "transformers_sweep.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (args.out / "transformers_sweep.md").write_text(markdown(rows, versions))
-    print(markdown(rows, versions).splitlines()[0])
+            _write(args.out, versions, kept + rows)  # as it goes: a sweep stopped early keeps what it checked
+    print(markdown(kept + rows, versions).splitlines()[0])
+
+
+def _write(out: Path, versions: str, rows: list[dict[str, Any]]) -> None:
+    rows = sorted(rows, key=lambda r: (list(AUTO_CLASSES).index(r["task"]), r["model_type"]))
+    doc = {"versions": versions, "counts": dict(Counter(r["outcome"] for r in rows).most_common()), "rows": rows}
+    (out / "transformers_sweep.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (out / "transformers_sweep.md").write_text(markdown(rows, versions))
 
 
 if __name__ == "__main__":
