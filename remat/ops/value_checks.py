@@ -68,8 +68,8 @@ class ValueCheckFailed(RuntimeError):
 
 class KernelCheck(RuntimeError):
     """Raised, while tracing, by remat's static stand-in for an op where the values make
-    eager's kernel raise (ops/ctc_loss.py): a side of a branch that raises, as a library's
-    own check is."""
+    eager's kernel raise, or where the stand-in's static form cannot hold them
+    (ops/ctc_loss.py): a side of a branch that raises, as a library's own check is."""
 
 
 @dataclass
