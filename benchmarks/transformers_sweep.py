@@ -5,9 +5,9 @@ through remat beside eager. Bitwise, refused by name, or neither (a bug).
 
 For each model type of a task's auto class (`--tasks`, by default all of `AUTO_CLASSES`:
 language modelling, classification of sequences, tokens and images, question answering,
-multiple choice, segmentation, speech recognition), a config is made small from the type's defaults (each size its
-`__init__` takes set to a small value: 2 layers, width 64, 4 heads, vocab 256, images
-32×32), with random weights and attention "eager". A type whose model cannot be built so,
+multiple choice, segmentation, speech recognition), a config is made small from the
+type's defaults (each size its `__init__` takes set to a small value: 2 layers, width 64,
+4 heads, vocab 256, images 32×32, 4,000 audio samples), with random weights and attention "eager". A type whose model cannot be built so,
 or whose eager step fails on the batch, is counted as such: that is the generic config's
 failing, not remat's. Each other model: `run_model` (tests/support/architectures.py),
 AdamW, `remat.compile` at budget 0.5 (or the smallest peak the planner says it reaches),
@@ -47,7 +47,8 @@ SMALL: dict[str, Any] = dict(
     v_head_dim=16, d_ff=128, d_kv=16, num_heads=4, sliding_window=32, first_k_dense_replace=1, n_group=1, topk_group=1,
     state_size=8, expand=2, conv_kernel=4, time_step_rank=8, num_decoder_layers=1, decoder_start_token_id=0,
     mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16, mamba_expand=2,
-    image_size=32, patch_size=4, num_channels=3, embedding_size=16, embed_dim=16, d_inner=128, d_head=16, d_latents=64, num_latents=16, num_self_attends_per_block=2,
+    image_size=32, patch_size=4, num_channels=3, embedding_size=16, embed_dim=16, d_inner=128, d_head=16, d_latents=64,
+    num_latents=16, num_self_attends_per_block=2,
     # LayerDrop branches on a random draw, which remat refuses by name, advising a rate of 0.
     layerdrop=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0,
     # SpecAugment draws its masks with numpy, which remat refuses by name, advising this.
