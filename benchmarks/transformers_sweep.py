@@ -234,8 +234,8 @@ def markdown(rows: list[dict[str, Any]], versions: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _kept_rows(path: Path, versions: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows of an earlier sweep in `path` (same versions) of models this one did not check:
+def _kept_rows(path: Path, versions: str, checking: set[tuple[str, str]]) -> list[dict[str, Any]]:
+    """The rows of an earlier sweep in `path` (same versions) of models this one is not `checking`:
     a sweep of some tasks or types adds to the file rather than replacing it."""
     if not path.exists():
         return []
@@ -243,8 +243,7 @@ def _kept_rows(path: Path, versions: str, rows: list[dict[str, Any]]) -> list[di
     if earlier.get("versions") != versions:
         print(f"{path}: made with {earlier.get('versions')}, not {versions}; its rows are replaced", flush=True)
         return []
-    done = {(r["task"], r["model_type"]) for r in rows}
-    return [r for r in earlier["rows"] if (r["task"], r["model_type"]) not in done and r["task"] in AUTO_CLASSES]
+    return [r for r in earlier["rows"] if (r["task"], r["model_type"]) not in checking and r["task"] in AUTO_CLASSES]
 
 
 def main() -> None:
@@ -276,7 +275,7 @@ def main() -> None:
     versions = f"transformers {transformers.__version__}, torch {torch.__version__}, remat at budget {args.budget:g}"
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "transformers_sweep.json"
-    kept = _kept_rows(path, versions, [{"task": t, "model_type": m} for t, m in todo])
+    kept = _kept_rows(path, versions, set(todo))
     rows: list[dict[str, Any]] = []
     with ThreadPoolExecutor(args.jobs) as pool:
         for i, row in enumerate(pool.map(lambda tm: _run_child(*tm, args.budget, args.timeout), todo), 1):

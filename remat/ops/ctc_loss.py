@@ -77,8 +77,7 @@ ctc_loss_padded.register_autograd(_backward, setup_context=_setup_context)
 def masked_select_flat(source: torch.Tensor, mask: torch.Tensor, where: str) -> torch.Tensor:
     """masked_select's elements first, in order, then the rest: a stand-in of static length
     that the trace holds only where CTC's targets read it (`where`: the line that called it)."""
-    source, mask = torch.broadcast_tensors(source, mask)
-    return source.reshape(-1)[_selected_first(mask)]
+    return _selected_first(source, mask)
 
 
 @masked_select_flat.register_fake
@@ -89,8 +88,10 @@ def _(source, mask, where):
 MASKED_SELECT_FLAT = torch.ops.remat.masked_select_flat.default
 
 
-def _selected_first(mask: torch.Tensor) -> torch.Tensor:
-    return torch.argsort(mask.reshape(-1).logical_not().to(torch.uint8), stable=True)
+def _selected_first(source: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`source`'s elements where `mask` holds, in order, then the rest (flat; a stable sort of the mask)."""
+    source, mask = torch.broadcast_tensors(source, mask)
+    return source.reshape(-1)[torch.argsort(mask.reshape(-1).logical_not().to(torch.uint8), stable=True)]
 
 
 def flat_selections(gm: torch.fx.GraphModule) -> list[str]:
@@ -110,7 +111,7 @@ def _rows_of_flat(source: torch.Tensor, mask: torch.Tensor, lengths: torch.Tenso
     """(batch, width) targets whose row b holds what CTC reads of concatenated targets for
     row b: `lengths[b]` elements of masked_select(source, mask) from the sum of the lengths
     before it. Width: the mask's last dimension (a row's length where each row is a sequence)."""
-    source, mask = torch.broadcast_tensors(source, mask)
+    mask = mask.expand(torch.broadcast_shapes(source.shape, mask.shape))
     count, width = mask.sum(), mask.shape[-1]
     if lengths.sum() != count:
         raise KernelCheck("Expected the targets' size at dimension 0, the number of elements masked_select selected, to be the sum of the target lengths (ctc_loss)")
@@ -119,7 +120,7 @@ def _rows_of_flat(source: torch.Tensor, mask: torch.Tensor, lengths: torch.Tenso
             f"remat holds CTC targets flattened by masked_select with rows of at most {width} (the mask's last "
             "dimension); a target length is longer. Pass the targets padded, (batch, length), with their lengths."
         )
-    flat = source.reshape(-1)[_selected_first(mask)]
+    flat = _selected_first(source, mask)
     starts = lengths.cumsum(0) - lengths
     return flat[(starts[:, None] + torch.arange(width)).clamp_max(flat.numel() - 1)]
 
