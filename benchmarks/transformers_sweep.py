@@ -163,6 +163,17 @@ def _tasks() -> dict[str, tuple[Any, Any, Callable[[torch.Generator], dict[str, 
     return {task: (getattr(auto, names), getattr(transformers, cls), BATCHES[task]) for task, (cls, names) in AUTO_CLASSES.items()}
 
 
+def _ending_with_eos(batch: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """An encoder-decoder's sequence classifier (BART's) pools at each row's end-of-sequence
+    token, which a tokenizer puts at the end of every row."""
+    eos = getattr(config, "eos_token_id", None)
+    if not (getattr(config, "is_encoder_decoder", False) and isinstance(eos, int) and "input_ids" in batch):
+        return batch
+    ids = batch["input_ids"].clone()
+    ids[:, -1] = eos
+    return {**batch, "input_ids": ids}
+
+
 def check_one(task: str, model_type: str, budget: float) -> dict[str, Any]:
     """One model type: its outcome and what was said. remat's: "bitwise", "refused" (a
     RematError), "not bitwise", "peak off" (measured is not predicted), "failed" (another
@@ -183,6 +194,7 @@ def check_one(task: str, model_type: str, budget: float) -> dict[str, Any]:
             failed = {"outcome": "out of memory" if _out_of_memory(type(e).__name__, str(e)) else "not built", "said": f"{type(e).__name__}: {e}"[:300]}
             continue
         params = sum(p.numel() for p in model.parameters())
+        batch = _ending_with_eos(batch, config) if task == "sequence-classification" else batch
         try:
             copy, _ = twin(model, None)
             copy(**batch).loss.backward()

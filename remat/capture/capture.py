@@ -37,9 +37,8 @@ from remat.capture.train_graph import CallContract, GraphInput, InputKind, Phase
 from remat.capture.state.python_state import no_python_state_changed, put_back_as_now, state_slots
 from remat.capture.traced_rng import no_host_random_drawn, no_rng_state_set
 from remat.capture.user_checkpoints import plain_checkpoints
-from remat.ops import ctc_loss, value_checks
+from remat.ops import ctc_loss, known_values, training_workspace, value_checks
 from remat.ops.cpu_shape_functions import cpu_kernels_as_shape_functions
-from remat.ops import training_workspace
 from remat.capture.step_inputs import BatchFloats, accumulated_gradients, finds_gradients, batch_leaf_names, batch_value, check_arguments, describe, held_gradients
 
 
@@ -244,7 +243,7 @@ def capture(
         t_hyper = {n: next(it) for n in hyper_values}
         t_numbers = {n: next(it) for n in numbers.slots}
         t_outside = [next(it) for _ in outside]
-        t_batch = pytree.tree_unflatten(batch_floats.traced(list(it), leaves, symbols), spec)
+        t_batch = pytree.tree_unflatten(batch_floats.traced(batch_args := list(it), leaves, symbols), spec)
         _as_stand_ins(t_params, trainable, t_grads, preset=probe["preset_grads"])
         param_hooks.register_on(hooks, t_params)
         calls = {"backward": 0, "reduced": 0, "updates": 0}
@@ -267,7 +266,7 @@ def capture(
             stack.enter_context(numbers.traced(t_numbers, symbols))
             stack.enter_context(passes)
             stack.enter_context(cleared_before_backward(calls, cleared := set()))
-            stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots))
+            stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots, list(zip(batch_args, flat[len(flat) - len(batch_args):]))))
             stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
             effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), args, passed, model)
             result = train_step(model, passed, t_batch)
@@ -295,7 +294,7 @@ def capture(
         return capture(train_step, model, passed, example_batch, read_numbers_named, reduce_in_buckets, grads_in=True)
     check_static_shapes(gm)
     check_graph_runnable(gm)
-    gm = training_workspace.swap_in(value_checks.hoisted(gm))
+    gm = training_workspace.swap_in(known_values.checked_first(value_checks.hoisted(gm)))
     groups: list[hyperparams.GroupSpec] = []
     if optimizer is not None:
         inputs = drop_unread_new_state(gm, inputs, optimizer, params, had_state)
@@ -434,14 +433,16 @@ class _Recorded:
 
 
 @contextlib.contextmanager
-def _step_patches(model: torch.nn.Module, recorded: _Recorded, updating: Callable[[], bool], slots: list[tuple[Any, Any]]) -> Iterator[None]:
+def _step_patches(model: torch.nn.Module, recorded: _Recorded, updating: Callable[[], bool], slots: list[tuple[Any, Any]], batch: list[tuple[Any, Any]]) -> Iterator[None]:
     """What runs around train_step while it is traced, besides the markers: CPU kernels'
-    real strides, CTC loss with static shapes, the user's checkpoints as plain calls, refusing generator state set and
+    real strides, CTC loss with static shapes, sizes from the batch's values fixed (`batch`: its fake and real
+    tensors), the user's checkpoints as plain calls, refusing generator state set and
     draws from Python's or numpy's generators, and recording train()/eval() and
     scheduler.step() calls."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(CpuLikeEager())
         stack.enter_context(ctc_loss.static_shapes(where_in_users_code_now))
+        stack.enter_context(known_values.KnownValues(batch, where_in_users_code_now))
         stack.enter_context(plain_checkpoints())
         stack.enter_context(no_rng_state_set())
         stack.enter_context(no_host_random_drawn([(slot.name, value) for slot, value in slots]))

@@ -338,13 +338,13 @@ def hoisted(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         todo = list(c.all_input_nodes)
         while todo:
             n = todo.pop()
-            if n in chain or not _pure(n) or any(u not in chain for u in n.users):
+            if n in chain or not is_pure(n) or any(u not in chain for u in n.users):
                 continue
             chain.add(n)
             todo.extend(n.all_input_nodes)
         # A node whose users were not all in the chain when first seen may join later: once more.
         for n in sorted({a for m in chain for a in m.all_input_nodes} - chain, key=rank.__getitem__, reverse=True):
-            if _pure(n) and all(u in chain for u in n.users):
+            if is_pure(n) and all(u in chain for u in n.users):
                 chain.add(n)
         outside = {a for m in chain for a in m.all_input_nodes} - chain
         # Never before the check that came before it: two checks of one value (a comparison,
@@ -389,7 +389,7 @@ def _past_getitems(after: torch.fx.Node) -> torch.fx.Node:
     return after
 
 
-def _pure(n: torch.fx.Node) -> bool:
+def is_pure(n: torch.fx.Node) -> bool:
     """An op that writes nothing and draws no random numbers (moving it changes nothing)."""
     op = n.target
     if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload):

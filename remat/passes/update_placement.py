@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from remat.ops.known_values import SIZE_CHECK_OP
 from remat.ops.value_checks import VALUE_CHECK_OP
 from remat.memory.analysis import GraphAnalysis, reordered_analysis
 from remat.passes import update_buckets
@@ -126,7 +127,7 @@ class UpdateFacts:
         self.last_outside = max((r for r, n in enumerate(self.order) if n not in self.in_update), default=-1)
         # No update runs before a check on a tensor's value (ops.value_checks): a step
         # whose check fails leaves the parameters as eager leaves them.
-        self.last_check = max((r for r, n in enumerate(ops) if n.target is VALUE_CHECK_OP and n.name not in self.in_update), default=-1)
+        self.last_check = max((r for r, n in enumerate(ops) if n.target in (VALUE_CHECK_OP, SIZE_CHECK_OP) and n.name not in self.in_update), default=-1)
         self.readers: dict[int, list[int]] = {}
         self.writers: dict[int, list[int]] = {}
         for r, (n, read) in enumerate(zip(self.order, analysis.uses)):

@@ -1,0 +1,310 @@
+"""Values the trace can know: the batch's, and the constants the step makes.
+
+The trace runs on fake tensors, whose values it does not know, and one captured graph
+needs every size. Some models size a tensor by what the batch holds. BART's sequence
+classifier takes the hidden state at each end-of-sequence token (`hidden[input_ids.eq(eos),
+:]`), after checking with `unique_consecutive` that every row has as many; DeBERTa's loss
+keeps the examples whose label is not negative (`(labels >= 0).nonzero()`). Others read a
+constant they made as Python: DINO's multi-crop wrapper counts its crops' sizes with
+`unique_consecutive(torch.tensor(sizes), return_counts=True)` and slices a list by them.
+
+Those values come from the batch, which is at hand, or from Python numbers. While the
+step is traced, `KnownValues` follows the real tensors beside the fake ones: the batch's,
+and what a factory makes from plain Python numbers (`torch.tensor([...])`, `arange`),
+through every op that reads nothing else (a comparison, a sum, a view).
+
+- An op whose output size comes from values (nonzero, argwhere, indexing by a boolean
+  mask, unique and unique_consecutive of integers) on the batch's values takes the size
+  their real value gives (`nonzero_static`, `remat::unique_fixed`), and the graph checks
+  that every batch gives the same size (`remat::size_check`), first thing in the step
+  (`checked_first`), raising `SizeChanged`, which names the line, before the step changes
+  anything.
+- On constants alone, such an op's result is a constant of the graph, and a Python number
+  read from one (`.item()`, `.tolist()`, an index) is that number: the same at every call.
+
+Random ops and uninitialised memory (`empty`) are not followed, and a write in place ends
+the following of what it writes: what they make is not known from the example.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import torch
+import torch.fx
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from remat.errors import RematError
+from remat.ops import op_facts
+from remat.ops.value_checks import is_pure
+
+
+class SizeChanged(RematError):
+    """A batch gives another size where the compiled step fixed one from the example batch's values."""
+
+
+@torch.library.custom_op("remat::size_check", mutates_args=())
+def size_check(count: torch.Tensor, expected: int, where: str, first: bool) -> None:
+    """Raise `SizeChanged` where `count` is not `expected` (`first`: the step has changed nothing yet)."""
+    found = int(count)
+    if found != expected:
+        stopped = (
+            "The step stopped before it changed anything."
+            if first
+            else "The step stopped there; what it had changed before (a BatchNorm's running statistics, the random generator) stays changed."
+        )
+        raise SizeChanged(
+            f"remat: an op of train_step{where} makes {found} elements from this batch's values, where the compiled step "
+            f"holds {expected}, the number the batch it was compiled with gave: remat fixes a size made from the batch's "
+            f"values at the compiled batch's and checks it at every call. {stopped} Give every batch the same count (for "
+            "a model's own pooling or loss, the same number of end-of-sequence tokens per row, no negative labels), or "
+            "compute it with masked ops that keep the shape (torch.where, a loss's ignore_index) in your own code."
+        )
+
+
+@size_check.register_fake
+def _(count: torch.Tensor, expected: int, where: str, first: bool) -> None:
+    return None
+
+
+SIZE_CHECK_OP = torch.ops.remat.size_check.default
+torch.fx.node.has_side_effect(SIZE_CHECK_OP)
+
+
+@torch.library.custom_op("remat::unique_fixed", mutates_args=())
+def unique_fixed(x: torch.Tensor, size: int, consecutive: bool) -> torch.Tensor:
+    """torch.unique (sorted) or torch.unique_consecutive of `x`, whose size a check before it
+    fixed; copied out of unique_consecutive's storage, which keeps the input's size."""
+    return torch.unique_consecutive(x).clone() if consecutive else torch.unique(x)
+
+
+@unique_fixed.register_fake
+def _(x: torch.Tensor, size: int, consecutive: bool) -> torch.Tensor:
+    return x.new_empty((size,))
+
+
+# Writes in place, by name (`add_`, `__iadd__`, `__setitem__`): what they write is no longer known.
+_IN_PLACE = re.compile(r"^(?!__).*[^_]_$|^__i(add|sub|mul|truediv|floordiv|mod|pow|and|or|xor|lshift|rshift|matmul)__$|^__setitem__$")
+# Ops whose values the example does not tell, by name: random draws, uninitialised memory.
+_UNKNOWN = re.compile(r"rand|bernoulli|dropout|normal|multinomial|uniform|exponential|geometric|cauchy|poisson|shuffle|empty")
+# Python numbers read from a tensor: of a constant, the number itself.
+_TO_PYTHON = frozenset({"item", "tolist", "__index__", "__int__", "__float__", "__bool__"})
+_MOST_FOLLOWED = 1 << 22  # elements: a larger tensor's real value is not made beside the trace
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+class _Drew(Exception):
+    """A real call drew from a generator: its values are not known (and the draw is undone)."""
+
+
+def _generators() -> list[torch.Generator]:
+    # The generators themselves: the step's trace refuses torch.set_rng_state (traced_rng).
+    return [torch.default_generator, *(torch.cuda.default_generators if torch.cuda.is_initialized() else ())]
+
+
+def _real_call(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """`func` on real tensors, outside the trace's modes; `_Drew` where it drew random numbers
+    (an op the names in _UNKNOWN miss: a distribution's sampler), with the generators put back."""
+    generators = _generators()
+    before = [g.get_state() for g in generators]
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        out = func(*args, **kwargs)
+    if any(not torch.equal(g.get_state(), state) for g, state in zip(generators, before)):
+        for g, state in zip(generators, before):
+            g.set_state(state)
+        raise _Drew(getattr(func, "__name__", str(func)))
+    return out
+
+
+def _integral(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex())
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+class KnownValues(TorchFunctionMode):
+    """While the step is traced: the real values beside the fake tensors whose values are
+    known (the batch's, the constants the step makes), the sizes the batch's make fixed and
+    checked, and the constants' results taken as they are (module docstring).
+    `batch`: the batch's fake tensors and their real ones. `where_now`: the user's line calling now."""
+
+    def __init__(self, batch: list[tuple[torch.Tensor, torch.Tensor]], where_now: Callable[[], str]):
+        super().__init__()
+        self.real = WeakTensorKeyDictionary()  # fake tensor -> the real tensor it stands for
+        self.from_batch = WeakTensorKeyDictionary()  # fake tensor -> True: its value comes from the batch's
+        for fake, real in batch:
+            if isinstance(fake, torch.Tensor) and isinstance(real, torch.Tensor):  # not a float of the batch
+                self.real[fake], self.from_batch[fake] = real, True
+        self.where_now = where_now
+        self._value_shaped: dict[Any, Callable[[tuple, dict], Any]] = {
+            torch.nonzero: self._nonzero, torch.Tensor.nonzero: self._nonzero,
+            torch.argwhere: self._argwhere, torch.Tensor.argwhere: self._argwhere,
+            torch.Tensor.__getitem__: self._getitem,
+            torch.unique_consecutive: self._unique_consecutive, torch.Tensor.unique_consecutive: self._unique_consecutive,
+            torch.unique: self._unique, torch.Tensor.unique: self._unique,
+            torch.masked_select: None, torch.Tensor.masked_select: None, torch.repeat_interleave: None,
+            torch.Tensor.repeat_interleave: None, torch.bincount: None, torch.Tensor.bincount: None,
+        }  # fmt: skip
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - TorchFunctionMode's signature
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in _TO_PYTHON and len(args) == 1 and self._constant(args[0]):
+            return _real_call(func, (self.real[args[0]],), kwargs)
+        if name == "__iter__" and len(args) == 1 and self._followed(args[0]):  # its rows, followed
+            return iter(self.__torch_function__(torch.Tensor.unbind, types, (args[0], 0)))
+        out = NotImplemented
+        if func in self._value_shaped:
+            tensors = _tensors((args, kwargs))
+            if tensors and all(self._constant(t) for t in tensors):
+                out = self._as_constant(func, args, kwargs)
+            elif self._value_shaped[func] is not None:
+                out = self._value_shaped[func](args, kwargs)
+        if out is NotImplemented:
+            out = func(*args, **kwargs)
+            self._follow(func, args, kwargs, out)
+        return out
+
+    def _constant(self, t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t in self.real and t not in self.from_batch
+
+    def _as_constant(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """`func` on constants: its real result, made a constant of the graph."""
+        real = _real_call(func, *pytree.tree_map_only(torch.Tensor, self.real.__getitem__, (args, kwargs)))
+        if any(r.numel() > _MOST_FOLLOWED for r in _tensors(real)):
+            return NotImplemented
+        out = pytree.tree_map_only(torch.Tensor, lambda r: torch.tensor(r.tolist(), dtype=r.dtype, device=r.device), real)
+        for fake, r in zip(_tensors(out), _tensors(real)):
+            self.real[fake] = r
+        return out
+
+    def _follow(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Map `out`'s tensors to their real values where every tensor `func` read is known:
+        the batch's (then `out`'s are too), or none and only plain Python numbers (a factory)."""
+        outs = _tensors(out)
+        if not outs:
+            return
+        leaves = pytree.tree_leaves((args, kwargs))
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        name = getattr(func, "__name__", "")
+        if _IN_PLACE.match(name) or "out" in kwargs:  # what shares the written storage is no longer followed
+            self._drop_sharing(_tensors(kwargs["out"]) if "out" in kwargs else _tensors(args[:1]))
+            return
+        if _UNKNOWN.search(name) or any(isinstance(x, _SYMBOLIC) for x in leaves) or any(t.numel() > _MOST_FOLLOWED for t in outs):
+            return
+        if not all(t in self.real for t in tensors) or not (tensors or name in _FACTORIES):
+            return
+        try:
+            real = _real_call(func, *pytree.tree_map_only(torch.Tensor, self.real.__getitem__, (args, kwargs)))
+        except Exception:  # noqa: BLE001 - an op the real tensors cannot take here is simply not followed
+            return
+        from_batch = any(t in self.from_batch for t in tensors)
+        for fake, r in zip(pytree.tree_leaves(out), pytree.tree_leaves(real)):
+            if isinstance(fake, torch.Tensor) and isinstance(r, torch.Tensor) and tuple(fake.shape) == tuple(r.shape):
+                self.real[fake] = r
+                if from_batch:
+                    self.from_batch[fake] = True
+
+    def _drop_sharing(self, written: list[torch.Tensor]) -> None:
+        storages = {self.real[t].untyped_storage().data_ptr() for t in written if t in self.real}
+        for fake in [f for f, r in self.real.items() if r.untyped_storage().data_ptr() in storages]:
+            del self.real[fake]
+
+    def _fixed_nonzero(self, x: torch.Tensor) -> torch.Tensor:
+        """nonzero_static of `x` (the batch's, followed) at its real count, checked at every call."""
+        real = self.real[x]
+        count = int(_real_call(torch.count_nonzero, (real,), {}))
+        size_check(torch.count_nonzero(x), count, self.where_now(), False)
+        out = torch.nonzero_static(x, size=count)
+        self.real[out], self.from_batch[out] = _real_call(torch.nonzero, (real,), {}), True
+        return out
+
+    def _followed(self, x: Any) -> bool:
+        return isinstance(x, torch.Tensor) and x in self.real and x.dim() > 0
+
+    def _nonzero(self, args: tuple, kwargs: dict) -> Any:
+        if len(args) != 1 or set(kwargs) - {"as_tuple"} or not self._followed(args[0]):
+            return NotImplemented
+        out = self._fixed_nonzero(args[0])
+        return tuple(out.unbind(1)) if kwargs.get("as_tuple") else out
+
+    def _argwhere(self, args: tuple, kwargs: dict) -> Any:
+        if len(args) != 1 or kwargs or not self._followed(args[0]):
+            return NotImplemented
+        return self._fixed_nonzero(args[0])
+
+    def _getitem(self, args: tuple, kwargs: dict) -> Any:
+        """`t[mask]` with a followed boolean mask as `t[i0, i1, ...]`, its nonzero's columns:
+        how torch itself indexes by a mask, the same elements in the same order."""
+        t, index = args
+        parts = list(index) if isinstance(index, tuple) else [index]
+        masks = [i for i, p in enumerate(parts) if self._followed(p) and p.dtype == torch.bool]
+        if kwargs or not masks:
+            return NotImplemented
+        for i in reversed(masks):
+            parts[i : i + 1] = list(self._fixed_nonzero(parts[i]).unbind(1))
+        new_index = tuple(parts)
+        out = t[new_index]
+        self._follow(torch.Tensor.__getitem__, (t, new_index), {}, out)
+        return out
+
+    def _unique_consecutive(self, args: tuple, kwargs: dict) -> Any:
+        return self._fixed_unique(args, kwargs, consecutive=True)
+
+    def _unique(self, args: tuple, kwargs: dict) -> Any:
+        if kwargs.get("sorted", True) is not True:
+            return NotImplemented
+        return self._fixed_unique(args, {k: v for k, v in kwargs.items() if k != "sorted"}, consecutive=False)
+
+    def _fixed_unique(self, args: tuple, kwargs: dict, consecutive: bool) -> Any:
+        """unique(_consecutive) of the batch's integers, flattened, values only, at their real size."""
+        plain = all(not v for k, v in kwargs.items() if k in ("return_inverse", "return_counts")) and kwargs.get("dim") is None
+        if len(args) != 1 or not plain or not self._followed(args[0]) or not _integral(args[0]):
+            return NotImplemented
+        x = args[0]
+        real = _real_call(torch.unique_consecutive if consecutive else torch.unique, (self.real[x],), {})
+        flat = x.reshape(-1) if consecutive else x.reshape(-1).sort().values
+        count = (flat[1:] != flat[:-1]).sum() + 1 if flat.numel() else flat.new_zeros((), dtype=torch.long)
+        size_check(count, real.numel(), self.where_now(), False)
+        out = unique_fixed(x, real.numel(), consecutive)
+        self.real[out], self.from_batch[out] = real, True
+        return out
+
+
+# Factories whose values their arguments tell (not `empty`, nor a random one).
+_FACTORIES = frozenset({"tensor", "as_tensor", "arange", "zeros", "ones", "full", "zeros_like", "ones_like", "full_like", "linspace", "eye", "scalar_tensor"})
+
+
+def checked_first(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`gm` with each size check, and the ops it reads, run first, before anything changes:
+    they read the batch through ops that write nothing and draw nothing. A check whose ops
+    are not all such stays where it is, and says so when it fails."""
+    graph = gm.graph
+    checks = [n for n in graph.nodes if n.target is SIZE_CHECK_OP]
+    if not checks:
+        return gm
+    after = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    for check in checks:
+        chain, todo = set(), list(check.all_input_nodes)
+        while todo:
+            n = todo.pop()
+            if n.op != "placeholder" and n not in chain:
+                chain.add(n)
+                todo.extend(n.all_input_nodes)
+        if not all(is_pure(n) or op_facts.is_getitem(n) for n in chain):
+            continue
+        rank = {n: i for i, n in enumerate(graph.nodes)}
+        for n in sorted(chain, key=rank.__getitem__) + [check]:
+            if rank[n] > rank[after]:
+                after.append(n)
+                after = n
+        check.args = (*check.args[:3], True)
+    graph.lint()
+    gm.recompile()
+    return gm
