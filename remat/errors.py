@@ -23,6 +23,11 @@ class ChangedSinceCompiled(CaptureError):
         self.change = change
 
 
+class BatchValueChanged(RematError):
+    """A batch's values give another size, or send a branch another way, than the batch the
+    step was compiled with: the graph holds the compiled batch's (ops/known_values.py)."""
+
+
 class UsageError(RematError):
     """Bad arguments (a command-line option, a model name, a size): the message says which."""
 

@@ -14,7 +14,8 @@ from torch import nn
 
 import remat
 from remat.errors import CaptureError
-from remat.ops.known_values import SIZE_CHECK_OP, SizeChanged
+from remat.errors import BatchValueChanged
+from remat.ops.known_values import SIZE_CHECK_OP
 from tests.support.architectures import run_model
 
 
@@ -63,7 +64,7 @@ def test_a_selection_by_a_batch_mask_trains_bitwise_and_a_changed_count_is_refus
     assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes
 
     before, rng = _state(model, optimizer), torch.get_rng_state()
-    with pytest.raises(SizeChanged, match=r"test_known_values.py, line \d+: loss = .*makes 28 elements .* holds 29.*before it changed anything"):
+    with pytest.raises(BatchValueChanged, match=r"test_known_values.py, line \d+: loss = .*makes 28 elements .* holds 29.*before it changed anything"):
         step(_batch(9, [2, 3, 4, 5]))
     assert all(torch.equal(a, b) for a, b in zip(before, _state(model, optimizer)))
     assert torch.equal(rng, torch.get_rng_state())
@@ -93,9 +94,10 @@ def _size_from_outputs_step(model, optimizer, batch):
 
 def _size_after_write_step(model, optimizer, batch):
     optimizer.zero_grad()
-    y = batch["y"].clone()
-    y.add_(1)  # written in place: the example's values are no longer what the step reads
-    loss = model(batch["x"])[(y > 0).nonzero()[:, 0]].sum()
+    out = model(batch["x"])
+    y = batch["y"].clone().float()
+    y.add_(out.detach()[:, 0])  # written in place with the model's values: no longer the batch's alone
+    loss = out[(y > 0).nonzero()[:, 0]].sum()
     loss.backward()
     optimizer.step()
     return loss
@@ -108,6 +110,31 @@ def _size_from_random_step(model, optimizer, batch):
     loss.backward()
     optimizer.step()
     return loss
+
+
+def _size_after_known_write_step(model, optimizer, batch):
+    optimizer.zero_grad()
+    y = batch["y"].clone()
+    y[y == -100] = 0  # a write of known values: made on the real tensor too
+    y.add_(1)
+    loss = model(batch["x"])[(y > 1).nonzero()[:, 0]].sum()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def test_a_write_in_place_of_known_values_is_followed() -> None:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_model = copy.deepcopy(model)
+    eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.1)
+    batch = _batch(0, [3, 4])
+    step = remat.compile(_size_after_known_write_step, model, optimizer, batch, memory_budget=None)
+    torch.manual_seed(1)
+    ours = step(batch)
+    torch.manual_seed(1)
+    assert torch.equal(ours, _size_after_known_write_step(eager_model, eager_opt, batch))
+    assert torch.equal(batch["y"], _batch(0, [3, 4])["y"])  # the user's batch is not written
 
 
 @pytest.mark.parametrize("step_fn", [_size_from_outputs_step, _size_after_write_step, _size_from_random_step])
@@ -178,3 +205,50 @@ def test_a_constant_the_step_makes_sizes_its_ops_and_slices_a_list_as_in_eager()
         assert torch.equal(p, q)
     assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes
     assert not any(n.target is SIZE_CHECK_OP for n in step._last.gm.graph.nodes)  # constants need no check
+
+
+def _branching_step(model, optimizer, batch):
+    optimizer.zero_grad()
+    out = model(batch["x"])
+    if (batch["w"] > 0).any().item():  # a branch on the batch's values that goes on either way
+        out = out * batch["w"].unsqueeze(1)
+    loss = out.pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def test_a_branch_the_batch_decides_takes_its_side_and_another_side_is_refused() -> None:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_model = copy.deepcopy(model)
+    eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    batches = [{"x": torch.randn(32, 16, generator=g), "w": torch.rand(32, generator=g)} for _ in range(3)]
+    step = remat.compile(_branching_step, model, optimizer, batches[0], memory_budget=None)
+    for b in batches:
+        torch.manual_seed(1)
+        ours = step(b)
+        torch.manual_seed(1)
+        assert torch.equal(ours, _branching_step(eager_model, eager_opt, b))
+    before = _state(model, optimizer)
+    with pytest.raises(BatchValueChanged, match=r"on a value of the batch, at test_known_values.py, line \d+: if \(batch\[.w.\] > 0\).*; it was True for the batch the step was compiled with"):
+        step({"x": torch.randn(32, 16), "w": -torch.rand(32)})
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(model, optimizer)))
+
+
+def test_longformers_global_attention_branch_is_taken_as_the_batch_decides() -> None:
+    # `is_global_attn = is_index_global_attn.flatten().any().item()`, then `if is_global_attn:`
+    # in every layer: none is global in a masked-LM batch without a global attention mask.
+    from transformers import LongformerConfig, LongformerForMaskedLM
+
+    torch.manual_seed(0)
+    config = LongformerConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                              max_position_embeddings=80, attention_window=[8, 8], pad_token_id=1, attn_implementation="eager")
+    model = LongformerForMaskedLM(config).train()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 100, (2, 32), generator=g)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.randint(3, 100, (2, 32), generator=g)}
+    row = run_model("longformer", model, batch, "tiny", budget=0.5, steps=3, pairs=0, profile_runs=1)
+    assert row.status == "ok" and row.grads_match, row.error
+    assert row.measured_peak_bytes == row.predicted_peak_bytes

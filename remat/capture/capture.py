@@ -229,8 +229,7 @@ def capture(
     sign_facts = {n: hyperparams.sign(v) for n, v in hyper_values.items() if hyperparams.parse_input_name(n)[1] in hyperparams.BRANCHED_KEYS}
     sign_facts.update(hyperparams.fixed_by_fused_kernels(optimizer))
     symbols: dict[str, str] = {}
-    batch_floats = BatchFloats.of(example_batch, leaves)
-    recorded = _Recorded()  # filled while tracing
+    batch_floats, recorded = BatchFloats.of(example_batch, leaves), _Recorded()  # `recorded`: filled while tracing
     checks = value_checks.ValueChecks()  # branches on tensor values where one side raises: decided over the traces
 
     def traced(*args: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -266,7 +265,8 @@ def capture(
             stack.enter_context(numbers.traced(t_numbers, symbols))
             stack.enter_context(passes)
             stack.enter_context(cleared_before_backward(calls, cleared := set()))
-            stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots, list(zip(batch_args, flat[len(flat) - len(batch_args):]))))
+            known = known_values.KnownValues(list(zip(batch_args, flat[len(flat) - len(batch_args):])), where_in_users_code_now, checks)  # fmt: skip
+            stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots, known))
             stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
             effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), args, passed, model)
             result = train_step(model, passed, t_batch)
@@ -433,16 +433,16 @@ class _Recorded:
 
 
 @contextlib.contextmanager
-def _step_patches(model: torch.nn.Module, recorded: _Recorded, updating: Callable[[], bool], slots: list[tuple[Any, Any]], batch: list[tuple[Any, Any]]) -> Iterator[None]:
+def _step_patches(model: torch.nn.Module, recorded: _Recorded, updating: Callable[[], bool], slots: list[tuple[Any, Any]], known: known_values.KnownValues) -> Iterator[None]:
     """What runs around train_step while it is traced, besides the markers: CPU kernels'
-    real strides, CTC loss with static shapes, sizes from the batch's values fixed (`batch`: its fake and real
-    tensors), the user's checkpoints as plain calls, refusing generator state set and
+    real strides, CTC loss with static shapes, the values the trace can know (`known`: sizes and branches from the
+    batch's, a constant's results), the user's checkpoints as plain calls, refusing generator state set and
     draws from Python's or numpy's generators, and recording train()/eval() and
     scheduler.step() calls."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(CpuLikeEager())
         stack.enter_context(ctc_loss.static_shapes(where_in_users_code_now))
-        stack.enter_context(known_values.KnownValues(batch, where_in_users_code_now))
+        stack.enter_context(known)
         stack.enter_context(plain_checkpoints())
         stack.enter_context(no_rng_state_set())
         stack.enter_context(no_host_random_drawn([(slot.name, value) for slot, value in slots]))

@@ -17,7 +17,7 @@ through every op that reads nothing else (a comparison, a sum, a view).
   mask, unique and unique_consecutive of integers) on the batch's values takes the size
   their real value gives (`nonzero_static`, `remat::unique_fixed`), and the graph checks
   that every batch gives the same size (`remat::size_check`), first thing in the step
-  (`checked_first`), raising `SizeChanged`, which names the line, before the step changes
+  (`checked_first`), raising `BatchValueChanged`, which names the line, before the step changes
   anything.
 - On constants alone, such an op's result is a constant of the graph, and a Python number
   read from one (`.item()`, `.tolist()`, an index) is that number: the same at every call.
@@ -31,6 +31,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
+import sympy
 import torch
 import torch.fx
 from torch.overrides import TorchFunctionMode
@@ -38,18 +39,13 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from remat.errors import RematError
+from remat.errors import BatchValueChanged
 from remat.ops import op_facts
-from remat.ops.value_checks import is_pure
-
-
-class SizeChanged(RematError):
-    """A batch gives another size where the compiled step fixed one from the example batch's values."""
 
 
 @torch.library.custom_op("remat::size_check", mutates_args=())
 def size_check(count: torch.Tensor, expected: int, where: str, first: bool) -> None:
-    """Raise `SizeChanged` where `count` is not `expected` (`first`: the step has changed nothing yet)."""
+    """Raise `BatchValueChanged` where `count` is not `expected` (`first`: the step has changed nothing yet)."""
     found = int(count)
     if found != expected:
         stopped = (
@@ -57,7 +53,7 @@ def size_check(count: torch.Tensor, expected: int, where: str, first: bool) -> N
             if first
             else "The step stopped there; what it had changed before (a BatchNorm's running statistics, the random generator) stays changed."
         )
-        raise SizeChanged(
+        raise BatchValueChanged(
             f"remat: an op of train_step{where} makes {found} elements from this batch's values, where the compiled step "
             f"holds {expected}, the number the batch it was compiled with gave: remat fixes a size made from the batch's "
             f"values at the compiled batch's and checks it at every call. {stopped} Give every batch the same count (for "
@@ -134,14 +130,18 @@ class KnownValues(TorchFunctionMode):
     checked, and the constants' results taken as they are (module docstring).
     `batch`: the batch's fake tensors and their real ones. `where_now`: the user's line calling now."""
 
-    def __init__(self, batch: list[tuple[torch.Tensor, torch.Tensor]], where_now: Callable[[], str]):
+    def __init__(self, batch: list[tuple[torch.Tensor, torch.Tensor]], where_now: Callable[[], str], checks: Any = None):
         super().__init__()
+        self.numbers: dict[Any, Any] = {}  # symbol of a number read from the batch's values (`.item()`) -> the number
         self.real = WeakTensorKeyDictionary()  # fake tensor -> the real tensor it stands for
         self.from_batch = WeakTensorKeyDictionary()  # fake tensor -> True: its value comes from the batch's
         for fake, real in batch:
             if isinstance(fake, torch.Tensor) and isinstance(real, torch.Tensor):  # not a float of the batch
                 self.real[fake], self.from_batch[fake] = real, True
+        self._batch_storages = {real.untyped_storage().data_ptr() for fake, real in batch if isinstance(real, torch.Tensor)}
         self.where_now = where_now
+        if checks is not None:  # a branch that goes on either way, on a value the batch decides, takes its side
+            checks.known = self.truth
         self._value_shaped: dict[Any, Callable[[tuple, dict], Any]] = {
             torch.nonzero: self._nonzero, torch.Tensor.nonzero: self._nonzero,
             torch.argwhere: self._argwhere, torch.Tensor.argwhere: self._argwhere,
@@ -157,6 +157,11 @@ class KnownValues(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in _TO_PYTHON and len(args) == 1 and self._constant(args[0]):
             return _real_call(func, (self.real[args[0]],), kwargs)
+        if name in _TO_PYTHON and len(args) == 1 and self._followed_number(args[0]):
+            out = func(*args, **kwargs)
+            if isinstance(out, _SYMBOLIC):
+                self._read_number(out.node.expr, _real_call(func, (self.real[args[0]],), kwargs))
+            return out
         if name == "__iter__" and len(args) == 1 and self._followed(args[0]):  # its rows, followed
             return iter(self.__torch_function__(torch.Tensor.unbind, types, (args[0], 0)))
         out = NotImplemented
@@ -170,6 +175,29 @@ class KnownValues(TorchFunctionMode):
             out = func(*args, **kwargs)
             self._follow(func, args, kwargs, out)
         return out
+
+    def _followed_number(self, t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t in self.real and t.numel() == 1
+
+    def _read_number(self, expr: Any, real: Any) -> None:
+        """The symbol the trace gave a number read from the batch's values, with the number:
+        the symbol itself, or for a bool, `Eq(u, 1)` of an unbacked int."""
+        if expr.is_Symbol:
+            self.numbers[expr] = real
+        elif isinstance(real, bool) and len(expr.free_symbols) == 1 and expr == sympy.Eq(next(iter(expr.free_symbols)), 1):
+            self.numbers[next(iter(expr.free_symbols))] = int(real)
+
+    def truth(self, value: Any) -> bool | None:
+        """The truth the batch's values give `value` (a one-element tensor, or a condition on
+        numbers read from them), or None where they do not decide it."""
+        if isinstance(value, torch.Tensor):
+            return bool(_real_call(torch.Tensor.__bool__, (self.real[value],), {})) if self._followed_number(value) else None
+        if isinstance(value, _SYMBOLIC):
+            expr = value.node.expr
+            if expr.free_symbols and all(s in self.numbers for s in expr.free_symbols):
+                decided = expr.xreplace({s: sympy.sympify(int(v) if isinstance(v, bool) else v) for s, v in self.numbers.items() if s in expr.free_symbols})
+                return bool(decided) if decided.is_Boolean or decided.is_Number else None
+        return None
 
     def _constant(self, t: Any) -> bool:
         return isinstance(t, torch.Tensor) and t in self.real and t not in self.from_batch
@@ -187,14 +215,14 @@ class KnownValues(TorchFunctionMode):
     def _follow(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """Map `out`'s tensors to their real values where every tensor `func` read is known:
         the batch's (then `out`'s are too), or none and only plain Python numbers (a factory)."""
-        outs = _tensors(out)
-        if not outs:
-            return
+        name = getattr(func, "__name__", "")
         leaves = pytree.tree_leaves((args, kwargs))
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        name = getattr(func, "__name__", "")
-        if _IN_PLACE.match(name) or "out" in kwargs:  # what shares the written storage is no longer followed
-            self._drop_sharing(_tensors(kwargs["out"]) if "out" in kwargs else _tensors(args[:1]))
+        if _IN_PLACE.match(name) or "out" in kwargs:
+            self._write(func, args, kwargs, _tensors(kwargs["out"]) if "out" in kwargs else _tensors(args[:1]), tensors)
+            return
+        outs = _tensors(out)
+        if not outs:
             return
         if _UNKNOWN.search(name) or any(isinstance(x, _SYMBOLIC) for x in leaves) or any(t.numel() > _MOST_FOLLOWED for t in outs):
             return
@@ -210,6 +238,19 @@ class KnownValues(TorchFunctionMode):
                 self.real[fake] = r
                 if from_batch:
                     self.from_batch[fake] = True
+
+    def _write(self, func: Any, args: tuple, kwargs: dict, written: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+        """A write in place: made on the real tensors too where it reads only known ones and
+        writes none of the batch's own (the user's); otherwise what shares the written
+        storage is no longer followed."""
+        known = all(t in self.real for t in tensors) and not _UNKNOWN.search(getattr(func, "__name__", ""))
+        if known and not any(self.real[w].untyped_storage().data_ptr() in self._batch_storages for w in written if w in self.real):
+            try:
+                _real_call(func, *pytree.tree_map_only(torch.Tensor, self.real.__getitem__, (args, kwargs)))
+                return
+            except Exception:  # noqa: BLE001 - not made on the reals: they no longer follow
+                pass
+        self._drop_sharing(written)
 
     def _drop_sharing(self, written: list[torch.Tensor]) -> None:
         storages = {self.real[t].untyped_storage().data_ptr() for t in written if t in self.real}
@@ -297,7 +338,7 @@ def checked_first(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             if n.op != "placeholder" and n not in chain:
                 chain.add(n)
                 todo.extend(n.all_input_nodes)
-        if not all(is_pure(n) or op_facts.is_getitem(n) for n in chain):
+        if not all(op_facts.is_pure(n) or op_facts.is_getitem(n) for n in chain):
             continue
         rank = {n: i for i, n in enumerate(graph.nodes)}
         for n in sorted(chain, key=rank.__getitem__) + [check]:

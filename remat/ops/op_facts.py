@@ -134,3 +134,13 @@ def aliases_its_input(node: torch.fx.Node) -> bool:
     """Ops whose result is their input tensor itself, though fake propagation makes a new
     one: a collective's wait returns the tensor it was given."""
     return node.op == "call_function" and node.target is torch.ops._c10d_functional.wait_tensor.default
+
+
+def is_pure(n: torch.fx.Node) -> bool:
+    """An op that writes nothing and draws no random numbers (moving it changes nothing)."""
+    op = n.target
+    if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded in op.tags or op.namespace == "remat":
+        return False
+    return not any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)

@@ -39,7 +39,7 @@ from typing import Any, Iterator
 import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
 
-from remat.errors import RematError
+from remat.errors import BatchValueChanged, RematError
 from remat.ops import op_facts
 
 VALUE_CHECK = "remat::value_check"
@@ -81,6 +81,7 @@ class ValueCheck:
     error_type: type[BaseException]
     message: str
     args: tuple[Any, ...] | None = None  # the exception's own arguments, where plain values (sys.exit's code)
+    as_eager: bool = True  # False: a branch on the batch's values fixed at the compiled batch's side (eager goes on)
 
 
 @dataclass
@@ -102,6 +103,9 @@ class ValueChecks:
         self._trial: _Trial | None = None
         self._reached = 0  # checks reached by the running trace
         self._refused: BaseException | None = None  # the failure to report where a check cannot be decided
+        # The truth the batch's values give a tested value, where they decide it (known_values.KnownValues.truth).
+        self.known: Any = lambda value: None
+        self._known_at: dict[int, bool | None] = {}
 
     @contextlib.contextmanager
     def tracing(self, inputs: dict[str, str]) -> Iterator[None]:
@@ -113,13 +117,14 @@ class ValueChecks:
         self._reached = 0
         checks = self
 
-        def checked_bool(t: torch.Tensor) -> bool:
+        def checked_bool(t: torch.Tensor, tested: Any = None) -> bool:
             try:
                 return plain(t)
             except GuardOnDataDependentSymNode as e:
                 index = checks._reached
                 if index >= len(checks.assumed):
                     e.remat_value_check = index  # type: ignore[attr-defined]
+                    checks._known_at[index] = checks.known(t if tested is None else tested)
                     raise
                 checks._reached += 1
                 holds = checks.assumed[index]
@@ -133,7 +138,7 @@ class ValueChecks:
             # the user's or a library's code (torch's own kernels handle theirs), is checked
             # as the same comparison of a tensor.
             if _computed(b, inputs) and not Path(sys._getframe(1).f_code.co_filename).is_relative_to(_TORCH):
-                return checked_bool(torch.scalar_tensor(b, dtype=torch.bool))
+                return checked_bool(torch.scalar_tensor(b, dtype=torch.bool), b)
             return plain_sym(b)
 
         torch.Tensor.__bool__ = checked_bool  # type: ignore[method-assign]
@@ -200,6 +205,11 @@ class ValueChecks:
             return "again"
         failing = [side for side, raised in trial.raised.items() if raised is not None]
         self._trial = None
+        known = self._known_at.get(trial.index)
+        if not failing and known is not None:  # control flow on a value the batch decides: its side, checked
+            self.assumed[trial.index] = known
+            self.checks.append(_fixed_branch(trial.where, known))
+            return known
         if len(failing) != 1:  # both went on (real control flow), or both raised (the failure is elsewhere)
             self._refused = trial.first if not failing else trial.raised[False]
             return "refused"
@@ -258,6 +268,15 @@ def _as_raised(where: str, holds: bool, error: BaseException) -> ValueCheck:
     return ValueCheck(where, holds, type(error), shown, error.args if plain else None)
 
 
+def _fixed_branch(where: str, holds: bool) -> ValueCheck:
+    return ValueCheck(where, holds, BatchValueChanged, (
+        f"train_step branches on a value of the batch{where}; it was {holds} for the batch the step was compiled with "
+        f"and is {not holds} for this one. A branch on the batch's values that goes on either way is held at the "
+        "compiled batch's side and checked at every call. Give every batch the same value there (Longformer's and "
+        "LED's global attention: the same in every batch, or none), or compile a step for each kind of batch "
+        "(remat.compile once for each)."), as_eager=False)
+
+
 def _check_index(e: BaseException) -> int | None:
     """The index of the value check whose `bool()` the trace failed at, if it failed at one."""
     return getattr(_guard_of(e), "remat_value_check", None)
@@ -309,6 +328,9 @@ def raise_as_eager(e: BaseException, checks: list[ValueCheck]) -> None:
     note = (
         f"remat: the step's graph checks this tensor value at every call{where} and raised what eager raises there; "
         "the step stopped there, with no update run that eager's had not run."
+        if check.as_eager
+        else "remat: the step stopped at that check, with no update run; what it changed before it in this call (a "
+        "BatchNorm's running statistics, the random generator's state) stays changed."
     )
     if isinstance(error, SystemExit):  # the interpreter shows no note of a SystemExit, nor what the step printed first
         print(f"{note[:-1]} (sys.exit; what the step printed on its way there is not printed again).", file=sys.stderr)
@@ -338,13 +360,13 @@ def hoisted(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         todo = list(c.all_input_nodes)
         while todo:
             n = todo.pop()
-            if n in chain or not is_pure(n) or any(u not in chain for u in n.users):
+            if n in chain or not op_facts.is_pure(n) or any(u not in chain for u in n.users):
                 continue
             chain.add(n)
             todo.extend(n.all_input_nodes)
         # A node whose users were not all in the chain when first seen may join later: once more.
         for n in sorted({a for m in chain for a in m.all_input_nodes} - chain, key=rank.__getitem__, reverse=True):
-            if is_pure(n) and all(u in chain for u in n.users):
+            if op_facts.is_pure(n) and all(u in chain for u in n.users):
                 chain.add(n)
         outside = {a for m in chain for a in m.all_input_nodes} - chain
         # Never before the check that came before it: two checks of one value (a comparison,
@@ -387,13 +409,3 @@ def _past_getitems(after: torch.fx.Node) -> torch.fx.Node:
     while after.next.op == "call_function" and after.next.target is operator.getitem and after.next.args[0] is tuple_node:
         after = after.next
     return after
-
-
-def is_pure(n: torch.fx.Node) -> bool:
-    """An op that writes nothing and draws no random numbers (moving it changes nothing)."""
-    op = n.target
-    if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
-        return False
-    if torch.Tag.nondeterministic_seeded in op.tags or op.namespace == "remat":
-        return False
-    return not any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
