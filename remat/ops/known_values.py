@@ -120,6 +120,11 @@ def _integral(t: torch.Tensor) -> bool:
     return not (t.is_floating_point() or t.is_complex())
 
 
+def _masked(index: Any) -> bool:
+    """Whether an index holds a boolean mask (a size from values; other indexing is not)."""
+    return any(t.dtype in (torch.bool, torch.uint8) for t in _tensors(index))
+
+
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
@@ -165,7 +170,7 @@ class KnownValues(TorchFunctionMode):
         if name == "__iter__" and len(args) == 1 and self._followed(args[0]):  # its rows, followed
             return iter(self.__torch_function__(torch.Tensor.unbind, types, (args[0], 0)))
         out = NotImplemented
-        if func in self._value_shaped:
+        if func in self._value_shaped and (func is not torch.Tensor.__getitem__ or _masked(args[1])):
             tensors = _tensors((args, kwargs))
             if tensors and all(self._constant(t) for t in tensors):
                 out = self._as_constant(func, args, kwargs)
