@@ -771,19 +771,26 @@ def test_torchmetrics_updated_in_the_step_is_refused_naming_its_checks_and_train
     assert remat_metrics[1].compute() > 0 and len(step._graphs) == 1
 
 
-def test_a_transformer_given_a_mask_not_said_to_be_causal_is_refused_and_trains_bitwise_when_told():
+def test_a_transformer_given_a_mask_not_said_to_be_causal_is_refused_where_its_values_are_not_known():
     """nn.TransformerDecoder compares a tgt_mask with a causal mask where tgt_is_causal is
-    not given: refused naming the argument, which then trains bitwise."""
+    not given. A mask the step makes from Python numbers is a constant whose comparison the
+    trace knows, and one in the batch decides the branch as the example batch does (checked
+    at every call): both train bitwise, told or not. One the step reads from elsewhere (a
+    tensor it closes over) is refused naming the argument, which then trains bitwise."""
     torch.manual_seed(0)
     decoder = torch.nn.TransformerDecoder(torch.nn.TransformerDecoderLayer(16, 2, 32, dropout=0.1, batch_first=True), 1)
-    batches = [{"x": torch.randn(4, 6, 16), "memory": torch.randn(4, 5, 16)} for _ in range(3)]
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(6)
+    batches = [{"x": torch.randn(4, 6, 16), "memory": torch.randn(4, 5, 16), "mask": causal} for _ in range(3)]
 
-    def decoding(told: bool):
+    held = causal.clone()
+
+    def decoding(told: bool, made: str):
         def step(model, opt, batch):
             opt.zero_grad()
-            causal = torch.nn.Transformer.generate_square_subsequent_mask(batch["x"].shape[1])
+            mask = {"made": lambda: torch.nn.Transformer.generate_square_subsequent_mask(batch["x"].shape[1]), "batch": lambda: batch["mask"],
+                    "held": lambda: held}[made]()
             extra = {"tgt_is_causal": True} if told else {}
-            loss = model(batch["x"], batch["memory"], tgt_mask=causal, **extra).square().mean()
+            loss = model(batch["x"], batch["memory"], tgt_mask=mask, **extra).square().mean()
             loss.backward()
             opt.step()
             return loss.detach()
@@ -792,15 +799,17 @@ def test_a_transformer_given_a_mask_not_said_to_be_causal_is_refused_and_trains_
 
     opt = torch.optim.SGD(decoder.parameters(), lr=0.1)
     with pytest.raises(CaptureError, match="without being told whether it is causal.*tgt_is_causal=True"):
-        remat.compile(decoding(told=False), decoder, opt, batches[0], profile_runs=1, measure=False)
-    eager_model, eager_opt = twin(decoder, opt)
-    step = remat.compile(decoding(told=True), decoder, opt, batches[0], memory_budget=0.9, profile_runs=1, measure=False)
-    for i, batch in enumerate(batches):
-        torch.manual_seed(i)  # the same dropout draws on both sides
-        ours = step(batch)
-        torch.manual_seed(i)
-        assert torch.equal(ours, decoding(told=False)(eager_model, eager_opt, batch))  # eager detects it causal
-    assert all(torch.equal(p, q) for p, q in zip(decoder.parameters(), eager_model.parameters()))
+        remat.compile(decoding(told=False, made="held"), decoder, opt, batches[0], profile_runs=1, measure=False)
+    for told, made in ((True, "held"), (False, "made"), (False, "batch")):
+        model, o = twin(decoder, opt)
+        eager_model, eager_opt = twin(decoder, opt)
+        step = remat.compile(decoding(told, made), model, o, batches[0], memory_budget=0.9, profile_runs=1, measure=False)
+        for i, batch in enumerate(batches):
+            torch.manual_seed(i)  # the same dropout draws on both sides
+            ours = step(batch)
+            torch.manual_seed(i)
+            assert torch.equal(ours, decoding(told=False, made=made)(eager_model, eager_opt, batch))  # eager detects it causal
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), eager_model.parameters()))
 
 
 def _mixup_of_the_batch(model, opt, batch):
