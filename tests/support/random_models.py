@@ -156,6 +156,8 @@ class RandomNet(nn.Module):
             elif op.kind == "dropout":
                 mods[f"m{i}"] = nn.Dropout(op.arg[0])
         self.mods = nn.ModuleDict(mods)
+        if spec.hostile:  # the construct reads a model's value: one the batch alone decides is held, checked (ops/known_values.py)
+            self.hostile_weight = nn.Parameter(torch.ones(()))
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         spec = self.spec
@@ -170,7 +172,7 @@ class RandomNet(nn.Module):
             else:
                 vals.append(out)
             if spec.hostile and i == len(spec.ops) // 2:
-                vals[-1] = _hostile(spec.hostile, vals[-1])
+                vals[-1] = _hostile(spec.hostile, vals[-1] * self.hostile_weight)
         out = vals[-1]
         if spec.loss == "mse":
             loss = F.mse_loss(out, batch["target"])
