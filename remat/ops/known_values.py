@@ -21,9 +21,14 @@ through every op that reads nothing else (a comparison, a sum, a view).
   anything.
 - On constants alone, such an op's result is a constant of the graph, and a Python number
   read from one (`.item()`, `.tolist()`, an index) is that number: the same at every call.
+- A Python branch on the batch's values that goes on either way (value_checks refuses
+  such real control flow) takes the side the example batch gives (`truth`), checked at
+  every call by its value check, which raises `BatchValueChanged` (Longformer's
+  `if is_global_attn:`, from the attention mask through `.item()`).
 
-Random ops and uninitialised memory (`empty`) are not followed, and a write in place ends
-the following of what it writes: what they make is not known from the example.
+Random ops and uninitialised memory (`empty`) are not followed. A write in place that
+reads only known values is made on the real tensors too (never on the batch's own, the
+user's); any other ends the following of what shares the written storage.
 """
 
 from __future__ import annotations

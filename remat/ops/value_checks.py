@@ -16,6 +16,10 @@ raises `ValueCheckFailed` when `bool(t)` is not `holds`. Where neither side rais
 branch is real control flow and the trace fails as it would have (trace_checks explains
 it).
 
+Where neither side raises but the batch's values decide the branch (ops/known_values.py:
+Longformer's `if is_global_attn:` from its attention mask), the graph takes the side the
+example batch gives, and a failed check raises `BatchValueChanged` instead.
+
 At run time (`raise_as_eager`), a failed check raises the exception the failing side
 raised while tracing, with its message: the step stops there, as eager stops. A check
 runs early (`hoisted`) but after every change to the user's state and every random draw
