@@ -214,7 +214,7 @@ class KnownValues(TorchFunctionMode):
 
     def _as_constant(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """`func` on constants: its real result, made a constant of the graph."""
-        real = _real_call(func, *pytree.tree_map_only(torch.Tensor, self.real.__getitem__, (args, kwargs)))
+        real = self._on_reals(func, args, kwargs)
         if any(r.numel() > _MOST_FOLLOWED for r in _tensors(real)):
             return NotImplemented
         out = pytree.tree_map_only(torch.Tensor, lambda r: torch.tensor(r.tolist(), dtype=r.dtype, device=r.device), real)
@@ -226,20 +226,20 @@ class KnownValues(TorchFunctionMode):
         """Map `out`'s tensors to their real values where every tensor `func` read is known:
         the batch's (then `out`'s are too), or none and only plain Python numbers (a factory)."""
         name = getattr(func, "__name__", "")
-        leaves = pytree.tree_leaves((args, kwargs))
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         if _IN_PLACE.match(name) or "out" in kwargs:
-            self._write(func, args, kwargs, _tensors(kwargs["out"]) if "out" in kwargs else _tensors(args[:1]), tensors)
+            self._write(func, args, kwargs, _tensors(kwargs["out"]) if "out" in kwargs else _tensors(args[:1]))
             return
         outs = _tensors(out)
-        if not outs:
+        if not outs:  # most calls while tracing: an attribute, a size
             return
+        leaves = pytree.tree_leaves((args, kwargs))
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         if _UNKNOWN.search(name) or any(isinstance(x, _SYMBOLIC) for x in leaves) or any(t.numel() > _MOST_FOLLOWED for t in outs):
             return
         if not all(t in self.real for t in tensors) or not (tensors or name in _FACTORIES):
             return
         try:
-            real = _real_call(func, *pytree.tree_map_only(torch.Tensor, self.real.__getitem__, (args, kwargs)))
+            real = self._on_reals(func, args, kwargs)
         except Exception:  # noqa: BLE001 - an op the real tensors cannot take here is simply not followed
             return
         from_batch = any(t in self.from_batch for t in tensors)
@@ -249,14 +249,18 @@ class KnownValues(TorchFunctionMode):
                 if from_batch:
                     self.from_batch[fake] = True
 
-    def _write(self, func: Any, args: tuple, kwargs: dict, written: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+    def _on_reals(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """`func` on the real tensors of `args` and `kwargs`' fake ones."""
+        return _real_call(func, *pytree.tree_map_only(torch.Tensor, self.real.__getitem__, (args, kwargs)))
+
+    def _write(self, func: Any, args: tuple, kwargs: dict, written: list[torch.Tensor]) -> None:
         """A write in place: made on the real tensors too where it reads only known ones and
         writes none of the batch's own (the user's); otherwise what shares the written
         storage is no longer followed."""
-        known = all(t in self.real for t in tensors) and not _UNKNOWN.search(getattr(func, "__name__", ""))
+        known = all(t in self.real for t in _tensors((args, kwargs))) and not _UNKNOWN.search(getattr(func, "__name__", ""))
         if known and not any(self.real[w].untyped_storage().data_ptr() in self._batch_storages for w in written if w in self.real):
             try:
-                _real_call(func, *pytree.tree_map_only(torch.Tensor, self.real.__getitem__, (args, kwargs)))
+                self._on_reals(func, args, kwargs)
                 return
             except Exception:  # noqa: BLE001 - not made on the reals: they no longer follow
                 pass
