@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from remat.budget import format_bytes
 from remat.planners.plan import Plan
 from remat.profile.profiles import Profile
 from remat.profile.time_model import StepTime
@@ -33,6 +34,49 @@ class StepReport:
     cuda_graph: bool = False  # replayed as a CUDA graph (passes.cuda_graph)
     cuda_graph_captures: int = 0  # captures so far: the first, then one per changed key
     cuda_graph_pool_bytes: int | None = None  # what the last capture reserved for the graph's memory
+
+    def __repr__(self) -> str:
+        # The profile and plan hold every node: a repr of them all would bury what was decided.
+        measured = format_bytes(self.measured_peak_bytes) if self.measured_peak_bytes is not None else "not measured"
+        return (
+            f"StepReport(predicted_peak={format_bytes(self.predicted_peak_bytes)}, measured_peak={measured}, "
+            f"num_recomputed={self.num_recomputed}, backend={self.backend!r}; print() it for a summary)"
+        )
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def summary(self) -> str:
+        """What was decided and measured, in a few lines (the fields and `to_dict()` hold the rest)."""
+        budget = f"budget {format_bytes(self.budget_bytes)}" if self.budget_bytes is not None else "no budget (memory_budget=None)"
+        measured = format_bytes(self.measured_peak_bytes) if self.measured_peak_bytes is not None else "not measured"
+        lines = [
+            f"remat step ({self.backend} backend): {budget}; peak {format_bytes(self.predicted_peak_bytes)} predicted, {measured} measured",
+            f"  without recomputation: {format_bytes(self.baseline_peak_bytes)}; of either, {format_bytes(self.persistent_bytes)} held between steps (parameters, optimizer state)",
+        ]
+        plan = self.plan
+        if plan is not None:
+            share = plan.predicted_overhead_seconds / plan.baseline_iteration_seconds if plan.baseline_iteration_seconds > 0 else 0.0
+            lines.append(
+                f"  recomputes {self.num_recomputed} activations ({self.copies} ops copied, planner {plan.planner}): "
+                f"predicted {plan.predicted_overhead_seconds * 1e3:.1f} ms more than a {plan.baseline_iteration_seconds * 1e3:.1f} ms step (+{share:.0%})"
+            )
+            if plan.updates_note:
+                lines.append(f"  updates: {plan.updates_note}")
+            if plan.meta.get("lean_ops_note"):
+                lines.append(f"  lean ops: {plan.meta['lean_ops_note']}")
+        if self.predicted_time is not None:
+            t = self.predicted_time
+            lines.append(
+                f"  predicted graph time {t.seconds * 1e3:.1f} ms ({t.ops:,} ops; host {t.host_seconds * 1e3:.1f} ms, device {t.device_seconds * 1e3:.1f} ms)"
+            )
+        if self.regions:
+            lines.append(f"  {self.regions} regions compiled by Inductor ({self.region_splits} split, {self.regions_slower} left op by op)")
+        if self.cuda_graph:
+            lines.append(f"  replayed as a CUDA graph ({self.cuda_graph_captures} captures)")
+        where = "; step.report.plan.recomputed lists what is rebuilt and from what" if plan is not None and plan.recomputed else ""
+        lines.append(f"  compiled in {self.compile_seconds:.1f} s{where}")
+        return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -70,6 +70,22 @@ def test_budget_none_runs_the_captured_graph_unchanged():
     assert check_against_eager(step_fn, eager_model, eager_opt, spec.model, opt, step, spec.batch).match
 
 
+def test_a_printed_report_says_what_was_decided_in_a_few_lines():
+    spec = build_model("bert-tiny", 8)
+    opt = make_optimizer("adamw", spec.model.parameters())
+    step_fn = make_train_step(spec.loss_fn, zero_grad_first=True)
+    step = remat.compile(step_fn, spec.model, opt, spec.batch, memory_budget=0.5, profile_runs=1)
+    step(spec.batch)
+    report = step.report
+    text = str(report)
+    assert report.num_recomputed > 0
+    assert f"recomputes {report.num_recomputed} activations" in text
+    assert "predicted" in text and "measured" in text and report.plan.updates_note in text
+    # Every node's profile and every rebuilt value stay in the fields, out of the text and the reprs.
+    assert len(text.splitlines()) <= 10 and all(len(r) < 400 for r in (repr(report), repr(report.plan), repr(report.profile)))
+    assert len(report.profile.nodes) > 100 and len(report.plan.recomputed) == report.num_recomputed
+
+
 def test_new_shape_gets_its_own_graph_and_other_structures_or_dtypes_are_refused():
     spec = build_model("mlp-deep", 8)
     opt = make_optimizer("sgd", spec.model.parameters())

@@ -88,6 +88,12 @@ class Plan:
     updates_note: str = ""  # which updates moved, or why they stay at the end of the step
     lean_ops: list[str] = field(default_factory=list)  # nodes that write their result into a dying input (lean_ops)
 
+    def __repr__(self) -> str:  # the lists hold every recomputed value and its ops: fields and to_dict() have them
+        return (
+            f"Plan(planner={self.planner!r}, num_recomputed={self.num_recomputed}, budget_bytes={self.budget_bytes:,}, "
+            f"predicted_peak_bytes={self.predicted_peak_bytes:,}, predicted_overhead_seconds={self.predicted_overhead_seconds:.4g})"
+        )
+
     @property
     def policy(self) -> RebuildPolicy:
         return RebuildPolicy.SHARED if self.share_rebuilt else RebuildPolicy.PER_BLOCK

@@ -90,6 +90,12 @@ class Profile:
     optimizer: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
+    def __repr__(self) -> str:  # every node's and tensor's profile: the fields and to_dict() have them
+        return (
+            f"Profile(device={self.device!r}, nodes={len(self.nodes)}, iteration_seconds={self.iteration_seconds:.4g}, "
+            f"simulated_peak_bytes={self.simulated_peak_bytes:,}, measured_peak_bytes={self.measured_peak_bytes:,})"
+        )
+
     # ------------------------------------------------------------------ views
 
     @property
