@@ -86,6 +86,41 @@ def test_a_printed_report_says_what_was_decided_in_a_few_lines():
     assert len(report.profile.nodes) > 100 and len(report.plan.recomputed) == report.num_recomputed
 
 
+def _batch_only_step(model, optimizer, loss_fn):
+    """A step as scripts write it: the batch its only argument, model and optimizer in its closure."""
+
+    def train_step(batch):
+        optimizer.zero_grad()
+        loss = loss_fn(model, batch)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return train_step
+
+
+def test_a_step_taking_only_the_batch_trains_bitwise_and_other_signatures_are_refused_by_name():
+    spec = build_model("bert-tiny", 4)
+    opt = make_optimizer("adamw", spec.model.parameters())
+    eager_model, eager_opt = twin(spec.model, opt)
+    step = remat.compile(_batch_only_step(spec.model, opt, spec.loss_fn), spec.model, opt, spec.batch, memory_budget=0.6, profile_runs=1)
+    eager = _batch_only_step(eager_model, eager_opt, spec.loss_fn)
+    for _ in range(3):
+        rng = torch.get_rng_state()
+        loss = step(spec.batch)
+        torch.set_rng_state(rng)
+        assert torch.equal(loss, eager(spec.batch))
+    assert step.report.num_recomputed > 0
+    assert all(torch.equal(p, q) for p, q in zip(spec.model.parameters(), eager_model.parameters()))
+    assert all(torch.equal(opt.state[p]["exp_avg_sq"], eager_opt.state[q]["exp_avg_sq"]) for p, q in zip(spec.model.parameters(), eager_model.parameters()))
+
+    def two(model, batch):
+        return spec.loss_fn(model, batch)
+
+    with pytest.raises(CaptureError, match=r"train_step\(batch\).*; two\(model, batch\) does not fit, as it takes 2 arguments"):
+        remat.compile(two, spec.model, opt, spec.batch)
+
+
 def test_new_shape_gets_its_own_graph_and_other_structures_or_dtypes_are_refused():
     spec = build_model("mlp-deep", 8)
     opt = make_optimizer("sgd", spec.model.parameters())

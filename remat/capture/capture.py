@@ -22,7 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
 from remat.gc_pause import gc_paused
-from remat.capture import data_parallel, param_hooks, sharded, sharded_norms
+from remat.capture import data_parallel, param_hooks, sharded, sharded_norms, step_call
 from remat.capture.optim import first_step_state, hyperparams, optimizer_state
 from remat.capture.state import first_call, kept_numbers, kept_tensors, library_objects, logged_numbers, outside_tensors, read_numbers, scheduler_calls, step_outputs, module_hooks, step_prints, train_modes, user_code
 from remat.capture.cpu_strides import CpuLikeEager
@@ -269,7 +269,7 @@ def capture(
             stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots, known))
             stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
             effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), args, passed, model)
-            result = train_step(model, passed, t_batch)
+            result = step_call.call(train_step, model, passed, t_batch)
             probe["cleared_first"] = {id(t_params[n]) for n in trainable} <= cleared
             outside_tensors.check_no_gradient([held for held, _ in outside], t_outside)
         updates, update_values = effects.updates(probe["numbers_unread"], optimizer_state.kept_by_step(numbers, group_counts, effects.skips))
