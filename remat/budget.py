@@ -20,7 +20,7 @@ MiB = 2**20
 GiB = 2**30
 
 ACCEPTED_FORMS = (
-    'a fraction of the activation peak in (0, 1] such as 0.5 or "0.5", '
+    'a fraction of the activation peak in (0, 1] such as 0.5, "0.5" or "50%", '
     'or an absolute cap on the whole peak: integer bytes such as 2048, '
     'or a size with a unit such as "6GiB", "512MiB", "500MB", "1.5GB", "100kB"'
 )
@@ -37,7 +37,7 @@ UNITS: dict[str, int] = {
     "tib": 2**40,
 }
 
-_SIZE = re.compile(r"^\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*$")
+_SIZE = re.compile(r"^\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z]*|%)\s*$")
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,10 @@ def parse_budget(value: str | int | float | Budget) -> Budget:
     x = float(number)
     if not unit:
         return _from_number(x, value, integer_literal=re.fullmatch(r"\+?\d+", number) is not None)
+    if unit == "%":  # a percentage of the activation peak: "50%" is 0.5
+        if not 0 < x <= 100:
+            raise _bad(value, "a percentage of the activation peak must be in (0%, 100%]")
+        return Budget(fraction=x / 100)
     if unit.lower() not in UNITS:
         raise _bad(value, f"unknown unit {unit!r} (units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)")
     if x == 0:

@@ -10,7 +10,7 @@ from remat.errors import BudgetError
 
 @pytest.mark.parametrize(
     "value, fraction",
-    [(0.5, 0.5), ("0.5", 0.5), (".25", 0.25), (1, 1.0), ("1", 1.0), (1.0, 1.0), ("1e-1", 0.1), (" 0.8 ", 0.8)],
+    [(0.5, 0.5), ("0.5", 0.5), (".25", 0.25), (1, 1.0), ("1", 1.0), (1.0, 1.0), ("1e-1", 0.1), (" 0.8 ", 0.8), ("50%", 0.5), ("100%", 1.0), ("25 %", 0.25)],
 )
 def test_fractions(value, fraction):
     b = parse_budget(value)
@@ -69,6 +69,8 @@ def test_budget_passes_through():
         (True, "boolean"),
         ([0.5], "not a budget"),
         ("0.1B", "less than one byte"),
+        ("150%", "percentage of the activation peak must be in (0%, 100%]"),
+        ("0%", "percentage of the activation peak must be in (0%, 100%]"),
     ],
 )
 def test_bad_budgets_name_problem_and_forms(value, why):
