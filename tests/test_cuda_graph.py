@@ -134,6 +134,27 @@ def test_cuda_graph_on_a_cpu_model_is_refused_with_what_to_do():
         remat.compile(_train_step, model, opt, _batch(0), memory_budget=0.5, profile_runs=1, cuda_graph=True)
 
 
+def _checking_step(model, opt, batch):
+    opt.zero_grad()
+    x, y = batch
+    kept = y >= 0  # a size from the batch's values: checked on the host at every call
+    loss = torch.nn.functional.cross_entropy(model(x)[kept], y[kept])
+    assert torch.isfinite(loss), "the loss diverged"  # a value checked on the host at every call
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_cuda_graph_with_checks_on_the_host_is_refused_naming_them():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = _batch(0)
+    batch[1][:3] = -1
+    assert remat.compile(_checking_step, model, opt, batch, memory_budget=None, profile_runs=1)(batch).isfinite()
+    with pytest.raises(RematError, match=r"reads values on the host at every call to check them \(2: a size from the batch's values, at test_cuda_graph.py, line \d+: .*; a branch on a value, at test_cuda_graph.py, line \d+: assert torch.isfinite"):
+        remat.compile(_checking_step, model, opt, batch, memory_budget=None, profile_runs=1, cuda_graph=True)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_a_gpu_replays_are_bitwise_eager_through_a_changed_learning_rate_and_keep_held_losses():
     torch.manual_seed(0)

@@ -40,6 +40,8 @@ import torch.utils._pytree as pytree
 
 from remat.capture.train_graph import GraphInput, InputKind, TrainGraph
 from remat.errors import RematError
+from remat.ops.known_values import SIZE_CHECK_OP
+from remat.ops.value_checks import VALUE_CHECK_OP
 
 WARMUP_CALLS = 1
 MAX_HOST_ELEMENTS = 64  # a host tensor the graph reads is keyed by its values: small ones only
@@ -53,8 +55,28 @@ def check_replayable(tg: TrainGraph) -> None:
             "set (gradient accumulation across calls), which the loop replaces; loop over the micro-batches inside "
             "train_step, or use cuda_graph=False"
         )
+    checks = _host_checks(tg)
+    if checks:
+        raise RematError(
+            f"cuda_graph=True replays the step without the host, but this step reads values on the host at every call "
+            f"to check them ({len(checks)}: {'; '.join(checks[:3])}{'; ...' if len(checks) > 3 else ''}), which a CUDA "
+            "graph cannot do. Use cuda_graph=False, or remove what is checked (a raise or assert on a tensor's value, "
+            "a size taken from the batch's values)"
+        )
     if torch.device(tg.device).type != "cuda":
         raise RematError(f"cuda_graph=True replays the step on a GPU; this step runs on {tg.device}. Use cuda_graph=False")
+
+
+def _host_checks(tg: TrainGraph) -> list[str]:
+    """Where the graph's value and size checks come from (each reads a value on the host), once per line."""
+    found = []
+    for node in tg.gm.graph.nodes:
+        if node.target is VALUE_CHECK_OP:
+            check = tg.call.value_checks[node.args[2]]
+            found.append(f"a branch on a value{check.where}")
+        elif node.target is SIZE_CHECK_OP:
+            found.append(f"a size from the batch's values{node.args[2]}")
+    return list(dict.fromkeys(found))  # one per line of the user's code
 
 
 class CudaBackend:
