@@ -95,11 +95,11 @@ def test_within_two_percent_of_the_proven_optimum(model, batch, fractions):
 
 def test_the_same_choice_in_every_layer_finds_plans_that_single_moves_miss(bert_tiny, monkeypatch):
     """The moves that change one pick at a time stop at a plan that the same choice in every
-    layer beats: on this profile at 0.45, 19.1% of the iteration against 19.7% without it."""
+    layer beats: on this profile at 0.65, 5.7% of the iteration against 6.4% without it."""
     from remat.planners import refined
 
     built, base = bert_tiny
-    budget = int(base.persistent_bytes + 0.45 * base.step_peak_bytes)
+    budget = int(base.persistent_bytes + 0.65 * base.step_peak_bytes)
     plan = make_plan("refined", built.index, built.node_seconds(), budget)
     assert "repeats alike" in plan.meta["refined"]["found_by"] and plan.predicted_peak_bytes <= budget
     monkeypatch.setattr(refined, "ALIKE_SIMULATIONS", 10**9)  # the move off: no graph is small enough
@@ -110,10 +110,10 @@ def test_the_same_choice_in_every_layer_finds_plans_that_single_moves_miss(bert_
 
 def test_a_plan_made_alike_across_layers_runs_bitwise_equal_to_eager():
     spec = load("bert-tiny", 16, "sgd")
-    saved = Profile.from_json(PROFILES / "bert-tiny-b16.json")  # the node times on which the move wins at 0.45
+    saved = Profile.from_json(PROFILES / "bert-tiny-b16.json")  # the node times on which the move wins at 0.65
     model, o = twin(spec.model, spec.optimizer)
     eager_model, eager_opt = twin(spec.model, spec.optimizer)
-    step = remat.compile(spec.train_step, model, o, spec.batch, memory_budget=0.45, profile_cache={saved.fingerprint: saved})
+    step = remat.compile(spec.train_step, model, o, spec.batch, memory_budget=0.65, profile_cache={saved.fingerprint: saved})
     assert "repeats alike" in step.report.plan.meta["refined"]["found_by"]
     result = check_against_eager(spec.train_step, eager_model, eager_opt, model, o, step, spec.batch, steps=3)
     assert result.match, result.summary()
@@ -122,11 +122,11 @@ def test_a_plan_made_alike_across_layers_runs_bitwise_equal_to_eager():
 
 def test_node_times_tied_across_layers_plan_as_cheaply_as_measured_ones():
     """Node times equal in every repeat of a layer (as pooling or timing one layer gives) tie
-    the greedy's choices. On this profile (bert-tiny b8, AdamW) at 0.4 the search once landed
-    at 169% of the iteration on the measured times and 181% on the tied ones, where a set
-    under the shared rebuild policy costs 28%: the set taken back did not fit under that
-    policy, and filling it added activations whose held copies raised the peak. The plan
-    on the measured times runs bitwise equal to eager, its peak as predicted."""
+    the greedy's choices. A search whose set taken back did not fit under the shared rebuild
+    policy, filled with activations whose held copies raised the peak, once landed at
+    169-181% of the iteration where a set under that policy costs 28%. On this profile
+    (bert-tiny b8, AdamW) at 0.45 the plans on measured and tied times cost 22% alike. The
+    plan on the measured times runs bitwise equal to eager, its peak as predicted."""
     import numpy as np
 
     from remat.profile.repeats import find_repeats, pooled_medians
@@ -138,7 +138,7 @@ def test_node_times_tied_across_layers_plan_as_cheaply_as_measured_ones():
     tg = capture(spec.train_step, model, o, spec.batch)
     built = pipeline.build_on(tg, model, o, spec.batch, saved_profile=saved)
     base = simulate(built.analysis, scratch=built.index.scratch)
-    budget = int(base.persistent_bytes + 0.4 * base.step_peak_bytes)
+    budget = int(base.persistent_bytes + 0.45 * base.step_peak_bytes)
     measured = built.node_seconds()
     names = [n.name for n in tg.op_nodes()]
     tied = dict(zip(names, pooled_medians(np.array([[measured[n] for n in names]]), find_repeats(tg)).tolist()))

@@ -37,7 +37,7 @@ from remat.capture.train_graph import CallContract, GraphInput, InputKind, Phase
 from remat.capture.state.python_state import no_python_state_changed, put_back_as_now, state_slots
 from remat.capture.traced_rng import no_host_random_drawn, no_rng_state_set
 from remat.capture.user_checkpoints import plain_checkpoints
-from remat.ops import ctc_loss, known_values, training_workspace, value_checks
+from remat.ops import ctc_loss, dropout_masks, known_values, training_workspace, value_checks
 from remat.ops.cpu_shape_functions import cpu_kernels_as_shape_functions
 from remat.capture.step_inputs import BatchFloats, accumulated_gradients, finds_gradients, batch_leaf_names, batch_value, check_arguments, describe, held_gradients
 
@@ -488,6 +488,7 @@ def _finish(
         phase[node.name] = current
     for node in reversed(to_erase):  # exits before enters: an enter's only users are exits
         graph.erase_node(node)
+    dropout_masks.held_as_bool(gm, phase)
     names = [n.name for n in graph.nodes if n.op == "placeholder"]
     assert len(names) == len(inputs), (len(names), len(inputs))
     graph.lint()
