@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 import remat
 from remat import build as pipeline
 from remat.capture.capture import capture
-from remat.errors import RematError
+from remat.errors import BudgetError, RematError
 from remat.memory.simulator import simulate
 from remat.models import build_model, make_optimizer, make_train_step
 from remat.ops import rng_replay
@@ -202,16 +202,18 @@ def test_with_replay_forbidden_no_plan_replays_a_random_op_in_any_index_derived_
     opt = make_optimizer("sgd", spec.model.parameters())
     tg = capture(make_train_step(spec.loss_fn), spec.model, opt, spec.batch, frozenset())
 
-    def replays(forbidden: bool) -> int:
+    def replays(forbidden: bool, fraction: float) -> int:
         built = pipeline.build_on(tg, spec.model, opt, spec.batch, runs=1)
         if forbidden:  # before any plan, as the runtime does
             built.index.forbid_replay("a CUDA graph cannot set the generator's state")
             assert built.index.indexed(tg, same_nodes=False).replayable == set()  # a pass's graph with other nodes
         base = simulate(built.analysis, scratch=built.index.scratch)
-        budget = base.persistent_bytes + int(0.45 * (base.peak_bytes - base.persistent_bytes))
+        budget = base.persistent_bytes + int(fraction * (base.peak_bytes - base.persistent_bytes))
         plan = make_plan("refined", built.index, built.profile.seconds_by_node(), budget)
         assert plan.num_recomputed > 0
         return sum(isinstance(n.target, rng_replay.Replay) for n in plan.apply(built.index).runnable().graph.nodes)
 
-    assert replays(forbidden=False) > 0  # the budget recomputes dropout where replay is allowed
-    assert replays(forbidden=True) == 0
+    assert replays(forbidden=False, fraction=0.45) > 0  # this budget is reached by recomputing dropout masks
+    with pytest.raises(BudgetError):  # which, forbidden, cannot be
+        replays(forbidden=True, fraction=0.45)
+    assert replays(forbidden=True, fraction=0.55) == 0

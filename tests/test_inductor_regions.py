@@ -100,7 +100,7 @@ def test_inductor_step_is_within_tolerance_and_its_measured_peak_within_the_budg
     model, opt, batch = _mlp(1, depth=3)
     eager_model, eager_opt = twin(model, opt)
     before = model_snapshot(model)
-    step = remat.compile(train_step, model, opt, batch, memory_budget=0.5, backend="inductor")
+    step = remat.compile(train_step, model, opt, batch, memory_budget=0.6, backend="inductor")
     assert not snapshot_differences(before, model_snapshot(model))  # compiling changed nothing of the user's
     report = step.report
     assert report.backend == "inductor" and report.regions > 0 and report.num_recomputed > 0
@@ -206,7 +206,7 @@ def test_a_region_inductor_cannot_compile_runs_op_by_op_with_a_warning(monkeypat
     model, opt, batch = _mlp(4, depth=3)
     eager_model, eager_opt = twin(model, opt)
     with pytest.warns(UserWarning, match=r"could not compile region_\d+_\w+ .*RuntimeError: no lowering for this op\. It runs op by op"):
-        step = remat.compile(train_step, model, opt, batch, memory_budget=0.5, backend="inductor")
+        step = remat.compile(train_step, model, opt, batch, memory_budget=0.6, backend="inductor")
     made = step.graph_module.meta["regions"]
     assert made.regions and all(r.error == "RuntimeError: no lowering for this op" for r in made.regions)
     result = check_against_eager(train_step, eager_model, eager_opt, model, opt, step, batch, steps=2)

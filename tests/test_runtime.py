@@ -422,10 +422,10 @@ def test_a_smaller_last_batch_out_of_reach_of_its_fraction_is_planned_under_the_
         return loss
 
     with pytest.raises(BudgetError, match="no .*plan fits the budget"):  # the last batch alone, at the same fraction
-        remat.compile(train_step, *twin(model, opt), last, memory_budget=0.4, profile_runs=1, measure=False)
-    step = remat.compile(train_step, model, opt, full, memory_budget=0.4, profile_runs=1)
+        remat.compile(train_step, *twin(model, opt), last, memory_budget=0.45, profile_runs=1, measure=False)
+    step = remat.compile(train_step, model, opt, full, memory_budget=0.45, profile_runs=1)
     budget = step.report.budget_bytes
-    with pytest.warns(UserWarning, match=r"batch shaped \(100, 256\), \(100,\), 0.4 of the activation peak .* planned under .* the budget of a batch shape compiled before"):
+    with pytest.warns(UserWarning, match=r"batch shaped \(100, 256\), \(100,\), 0.45 of the activation peak .* planned under .* the budget of a batch shape compiled before"):
         step(last)
     assert step.report.budget_bytes == budget and step.report.measured_peak_bytes <= budget
     eager_model, eager_opt = twin(model, opt)
