@@ -97,3 +97,31 @@ def test_without_recomputation_the_step_holds_a_quarter_of_eagers_mask_bytes():
     eager = measure_step_peak(lambda: _step(eager_model, eager_opt, batch), "cpu", eager_model).peak_bytes
     ours = step.report.measured_peak_bytes - step.report.persistent_bytes
     assert abs((eager - ours) - 3 * 256 * 4096) <= 64, (eager, ours)
+
+
+class _MaskWrittenThroughAView(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        mask = torch.empty_like(h).bernoulli_(0.8).div_(0.8)
+        mask[:, :8] = 1.0  # the first features always kept: the backward reads this mask
+        return self.b(h * mask)
+
+
+def test_a_mask_written_through_a_view_is_left_as_it_is_and_trains_bitwise():
+    torch.manual_seed(0)
+    model = _MaskWrittenThroughAView()
+    eager_model = copy.deepcopy(model)
+    optimizer, eager_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager_model.parameters(), lr=0.1)
+    batches = _batches(torch.float32)
+    step = remat.compile(_step, model, optimizer, batches[0], memory_budget=None, profile_runs=1)
+    assert not any(n.name.startswith("dropout_kept") for n in step.graph_module.graph.nodes)
+    for batch in batches:
+        torch.manual_seed(1)
+        ours = step(batch)
+        torch.manual_seed(1)
+        assert torch.equal(ours, _step(eager_model, eager_opt, batch))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), eager_model.parameters()))

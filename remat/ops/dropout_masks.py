@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from remat.ops import op_facts
+
 aten = torch.ops.aten
 # The in-place division by a number (`Tensor` when Python code calls `mask.div_(keep)`).
 _DIVISIONS = (aten.div_.Scalar, aten.div_.Tensor)
@@ -34,7 +36,20 @@ def _scaled_draw(division: torch.fx.Node) -> torch.fx.Node | None:
     if not isinstance(buffer, torch.fx.Node) or buffer.op != "call_function" or len(buffer.users) != 1:
         return None
     value = division.meta.get("val")
-    return draw if isinstance(value, torch.Tensor) and value.dtype.is_floating_point else None
+    if not (isinstance(value, torch.Tensor) and value.dtype.is_floating_point):
+        return None
+    return draw if all(_only_reads(user, division) for user in division.users) else None
+
+
+def _only_reads(user: torch.fx.Node, mask: torch.fx.Node) -> bool:
+    """Whether `user` reads `mask` without writing it or making a view of it: a write
+    through a view would change what the backward reads, which the mask made from the
+    booleans would not see."""
+    if user.op == "output":
+        return True
+    if user.op != "call_function" or mask in op_facts.written_args(user):
+        return False
+    return not (op_facts.viewed_base(user) is mask and user is not mask)
 
 
 def _node(graph: torch.fx.Graph, op: torch._ops.OpOverload, args: tuple, kwargs: dict, like: torch.fx.Node, fake_mode: object, name: str) -> torch.fx.Node:
