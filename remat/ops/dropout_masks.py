@@ -4,13 +4,14 @@ On a CPU, `F.dropout` in training runs as `mask = empty_like(x).bernoulli_(1 - p
 `mask.div_(1 - p)` and `x * mask`; the scaled mask is what its backward reads, a float
 tensor as large as the activation, held from the forward pass to the backward (eager's
 autograd holds it so too). Its values are 0 and 1 / (1 - p), decided by the draw's 0s and
-1s. `held_as_bool` keeps the draw as booleans (`draw.to(torch.bool)`, one byte an element) for the
-backward pass, which makes its own scaled mask from them just before its first use: the
-same division on the same 0.0s and 1.0s in the same dtype (`_to_copy`, then `div_`), so
-the same bits. The forward pass scales the draw in place as before and its float mask dies
-there. Two elementwise ops in the backward pass buy three bytes an element of every
-dropout's activation, held from its forward to its backward; the planner, which may drop
-the booleans too, rebuilds them by replaying the draw.
+1s. `held_as_bool` keeps the draw as booleans (`draw.to(torch.bool)`, one byte an
+element) for the backward pass, which makes its own scaled mask from them just before its
+first use: the same division on the same 0.0s and 1.0s in the same dtype (`_to_copy`, then
+`div_`), so the same bits. The forward pass scales the draw in place as before and its
+float mask dies there. A conversion in the forward pass and two elementwise ops in the
+backward buy three bytes an element of every dropout's activation, held from its forward
+to its backward; the planner, which may drop the booleans too, rebuilds them by replaying
+the draw. A mask something writes, or makes a view of, is left as it is.
 """
 
 from __future__ import annotations
