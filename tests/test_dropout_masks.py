@@ -48,6 +48,21 @@ def _batches(dtype: torch.dtype, n: int = 4) -> list[dict[str, torch.Tensor]]:
     return [{"x": torch.randn(512, 32, generator=g).to(dtype), "y": torch.randint(0, 5, (512,), generator=g)} for _ in range(n)]
 
 
+def _compiled_and_compared(model: nn.Module, batches: list[dict[str, torch.Tensor]], budget: float | None) -> tuple[remat.RematStep, torch.optim.Optimizer, nn.Module, torch.optim.Optimizer]:
+    """The step compiled for `model`, trained beside an eager copy on `batches` with the same
+    draws: each loss and every parameter bitwise equal."""
+    eager_model = copy.deepcopy(model)
+    optimizer, eager_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
+    step = remat.compile(_step, model, optimizer, batches[0], memory_budget=budget, profile_runs=1)
+    for batch in batches:
+        torch.manual_seed(1)
+        ours = step(batch)
+        torch.manual_seed(1)
+        assert torch.equal(ours, _step(eager_model, eager_opt, batch))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), eager_model.parameters()))
+    return step, optimizer, eager_model, eager_opt
+
+
 def test_the_backward_pass_reads_booleans_and_the_float_mask_dies_in_the_forward_pass():
     torch.manual_seed(0)
     model = _Dropouts(0.1)
@@ -65,17 +80,7 @@ def test_the_backward_pass_reads_booleans_and_the_float_mask_dies_in_the_forward
 def test_trains_bitwise_like_eager_in_every_dtype_with_and_without_recomputation(dtype, p, budget):
     torch.manual_seed(0)
     model = _Dropouts(p).to(dtype)
-    eager_model = copy.deepcopy(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
-    batches = _batches(dtype)
-    step = remat.compile(_step, model, optimizer, batches[0], memory_budget=budget, profile_runs=1)
-    for batch in batches:
-        torch.manual_seed(1)
-        ours = step(batch)
-        torch.manual_seed(1)
-        assert torch.equal(ours, _step(eager_model, eager_opt, batch))
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), eager_model.parameters()))
+    step, optimizer, eager_model, eager_opt = _compiled_and_compared(model, _batches(dtype), budget)
     assert all(torch.equal(optimizer.state[a]["exp_avg_sq"], eager_opt.state[b]["exp_avg_sq"]) for a, b in zip(model.parameters(), eager_model.parameters()))
     assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes
     if budget is not None:
@@ -113,15 +118,5 @@ class _MaskWrittenThroughAView(nn.Module):
 
 def test_a_mask_written_through_a_view_is_left_as_it_is_and_trains_bitwise():
     torch.manual_seed(0)
-    model = _MaskWrittenThroughAView()
-    eager_model = copy.deepcopy(model)
-    optimizer, eager_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager_model.parameters(), lr=0.1)
-    batches = _batches(torch.float32)
-    step = remat.compile(_step, model, optimizer, batches[0], memory_budget=None, profile_runs=1)
+    step = _compiled_and_compared(_MaskWrittenThroughAView(), _batches(torch.float32), None)[0]
     assert not any(n.name.startswith("dropout_kept") for n in step.graph_module.graph.nodes)
-    for batch in batches:
-        torch.manual_seed(1)
-        ours = step(batch)
-        torch.manual_seed(1)
-        assert torch.equal(ours, _step(eager_model, eager_opt, batch))
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), eager_model.parameters()))
