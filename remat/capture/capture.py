@@ -454,7 +454,7 @@ def _step_patches(model: torch.nn.Module, recorded: _Recorded, updating: Callabl
 def _finish(
     gm: torch.fx.GraphModule, inputs: list[GraphInput], grad_order: list[str], final_grads: list[str], batch_spec: str, has_optimizer: bool, device: str,
 ) -> TrainGraph:
-    """Read the markers into phases, then remove them and the profiler's record_function nodes."""
+    """Read the markers into phases, remove them and record_function nodes; dropout masks held as booleans (dropout_masks)."""
     graph = gm.graph
     phase: dict[str, Phase] = {}
     current = Phase.FORWARD
