@@ -13,6 +13,7 @@ from torch import nn
 import remat
 from remat.capture.capture import capture
 from remat.capture.train_graph import Phase
+from remat.ops import dropout_masks
 from remat.profile.allocator import measure_step_peak
 
 aten = torch.ops.aten
@@ -67,7 +68,8 @@ def test_the_backward_pass_reads_booleans_and_the_float_mask_dies_in_the_forward
     torch.manual_seed(0)
     model = _Dropouts(0.1)
     tg = capture(_step, model, torch.optim.SGD(model.parameters(), lr=0.1), _batches(torch.float32, 1)[0])
-    kept = [n for n in tg.gm.graph.nodes if n.name.startswith("dropout_kept")]
+    kept = [n for n in tg.gm.graph.nodes if n.name.startswith(dropout_masks.KEPT)]
+    assert dropout_masks.held(tg.gm) == len(kept)
     assert len(kept) == 4  # each of the four draws
     for node in kept:
         assert node.meta["val"].dtype == torch.bool and tg.phase[node.name] is Phase.FORWARD
@@ -119,4 +121,4 @@ class _MaskWrittenThroughAView(nn.Module):
 def test_a_mask_written_through_a_view_is_left_as_it_is_and_trains_bitwise():
     torch.manual_seed(0)
     step = _compiled_and_compared(_MaskWrittenThroughAView(), _batches(torch.float32), None)[0]
-    assert not any(n.name.startswith("dropout_kept") for n in step.graph_module.graph.nodes)
+    assert dropout_masks.held(step.graph_module) == 0

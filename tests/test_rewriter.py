@@ -21,6 +21,7 @@ from remat.models import build_model, make_optimizer, make_train_step
 from remat.passes.rewriter import RECOMPUTED_SUFFIX, rewrite
 from remat.memory.schedule import GraphIndex, build_schedule
 from remat.memory.simulator import simulate, simulate_schedule
+from remat.ops import dropout_masks
 from remat.ops.rng_replay import RNG_SAVE, Replay
 
 
@@ -139,7 +140,7 @@ def test_dropout_is_recomputed_by_replaying_the_generator_exactly():
     state the forward consumed (the same mask), and leave the random stream where eager
     leaves it."""
     spec, opt, step, tg, analysis, index, candidates = _setup("bert-tiny", 4, "sgd")
-    kept = {t.id for t in analysis.activations() if t.node.startswith("dropout_kept")}
+    kept = {t.id for t in analysis.activations() if t.node.startswith(dropout_masks.KEPT)}
     masks = [s for s in candidates if s in kept]
     assert masks, "bert-tiny's dropout masks should be candidates"
     schedule = build_schedule(index, set(masks))

@@ -24,6 +24,7 @@ from remat.ops import op_facts
 aten = torch.ops.aten
 # The in-place division by a number (`Tensor` when Python code calls `mask.div_(keep)`).
 _DIVISIONS = (aten.div_.Scalar, aten.div_.Tensor)
+KEPT = "dropout_kept"  # the booleans' nodes: dropout_kept, dropout_kept_1, ...
 _META = ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr")
 
 
@@ -79,7 +80,7 @@ def held_as_bool(gm: torch.fx.GraphModule, phase: dict[str, str]) -> torch.fx.Gr
         fake_mode = detect_fake_mode([draw.meta["val"]]) or torch._subclasses.FakeTensorMode()
         dtype = division.meta["val"].dtype
         with graph.inserting_before(division):
-            kept = _node(graph, aten._to_copy.default, (draw,), {"dtype": torch.bool}, division, fake_mode, "dropout_kept")
+            kept = _node(graph, aten._to_copy.default, (draw,), {"dtype": torch.bool}, division, fake_mode, KEPT)
         first = min(backward, key=_position(graph))
         with graph.inserting_before(first):
             ones = _node(graph, aten._to_copy.default, (kept,), {"dtype": dtype}, division, fake_mode, "dropout_ones")
@@ -92,6 +93,11 @@ def held_as_bool(gm: torch.fx.GraphModule, phase: dict[str, str]) -> torch.fx.Gr
         graph.lint()
         gm.recompile()
     return gm
+
+
+def held(gm: torch.fx.GraphModule) -> int:
+    """How many dropout masks `gm` holds as booleans: where any, its memory is not eager's."""
+    return sum(1 for n in gm.graph.nodes if n.name.startswith(KEPT))
 
 
 def _position(graph: torch.fx.Graph):  # noqa: ANN202 - a sort key
