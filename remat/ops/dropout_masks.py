@@ -81,7 +81,7 @@ def held_as_bool(gm: torch.fx.GraphModule, phase: dict[str, str]) -> torch.fx.Gr
         dtype = division.meta["val"].dtype
         with graph.inserting_before(division):
             kept = _node(graph, aten._to_copy.default, (draw,), {"dtype": torch.bool}, division, fake_mode, KEPT)
-        first = min(backward, key=_position(graph))
+        first = next(n for n in _after(division) if n in backward)
         with graph.inserting_before(first):
             ones = _node(graph, aten._to_copy.default, (kept,), {"dtype": dtype}, division, fake_mode, "dropout_ones")
             mask = _node(graph, division.target, (ones, *division.args[1:]), {}, division, fake_mode, "dropout_mask")
@@ -100,6 +100,7 @@ def held(gm: torch.fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.name.startswith(KEPT))
 
 
-def _position(graph: torch.fx.Graph):  # noqa: ANN202 - a sort key
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    return order.__getitem__
+def _after(node: torch.fx.Node):  # noqa: ANN202 - the nodes after `node`, in the graph's order
+    while node.next.op != "root":
+        node = node.next
+        yield node
