@@ -771,6 +771,45 @@ def test_torchmetrics_updated_in_the_step_is_refused_naming_its_checks_and_train
     assert remat_metrics[1].compute() > 0 and len(step._graphs) == 1
 
 
+def test_macro_averaged_torchmetrics_updated_from_logits_train_bitwise_with_their_checks_off():
+    """A macro average counts each class with a bincount of `num_classes ** 2` bins over
+    target * num_classes + prediction: values the model makes, their bins fixed at minlength."""
+    torchmetrics = pytest.importorskip("torchmetrics")
+
+    def metrics():
+        return [
+            torchmetrics.classification.MulticlassAccuracy(num_classes=4, validate_args=False),
+            torchmetrics.classification.MulticlassF1Score(num_classes=4, average="macro", validate_args=False),
+        ]
+
+    def metric_step(ms):
+        def step(model, opt, batch):
+            opt.zero_grad()
+            logits = model(batch["x"])
+            loss = torch.nn.functional.cross_entropy(logits, batch["y"])
+            loss.backward()
+            opt.step()
+            for m in ms:
+                m.update(logits.detach(), batch["y"])
+            return loss
+
+        return step
+
+    torch.manual_seed(0)
+    batches = [{"x": torch.randn(16, 8), "y": torch.randint(0, 4, (16,))} for _ in range(4)]
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    eager_model, eager_opt = twin(model, opt)
+    ours, eagers = metrics(), metrics()
+    step = remat.compile(metric_step(ours), model, opt, batches[0], memory_budget=None, profile_runs=1, measure=False)
+    for batch in batches:
+        assert torch.equal(step(batch), metric_step(eagers)(eager_model, eager_opt, batch))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), eager_model.parameters()))
+    for a, b in zip(ours, eagers, strict=True):
+        assert torch.equal(a.compute(), b.compute()) and a.compute() > 0
+    assert len(step._graphs) == 1
+
+
 def test_a_transformer_given_a_mask_not_said_to_be_causal_is_refused_where_its_values_are_not_known():
     """nn.TransformerDecoder compares a tgt_mask with a causal mask where tgt_is_causal is
     not given. A mask the step makes from Python numbers is a constant whose comparison the

@@ -2,7 +2,9 @@
 are fixed at the example batch's and checked first thing at every call: the step trains
 bitwise like eager on batches that give the same size, and one that gives another is
 refused before anything changes. A size from values the batch alone does not make (the
-model's outputs, a random draw, a batch tensor written in place) is refused as before."""
+model's outputs, a random draw, a batch tensor written in place) is refused as before, but
+for a bincount given its minlength (a metric's class counts): its bins are fixed there and
+every call checks that no value reaches it."""
 
 from __future__ import annotations
 
@@ -205,6 +207,75 @@ def test_a_constant_the_step_makes_sizes_its_ops_and_slices_a_list_as_in_eager()
         assert torch.equal(p, q)
     assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes
     assert not any(n.target is SIZE_CHECK_OP for n in step._last.gm.graph.nodes)  # constants need no check
+
+
+def _class_balanced_step(model, optimizer, batch):
+    optimizer.zero_grad()
+    counts = torch.bincount(batch["y"], minlength=5)  # the batch's own class counts weigh its loss
+    weight = counts.sum() / (counts.clamp_min(1) * counts.numel())
+    loss = nn.functional.cross_entropy(model(batch["x"]), batch["y"], weight=weight.float())
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def test_a_bincount_of_the_batchs_labels_is_fixed_at_its_bins_and_a_label_past_them_is_refused_first() -> None:
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    eager_model = copy.deepcopy(model)
+    eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-2)
+    batches = [_batch(s, []) for s in range(4)]
+    step = remat.compile(_class_balanced_step, model, optimizer, batches[0], memory_budget=0.9)
+    for b in batches:
+        torch.manual_seed(1)
+        ours = step(b)
+        torch.manual_seed(1)
+        assert torch.equal(ours, _class_balanced_step(eager_model, eager_opt, b))
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        assert torch.equal(p, q)
+    assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes
+    checks = [n for n in step._last.gm.graph.nodes if n.target is SIZE_CHECK_OP]
+    assert checks and all(n.args[3] is True for n in checks)  # on the batch alone: first thing
+    before = _state(model, optimizer)
+    wider = _batch(9, [])
+    wider["y"][3] = 6  # eager would count 7 classes
+    with pytest.raises(BatchValueChanged, match=r"test_known_values.py, line \d+: counts = .*makes 7 elements .* holds 5.*before it changed anything"):
+        step(wider)
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(model, optimizer)))
+
+
+def _predicted_class_counts_step(model, optimizer, batch):
+    optimizer.zero_grad()
+    logits = model(batch["x"])
+    loss = nn.functional.cross_entropy(logits, batch["y"])
+    loss.backward()
+    optimizer.step()
+    predicted = torch.bincount(logits.argmax(1), minlength=5)  # values the model makes: bins fixed at minlength
+    return loss, predicted
+
+
+def test_a_bincount_of_the_models_predictions_holds_minlength_bins_and_a_value_past_them_is_refused() -> None:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_model = copy.deepcopy(model)
+    eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.1)
+    batches = [_batch(s, []) for s in range(3)]
+    step = remat.compile(_predicted_class_counts_step, model, optimizer, batches[0], memory_budget=None)
+    for b in batches:
+        torch.manual_seed(1)
+        ours = step(b)
+        torch.manual_seed(1)
+        theirs = _predicted_class_counts_step(eager_model, eager_opt, b)
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+    def too_few_bins(model, optimizer, batch):
+        loss, _ = _predicted_class_counts_step(model, optimizer, batch)
+        return loss, torch.bincount(model(batch["x"]).argmax(1), minlength=2)  # 5 classes, 2 bins asked
+
+    with pytest.raises(BatchValueChanged, match=r"line \d+: return loss, torch.bincount.* makes 5 elements, where the compiled step holds 2\. .*minlength, 2, .*a value of 2 or more did"):
+        few = remat.compile(too_few_bins, model, optimizer, batches[0], memory_budget=None)  # its profile runs the step
+        for b in batches:
+            few(b)
 
 
 def _branching_step(model, optimizer, batch):

@@ -270,6 +270,48 @@ def test_what_the_loop_changes_outside_the_model_between_steps_is_followed_or_co
     assert len(compiled._graphs) == 3
 
 
+_ENSEMBLE = {"teachers": [_Net(32).train(), _Net(64).eval()]}
+
+
+def _ensemble_distill(model, opt, batch):
+    x, y = batch
+    opt.zero_grad()
+    with torch.no_grad():
+        soft = sum(t(x).softmax(-1) for t in _ENSEMBLE["teachers"]) / len(_ENSEMBLE["teachers"])
+    logits = model(x)
+    loss = F.kl_div(logits.log_softmax(-1), soft, reduction="batchmean") + F.cross_entropy(logits, y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_teachers_in_a_list_in_a_dict_are_read_where_they_are_and_their_train_flags_watched():
+    """Modules held in containers (an ensemble of teachers, a list of metrics): their
+    parameters are read from where they are at each call, and a teacher put in eval mode
+    (its dropout off) compiles the step again."""
+    saved = [copy.deepcopy(t.state_dict()) for t in _ENSEMBLE["teachers"]]
+
+    def between(i, eager_state, remat_state):
+        if i == 0:
+            with torch.no_grad():
+                _ENSEMBLE["teachers"][1].b.weight.mul_(0.5)
+        elif i == 1:
+            _ENSEMBLE["teachers"][0].eval()
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, _, compiled = _pair(lambda m: (_ensemble_distill, None), between=between, headroom=1.05)
+    finally:
+        for t, state in zip(_ENSEMBLE["teachers"], saved):
+            t.load_state_dict(state)
+        _ENSEMBLE["teachers"][0].train()
+    outside = [i.name for i in compiled._last.tg.inputs if i.kind is InputKind.OUTSIDE]
+    assert "global _ENSEMBLE['teachers'][1].b.weight" in outside, outside
+    again = [str(w.message) for w in caught if "compiled again" in str(w.message)]
+    assert len(again) == 1 and "_ENSEMBLE['teachers'][0].training (True -> False)" in again[0], again
+
+
 def test_a_tensor_outside_the_model_sharing_a_parameters_memory_is_refused_by_name():
     model = _Net()
     head = model.c.weight.detach()  # the parameter's memory: updated in place by the step

@@ -49,8 +49,9 @@ from remat.ops import op_facts
 
 
 @torch.library.custom_op("remat::size_check", mutates_args=())
-def size_check(count: torch.Tensor, expected: int, where: str, first: bool) -> None:
-    """Raise `BatchValueChanged` where `count` is not `expected` (`first`: the step has changed nothing yet)."""
+def size_check(count: torch.Tensor, expected: int, where: str, first: bool, advice: str = "") -> None:
+    """Raise `BatchValueChanged` where `count` is not `expected` (`first`: the step has changed nothing yet;
+    `advice`: what to do, where the usual advice does not fit)."""
     found = int(count)
     if found != expected:
         stopped = (
@@ -58,6 +59,8 @@ def size_check(count: torch.Tensor, expected: int, where: str, first: bool) -> N
             if first
             else "The step stopped there; what it had changed before (a BatchNorm's running statistics, the random generator) stays changed."
         )
+        if advice:
+            raise BatchValueChanged(f"remat: an op of train_step{where} makes {found} elements, where the compiled step holds {expected}. {advice} {stopped}")
         raise BatchValueChanged(
             f"remat: an op of train_step{where} makes {found} elements from this batch's values, where the compiled step "
             f"holds {expected}, the number the batch it was compiled with gave: remat fixes a size made from the batch's "
@@ -68,7 +71,7 @@ def size_check(count: torch.Tensor, expected: int, where: str, first: bool) -> N
 
 
 @size_check.register_fake
-def _(count: torch.Tensor, expected: int, where: str, first: bool) -> None:
+def _(count: torch.Tensor, expected: int, where: str, first: bool, advice: str = "") -> None:
     return None
 
 
@@ -86,6 +89,22 @@ def unique_fixed(x: torch.Tensor, size: int, consecutive: bool) -> torch.Tensor:
 @unique_fixed.register_fake
 def _(x: torch.Tensor, size: int, consecutive: bool) -> torch.Tensor:
     return x.new_empty((size,))
+
+
+@torch.library.custom_op("remat::bincount_fixed", mutates_args=())
+def bincount_fixed(x: torch.Tensor, weights: torch.Tensor | None, size: int) -> torch.Tensor:
+    """torch.bincount of `x` at `size` bins, a size a check before it fixed (no value reaches it)."""
+    return torch.bincount(x, weights, minlength=size)
+
+
+@bincount_fixed.register_fake
+def _(x: torch.Tensor, weights: torch.Tensor | None, size: int) -> torch.Tensor:
+    return x.new_empty((size,), dtype=_bincount_dtype(weights))
+
+
+def _bincount_dtype(weights: torch.Tensor | None) -> torch.dtype:
+    """bincount's result dtype: counts are int64; weighted sums are float32 for float32 weights, else float64."""
+    return torch.int64 if weights is None else (torch.float32 if weights.dtype == torch.float32 else torch.float64)
 
 
 # Writes in place, by name (`add_`, `__iadd__`, `__setitem__`): what they write is no longer known.
@@ -159,7 +178,7 @@ class KnownValues(TorchFunctionMode):
             torch.unique_consecutive: self._unique_consecutive, torch.Tensor.unique_consecutive: self._unique_consecutive,
             torch.unique: self._unique, torch.Tensor.unique: self._unique,
             torch.masked_select: None, torch.Tensor.masked_select: None, torch.repeat_interleave: None,
-            torch.Tensor.repeat_interleave: None, torch.bincount: None, torch.Tensor.bincount: None,
+            torch.Tensor.repeat_interleave: None, torch.bincount: self._bincount, torch.Tensor.bincount: self._bincount,
         }  # fmt: skip
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - TorchFunctionMode's signature
@@ -309,6 +328,39 @@ class KnownValues(TorchFunctionMode):
         self._follow(torch.Tensor.__getitem__, (t, new_index), {}, out)
         return out
 
+    def _bincount(self, args: tuple, kwargs: dict) -> Any:
+        """bincount of integers at a fixed number of bins, checked at every call: the batch's
+        own (followed) at what their real values give; others (a metric's classes, from the
+        model's predictions) at `minlength`, where every value is below it, as a class index
+        below the number of classes is."""
+        names = ("input", "weights", "minlength")
+        bound = {**dict(zip(names, args)), **kwargs}
+        x, weights, minlength = bound.get("input"), bound.get("weights"), bound.get("minlength", 0)
+        if set(bound) - set(names) or not isinstance(x, torch.Tensor) or x.dim() != 1 or not _integral(x) or not isinstance(minlength, int):
+            return NotImplemented
+        if isinstance(weights, torch.Tensor) and weights.requires_grad:  # eager's result has no gradient either: left to fail as it does
+            return NotImplemented
+        if x in self.real:
+            real = _real_call(torch.bincount, (self.real[x],), {"minlength": minlength})
+            size, advice = real.numel(), ""
+        elif minlength > 0:
+            real, size = None, minlength
+            advice = (
+                "The values it counts come from the step (the model's predictions), not from the batch alone, so remat "
+                f"fixes its bins at bincount's minlength, {minlength}, and checks at every call that no value reaches it: "
+                f"a value of {minlength} or more did (a class index at or above the number of classes; a metric's "
+                "num_classes too small). Keep the values below minlength, or raise it."
+            )
+        else:
+            return NotImplemented
+        # The bins the values need: one past the largest, at least `minlength` (an empty `x` needs only those).
+        needed = torch.cat([x, x.new_full((1,), minlength - 1)]).amax() + 1
+        size_check(needed, size, self.where_now(), False, advice)
+        out = bincount_fixed(x, weights, size)
+        if real is not None and weights is None:
+            self.real[out], self.from_batch[out] = real, True
+        return out
+
     def _unique_consecutive(self, args: tuple, kwargs: dict) -> Any:
         return self._fixed_unique(args, kwargs, consecutive=True)
 
@@ -359,7 +411,7 @@ def checked_first(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             if rank[n] > rank[after]:
                 after.append(n)
                 after = n
-        check.args = (*check.args[:3], True)
+        check.args = (*check.args[:3], True, *check.args[4:])
     graph.lint()
     gm.recompile()
     return gm

@@ -14,7 +14,7 @@ list of its parameters) stands for the model's placeholder instead.
 A library's object held in those places (a noise scheduler, an EMA helper) is looked into
 too: its fields that hold a tensor or a list, tuple or dict of tensors, and those of the
 library objects in its fields (python_state.library_tensors).
-Not followed: tensors inside tuples nested in other containers, objects inside lists, and
+Not followed: tensors inside tuples nested in other containers, objects inside lists (but modules), and
 objects deeper in a library's objects; a step that uses one is refused at capture, naming
 the tensor's shape and the line that uses it.
 """
@@ -28,11 +28,11 @@ from typing import Any, Callable, Iterator
 import torch
 
 from remat.errors import CaptureError
-from remat.capture.state.python_state import MISSING, Slot
+from remat.capture.state.slots import MISSING, Slot
 from remat.capture.train_graph import InputKind
 
 _MOST_ITEMS = 10_000  # a larger container is not searched
-_DEPTH = 3  # containers in containers
+DEPTH = 3  # containers in containers
 
 
 @dataclass(frozen=True)
@@ -95,16 +95,15 @@ def find(slots: list[tuple[Slot, Any]]) -> dict[int, list[Location]]:
 def _tensors_in(value: Any, path: tuple[Any, ...], name: str, depth: int) -> Iterator[tuple[tuple[Any, ...], str, torch.Tensor]]:
     if isinstance(value, torch.Tensor):
         yield path, name, value
-    elif isinstance(value, torch.nn.Module):
-        if depth == 0:  # a module in a container is not followed: python_state does not watch its attributes
-            for qualified, t in [*value.named_parameters(remove_duplicate=False), *value.named_buffers(remove_duplicate=False)]:
-                yield (*path, *qualified.split(".")), f"{name}.{qualified}", t
-    elif depth < _DEPTH and isinstance(value, (list, tuple)) and len(value) <= _MOST_ITEMS:
+    elif isinstance(value, torch.nn.Module):  # in a container too: python_state watches its attributes there
+        for qualified, t in [*value.named_parameters(remove_duplicate=False), *value.named_buffers(remove_duplicate=False)]:
+            yield (*path, *qualified.split(".")), f"{name}.{qualified}", t
+    elif depth < DEPTH and isinstance(value, (list, tuple)) and len(value) <= _MOST_ITEMS:
         if isinstance(value, tuple) and depth > 0:
             return  # a placeholder is put into a tuple by replacing it, which only its slot can do
         for i, v in enumerate(value):
             yield from _tensors_in(v, (*path, i), f"{name}[{i}]", depth + 1)
-    elif depth < _DEPTH and isinstance(value, dict) and len(value) <= _MOST_ITEMS:
+    elif depth < DEPTH and isinstance(value, dict) and len(value) <= _MOST_ITEMS:
         for k, v in value.items():
             if isinstance(k, (str, int)):
                 yield from _tensors_in(v, (*path, k), f"{name}[{k!r}]", depth + 1)

@@ -21,8 +21,8 @@ and scalars (by value), and lists, tuples, dicts and sets of them (nested), held
   methods name the field;
 - as fields of the user's objects in a list, tuple or dict held there (callbacks), and the
   globals and cells of the user's functions held in fields or such containers;
-- as attributes of another module held in those places (a teacher), and its modules'
-  train/eval flags;
+- as attributes of another module held in those places (a teacher), or in a list or dict
+  held there (a list of metrics the step updates), and its modules' train/eval flags;
 - and which function a global or closure name holds (a loss function swapped between
   steps).
 A dict of numbers and lists of numbers under str keys held outside a module (metrics, a
@@ -52,7 +52,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.errors import CaptureError
-from remat.capture.state import library_objects, module_hooks, user_code
+from remat.capture.state import library_objects, module_hooks, outside_tensors, user_code
 from remat.capture import param_hooks
 from remat.capture.state.slots import CONTAINERS, MISSING, MOST_ITEMS, NOT_PLAIN, PLAIN, Slot, fields_of, frozen, item_name, short, shown, slotted_fields
 
@@ -139,13 +139,14 @@ def state_slots(model: torch.nn.Module, train_step: Callable[..., Any], ran: fro
         out += [(slot, value) for slot, value in user_code.followed(held_functions, step_globals, ran).bindings if slot.name not in known]
     # Another module the step runs (a teacher, an EMA copy of the model): its attributes and
     # train/eval flags, which its forward is traced with as the model's are.
+    # Held in a list or dict too (a list of torchmetrics metrics the step updates in a loop).
     model_modules = frozenset(id(m) for m in model.modules())
-    for slot, value in list(out):
+    for name, value in [*((slot.name, value) for slot, value in out), *contained]:
         if isinstance(value, torch.nn.Module) and id(value) not in model_modules and id(value) not in seen:
             seen.add(id(value))
-            out += [(Slot(n, m, k), v) for n, m, k, v in module_attributes(value, slot.name, model_modules)]
+            out += [(Slot(n, m, k), v) for n, m, k, v in module_attributes(value, name, model_modules)]
             out += [
-                (Slot(f"{slot.name}.{prefix}.training" if prefix else f"{slot.name}.training", m, "training"), m.training)
+                (Slot(f"{name}.{prefix}.training" if prefix else f"{name}.training", m, "training"), m.training)
                 for prefix, m in value.named_modules() if id(m) not in model_modules
             ]
     out = [item for slot, value in out for item in _items(slot, value)]
@@ -156,15 +157,22 @@ def state_slots(model: torch.nn.Module, train_step: Callable[..., Any], ran: fro
 _MOST_KEYS = 64
 
 
-def _in_container(slot: Slot, value: Any) -> list[tuple[str, Any]]:
-    """The user's objects and functions in a list, tuple or dict a slot holds (callbacks), by name."""
+def _in_container(slot: Slot, value: Any, index: str = "", depth: int = 0) -> list[tuple[str, Any]]:
+    """The user's objects and functions in a list, tuple or dict a slot holds (callbacks), and
+    the modules in it or in the lists and dicts in it (metrics, teachers), by name."""
     if isinstance(value, (list, tuple)) and len(value) <= _MOST_KEYS:
-        items = [(f"[{i}]", v) for i, v in enumerate(value)]
+        items = [(f"{index}[{i}]", v) for i, v in enumerate(value)]
     elif isinstance(value, dict) and len(value) <= _MOST_KEYS:
-        items = [(f"[{k!r}]", v) for k, v in value.items()]
+        items = [(f"{index}[{k!r}]", v) for k, v in value.items()]
     else:
         return []
-    return [(item_name(slot, i), v) for i, v in items if user_code.user_class(type(v)) or user_code.user_function(v) is not None]
+    out = []
+    for i, v in items:
+        if isinstance(v, torch.nn.Module) or (depth == 0 and (user_code.user_class(type(v)) or user_code.user_function(v) is not None)):
+            out.append((item_name(slot, i), v))
+        elif isinstance(v, (list, tuple, dict)) and depth + 1 < outside_tensors.DEPTH:
+            out += _in_container(slot, v, i, depth + 1)
+    return out
 
 
 def _items(slot: Slot, value: Any) -> list[tuple[Slot, Any]]:
