@@ -175,6 +175,27 @@ def test_a_numpy_array_changed_in_place_compiles_the_step_again_for_its_values()
     assert any("global _LOSS_WEIGHTS (array([0., 1.]) -> array([0.1, 1. ]))" in str(w.message) for w in caught), [str(w.message) for w in caught]
 
 
+_Weights = collections.namedtuple("_Weights", "aux other")
+_NAMED = {"weights": _Weights(0.0, 1.0)}  # a namedtuple in a dict (loguru keeps its levels so)
+
+
+def _weighted_by_a_namedtuple(model, optimizer, batch):  # type: ignore[no-untyped-def]
+    return _with_aux(model, optimizer, batch, _NAMED["weights"].aux)
+
+
+def test_a_namedtuple_the_loop_replaces_is_watched_and_shown_by_its_values() -> None:
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step = _annealed_against_eager(
+                _weighted_by_a_namedtuple, _weighted_by_a_namedtuple, lambda i: _NAMED.__setitem__("weights", _Weights(0.1 * (i // 2), 1.0))
+            )
+    finally:
+        _NAMED["weights"] = _Weights(0.0, 1.0)
+    assert len(step._graphs) == 2
+    assert any("global _NAMED ({'weights': _Weights(aux=0.0, other=1.0)} -> {'weights': _Weights(aux=0.1, other=1.0)})" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
 _SCALE = 2
 
 

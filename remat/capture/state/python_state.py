@@ -54,7 +54,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from remat.errors import CaptureError
 from remat.capture.state import library_objects, module_hooks, outside_tensors, user_code
 from remat.capture import param_hooks
-from remat.capture.state.slots import CONTAINERS, MISSING, MOST_ITEMS, NOT_PLAIN, PLAIN, Slot, fields_of, frozen, item_name, short, shown, slotted_fields
+from remat.capture.state.slots import CONTAINERS, MISSING, MOST_ITEMS, NOT_PLAIN, PLAIN, Slot, fields_of, frozen, item_name, remade, short, shown, slotted_fields
 
 NUMBERS = (bool, int, float)
 TRACED_NUMBERS = (torch.SymBool, torch.SymInt, torch.SymFloat)  # a number computed from tensors while tracing (`loss.item()`)
@@ -210,7 +210,7 @@ def copied(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: copied(v) for k, v in value.items()}
     if isinstance(value, CONTAINERS):
-        return type(value)(copied(v) for v in value)
+        return remade(type(value), [copied(v) for v in value])
     return value
 
 

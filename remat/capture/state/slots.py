@@ -162,12 +162,18 @@ def _thawed(value: Any) -> Any:
     if isinstance(value, tuple) and value and value[0] in (np.generic, np.ndarray):
         array = np.frombuffer(value[3], dtype=np.dtype(value[1])).reshape(value[2])
         return array[()] if value[0] is np.generic else array
-    if not isinstance(value, tuple) or not value or value[0] not in CONTAINERS:
+    if not isinstance(value, tuple) or not value or not (isinstance(value[0], type) and issubclass(value[0], CONTAINERS)):
         return value
     kind, items = value
     if kind is dict:
         return {_thawed(k): _thawed(x) for k, x in items}
-    return kind(_thawed(x) for x in items)
+    return remade(kind, [_thawed(x) for x in items])
+
+
+def remade(kind: type, items: list[Any]) -> Any:
+    """A container of type `kind` (a list, tuple, set, or a subclass) holding `items`; a
+    namedtuple (loguru's `Level`, held by a library a step calls) takes them one by one."""
+    return kind._make(items) if issubclass(kind, tuple) and hasattr(kind, "_make") else kind(items)
 
 
 def shown(value: Any) -> str:
