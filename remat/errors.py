@@ -28,6 +28,20 @@ class BatchValueChanged(RematError):
     step was compiled with: the graph holds the compiled batch's (ops/known_values.py)."""
 
 
+class StateValueChanged(RematError):
+    """A value of the model's own state (a buffer: an initialisation flag, a step counter)
+    sends a branch of the step another way than when its graph was compiled, which holds the
+    side the value gave then (ops/value_checks.py). Raised before the step changed anything
+    (`before_any_change`), the step compiles a graph for the value as it is now and runs
+    that; raised later, the step stops there."""
+
+    before_any_change = False
+
+    @property
+    def change(self) -> str:  # as ChangedSinceCompiled's, for the warning that the step compiles again
+        return str(self).split(". ")[0]
+
+
 class UsageError(RematError):
     """Bad arguments (a command-line option, a model name, a size): the message says which."""
 

@@ -22,12 +22,12 @@ from remat.capture import data_parallel, sharded
 from remat.capture.optim import first_step_state, optimizer_state
 from remat.capture.optimizers import as_one
 from remat.capture.state import first_call, guards, read_numbers
-from remat.budget import format_bytes, not_held, parse_budget
+from remat.budget import format_bytes, parse_budget
 from remat.passes import cuda_graph as cuda_graphs, inductor_regions
 from remat.capture.capture import capture
 from remat.capture.step_inputs import ModelView, frozen_gradients_taken, run_captured, unique_named
-from remat.capture.train_graph import TrainGraph, TrainStep
-from remat.errors import BudgetError, CaptureError, ChangedSinceCompiled, RematError
+from remat.capture.train_graph import InputKind, TrainGraph, TrainStep
+from remat.errors import BudgetError, CaptureError, ChangedSinceCompiled, RematError, StateValueChanged
 from remat.profile.allocator import measure_step_peak
 from remat.profile.profiler import node_costs, node_peaks
 from remat.profile.time_model import OpCosts, StepTime, simulate_time
@@ -388,37 +388,35 @@ class RematStep:
         make_calls(compiled.tg.call.scheduler_calls, before_update=True)  # read by this step's update, as in eager
         try:
             inputs, view = self._agreed("reading the step's inputs", lambda: self._inputs(compiled, batch))
-        except ChangedSinceCompiled as change:
-            if self._dp is not None:  # DDP and FSDP2 set up what they reduce for the parameters trained as they were
+            return self._execute(compiled, inputs, view)
+        except (ChangedSinceCompiled, StateValueChanged) as change:
+            # Not under DDP or FSDP2 (every rank would compile again; they set up what they reduce for the
+            # parameters trained as they were), nor where a graph took gradients, let go of as it ran.
+            took_gradients = isinstance(change, StateValueChanged) and any(i.kind is InputKind.GRADIENT for i in compiled.tg.inputs)
+            if self._dp is not None or not getattr(change, "before_any_change", True) or took_gradients:
                 raise
             compiled = self._compiled_again(compiled, batch, change)
-            inputs, view = self._inputs(compiled, batch)  # the scheduler calls before the update were made
+            return self._execute(compiled, *self._inputs(compiled, batch))  # the scheduler calls before the update were made
+
+    def _execute(self, compiled: CompiledGraph, inputs: list[torch.Tensor], view: ModelView) -> Any:
+        """One step of `compiled`; its first is measured, and its peak compared with the prediction."""
         self._last = compiled
         if compiled.tg.call.data_parallel is not None:
             data_parallel.before_step(self.model)
         if self.measure and not compiled.measured:
-            # What the step's updates set in the user's state replaces is let go after the measured
-            # run, not inside it, where the profiler would warn of a block allocated before it started.
+            # What the step's updates replace is let go after the measured run (inside, the profiler warns).
             replaced = [update.slot.get() for update in compiled.tg.call.state_updates if hasattr(update, "slot")]  # noqa: F841
             measured = measure_step_peak(lambda: self._run(compiled, inputs, view), compiled.tg.device, self.model)
-            compiled.report.measured_peak_bytes = compiled.report.persistent_bytes + measured.peak_bytes
-            if measured.reserved_peak_bytes is not None:
-                compiled.report.measured_reserved_peak_bytes = compiled.report.persistent_bytes + measured.reserved_peak_bytes
             compiled.measured = True
-            # Not under DDP or FSDP2: gloo's worker threads free a collective's buffers after the step
-            # has moved on, which the peak counts (up to two gradients' bytes: tests/test_data_parallel.py).
-            # On a GPU the allocator's blocks put the measured peak a megabyte or so off the prediction.
-            slack = 0 if torch.device(compiled.tg.device).type == "cpu" else (compiled.report.budget_bytes or 0) // 100
-            report = compiled.report
-            over = None if self._dp is not None else not_held(report.measured_peak_bytes, report.predicted_peak_bytes, report.budget_bytes, slack)
+            over = compiled.report.take_measured(measured, str(compiled.tg.device), self._dp is not None)
             if over is not None:
-                warnings.warn(over, stacklevel=2)
+                warnings.warn(over, stacklevel=4)  # the user's call of the step
             return measured.result
         return self._run(compiled, inputs, view)
 
-    def _compiled_again(self, stale: CompiledGraph, batch: Any, change: ChangedSinceCompiled) -> CompiledGraph:
+    def _compiled_again(self, stale: CompiledGraph, batch: Any, change: ChangedSinceCompiled | StateValueChanged) -> CompiledGraph:
         """A graph for the parameters trained and the optimizer's groups as they are now, in `stale`'s place."""
-        warnings.warn(f"remat: {change.change}: the step is compiled again for it.", stacklevel=5)
+        warnings.warn(f"remat: {change.change}: the step is compiled again for it.", stacklevel=4)  # the user's call of the step
         self._graphs, self._hit = {k: g for k, g in self._graphs.items() if g is not stale}, None
         first_step_state.drop_made_ahead(as_one(self.optimizer))  # made for the stale graph, before any run: made anew
         return self.compiled_for(batch)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from remat.budget import format_bytes
+from remat.budget import format_bytes, not_held
 from remat.planners.plan import Plan
 from remat.profile.profiles import Profile
 from remat.profile.time_model import StepTime
@@ -34,6 +34,18 @@ class StepReport:
     cuda_graph: bool = False  # replayed as a CUDA graph (passes.cuda_graph)
     cuda_graph_captures: int = 0  # captures so far: the first, then one per changed key
     cuda_graph_pool_bytes: int | None = None  # what the last capture reserved for the graph's memory
+
+    def take_measured(self, measured: Any, device: str, data_parallel: bool) -> str | None:
+        """The first run's measured peaks (`allocator.Measured`, above the persistent bytes), and
+        what to warn of where the peak went over the budget, else None. Not under DDP or FSDP2:
+        gloo's worker threads free a collective's buffers after the step has moved on, which the
+        peak counts (up to two gradients' bytes: tests/test_data_parallel.py). On a GPU the
+        allocator's blocks put the measured peak a megabyte or so off the prediction."""
+        self.measured_peak_bytes = self.persistent_bytes + measured.peak_bytes
+        if measured.reserved_peak_bytes is not None:
+            self.measured_reserved_peak_bytes = self.persistent_bytes + measured.reserved_peak_bytes
+        slack = 0 if device.startswith("cpu") else (self.budget_bytes or 0) // 100
+        return None if data_parallel else not_held(self.measured_peak_bytes, self.predicted_peak_bytes, self.budget_bytes, slack)
 
     def __repr__(self) -> str:
         # The profile and plan hold every node: a repr of them all would bury what was decided.

@@ -6,6 +6,7 @@ state as eager leaves them."""
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 import types
@@ -277,3 +278,120 @@ def test_layerdrop_is_refused_as_a_random_branch_and_its_advice_works():
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for _ in range(3):
         assert torch.equal(step(batch), _layerdrop_step(ref, ref_opt, batch))
+
+
+class _ActNorm(nn.Module):
+    """Glow's ActNorm: set from the first batch's statistics, then trained (a buffer flag)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.loc, self.logs = nn.Parameter(torch.zeros(width)), nn.Parameter(torch.zeros(width))
+        self.register_buffer("initialized", torch.tensor(0, dtype=torch.uint8))
+
+    def forward(self, x):
+        if not self.initialized:  # a branch on the model's own state that goes on either way
+            with torch.no_grad():
+                self.loc.copy_(-x.mean(0))
+                self.logs.copy_(-(x.std(0) + 1e-6).log())
+                self.initialized.fill_(1)
+        return (x + self.loc) * self.logs.exp()
+
+
+class _Curriculum(nn.Module):
+    """A model whose phase, a buffer the loop sets between steps, picks its loss's path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), _ActNorm(32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 5))
+        self.register_buffer("phase", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        out = self.net(x)
+        return out * 0.5 if self.phase.item() < 1 else out
+
+
+def _plain_step(model, optimizer, batch):
+    optimizer.zero_grad()
+    loss = nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def test_a_branch_on_the_models_buffers_takes_their_side_and_compiles_again_when_they_change():
+    """The first step sets ActNorm up from its batch and raises its flag; the second finds
+    the flag raised and the step compiled again for it; the loop moves the phase on at the
+    fourth. Bitwise with eager at every step, each change named in a warning."""
+    torch.manual_seed(0)
+    model = _Curriculum()
+    eager_model = copy.deepcopy(model)
+    opt, eager_opt = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(eager_model.parameters(), lr=1e-2)
+    batches = [_batch(torch.Generator().manual_seed(i)) for i in range(6)]
+    step = remat.compile(_plain_step, model, opt, batches[0], memory_budget=0.9)
+    with pytest.warns(UserWarning, match=r"model\.net\.1\.initialized, at test_value_checks.py, line \d+: if not self.initialized:.*went False .* goes True now: the step is compiled again"):
+        for i, b in enumerate(batches):
+            if i == 3:
+                model.phase.fill_(1)
+                eager_model.phase.fill_(1)
+            torch.manual_seed(i)
+            ours = step(b)
+            torch.manual_seed(i)
+            assert torch.equal(ours, _plain_step(eager_model, eager_opt, b)), i
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        assert torch.equal(p, q)
+    for a, b in zip(model.buffers(), eager_model.buffers()):
+        assert torch.equal(a, b)
+    assert len(step._graphs) == 1 and step.report.measured_peak_bytes == step.report.predicted_peak_bytes
+
+
+class _Warmup(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 5)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.seen += 1  # written before the branch reads it: the check cannot run first
+        return self.lin(x) * (0.5 if self.seen <= 2 else 1.0)
+
+
+def test_a_branch_on_a_buffer_the_step_writes_before_it_stops_where_its_side_changes():
+    torch.manual_seed(0)
+    model = _Warmup()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = remat.compile(_plain_step, model, opt, _batch(torch.Generator().manual_seed(0)), memory_budget=None)
+    for seed in (1, 2):  # seen: 1, then 2
+        step(_batch(torch.Generator().manual_seed(seed)))
+    from remat.errors import StateValueChanged
+
+    with pytest.raises(StateValueChanged, match=r"model\.seen, at test_value_checks.py, line \d+: return self.lin.*went True .* goes False now.*the step stops there"):
+        step(_batch(torch.Generator().manual_seed(3)))
+
+
+_SET_UP_CALLS: list[int] = []
+
+
+class _SetUpOnce(nn.Module):
+    """A layer whose set-up, skipped while its flag is raised, logs into Python state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 5)
+        self.register_buffer("ready", torch.ones((), dtype=torch.bool))
+
+    def forward(self, x):
+        if not self.ready:
+            _SET_UP_CALLS.append(1)  # state the trace would refuse to see changed
+            self.ready.fill_(True)
+        return self.lin(x)
+
+
+def test_the_side_of_a_branch_the_buffers_do_not_take_is_never_traced():
+    model = _SetUpOnce()
+    eager_model = copy.deepcopy(model)
+    opt, eager_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager_model.parameters(), lr=0.1)
+    step = remat.compile(_plain_step, model, opt, _batch(torch.Generator().manual_seed(0)), memory_budget=None)
+    for seed in range(3):
+        b = _batch(torch.Generator().manual_seed(seed))
+        assert torch.equal(step(b), _plain_step(eager_model, eager_opt, b))
+    assert _SET_UP_CALLS == []

@@ -265,7 +265,7 @@ def capture(
             stack.enter_context(numbers.traced(t_numbers, symbols))
             stack.enter_context(passes)
             stack.enter_context(cleared_before_backward(calls, cleared := set()))
-            known = known_values.KnownValues(list(zip(batch_args, flat[len(flat) - len(batch_args):])), where_in_users_code_now, checks)  # fmt: skip
+            known = known_values.KnownValues(list(zip(batch_args, flat[len(flat) - len(batch_args):])), where_in_users_code_now, checks, [(n, t_buffers[n], buffers[n]) for n in buffers])  # fmt: skip
             stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots, known))
             stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
             effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), args, passed, model)
@@ -294,7 +294,7 @@ def capture(
         return capture(train_step, model, passed, example_batch, read_numbers_named, reduce_in_buckets, grads_in=True)
     check_static_shapes(gm)
     check_graph_runnable(gm)
-    gm = training_workspace.swap_in(known_values.checked_first(value_checks.hoisted(gm)))
+    gm = training_workspace.swap_in(known_values.checked_first(value_checks.state_checks_first(value_checks.hoisted(gm), checks.checks)))
     groups: list[hyperparams.GroupSpec] = []
     if optimizer is not None:
         inputs = drop_unread_new_state(gm, inputs, optimizer, params, had_state)

@@ -114,6 +114,7 @@ _UNKNOWN = re.compile(r"rand|bernoulli|dropout|normal|multinomial|uniform|expone
 # Python numbers read from a tensor: of a constant, the number itself.
 _TO_PYTHON = frozenset({"item", "tolist", "__index__", "__int__", "__float__", "__bool__"})
 _MOST_FOLLOWED = 1 << 22  # elements: a larger tensor's real value is not made beside the trace
+_MOST_STATE_FOLLOWED = 16  # elements of a buffer followed from its value (a flag, a counter; not statistics)
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
@@ -159,18 +160,27 @@ class KnownValues(TorchFunctionMode):
     checked, and the constants' results taken as they are (module docstring).
     `batch`: the batch's fake tensors and their real ones. `where_now`: the user's line calling now."""
 
-    def __init__(self, batch: list[tuple[torch.Tensor, torch.Tensor]], where_now: Callable[[], str], checks: Any = None):
+    def __init__(
+        self, batch: list[tuple[torch.Tensor, torch.Tensor]], where_now: Callable[[], str], checks: Any = None,
+        state: list[tuple[str, torch.Tensor, torch.Tensor]] = (),
+    ):
         super().__init__()
         self.numbers: dict[Any, Any] = {}  # symbol of a number read from the batch's values (`.item()`) -> the number
         self.real = WeakTensorKeyDictionary()  # fake tensor -> the real tensor it stands for
         self.from_batch = WeakTensorKeyDictionary()  # fake tensor -> True: its value comes from the batch's
+        # fake tensor -> the names of the model's buffers its value comes from (a flag, a counter): followed on copies
+        self.from_state = WeakTensorKeyDictionary()
+        self.number_state: dict[Any, frozenset[str]] = {}  # symbol of a number read from those -> their names
         for fake, real in batch:
             if isinstance(fake, torch.Tensor) and isinstance(real, torch.Tensor):  # not a float of the batch
                 self.real[fake], self.from_batch[fake] = real, True
+        for name, fake, real in state:
+            if real.numel() <= _MOST_STATE_FOLLOWED:  # a copy, made outside the trace: the trace writes what it writes
+                self.real[fake], self.from_state[fake] = _real_call(lambda t: t.detach().clone(), (real,), {}), frozenset({name})
         self._batch_storages = {real.untyped_storage().data_ptr() for fake, real in batch if isinstance(real, torch.Tensor)}
         self.where_now = where_now
-        if checks is not None:  # a branch that goes on either way, on a value the batch decides, takes its side
-            checks.known = self.truth
+        if checks is not None:  # a branch that goes on either way, on a value the batch or the state decides, takes its side
+            checks.known, checks.state_of = self.truth, self.state_of
         self._value_shaped: dict[Any, Callable[[tuple, dict], Any]] = {
             torch.nonzero: self._nonzero, torch.Tensor.nonzero: self._nonzero,
             torch.argwhere: self._argwhere, torch.Tensor.argwhere: self._argwhere,
@@ -189,7 +199,7 @@ class KnownValues(TorchFunctionMode):
         if name in _TO_PYTHON and len(args) == 1 and self._followed_number(args[0]):
             out = func(*args, **kwargs)
             if isinstance(out, _SYMBOLIC):
-                self._read_number(out.node.expr, _real_call(func, (self.real[args[0]],), kwargs))
+                self._read_number(out.node.expr, _real_call(func, (self.real[args[0]],), kwargs), self._state_only(args[0]))
             return out
         if name == "__iter__" and len(args) == 1 and self._followed(args[0]):  # its rows, followed
             return iter(self.__torch_function__(torch.Tensor.unbind, types, (args[0], 0)))
@@ -208,13 +218,35 @@ class KnownValues(TorchFunctionMode):
     def _followed_number(self, t: Any) -> bool:
         return isinstance(t, torch.Tensor) and t in self.real and t.numel() == 1
 
-    def _read_number(self, expr: Any, real: Any) -> None:
-        """The symbol the trace gave a number read from the batch's values, with the number:
-        the symbol itself, or for a bool, `Eq(u, 1)` of an unbacked int."""
+    def _read_number(self, expr: Any, real: Any, state: frozenset[str] | None) -> None:
+        """The symbol the trace gave a number read from the batch's or the state's values, with
+        the number: the symbol itself, or for a bool, `Eq(u, 1)` of an unbacked int; and the
+        names of the buffers it comes from, where it comes from those alone (`state`)."""
         if expr.is_Symbol:
-            self.numbers[expr] = real
+            symbol, self.numbers[expr] = expr, real
         elif isinstance(real, bool) and len(expr.free_symbols) == 1 and expr == sympy.Eq(next(iter(expr.free_symbols)), 1):
-            self.numbers[next(iter(expr.free_symbols))] = int(real)
+            symbol = next(iter(expr.free_symbols))
+            self.numbers[symbol] = int(real)
+        else:
+            return
+        if state:
+            self.number_state[symbol] = state
+
+    def _state_only(self, t: torch.Tensor) -> frozenset[str] | None:
+        """The names of the model's buffers `t`'s value comes from, where it comes from nothing else known."""
+        return self.from_state.get(t) if t not in self.from_batch else None
+
+    def state_of(self, value: Any) -> tuple[str, ...] | None:
+        """The model's buffers whose values alone decide `value` (a one-element tensor, or a
+        condition on numbers read from them), by name; None where anything else does."""
+        if isinstance(value, torch.Tensor):
+            state = self._state_only(value) if self._followed_number(value) else None
+        elif isinstance(value, _SYMBOLIC) and value.node.expr.free_symbols:
+            found = [self.number_state.get(s) for s in value.node.expr.free_symbols]
+            state = frozenset().union(*found) if all(found) else None
+        else:
+            state = None
+        return tuple(sorted(state)) if state else None
 
     def truth(self, value: Any) -> bool | None:
         """The truth the batch's values give `value` (a one-element tensor, or a condition on
@@ -229,7 +261,7 @@ class KnownValues(TorchFunctionMode):
         return None
 
     def _constant(self, t: Any) -> bool:
-        return isinstance(t, torch.Tensor) and t in self.real and t not in self.from_batch
+        return isinstance(t, torch.Tensor) and t in self.real and t not in self.from_batch and t not in self.from_state
 
     def _as_constant(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """`func` on constants: its real result, made a constant of the graph."""
@@ -262,11 +294,14 @@ class KnownValues(TorchFunctionMode):
         except Exception:  # noqa: BLE001 - an op the real tensors cannot take here is simply not followed
             return
         from_batch = any(t in self.from_batch for t in tensors)
+        state = frozenset().union(*(self.from_state.get(t, frozenset()) for t in tensors))
         for fake, r in zip(pytree.tree_leaves(out), pytree.tree_leaves(real)):
             if isinstance(fake, torch.Tensor) and isinstance(r, torch.Tensor) and tuple(fake.shape) == tuple(r.shape):
                 self.real[fake] = r
                 if from_batch:
                     self.from_batch[fake] = True
+                if state:
+                    self.from_state[fake] = state
 
     def _on_reals(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """`func` on the real tensors of `args` and `kwargs`' fake ones."""
@@ -398,19 +433,10 @@ def checked_first(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         return gm
     after = [n for n in graph.nodes if n.op == "placeholder"][-1]
     for check in checks:
-        chain, todo = set(), list(check.all_input_nodes)
-        while todo:
-            n = todo.pop()
-            if n.op != "placeholder" and n not in chain:
-                chain.add(n)
-                todo.extend(n.all_input_nodes)
+        chain = op_facts.ops_read(check)
         if not all(op_facts.is_pure(n) or op_facts.is_getitem(n) for n in chain):
             continue
-        rank = {n: i for i, n in enumerate(graph.nodes)}
-        for n in sorted(chain, key=rank.__getitem__) + [check]:
-            if rank[n] > rank[after]:
-                after.append(n)
-                after = n
+        after = op_facts.moved_after(after, chain, check)
         check.args = (*check.args[:3], True, *check.args[4:])
     graph.lint()
     gm.recompile()

@@ -144,3 +144,26 @@ def is_pure(n: torch.fx.Node) -> bool:
     if torch.Tag.nondeterministic_seeded in op.tags or op.namespace == "remat":
         return False
     return not any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+
+
+def ops_read(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """The ops `node` reads, directly or through others (the graph's placeholders left out)."""
+    found: set[torch.fx.Node] = set()
+    todo = list(node.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n.op != "placeholder" and n not in found:
+            found.add(n)
+            todo.extend(n.all_input_nodes)
+    return found
+
+
+def moved_after(after: torch.fx.Node, nodes: set[torch.fx.Node], last: torch.fx.Node) -> torch.fx.Node:
+    """Move `nodes`, then `last`, to run right after `after`, in their order in the graph (those
+    already before it stay); the node now last of them."""
+    rank = {n: i for i, n in enumerate(after.graph.nodes)}
+    for n in sorted(nodes, key=rank.__getitem__) + [last]:
+        if rank[n] > rank[after]:
+            after.append(n)
+            after = n
+    return after

@@ -43,18 +43,33 @@ from typing import Any, Iterator
 import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
 
-from remat.errors import BatchValueChanged, RematError
+from remat.errors import BatchValueChanged, RematError, StateValueChanged
 from remat.ops import op_facts
 
 VALUE_CHECK = "remat::value_check"
 _FAILED = re.compile(r"remat value check (\d+) failed")
 
 
+_CHECKING = [True]  # off while the profiler runs a graph again and again on the same copies (`unchecked`)
+
+
 @torch.library.custom_op(VALUE_CHECK, mutates_args=())
 def value_check(t: torch.Tensor, holds: bool, index: int) -> None:
     """Raise where `bool(t)` is not `holds` (check `index` of its step)."""
-    if bool(t) != holds:
+    if _CHECKING[0] and bool(t) != holds:
         raise ValueCheckFailed(f"remat value check {index} failed")
+
+
+@contextlib.contextmanager
+def unchecked() -> Iterator[None]:
+    """No value check raises while the block runs: a profile runs a graph several times on one
+    copy of the state, which its first run changes (an initialisation flag the step sets),
+    where the user's step runs once on each state."""
+    was, _CHECKING[0] = _CHECKING[0], False
+    try:
+        yield
+    finally:
+        _CHECKING[0] = was
 
 
 @value_check.register_fake
@@ -86,6 +101,8 @@ class ValueCheck:
     message: str
     args: tuple[Any, ...] | None = None  # the exception's own arguments, where plain values (sys.exit's code)
     as_eager: bool = True  # False: a branch on the batch's values fixed at the compiled batch's side (eager goes on)
+    state: tuple[str, ...] = ()  # a branch on the model's buffers alone: their names (the side their values gave)
+    first: bool = False  # run before anything else in the step (state_checks_first): a failure changed nothing
 
 
 @dataclass
@@ -110,6 +127,9 @@ class ValueChecks:
         # The truth the batch's values give a tested value, where they decide it (known_values.KnownValues.truth).
         self.known: Any = lambda value: None
         self._known_at: dict[int, bool | None] = {}
+        # The model's buffers a tested value comes from, where it comes from them alone (known_values.KnownValues.state_of).
+        self.state_of: Any = lambda value: None
+        self._state_at: dict[int, tuple[str, ...] | None] = {}
 
     @contextlib.contextmanager
     def tracing(self, inputs: dict[str, str]) -> Iterator[None]:
@@ -129,6 +149,7 @@ class ValueChecks:
                 if index >= len(checks.assumed):
                     e.remat_value_check = index  # type: ignore[attr-defined]
                     checks._known_at[index] = checks.known(t if tested is None else tested)
+                    checks._state_at[index] = checks.state_of(t if tested is None else tested)
                     raise
                 checks._reached += 1
                 holds = checks.assumed[index]
@@ -175,6 +196,11 @@ class ValueChecks:
             # Decided for the side just traced, which went on: to the next check, or to a failure of its own.
         new = _check_index(e)
         if new is not None and new == len(self.assumed):
+            state, known = self._state_at.get(new), self._known_at.get(new)
+            if state and known is not None:  # the model's buffers decide it: their side, the other never traced
+                self.assumed.append(known)
+                self.checks.append(_state_branch(where, known, state))
+                return True
             self._trial = _Trial(new, e, where)
             self.assumed.append(True)
             return True
@@ -210,9 +236,10 @@ class ValueChecks:
         failing = [side for side, raised in trial.raised.items() if raised is not None]
         self._trial = None
         known = self._known_at.get(trial.index)
-        if not failing and known is not None:  # control flow on a value the batch decides: its side, checked
+        if not failing and known is not None:  # control flow on a value the batch or the model's state decides: its side, checked
             self.assumed[trial.index] = known
-            self.checks.append(_fixed_branch(trial.where, known))
+            state = self._state_at.get(trial.index)
+            self.checks.append(_state_branch(trial.where, known, state) if state else _fixed_branch(trial.where, known))
             return known
         if len(failing) != 1:  # both went on (real control flow), or both raised (the failure is elsewhere)
             self._refused = trial.first if not failing else trial.raised[False]
@@ -281,6 +308,46 @@ def _fixed_branch(where: str, holds: bool) -> ValueCheck:
         "(remat.compile once for each)."), as_eager=False)
 
 
+def _state_branch(where: str, holds: bool, state: tuple[str, ...]) -> ValueCheck:
+    names = ", ".join(f"model.{n}" for n in state)
+    return ValueCheck(where, holds, StateValueChanged, (
+        f"train_step branches on the value of {names}{where}, which went {holds} when the step was compiled and goes "
+        f"{not holds} now. A branch on the model's buffers that goes on either way (an initialisation flag, a warm-up "
+        "counter) is held at the side they gave then and checked at every call: before the step changes anything, "
+        "the step is compiled again for the new side; checked after it changed something (a write to the buffer before "
+        "the branch), the step stops there. Run such a branch before the step changes the buffer it reads, or keep "
+        "the flag outside the graph (a Python attribute the loop sets)."), as_eager=False, state=state)
+
+
+def state_checks_first(gm: torch.fx.GraphModule, checks: list[ValueCheck]) -> torch.fx.GraphModule:
+    """`gm` with each check of a branch on the model's buffers (`ValueCheck.state`), and the ops
+    it reads, run first, where the values it reads are those it read where it was: the ops
+    are pure and nothing before the check writes what they read. Such a check is marked
+    `first`: where it fails, the step has changed nothing and may be compiled again."""
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    after = placeholders[-1] if placeholders else None
+    moved = False
+    for check in [n for n in graph.nodes if n.target is VALUE_CHECK_OP and checks[n.args[2]].state]:
+        chain = op_facts.ops_read(check)
+        read = {a for m in [*chain, check] for a in m.all_input_nodes if a.op == "placeholder"}
+        before = list(graph.nodes)[: list(graph.nodes).index(check)]
+        written = {_storage_root(w) for n in before if n.op == "call_function" for w in op_facts.written_args(n)}
+        if after is None or not all(_movable(n) for n in chain) or read & written:
+            continue
+        after = op_facts.moved_after(after, chain, check)
+        checks[check.args[2]].first = moved = True
+    if moved:
+        graph.lint()
+        gm.recompile()
+    return gm
+
+
+def _movable(n: torch.fx.Node) -> bool:
+    """An op that writes nothing and draws nothing: a pure tensor op, or arithmetic on Python numbers."""
+    return op_facts.is_pure(n) or op_facts.is_getitem(n) or (n.op == "call_function" and getattr(n.target, "__module__", None) in ("_operator", "math", "builtins"))
+
+
 def _check_index(e: BaseException) -> int | None:
     """The index of the value check whose `bool()` the trace failed at, if it failed at one."""
     return getattr(_guard_of(e), "remat_value_check", None)
@@ -328,6 +395,9 @@ def raise_as_eager(e: BaseException, checks: list[ValueCheck]) -> None:
         error = check.error_type(*check.args) if check.args is not None else check.error_type(check.message)
     except Exception:  # noqa: BLE001 - an exception type that takes other arguments
         error = RuntimeError(f"{check.error_type.__name__}: {check.message}")
+    if isinstance(error, StateValueChanged) and check.first:  # nothing changed: the step compiles again for it
+        error.before_any_change = True
+        raise error from None
     where = f" ({check.where.removeprefix(', at ')})" if check.where else ""
     note = (
         f"remat: the step's graph checks this tensor value at every call{where} and raised what eager raises there; "
