@@ -36,6 +36,10 @@ class StateValueChanged(RematError):
     that; raised later, the step stops there."""
 
     before_any_change = False
+    UNDER_DATA_PARALLEL = (
+        "remat: under DDP or FSDP2 the step is not compiled again (every rank would have to, together): run the steps "
+        "before this branch turns eagerly (an optimizer's warm-up branch: RAdam's first 6 steps), then compile the step"
+    )
 
     @property
     def change(self) -> str:  # as ChangedSinceCompiled's, for the warning that the step compiles again

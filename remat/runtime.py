@@ -394,6 +394,8 @@ class RematStep:
             # parameters trained as they were), nor where a graph took gradients, let go of as it ran.
             took_gradients = isinstance(change, StateValueChanged) and any(i.kind is InputKind.GRADIENT for i in compiled.tg.inputs)
             if self._dp is not None or not getattr(change, "before_any_change", True) or took_gradients:
+                if self._dp is not None and getattr(change, "before_any_change", False):
+                    change.add_note(StateValueChanged.UNDER_DATA_PARALLEL)
                 raise
             compiled = self._compiled_again(compiled, batch, change)
             return self._execute(compiled, *self._inputs(compiled, batch))  # the scheduler calls before the update were made

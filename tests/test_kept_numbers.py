@@ -145,6 +145,10 @@ class _Uses:
         self.step += 1
         return _plain(model, opt, batch, weight=torch.tensor(self.step).clamp(max=4) / 4)
 
+    def indexes(self, model, opt, batch):
+        self.step += 1
+        return _plain(model, opt, batch, weight=[1.0, 0.5][self.step % 2])
+
     def copies(self, model, opt, batch):
         self.step += 1
         self.other = self.step + 1
@@ -164,9 +168,29 @@ def _plain(model, opt, batch, weight=1.0):
     return loss
 
 
+def test_a_count_the_step_keeps_and_makes_a_tensor_of_is_read_at_every_call_bitwise():
+    """`torch.tensor(self.step)` of a count the step adds to: the tensor is made in the graph
+    from the count read at every call, so one graph trains bitwise as the count goes on."""
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_model, eager_opt = copy.deepcopy((model, opt))
+    mine, eager = _Uses(), _Uses()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no compile again: the count is an input
+        step = remat.compile(mine.feeds_torch, model, opt, _batch(0), memory_budget=None, profile_runs=1)
+        for i in range(6):  # the weight climbs to 1 at the fourth step, then holds
+            torch.manual_seed(i)
+            ours = step(_batch(i))
+            torch.manual_seed(i)
+            assert torch.equal(ours, eager.feeds_torch(eager_model, eager_opt, _batch(i))), i
+    assert mine.step == eager.step == 6 and len(step._graphs) == 1
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        assert torch.equal(p, q)
+
+
 @pytest.mark.parametrize(
     "method,use",
-    [("feeds_torch", r"_Uses\.step \(0 -> 1\), which it also uses \(len\)"), ("averages", r"_Uses\.total \(0\.0 -> 1\.0\), which it also uses \(truediv\)")],
+    [("indexes", r"_Uses\.step \(0 -> 1\), which it also uses \(mod\)"), ("averages", r"_Uses\.total \(0\.0 -> 1\.0\), which it also uses \(truediv\)")],
 )  # fmt: skip
 def test_a_number_the_step_keeps_and_also_uses_where_only_its_value_can_go_is_refused_naming_the_use(method, use):
     model = _Net()

@@ -58,7 +58,7 @@ def _branching(out):
 
 
 def _as_tensor(out):
-    return out.loss * torch.tensor(1.0 + SETTINGS.aux_weight)  # a use a symbol cannot take
+    return out.loss * torch.tensor(1.0 + SETTINGS.aux_weight)  # made in the graph from the float read
 
 
 _annealed_step = _step_with(_with_aux)
@@ -122,8 +122,23 @@ def test_a_weight_compared_with_zero_keeps_its_sign_and_compiles_again_only_when
     assert compiled._keys.signed == {"global SETTINGS.aux_weight"} and not compiled._constant
 
 
-@pytest.mark.parametrize("step", [_branching_step, _as_tensor_step], ids=["branch", "torch.tensor"])
-def test_a_float_the_step_branches_on_or_makes_a_tensor_of_stays_a_constant_compiled_per_value(step):
+def test_a_float_the_step_makes_a_tensor_of_is_read_at_every_call():
+    """`torch.tensor(1.0 + weight)`: the tensor is made in the graph from the float read at
+    every call, the same float32 rounding of the same double as eager's."""
+    compiled, model, o, eager_model, eager_opt, batch = _compiled(_as_tensor_step, None)
+
+    def anneal(i, m, opt):
+        SETTINGS.aux_weight = 0.01 * (i + 1)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = check_against_eager(_as_tensor_step, eager_model, eager_opt, model, o, compiled, batch, steps=4, between_steps=anneal)
+    assert result.match, result.summary()
+    assert len(compiled._graphs) == 1 and compiled._last.tg.call.numbers
+
+
+def test_a_float_the_step_branches_on_stays_a_constant_compiled_per_value():
+    step = _branching_step
     compiled, model, o, eager_model, eager_opt, batch = _compiled(step, None)
 
     def change(i, m, opt):

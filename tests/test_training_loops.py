@@ -174,11 +174,36 @@ def test_a_count_an_optimizer_loops_over_changed_compiles_again():
     _compiled_again_after(_muon, lambda o: o.param_groups[0].update(ns_steps=3), r"\['ns_steps'\] changed from 5 to 3, which the captured update takes as a fixed number")
 
 
-def test_an_optimizer_branching_on_its_step_count_is_refused_naming_the_line():
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda ps: torch.optim.RAdam(ps, lr=1e-3),
+        lambda ps: torch.optim.RAdam(ps, lr=1e-3, foreach=True, weight_decay=0.1, decoupled_weight_decay=True),
+        lambda ps: torch.optim.ASGD(ps, lr=1e-2, t0=2),
+    ],
+    ids=["radam", "radam-foreach", "asgd"],
+)
+def test_an_optimizer_branching_on_its_step_count_compiles_again_where_the_branch_turns(make_optimizer):
+    """RAdam's update branches on its step count after counting it up (`step_t += 1`, then `if
+    rho_t > 5.0:`, turning at its sixth step); ASGD's on its averaging factor (`max(1, step -
+    t0)`, `mu.item() != 1`). Each check runs first, on copies of the counts moved on as the
+    update moves them: where the side turns, the step compiles again before changing
+    anything, and every step is bitwise eager's."""
     spec = build_model("mlp-deep", 8)
-    opt = torch.optim.RAdam(spec.model.parameters(), lr=1e-3)
-    make_train_step(spec.loss_fn)(spec.model, opt, spec.batch)
-    with pytest.raises(CaptureError, match=r"optimizer's update branches on a value .* \(torch/optim/radam.py, line \d+: if rho_t > 5"):
+    opt = make_optimizer(spec.model.parameters())
+    eager_model, eager_opt = twin(spec.model, opt)
+    step_fn = make_train_step(spec.loss_fn)
+    step = remat.compile(step_fn, spec.model, opt, spec.batch, profile_runs=1, measure=False)
+    with pytest.warns(UserWarning, match=r"branches on the value of the optimizer's '(step|mu)' of .*: the step is compiled again") as said:
+        result = check_against_eager(step_fn, eager_model, eager_opt, spec.model, opt, step, spec.batch, steps=8)
+    assert result.match, result.summary()
+    assert 1 <= sum("compiled again" in str(w.message) for w in said) <= 3
+
+
+def test_an_optimizer_branching_on_its_parameters_values_is_refused_naming_the_line():
+    spec = build_model("mlp-deep", 8)
+    opt = torch.optim.Adafactor(spec.model.parameters(), lr=1e-2)
+    with pytest.raises(CaptureError, match=r"optimizer's update branches on a value .* \(torch/optim/_adafactor.py, line \d+: alpha = max\(eps2, param.norm"):
         remat.compile(make_train_step(spec.loss_fn), spec.model, opt, spec.batch, profile_runs=1, measure=False)
 
 

@@ -37,7 +37,7 @@ from remat.capture.train_graph import CallContract, GraphInput, InputKind, Phase
 from remat.capture.state.python_state import no_python_state_changed, put_back_as_now, state_slots
 from remat.capture.traced_rng import no_host_random_drawn, no_rng_state_set
 from remat.capture.user_checkpoints import plain_checkpoints
-from remat.ops import ctc_loss, dropout_masks, known_values, training_workspace, value_checks
+from remat.ops import check_placement, ctc_loss, dropout_masks, known_values, training_workspace, value_checks
 from remat.ops.cpu_shape_functions import cpu_kernels_as_shape_functions
 from remat.capture.step_inputs import BatchFloats, accumulated_gradients, finds_gradients, batch_leaf_names, batch_value, check_arguments, describe, held_gradients
 
@@ -265,7 +265,7 @@ def capture(
             stack.enter_context(numbers.traced(t_numbers, symbols))
             stack.enter_context(passes)
             stack.enter_context(cleared_before_backward(calls, cleared := set()))
-            known = known_values.KnownValues(list(zip(batch_args, flat[len(flat) - len(batch_args):])), where_in_users_code_now, checks, [(n, t_buffers[n], buffers[n]) for n in buffers])  # fmt: skip
+            known = known_values.KnownValues(list(zip(batch_args, flat[len(flat) - len(batch_args):])), where_in_users_code_now, checks, known_values.state_followed(buffers, t_buffers, states, t_states), lambda: {s: hyper_values[n] for s, n in symbols.items() if n in hyper_values})  # fmt: skip
             stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots, known))
             stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
             effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), args, passed, model)
@@ -294,7 +294,7 @@ def capture(
         return capture(train_step, model, passed, example_batch, read_numbers_named, reduce_in_buckets, grads_in=True)
     check_static_shapes(gm)
     check_graph_runnable(gm)
-    gm = training_workspace.swap_in(known_values.checked_first(value_checks.state_checks_first(value_checks.hoisted(gm), checks.checks)))
+    gm = training_workspace.swap_in(known_values.checked_first(check_placement.state_checks_first(check_placement.hoisted(gm), checks.checks)))
     groups: list[hyperparams.GroupSpec] = []
     if optimizer is not None:
         inputs = drop_unread_new_state(gm, inputs, optimizer, params, had_state)

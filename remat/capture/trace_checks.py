@@ -362,10 +362,12 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
         line = (inner or in_optimizer)[-1]
         adafactor = " (transformers' Adafactor: give it lr with scale_parameter=False and relative_step=False, as Hugging Face's Trainer does)"
         return CaptureError(
-            "the optimizer's update branches on a value that can change from step to step, such as its step count "
-            f"or its state ({'/'.join(Path(line.filename).parts[-3 if line in in_optimizer else -2 :])}, line {line.lineno}: {line.line}), which one "
-            "captured graph cannot hold. Use an optimizer whose update does not branch on its state (SGD, Adam, "
-            f"AdamW, RMSprop, Adagrad, Adamax, NAdam, Adadelta, Rprop){adafactor if 'RMS' in (line.line or '') else ''}, "
+            "the optimizer's update branches on a value that can change from step to step, such as its parameters' "
+            "or gradients' values or a state tensor of more than 16 elements "
+            f"({'/'.join(Path(line.filename).parts[-3 if line in in_optimizer else -2 :])}, line {line.lineno}: {line.line}), which one "
+            "captured graph cannot hold (a branch on a step count or another small state tensor is followed, and compiles "
+            "again where it turns). Use an optimizer whose update does not branch on such values (SGD, Adam, AdamW, "
+            f"RAdam, RMSprop, Adagrad, Adamax, NAdam, Adadelta, Rprop){adafactor if 'RMS' in (line.line or '') else ''}, "
             "or train this one without remat."
         )
     if data_dependent and _drawn_just_before(frames):

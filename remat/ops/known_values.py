@@ -118,6 +118,32 @@ _MOST_STATE_FOLLOWED = 16  # elements of a buffer followed from its value (a fla
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
+def _number_tensor(number: Any, dtype: torch.dtype | None = None, device: Any = None) -> torch.Tensor:
+    """`torch.tensor(x)` of a number the trace holds as a symbol (ASGD's `torch.as_tensor(lr /
+    ...)` of its step count), which torch can only make of a value it knows: the same
+    0-dim tensor, made in the graph."""
+    if dtype is None:
+        dtype = torch.bool if isinstance(number, torch.SymBool) else torch.int64 if isinstance(number, torch.SymInt) else torch.get_default_dtype()
+    return torch.scalar_tensor(number, dtype=dtype, device=device)
+
+
+def state_followed(
+    buffers: dict[str, torch.Tensor], traced_buffers: dict[str, torch.Tensor],
+    states: dict[str, dict[str, Any]], traced_states: dict[str, dict[str, torch.Tensor]],
+) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """The model's buffers and the optimizer's state tensors, as KnownValues takes them: the
+    name a message shows, the traced tensor and the real one. Those of at most
+    _MOST_STATE_FOLLOWED elements are followed: a flag, a counter, an optimizer's step count
+    (RAdam's `if rho_t > 5.0:` on it)."""
+    followed = [(f"model.{n}", traced_buffers[n], buffers[n]) for n in buffers]
+    for param, state in states.items():
+        followed += [
+            (f"the optimizer's {key!r} of {param}", traced_states[param][key], value)
+            for key, value in state.items() if isinstance(value, torch.Tensor) and isinstance(traced_states[param].get(key), torch.Tensor)
+        ]
+    return followed
+
+
 class _Drew(Exception):
     """A real call drew from a generator: its values are not known (and the draw is undone)."""
 
@@ -162,7 +188,7 @@ class KnownValues(TorchFunctionMode):
 
     def __init__(
         self, batch: list[tuple[torch.Tensor, torch.Tensor]], where_now: Callable[[], str], checks: Any = None,
-        state: list[tuple[str, torch.Tensor, torch.Tensor]] = (),
+        state: list[tuple[str, torch.Tensor, torch.Tensor]] = (), settings: Callable[[], dict[str, Any]] = dict,
     ):
         super().__init__()
         self.numbers: dict[Any, Any] = {}  # symbol of a number read from the batch's values (`.item()`) -> the number
@@ -179,8 +205,11 @@ class KnownValues(TorchFunctionMode):
                 self.real[fake], self.from_state[fake] = _real_call(lambda t: t.detach().clone(), (real,), {}), frozenset({name})
         self._batch_storages = {real.untyped_storage().data_ptr() for fake, real in batch if isinstance(real, torch.Tensor)}
         self.where_now = where_now
+        # The optimizer's settings read as graph inputs, by their symbols, with their values: with the
+        # state they decide a branch (RAdam's `rho_t > 5.0` of its step count and beta2), checked as it is.
+        self._settings = settings
         if checks is not None:  # a branch that goes on either way, on a value the batch or the state decides, takes its side
-            checks.known, checks.state_of = self.truth, self.state_of
+            checks.known, checks.state_of, checks.where_now = self.truth, self.state_of, where_now
         self._value_shaped: dict[Any, Callable[[tuple, dict], Any]] = {
             torch.nonzero: self._nonzero, torch.Tensor.nonzero: self._nonzero,
             torch.argwhere: self._argwhere, torch.Tensor.argwhere: self._argwhere,
@@ -203,6 +232,8 @@ class KnownValues(TorchFunctionMode):
             return out
         if name == "__iter__" and len(args) == 1 and self._followed(args[0]):  # its rows, followed
             return iter(self.__torch_function__(torch.Tensor.unbind, types, (args[0], 0)))
+        if func in (torch.tensor, torch.as_tensor) and args and isinstance(args[0], _SYMBOLIC) and set(kwargs) <= {"dtype", "device"}:
+            return _number_tensor(args[0], **kwargs)
         out = NotImplemented
         if func in self._value_shaped and (func is not torch.Tensor.__getitem__ or _masked(args[1])):
             tensors = _tensors((args, kwargs))
@@ -242,8 +273,9 @@ class KnownValues(TorchFunctionMode):
         if isinstance(value, torch.Tensor):
             state = self._state_only(value) if self._followed_number(value) else None
         elif isinstance(value, _SYMBOLIC) and value.node.expr.free_symbols:
-            found = [self.number_state.get(s) for s in value.node.expr.free_symbols]
-            state = frozenset().union(*found) if all(found) else None
+            settings = self._settings()
+            found = [self.number_state.get(s) for s in value.node.expr.free_symbols if str(s) not in settings]
+            state = frozenset().union(*found) if found and all(found) else None
         else:
             state = None
         return tuple(sorted(state)) if state else None
@@ -254,9 +286,10 @@ class KnownValues(TorchFunctionMode):
         if isinstance(value, torch.Tensor):
             return bool(_real_call(torch.Tensor.__bool__, (self.real[value],), {})) if self._followed_number(value) else None
         if isinstance(value, _SYMBOLIC):
-            expr = value.node.expr
-            if expr.free_symbols and all(s in self.numbers for s in expr.free_symbols):
-                decided = expr.xreplace({s: sympy.sympify(int(v) if isinstance(v, bool) else v) for s, v in self.numbers.items() if s in expr.free_symbols})
+            expr, settings = value.node.expr, self._settings()
+            numbers = {**{s: settings[str(s)] for s in expr.free_symbols if str(s) in settings}, **self.numbers}
+            if expr.free_symbols and all(s in numbers for s in expr.free_symbols):
+                decided = expr.xreplace({s: sympy.sympify(int(v) if isinstance(v, bool) else v) for s, v in numbers.items() if s in expr.free_symbols})
                 return bool(decided) if decided.is_Boolean or decided.is_Number else None
         return None
 

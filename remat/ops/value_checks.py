@@ -22,7 +22,7 @@ example batch gives, and a failed check raises `BatchValueChanged` instead.
 
 At run time (`raise_as_eager`), a failed check raises the exception the failing side
 raised while tracing, with its message: the step stops there, as eager stops. A check
-runs early (`hoisted`) but after every change to the user's state and every random draw
+runs early (`check_placement.hoisted`) but after every change to the user's state and every random draw
 that came before it, and no update runs before a check that came before it
 (update_placement), so the parameters, buffers, optimizer state and generator are as
 eager's were when it raised.
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import operator
 import re
 import sys
 import traceback
@@ -44,7 +43,6 @@ import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
 
 from remat.errors import BatchValueChanged, RematError, StateValueChanged
-from remat.ops import op_facts
 
 VALUE_CHECK = "remat::value_check"
 _FAILED = re.compile(r"remat value check (\d+) failed")
@@ -101,7 +99,7 @@ class ValueCheck:
     message: str
     args: tuple[Any, ...] | None = None  # the exception's own arguments, where plain values (sys.exit's code)
     as_eager: bool = True  # False: a branch on the batch's values fixed at the compiled batch's side (eager goes on)
-    state: tuple[str, ...] = ()  # a branch on the model's buffers alone: their names (the side their values gave)
+    state: tuple[str, ...] = ()  # a branch on small state tensors alone (buffers, optimizer state): their names
     first: bool = False  # run before anything else in the step (state_checks_first): a failure changed nothing
 
 
@@ -127,9 +125,9 @@ class ValueChecks:
         # The truth the batch's values give a tested value, where they decide it (known_values.KnownValues.truth).
         self.known: Any = lambda value: None
         self._known_at: dict[int, bool | None] = {}
-        # The model's buffers a tested value comes from, where it comes from them alone (known_values.KnownValues.state_of).
+        # The small state tensors a tested value comes from, where it comes from them alone (known_values.KnownValues.state_of).
         self.state_of: Any = lambda value: None
-        self._state_at: dict[int, tuple[str, ...] | None] = {}
+        self.where_now: Any = lambda: ""  # the user's line branching now (trace_checks.where_in_users_code_now)
 
     @contextlib.contextmanager
     def tracing(self, inputs: dict[str, str]) -> Iterator[None]:
@@ -146,10 +144,9 @@ class ValueChecks:
                 return plain(t)
             except GuardOnDataDependentSymNode as e:
                 index = checks._reached
-                if index >= len(checks.assumed):
+                if index >= len(checks.assumed) and not checks._state_decided(t if tested is None else tested):
                     e.remat_value_check = index  # type: ignore[attr-defined]
                     checks._known_at[index] = checks.known(t if tested is None else tested)
-                    checks._state_at[index] = checks.state_of(t if tested is None else tested)
                     raise
                 checks._reached += 1
                 holds = checks.assumed[index]
@@ -161,8 +158,10 @@ class ValueChecks:
         def checked_sym_bool(b: torch.SymBool) -> bool:
             # `if loss.item() > 100: raise ...`: a comparison of a number the step computed, in
             # the user's or a library's code (torch's own kernels handle theirs), is checked
-            # as the same comparison of a tensor.
-            if _computed(b, inputs) and not Path(sys._getframe(1).f_code.co_filename).is_relative_to(_TORCH):
+            # as the same comparison of a tensor; so is one in torch's own code that small state
+            # tensors alone decide (RAdam's `if rho_t > 5.0:` on its step count).
+            ours = not Path(sys._getframe(1).f_code.co_filename).is_relative_to(_TORCH)
+            if (_computed(b, inputs) and ours) or checks.state_of(b) is not None:
                 return checked_bool(torch.scalar_tensor(b, dtype=torch.bool), b)
             return plain_sym(b)
 
@@ -178,6 +177,16 @@ class ValueChecks:
             torch.SymBool.__bool__ = plain_sym  # type: ignore[method-assign]
             for name, test in tests.items():
                 setattr(math, name, test)
+
+    def _state_decided(self, value: Any) -> bool:
+        """Whether small state tensors decide a new check's `value` (a flag, a step count): its
+        side is taken, and the trace goes on without being run again."""
+        state, known = self.state_of(value), self.known(value)
+        if not state or known is None:
+            return False
+        self.assumed.append(known)
+        self.checks.append(_state_branch(self.where_now(), known, state))
+        return True
 
     def retry(self, e: BaseException, where: str) -> bool:
         """After a trace failed with `e`: whether to trace again, with a side to try or the
@@ -196,11 +205,6 @@ class ValueChecks:
             # Decided for the side just traced, which went on: to the next check, or to a failure of its own.
         new = _check_index(e)
         if new is not None and new == len(self.assumed):
-            state, known = self._state_at.get(new), self._known_at.get(new)
-            if state and known is not None:  # the model's buffers decide it: their side, the other never traced
-                self.assumed.append(known)
-                self.checks.append(_state_branch(where, known, state))
-                return True
             self._trial = _Trial(new, e, where)
             self.assumed.append(True)
             return True
@@ -236,10 +240,9 @@ class ValueChecks:
         failing = [side for side, raised in trial.raised.items() if raised is not None]
         self._trial = None
         known = self._known_at.get(trial.index)
-        if not failing and known is not None:  # control flow on a value the batch or the model's state decides: its side, checked
+        if not failing and known is not None:  # control flow on a value the batch decides: its side, checked
             self.assumed[trial.index] = known
-            state = self._state_at.get(trial.index)
-            self.checks.append(_state_branch(trial.where, known, state) if state else _fixed_branch(trial.where, known))
+            self.checks.append(_fixed_branch(trial.where, known))
             return known
         if len(failing) != 1:  # both went on (real control flow), or both raised (the failure is elsewhere)
             self._refused = trial.first if not failing else trial.raised[False]
@@ -309,43 +312,14 @@ def _fixed_branch(where: str, holds: bool) -> ValueCheck:
 
 
 def _state_branch(where: str, holds: bool, state: tuple[str, ...]) -> ValueCheck:
-    names = ", ".join(f"model.{n}" for n in state)
+    names = ", ".join(state)
     return ValueCheck(where, holds, StateValueChanged, (
         f"train_step branches on the value of {names}{where}, which went {holds} when the step was compiled and goes "
-        f"{not holds} now. A branch on the model's buffers that goes on either way (an initialisation flag, a warm-up "
-        "counter) is held at the side they gave then and checked at every call: before the step changes anything, "
-        "the step is compiled again for the new side; checked after it changed something (a write to the buffer before "
-        "the branch), the step stops there. Run such a branch before the step changes the buffer it reads, or keep "
-        "the flag outside the graph (a Python attribute the loop sets)."), as_eager=False, state=state)
-
-
-def state_checks_first(gm: torch.fx.GraphModule, checks: list[ValueCheck]) -> torch.fx.GraphModule:
-    """`gm` with each check of a branch on the model's buffers (`ValueCheck.state`), and the ops
-    it reads, run first, where the values it reads are those it read where it was: the ops
-    are pure and nothing before the check writes what they read. Such a check is marked
-    `first`: where it fails, the step has changed nothing and may be compiled again."""
-    graph = gm.graph
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    after = placeholders[-1] if placeholders else None
-    moved = False
-    for check in [n for n in graph.nodes if n.target is VALUE_CHECK_OP and checks[n.args[2]].state]:
-        chain = op_facts.ops_read(check)
-        read = {a for m in [*chain, check] for a in m.all_input_nodes if a.op == "placeholder"}
-        before = list(graph.nodes)[: list(graph.nodes).index(check)]
-        written = {_storage_root(w) for n in before if n.op == "call_function" for w in op_facts.written_args(n)}
-        if after is None or not all(_movable(n) for n in chain) or read & written:
-            continue
-        after = op_facts.moved_after(after, chain, check)
-        checks[check.args[2]].first = moved = True
-    if moved:
-        graph.lint()
-        gm.recompile()
-    return gm
-
-
-def _movable(n: torch.fx.Node) -> bool:
-    """An op that writes nothing and draws nothing: a pure tensor op, or arithmetic on Python numbers."""
-    return op_facts.is_pure(n) or op_facts.is_getitem(n) or (n.op == "call_function" and getattr(n.target, "__module__", None) in ("_operator", "math", "builtins"))
+        f"{not holds} now. A branch on small state tensors that goes on either way (an initialisation flag, a warm-up "
+        "counter, an optimizer's step count) is held at the side they gave then and checked at every call: before the "
+        "step changes anything, the step is compiled again for the new side; checked after it changed something that "
+        "the check cannot be run ahead of, the step stops there. Run such a branch before the step changes what it "
+        "reads, or keep the flag outside the graph (a Python attribute the loop sets)."), as_eager=False, state=state)
 
 
 def _check_index(e: BaseException) -> int | None:
@@ -410,76 +384,3 @@ def raise_as_eager(e: BaseException, checks: list[ValueCheck]) -> None:
         print(f"{note[:-1]} (sys.exit; what the step printed on its way there is not printed again).", file=sys.stderr)
     error.add_note(note)
     raise error from None
-
-
-def hoisted(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """`gm` with each value check run as soon as what it reads is computed: the check and
-    the pure ops only it reads (`torch.isfinite(loss)` after backward()) move to right after
-    their inputs, but never before an op that changes the user's state or draws random
-    numbers, so that a check on the loss comes before the backward pass and leaves the
-    updates free to move into it (update_placement keeps them after every check). The
-    `.item()` each check's trace began with, read by nothing, is dropped."""
-    graph = gm.graph
-    checks = [n for n in graph.nodes if n.target is VALUE_CHECK_OP]
-    if not checks:
-        return gm
-    for c in checks:
-        for user in list(c.args[0].users):
-            if user.target is torch.ops.aten._local_scalar_dense.default and not user.users:
-                graph.erase_node(user)
-    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    for c in checks:
-        rank = {n: i for i, n in enumerate(graph.nodes)}
-        chain = {c}
-        todo = list(c.all_input_nodes)
-        while todo:
-            n = todo.pop()
-            if n in chain or not op_facts.is_pure(n) or any(u not in chain for u in n.users):
-                continue
-            chain.add(n)
-            todo.extend(n.all_input_nodes)
-        # A node whose users were not all in the chain when first seen may join later: once more.
-        for n in sorted({a for m in chain for a in m.all_input_nodes} - chain, key=rank.__getitem__, reverse=True):
-            if op_facts.is_pure(n) and all(u in chain for u in n.users):
-                chain.add(n)
-        outside = {a for m in chain for a in m.all_input_nodes} - chain
-        # Never before the check that came before it: two checks of one value (a comparison,
-        # then a test for NaN) fail in eager's order.
-        after = max([last_placeholder, *outside, *checks[: checks.index(c)][-1:]], key=rank.__getitem__)
-        # Not before an op that changes the user's state (writes a parameter, a buffer, the
-        # optimizer's state in place) or draws random numbers: where the check fails, the
-        # step has done what eager's had when it raised, and reads what eager's read.
-        for n in list(graph.nodes)[rank[after] + 1 : rank[c]]:
-            if op_facts.is_random(n) or any(_storage_root(w).op == "placeholder" for w in op_facts.written_args(n)):
-                after = n
-        after = _past_getitems(after)
-        for n in sorted(chain, key=rank.__getitem__):
-            if rank[n] > rank[after]:
-                after.append(n)
-                after = n
-    graph.lint()
-    gm.recompile()
-    return gm
-
-
-def _storage_root(node: torch.fx.Node) -> torch.fx.Node:
-    """The node that made the storage `node` is: back through views and in-place ops (whose
-    result is their first argument, as `param.mul_(...)` then `.addcdiv_(...)`)."""
-    while True:
-        node = op_facts.viewed_base(node)
-        target = node.target
-        if not (node.op == "call_function" and op_facts.written_args(node) and isinstance(target, torch._ops.OpOverload)):
-            return node
-        ret, first = target._schema.returns[0].alias_info if target._schema.returns else None, target._schema.arguments[0].alias_info
-        if ret is None or first is None or ret.before_set != first.before_set or not isinstance(node.args[0], torch.fx.Node):
-            return node
-        node = node.args[0]
-
-
-def _past_getitems(after: torch.fx.Node) -> torch.fx.Node:
-    """`after`, or the last of the getitems right after it that read the same tuple: a check
-    placed between two of them would cut a multi-output op's tuple off from its getitems."""
-    tuple_node = after.args[0] if after.target is operator.getitem else after
-    while after.next.op == "call_function" and after.next.target is operator.getitem and after.next.args[0] is tuple_node:
-        after = after.next
-    return after
