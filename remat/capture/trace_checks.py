@@ -362,11 +362,12 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
         line = (inner or in_optimizer)[-1]
         adafactor = " (transformers' Adafactor: give it lr with scale_parameter=False and relative_step=False, as Hugging Face's Trainer does)"
         return CaptureError(
-            "the optimizer's update branches on a value that can change from step to step, such as its parameters' "
-            "or gradients' values or a state tensor of more than 16 elements "
+            "the optimizer's update branches on a value that can change from step to step "
             f"({'/'.join(Path(line.filename).parts[-3 if line in in_optimizer else -2 :])}, line {line.lineno}: {line.line}), which one "
-            "captured graph cannot hold (a branch on a step count or another small state tensor is followed, and compiles "
-            "again where it turns). Use an optimizer whose update does not branch on such values (SGD, Adam, AdamW, "
+            "captured graph cannot hold: one computed from its parameters or gradients, from a state tensor of more than "
+            "16 elements, or from a count kept as a Python number together with its settings (a branch on small state "
+            "tensors, such as torch's RAdam's step count, is followed, and compiles again where it turns). Use an "
+            "optimizer whose update does not branch on such values (SGD, Adam, AdamW, "
             f"RAdam, RMSprop, Adagrad, Adamax, NAdam, Adadelta, Rprop){adafactor if 'RMS' in (line.line or '') else ''}, "
             "or train this one without remat."
         )
