@@ -28,17 +28,18 @@ def state_checks_first(gm: torch.fx.GraphModule, checks: list[ValueCheck]) -> to
     fails, the step has changed nothing and may be compiled again."""
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    after = placeholders[-1] if placeholders else None
-    moved = False
+    if not placeholders:
+        return gm
+    after, moved = placeholders[-1], False
+    # What each op writes, found once: this pass moves checks and pure ops, never a write.
+    rank = {n: i for i, n in enumerate(graph.nodes)}
+    writers = {n: roots for n in graph.nodes if n.op == "call_function" and (roots := {_storage_root(w) for w in op_facts.written_args(n)})}
     copied: tuple[set[torch.fx.Node], set[torch.fx.Node], list[torch.fx.Node]] = (set(), set(), [])  # shared by every check copied
     for check in [n for n in graph.nodes if n.target is VALUE_CHECK_OP and checks[n.args[2]].state]:
         chain = op_facts.ops_read(check)
         read = {a for m in [*chain, check] for a in m.all_input_nodes if a.op == "placeholder"}
-        before = list(graph.nodes)[: list(graph.nodes).index(check)]
-        writes = {n: {_storage_root(w) for w in op_facts.written_args(n)} for n in before if n.op == "call_function"}
+        writes = {n: roots for n, roots in writers.items() if rank[n] < rank[check]}
         written = set().union(*writes.values())
-        if after is None:
-            continue
         if all(_movable(n) for n in chain) and not read & written:
             after = op_facts.moved_after(after, chain, check)
         elif (ahead := _shadowed_state(chain, writes, read)) is not None:
@@ -64,10 +65,10 @@ def _shadowed_state(
     read nothing the step has changed: those ops with the check's (`chain` and them, with the
     ops they read), and the graph inputs they write. Copies of the ops, on copies of those
     inputs, give the check its values before the step changes anything. None where it cannot.
-    `writes`: each op before the check, with the graph inputs it writes."""
+    `writes`: each op before the check that writes in place, with the graph inputs it writes."""
     copied, needed = set(chain), set(read)
     while True:
-        shadowed = set().union(*(writes.get(n, set()) for n in copied))
+        shadowed = set().union(*(writes[n] for n in copied if n in writes))
         more = {w for w, roots in writes.items() if w not in copied and roots & (needed | shadowed)}
         if not more:
             break
@@ -103,9 +104,8 @@ def _copied_first(
     for state in sorted(shadowed, key=rank.__getitem__):
         with graph.inserting_after(after):
             after = copies[state] = graph.call_function(torch.ops.aten.clone.default, (state,))
-        val = state.meta["val"]
-        with val.fake_mode:
-            after.meta["val"] = val.clone()
+        after.meta["val"] = state.meta["val"]
+        _fresh_value(after)
     for n in sorted(chain | set(checks), key=rank.__getitem__):
         if n.op == "get_attr":
             continue
