@@ -194,6 +194,38 @@ def test_a_random_op_with_its_own_generator_is_never_recomputed():
     assert all(index.node_map[n].kwargs.get("generator") is not None for n in own)
 
 
+def test_a_users_generator_is_left_as_it_was_by_compiling_so_the_steps_draw_what_eager_draws():
+    """Profiling runs the graph, which draws from every generator it holds: the user's is
+    put back as the default one is."""
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Dropout(0.1), torch.nn.Linear(64, 10))
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), torch.Generator().manual_seed(5)
+
+    def train_step(model, opt, batch, g):
+        opt.zero_grad()
+        noise = torch.randn(batch.shape, generator=g) * 0.1
+        loss = model(batch + noise).square().mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    batches = [torch.randn(64, 32) for _ in range(3)]
+    eager_model, eager_opt, eager_g = make()
+    remat_model, remat_opt, remat_g = make()
+    torch.manual_seed(1)
+    expected = [train_step(eager_model, eager_opt, b, eager_g) for b in batches]
+    torch.manual_seed(1)
+    step = remat.compile(lambda m, o, b: train_step(m, o, b, remat_g), remat_model, remat_opt, batches[0])
+    assert torch.equal(remat_g.get_state(), torch.Generator().manual_seed(5).get_state())
+    for b, loss in zip(batches, expected):
+        assert torch.equal(step(b), loss)
+    assert torch.equal(remat_g.get_state(), eager_g.get_state())
+    for p, q in zip(eager_model.parameters(), remat_model.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_only_activations_can_be_dropped():
     spec, opt, step, tg, analysis, index, candidates = _setup("mlp", 4, "sgd")
     param = next(t for t in analysis.tensors if t.persistent)

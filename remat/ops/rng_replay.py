@@ -8,11 +8,16 @@ implementations, for the analysis of that graph):
   on CPU the Mersenne Twister state, on CUDA the Philox seed and offset);
 - `Replay(op)(state, device, *args)`: runs `op` with that generator set to `state`, and
   sets it back after.
+
+`generators_kept(gm, device)` is the context the graph runs in when it runs for remat's own
+sake (profiling, timing): the default generators and every generator of the user's the
+graph draws from (`torch.randn(..., generator=g)`) are left as they were.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 import torch.fx
@@ -44,6 +49,28 @@ def held_bytes(device: str) -> int:
     one a copy sets aside while it runs (`Replay`). The state is a host tensor, so it counts
     only where the host is the device measured (CPU)."""
     return state_bytes(device) if torch.device(device).type == "cpu" else 0
+
+
+def graph_generators(gm: torch.fx.GraphModule) -> list[torch.Generator]:
+    """The generators of the user's that `gm`'s random ops draw from: attributes of it or of
+    its submodules (compiled regions)."""
+    found = {id(v): v for module in gm.modules() for v in vars(module).values() if isinstance(v, torch.Generator)}
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def generators_kept(gm: torch.fx.GraphModule, device: torch.device) -> Iterator[None]:
+    """Run `gm` for remat's own sake: the default generators (CPU, and `device`'s on CUDA)
+    and the user's generators it draws from are put back as they were when it ends, so the
+    user's first step draws what eager's would."""
+    own = graph_generators(gm)
+    states = [g.get_state() for g in own]
+    try:
+        with torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else []):
+            yield
+    finally:
+        for g, state in zip(own, states):
+            g.set_state(state)
 
 
 @torch.library.custom_op("remat::rng_save", mutates_args=())

@@ -29,6 +29,7 @@ from remat.capture.step_inputs import flat_inputs
 from remat.capture.train_graph import InputKind, TrainGraph
 from remat.errors import PlanError, RematError
 from remat.ops import value_checks
+from remat.ops.rng_replay import generators_kept
 from remat.profile.node_runner import NodeRunner, time_run_cpu, time_run_cuda, time_whole_runs
 from remat.profile.time_model import OpCosts, first_touch_seconds_per_byte, line_seconds, scaled_to_runs, synchronous
 from remat.profile.allocator import cpu_memory_events, cpu_memory_profile, measure_peak
@@ -201,8 +202,7 @@ def profile(
     if runner.num_ops != analysis.num_nodes:
         raise RematError(f"graph has {runner.num_ops} op nodes but its analysis {analysis.num_nodes}; analyse this graph")
 
-    fork_devices = [dev.index] if is_cuda else []
-    with torch.random.fork_rng(devices=fork_devices), torch.no_grad(), value_checks.unchecked():
+    with generators_kept(tg.gm, dev), torch.no_grad(), value_checks.unchecked():
         inputs = _profiling_inputs(tg, model, optimizer, batch)
         total = warmup + runs + 2
         times: list[np.ndarray] = []
@@ -270,7 +270,7 @@ def node_peaks(gm: torch.fx.GraphModule, tg: TrainGraph, model: torch.nn.Module,
     level before the step). Leaves the model, optimizer and RNG as it found them."""
     dev = torch.device(tg.device)
     runner = NodeRunner(gm)
-    with torch.random.fork_rng(devices=[dev.index] if dev.type == "cuda" else []), torch.no_grad(), value_checks.unchecked():
+    with generators_kept(gm, dev), torch.no_grad(), value_checks.unchecked():
         inputs = _profiling_inputs(tg, model, optimizer, batch)
         mem = _memory_run_cuda(runner, inputs, dev) if dev.type == "cuda" else _memory_run_cpu(runner, inputs)
         del inputs
@@ -282,7 +282,7 @@ def node_costs(gm: torch.fx.GraphModule, tg: TrainGraph, model: torch.nn.Module,
     regions), timed in `gm`'s own code (node_runner.time_whole_runs) over `runs` runs on
     clones of the state after one warm-up. Leaves the model, optimizer and RNG as it found them."""
     dev = torch.device(tg.device)
-    with torch.random.fork_rng(devices=[dev.index] if dev.type == "cuda" else []), torch.no_grad(), value_checks.unchecked():
+    with generators_kept(gm, dev), torch.no_grad(), value_checks.unchecked():
         inputs = _profiling_inputs(tg, model, optimizer, batch)
         device_runs, host_runs = time_whole_runs(gm, inputs, runs + 1, dev)
         del inputs
