@@ -583,6 +583,35 @@ def test_a_tensor_read_as_an_int_is_refused_and_the_advised_index_tensor_trains_
     assert model.ptr.item() == 4 and len(step._graphs) == 1
 
 
+def _one_hot_step(num_classes):
+    def train_step(model, opt, batch):
+        opt.zero_grad()
+        logits = model(batch["x"])
+        target = torch.nn.functional.one_hot(batch["y"]) if num_classes is None else torch.nn.functional.one_hot(batch["y"], num_classes=num_classes)
+        loss = -(target.float() * logits.log_softmax(-1)).sum(-1).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    return train_step
+
+
+def test_one_hot_without_num_classes_is_refused_saying_to_pass_it_and_with_it_trains_bitwise():
+    import remat
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [{"x": torch.randn(6, 8), "y": torch.randint(0, 5, (6,))} for _ in range(3)]
+    with pytest.raises(CaptureError, match=r"one_hot without num_classes, at test_capture\.py, line \d+: .*num_classes=\.\.\."):
+        remat.compile(_one_hot_step(None), model, opt, batches[0], memory_budget=None)
+    eager_model, eager_opt = twin(model, opt)
+    step = remat.compile(_one_hot_step(5), model, opt, batches[0], memory_budget=None)
+    for batch in batches:
+        assert torch.equal(step(batch), _one_hot_step(5)(eager_model, eager_opt, batch))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), eager_model.parameters()))
+
+
 class _PackedGRU(torch.nn.Module):
     def __init__(self):
         super().__init__()

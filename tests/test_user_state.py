@@ -744,6 +744,46 @@ def test_tensors_hooks_and_the_step_log_into_lists_and_dicts_are_each_steps_and_
     assert _same_parameters(model, eager_model)
 
 
+def test_a_log_the_hooks_fill_inside_settings_the_step_reads_does_not_key_the_step() -> None:
+    """Backward hooks filling a dict of gradient norms held inside the settings dict the step
+    reads a loss weight from: the settings key the step, the log inside them does not (the
+    step never reads it), so the step compiles once and the log holds each step's norms."""
+
+    def hooked(model):  # type: ignore[no-untyped-def]
+        norms: dict[str, torch.Tensor] = {}
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_full_backward_hook(lambda m, gi, go, name=name: norms.__setitem__(name, go[0].norm().detach()))
+        return {"weight": 0.5, "grad_norms": norms}
+
+    def with_settings(settings):  # type: ignore[no-untyped-def]
+        def train_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(batch["x"]), batch["y"]) * settings["weight"]
+            loss.backward()
+            optimizer.step()
+            return loss
+
+        return train_step
+
+    model, batches = _mlp(depth=2), _batches(4)
+    eager_model = copy.deepcopy(model)
+    settings, eager_settings = hooked(model), hooked(eager_model)
+    opt, eager_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager_model.parameters(), lr=0.1)
+    step = remat.compile(with_settings(settings), model, opt, batches[0], memory_budget=None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="remat")
+        for batch in batches:
+            assert torch.equal(step(batch), with_settings(eager_settings)(eager_model, eager_opt, batch))
+            assert settings["grad_norms"].keys() == eager_settings["grad_norms"].keys()
+            assert all(torch.equal(settings["grad_norms"][k], v) for k, v in eager_settings["grad_norms"].items())
+    assert len(step._graphs) == 1 and _same_parameters(model, eager_model)
+    settings["weight"] = 0.25  # what the step does read still keys it
+    with pytest.warns(UserWarning, match="compiled again"):
+        assert torch.equal(step(batches[0]), with_settings(eager_settings | {"weight": 0.25})(eager_model, eager_opt, batches[0]))
+    assert len(step._graphs) == 2
+
+
 def test_a_dict_the_step_reads_before_it_stores_keys_the_step_and_a_parameter_appended_is_refused() -> None:
     """A dict read for a key the step had not set (the graph took its absence as it was) keys
     the step: it compiles again once the dict holds one. Appending a tensor the step did not
@@ -1163,3 +1203,181 @@ def test_setting_data_to_another_inputs_memory_or_another_layout_is_refused_nami
     with pytest.raises(CaptureError, match=r"replaces the model's parameter 1.0.weight with another one .*p\.data = new"):
         remat.compile(replaced, model, opt, batch)
     assert all(p.grad is None for p in model.parameters())  # nothing was changed
+
+
+class _NoDecaySGD(torch.optim.Optimizer):
+    """A user's optimizer that reads a flag the user set on some parameters."""
+
+    def __init__(self, params, lr=0.1, weight_decay=0.1):  # type: ignore[no-untyped-def]
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self):  # type: ignore[no-untyped-def]
+        for group in self.param_groups:
+            for p in group["params"]:
+                decay = 0.0 if getattr(p, "no_decay", False) else group["weight_decay"]
+                p.add_(p.grad + decay * p, alpha=-group["lr"])
+
+
+def test_a_flag_on_a_parameter_is_read_as_eager_reads_it_and_a_change_between_steps_compiles_again() -> None:
+    """`p.no_decay = True` on the biases, read by the user's optimizer: the traced stand-ins
+    hold it too (before, they did not, and every bias decayed, off eager's from the second
+    step, silently); the flag is watched, so flipping it between steps compiles again."""
+    model, batches = _mlp(depth=2), _batches(4)
+    eager_model = copy.deepcopy(model)  # a parameter's deepcopy leaves its attributes behind: set on both
+    for (name, p), q in zip(model.named_parameters(), eager_model.parameters()):
+        if name.endswith("bias"):
+            p.no_decay = q.no_decay = True
+    opt, eager_opt = _NoDecaySGD(model.parameters()), _NoDecaySGD(eager_model.parameters())
+    step = remat.compile(_step, model, opt, batches[0], memory_budget=None)
+    for i, batch in enumerate(batches):
+        if i == 2:
+            model[0][0].bias.no_decay = eager_model[0][0].bias.no_decay = False
+            with pytest.warns(UserWarning, match=r"model\.0\.0\.bias\.no_decay \(True -> False\)"):
+                loss = step(batch)
+        else:
+            loss = step(batch)
+        assert torch.equal(loss, _step(eager_model, eager_opt, batch))
+        assert _same_parameters(model, eager_model)
+    assert len(step._graphs) == 2
+
+
+class _PerSampleGrads(torch.nn.Module):
+    """Per-sample gradients kept as opacus keeps them: a forward hook pushes each linear
+    layer's input onto the layer's list, a backward hook pops it and sets `p.grad_sample`;
+    the step clips each sample's gradient and averages them into `p.grad`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        for layer in (self.net[0], self.net[2]):
+            layer.activations = []
+            layer.register_forward_hook(lambda m, inputs, out: m.activations.append(inputs[0].detach()))
+            layer.register_full_backward_hook(self._grad_sample)
+
+    @staticmethod
+    def _grad_sample(layer, grad_input, grad_output):  # type: ignore[no-untyped-def]
+        x, g = layer.activations.pop(), grad_output[0]
+        layer.weight.grad_sample = torch.einsum("bi,bj->bij", g, x)
+        layer.bias.grad_sample = g
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self.net(x)
+
+
+def _clipped_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(batch["x"]), batch["y"], reduction="sum")
+    loss.backward()
+    params = list(model.parameters())
+    norms = torch.stack([p.grad_sample.flatten(1).norm(dim=1) for p in params], dim=1).norm(dim=1)
+    factor = (1.0 / (norms + 1e-6)).clamp(max=1.0)
+    for p in params:
+        p.grad = torch.einsum("b,b...->...", factor, p.grad_sample) / len(factor)
+        prev = getattr(p, "prev_grad", None)  # absent at the first step: a second graph after it
+        if prev is not None:
+            p.grad.add_(prev, alpha=0.5)
+        p.prev_grad = p.grad.clone()
+    optimizer.step()
+    return loss
+
+
+def test_tensors_the_step_keeps_on_parameters_are_set_after_each_run_as_eager_sets_them() -> None:
+    model, batches = _PerSampleGrads(), _batches(4, rows=8, width=16)
+    for b in batches:
+        b["y"] = b["y"] % 4
+    eager_model = copy.deepcopy(model)
+    for layer in (eager_model.net[0], eager_model.net[2]):  # deepcopy does not copy hooks
+        layer._forward_hooks.clear()
+        layer._backward_hooks.clear()
+        layer.register_forward_hook(lambda m, inputs, out: m.activations.append(inputs[0].detach()))
+        layer.register_full_backward_hook(_PerSampleGrads._grad_sample)
+    opt, eager_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager_model.parameters(), lr=0.1)
+    step = remat.compile(_clipped_step, model, opt, batches[0], memory_budget=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the second graph's warning names prev_grad
+        for batch in batches:
+            assert torch.equal(step(batch), _clipped_step(eager_model, eager_opt, batch))
+            for p, q in zip(model.parameters(), eager_model.parameters()):
+                assert torch.equal(p, q) and torch.equal(p.grad_sample, q.grad_sample) and torch.equal(p.prev_grad, q.prev_grad)
+    assert model.net[0].activations == [] == eager_model.net[0].activations
+
+
+def test_a_plain_value_the_step_sets_on_a_parameter_is_refused_naming_it() -> None:
+    model, batches = _mlp(depth=1), _batches(1)
+
+    def marks(model, optimizer, batch):  # type: ignore[no-untyped-def]
+        model[0][0].weight.seen = True
+        return _step(model, optimizer, batch)
+
+    with pytest.raises(CaptureError, match=r"sets Python attributes on the model's 0\.0\.weight \(seen\)"):
+        remat.compile(marks, model, torch.optim.SGD(model.parameters(), lr=0.1), batches[0], memory_budget=None)
+
+
+class _Accountant:
+    def __init__(self) -> None:
+        self.steps = 0
+        self.history: list[tuple[float, int]] = []
+
+    def step(self, noise: float) -> None:
+        self.steps += 1
+        self.history.append((noise, self.steps))
+
+
+class _DPStyleOptimizer(torch.optim.Optimizer):
+    """opacus' DPOptimizer's shape: a wrapper that never calls Optimizer.__init__, whose
+    param groups and state are the wrapped optimizer's (properties), and whose step clips
+    the gradients, steps the wrapped one, and calls a hook it keeps in a field."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, max_norm: float) -> None:
+        self.original_optimizer, self.max_norm, self.step_hook = optimizer, max_norm, None
+
+    param_groups = property(lambda self: self.original_optimizer.param_groups)
+    state = property(lambda self: self.original_optimizer.state)
+    defaults = property(lambda self: self.original_optimizer.defaults)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.original_optimizer.zero_grad(set_to_none)
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        torch.nn.utils.clip_grad_norm_([p for g in self.param_groups for p in g["params"]], self.max_norm)
+        if self.step_hook is not None:
+            self.step_hook(self)
+        return self.original_optimizer.step()
+
+
+def test_a_wrapper_whose_groups_and_state_are_another_optimizers_trains_bitwise_and_its_hooks_bookkeeping_is_refused_and_put_back() -> None:
+    model, batches = _mlp(depth=2), _batches(4)
+    eager_model = copy.deepcopy(model)
+    opt = _DPStyleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), 0.5)
+    eager_opt = _DPStyleOptimizer(torch.optim.SGD(eager_model.parameters(), lr=0.1, momentum=0.9), 0.5)
+    accountant = _Accountant()
+    opt.step_hook = lambda optimizer: accountant.step(optimizer.max_norm)
+    with pytest.raises(CaptureError, match=r"_Accountant\.steps .*_Accountant\.history \(reached through _DPStyleOptimizer\.step_hook"):
+        remat.compile(_step, model, opt, batches[0], memory_budget=None)
+    assert (accountant.steps, accountant.history) == (0, [])  # put back as it was
+    opt.step_hook = None  # as the error says: the bookkeeping after each step, outside the step
+    step = remat.compile(_step, model, opt, batches[0], memory_budget=None)
+    for batch in batches:
+        assert torch.equal(step(batch), _step(eager_model, eager_opt, batch))
+        accountant.step(opt.max_norm)
+    assert _same_parameters(model, eager_model) and accountant.steps == 4
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        assert torch.equal(opt.state[p]["momentum_buffer"], eager_opt.state[q]["momentum_buffer"])
+
+
+def test_a_step_hook_on_the_optimizer_that_counts_is_refused_and_put_back() -> None:
+    model, batches = _mlp(depth=1), _batches(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    counts = {"steps": 0}
+
+    class Log:
+        seen: list[float] = []
+
+    log = Log()
+    log.seen = []
+    opt.register_step_post_hook(lambda optimizer, args, kwargs: (log.seen.append(optimizer.param_groups[0]["lr"]), counts.update(steps=counts["steps"] + 1)))
+    with pytest.raises(CaptureError, match=r"Log\.seen \(reached through a step hook on SGD"):
+        remat.compile(_step, model, opt, batches[0], memory_budget=None)
+    assert log.seen == [] and counts["steps"] == 0

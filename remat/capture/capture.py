@@ -23,7 +23,7 @@ from torch.nn.utils import stateless
 
 from remat.gc_pause import gc_paused
 from remat.capture import data_parallel, param_hooks, sharded, sharded_norms, step_call
-from remat.capture.optim import first_step_state, hyperparams, optimizer_state
+from remat.capture.optim import first_step_state, hook_state, hyperparams, optimizer_state
 from remat.capture.state import first_call, kept_numbers, kept_tensors, library_objects, logged_numbers, outside_tensors, read_numbers, scheduler_calls, step_outputs, module_hooks, step_prints, train_modes, user_code
 from remat.capture.cpu_strides import CpuLikeEager
 from remat.errors import CaptureError
@@ -55,10 +55,7 @@ def _user_state(
     own = {**params, **buffers, **{f"{n}.{k}": t for n, st in states.items() for k, t in st.items()}}
     own.update((n, t) for n, t in zip(batch_leaf_names(batch), pytree.tree_leaves(batch)) if isinstance(t, torch.Tensor))
     mine = {id(t) for t in own.values()}
-    out = []
-    for tid, locations in held.items():
-        if tid not in mine:
-            out.append((outside_tensors.OutsideTensor(locations[0].name, tuple(locations)), locations[0].get()))
+    out = [(outside_tensors.OutsideTensor(locs[0].name, tuple(locs)), locs[0].get()) for tid, locs in held.items() if tid not in mine]
     return slots, held, out, own
 
 
@@ -105,8 +102,7 @@ def _graph_inputs(
         hyperparams.check_readable(optimizer)
         for gi, group in enumerate(optimizer.param_groups):
             for key, value in hyperparams.float_entries(group).items():
-                name = hyperparams.input_name(gi, key)
-                hyper_values[name] = value
+                hyper_values[name := hyperparams.input_name(gi, key)] = value
                 inputs.append(GraphInput(name, InputKind.HYPERPARAMETER, (), "float64", "cpu"))
                 flat.append(torch.tensor(value, dtype=torch.float64))
     for name, slot in numbers.items():
@@ -268,7 +264,7 @@ def capture(
             known = known_values.KnownValues(list(zip(batch_args, flat[len(flat) - len(batch_args):])), where_in_users_code_now, checks, known_values.state_followed(buffers, t_buffers, states, t_states), lambda: {s: hyper_values[n] for s, n in symbols.items() if n in hyper_values})  # fmt: skip
             stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots, known))
             stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
-            effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), args, passed, model)
+            effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), args, passed, model, ({**params, **buffers}, {**t_params, **t_buffers}))
             result = step_call.call(train_step, model, passed, t_batch)
             probe["cleared_first"] = {id(t_params[n]) for n in trainable} <= cleared
             outside_tensors.check_no_gradient([held for held, _ in outside], t_outside)
@@ -285,7 +281,7 @@ def capture(
 
     ran: set[Any] = set()  # the user's code the traces ran: the step reads only what it names
     set_ups: list[first_call.SetUp] = []
-    gm, probe_gm, recorded_run = _traces(trace, model, train_step, slots, probe, seen, (grad_order, final_grads), ran, device, set_ups)
+    gm, probe_gm, recorded_run = _traces(trace, model, train_step, slots, probe, seen, (grad_order, final_grads), ran, device, set_ups, passed)
     kept_numbers.warn_left_alone(seen.get("left_alone", []))  # the last trace's, once
     leaves_zero_grads = bool(final_grads) and ends_with_zero_grads(gm)
     grads_in = grads_in or finds_gradients(probe_gm, probe["cleared_first"], leaves_zero_grads, {n: params[n] for n in trainable}, optimizer, dp or shards)
@@ -319,7 +315,7 @@ def capture(
 
 def _traces(
     trace: Callable[[], torch.fx.GraphModule], model: torch.nn.Module, train_step: TrainStep, slots: list[Any],
-    probe: dict[str, Any], seen: dict[str, Any], grads: tuple[list[str], list[str]], ran: set[Any], device: str, set_ups: list[Any],
+    probe: dict[str, Any], seen: dict[str, Any], grads: tuple[list[str], list[str]], ran: set[Any], device: str, set_ups: list[Any], passed: Any,
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule | None, bool]:  # fmt: skip
     """The graph, traced as eager's later steps run (a library's first-call set-up in place:
     module_hooks), and traced once more with the numbers the step keeps counted
@@ -327,7 +323,8 @@ def _traces(
     one starts, with them set (for accumulates). The user's code that ran goes
     into `ran`, where it could be recorded (the third value: user_code.recording_run);
     Python state and the model's hook tables are left as they were; what the step's first
-    run sets once goes into `set_ups` (first_call), the graph traced as the later runs."""
+    run sets once goes into `set_ups` (first_call), the graph traced as the later runs; the
+    Python state the hooks of the optimizer `passed` reach, as it was (optim/hook_state)."""
     grad_order, final_grads = grads
     tables, submodules = module_hooks.HookTables.of(model), module_hooks.Submodules.of(model)
     set_up: list[tuple[torch.nn.Module, str]] = []
@@ -340,7 +337,7 @@ def _traces(
             return trace()
 
     try:
-        with no_python_state_changed(model, train_step, slots) as watch:
+        with hook_state.unchanged_by_traces(passed), no_python_state_changed(model, train_step, slots) as watch:
             gm = recorded_trace()
             first_call.refuse_made_keys(watch)
             submodules.refuse_replaced()
@@ -387,13 +384,15 @@ class _Effects:
     @classmethod
     def recording(
         cls, stack: contextlib.ExitStack, slots: list[Any], probe: dict[str, Any], all_slots: Callable[[], list[Any]], args: tuple[Any, ...],
-        passed: Any, model: torch.nn.Module,
+        passed: Any, model: torch.nn.Module, tensors_and_stand_ins: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
     ) -> _Effects:  # fmt: skip
-        """Entered after the outside tensors are swapped: a tensor kept where one was is told from its placeholder."""
+        """Entered after the outside tensors are swapped: a tensor kept where one was is told from its placeholder.
+        `tensors_and_stand_ins`: the model's parameters and buffers, and their stand-ins, by name."""
         inputs = set(map(id, args))
         stack.enter_context(kept_tensors.data_assignments(args, model))  # entered first: `t.data = new` written back last
         # The tensors kept are looked for once the lists and numbers are put back (it walks the state).
         tensors = stack.enter_context(kept_tensors.setting(all_slots, inputs))
+        stack.enter_context(kept_tensors.attributes_on(*tensors_and_stand_ins, inputs, tensors))  # those left on them
         return cls(
             stack.enter_context(logged_numbers.recording(logged_numbers.candidates(slots))),
             stack.enter_context(kept_numbers.counting(probe["numbers"], probe["as_numbers"], probe.get("library_ahead", True))),

@@ -117,7 +117,7 @@ def as_one(optimizer: Any) -> "torch.optim.Optimizer | Optimizers | None":
 
 def innermost(optimizer: Any) -> Any:
     """The torch optimizer inside a library's wrapper (Accelerate's `AcceleratedOptimizer`,
-    Lightning's `LightningOptimizer`): the object whose state and param groups the wrapper
+    Lightning's `LightningOptimizer`, opacus' `DPOptimizer`): the object whose state and param groups the wrapper
     shares and whose `step()` its own calls. remat reads and updates that one; the step
     still gets the wrapper, so what the wrapper does around the update is traced."""
     while (inner := _wrapped(optimizer)) is not None:
@@ -126,10 +126,13 @@ def innermost(optimizer: Any) -> Any:
 
 
 def _wrapped(optimizer: Any) -> "torch.optim.Optimizer | None":
-    for field in ("optimizer", "_optimizer"):
-        inner = vars(optimizer).get(field) if hasattr(optimizer, "__dict__") else None
-        if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
-            if optimizer.param_groups is inner.param_groups:
+    """The optimizer a wrapper holds as `optimizer` (or `_optimizer`) and shares its param
+    groups with, or under another field and shares its state too (opacus' DPOptimizer:
+    `original_optimizer`; SAM, which keeps a state of its own, is not a wrapper)."""
+    fields = vars(optimizer) if hasattr(optimizer, "__dict__") else {}
+    for key, inner in fields.items():
+        if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer and optimizer.param_groups is inner.param_groups:
+            if key in ("optimizer", "_optimizer") or optimizer.state is inner.state:
                 return inner
     return None
 

@@ -1,4 +1,5 @@
-"""Hooks the user registered on parameters, run inside the traced step as eager runs them.
+"""What the user keeps on parameters (and buffers) that the traced step must see as eager
+does: hooks registered on them, and Python attributes set on them.
 
 `p.register_hook(fn)` changes a parameter's gradient before it is added to `.grad`
 (clamping, scaling, noise); `p.register_post_accumulate_grad_hook(fn)` runs once it has
@@ -6,14 +7,21 @@ been (a gradient rescaled in place, a count). The graph runs without autograd, s
 hooks the real parameters hold never fire there: the trace registers the same functions
 on the parameters' stand-ins, and what they do becomes part of the graph. A hook added
 or removed after the capture would not be, so the step refuses it until compiled again.
+
+A Python attribute on a parameter (`p.no_decay = True`, read by a custom optimizer or a
+regularizer in the step) is watched as the model's fields are (python_state), so a step is
+compiled again when one changes between steps; its stand-in holds it while the step is
+traced (state/kept_tensors.attributes_on).
 """
 
 from __future__ import annotations
+
 
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.errors import ChangedSinceCompiled
 
@@ -66,3 +74,11 @@ def check_unchanged(params: dict[str, torch.Tensor], captured: dict[str, ParamHo
             f"the gradient hooks on {len(changed)} parameter{'s' if len(changed) > 1 else ''} changed since the step was compiled "
             f"(first: {changed[0]})"
         )
+
+
+def attributes(t: torch.Tensor) -> dict[str, Any]:
+    """The Python attributes the user set on a real parameter or buffer (none on a traced
+    stand-in: kept_tensors.attributes_on looks after those)."""
+    if isinstance(t, FakeTensor):
+        return {}
+    return {k: v for k, v in vars(t).items() if not k.startswith("__")}

@@ -261,6 +261,20 @@ def _packed_sequence_live(e: BaseException) -> bool:
     return False
 
 
+def _one_hot_without_classes(e: BaseException) -> bool:
+    """Whether `e` was raised in a call of one_hot given no number of classes (seen by a
+    torch-function mode's frame, which holds the call as `func`, `args` and `kwargs`)."""
+    tb = e.__traceback__
+    while tb is not None:
+        local = tb.tb_frame.f_locals
+        if tb.tb_frame.f_code.co_name == "__torch_function__" and getattr(local.get("func"), "__name__", None) == "one_hot":
+            args, kwargs = local.get("args") or (), local.get("kwargs") or {}
+            if kwargs.get("num_classes", args[1] if len(args) > 1 else -1) == -1:
+                return True
+        tb = tb.tb_next
+    return False
+
+
 def _sized_by_values(e: BaseException, data_dependent: bool, where: str) -> CaptureError | None:
     """The refusal of a size or an index the step takes from tensor values, where it says
     what to do instead: a recurrent layer on a PackedSequence, a tensor read as an int."""
@@ -273,6 +287,13 @@ def _sized_by_values(e: BaseException, data_dependent: bool, where: str) -> Capt
             f"cannot hold ({name}: {first}). Run the layer on the padded batch instead (with batches of sequences of "
             "one length, as a length-bucketing sampler makes them, that is the same computation), or train this "
             "model without remat."
+        )
+    if data_dependent and _one_hot_without_classes(e):
+        return CaptureError(
+            f"train_step calls one_hot without num_classes{where}, which then takes the number of classes from the "
+            "largest label in the batch: a shape from tensor values, which one captured graph cannot hold (and a "
+            "batch without the last class would give eager another shape). Pass it: "
+            "F.one_hot(labels, num_classes=...), the model's number of outputs."
         )
     if data_dependent and "extract specialized integer" in first:
         return CaptureError(

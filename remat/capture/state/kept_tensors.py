@@ -33,6 +33,10 @@ is set to its value (detached: the step's autograd graph is freed by then, as ea
   `self.avg = 0.9 * self.avg + ...` in a forward) is the same case: make_fx's module
   stand-in would be put back with the buffer as it came in, so its new value is written
   into its memory the same way.
+- **An attribute of a parameter or buffer** (`attributes_on`): the stand-in holds the real
+  tensor's attributes while the step is traced (a flag the user's optimizer reads); one the
+  step leaves holding a tensor it computed (opacus' per-sample gradients, `p.grad_sample`)
+  is kept on the real tensor as a slot's is, any other change refused by name.
 Tensors in a list or dict nested in another container stay refused (python_state).
 """
 
@@ -49,6 +53,7 @@ from torch.fx.experimental import proxy_tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
+from remat.capture import param_hooks
 from remat.capture.state.logged_numbers import record_calls
 from remat.capture.trace_checks import where_in_users_code_now
 from remat.errors import CaptureError
@@ -281,3 +286,37 @@ def data_assignments(inputs: tuple[Any, ...], model: torch.nn.Module) -> Iterato
         )
     now = dict(model.named_buffers())
     mode.write_back({n: (t, now[n]) for n, t in buffers.items() if now.get(n) is not t and isinstance(now.get(n), torch.Tensor)})
+
+
+_SET_BY_TORCH = frozenset({"_is_param"})  # on a stand-in, by torch.func's reparametrization
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    return a is b or (isinstance(a, (bool, int, float, str)) and type(a) is type(b) and a == b)
+
+
+@contextlib.contextmanager
+def attributes_on(real: dict[str, torch.Tensor], stand_ins: dict[str, torch.Tensor], inputs: set[int], kept: list[tuple[Any, Any]]) -> Iterator[None]:
+    """While the step is traced, each stand-in holds its tensor's attributes. One the step
+    leaves holding a tensor it computed (opacus' `p.grad_sample`) is added to `kept`
+    (kept_tensors.KeptTensor: a graph output, set on the real tensor after each run); one
+    left otherwise changed is refused, naming it. `inputs`: the graph's, by id."""
+    given: dict[str, tuple[set[str], dict[str, Any]]] = {}
+    for name, traced in stand_ins.items():
+        torchs = set(vars(traced)) | _SET_BY_TORCH  # the fake tensor's own fields
+        own = {k: v for k, v in param_hooks.attributes(real[name]).items() if k not in torchs}
+        vars(traced).update(own)
+        given[name] = (torchs, own)
+    yield
+    for name, (torchs, own) in given.items():
+        now = {k: v for k, v in vars(stand_ins[name]).items() if k not in torchs}
+        changed = sorted(k for k in own.keys() | now.keys() if k not in own or k not in now or not _same_value(now[k], own[k]))
+        computed = [k for k in changed if isinstance(now.get(k), FakeTensor) and id(now[k]) not in inputs]
+        if len(computed) < len(changed):
+            raise CaptureError(
+                f"train_step sets Python attributes on the model's {name} "
+                f"({', '.join(k for k in changed if k not in computed)}) to values other than tensors it computes: the "
+                "graph reads a parameter's or buffer's attributes as they were when it was traced, and would not set "
+                "them at each run as eager does. Keep such values in the model's modules, or set them between steps."
+            )
+        kept += [(KeptTensor(Slot(f"model.{name}.{k}", real[name], k), keyed=k not in own), now[k]) for k in computed]

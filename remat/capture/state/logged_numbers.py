@@ -36,11 +36,14 @@ _READS = (
     "__getitem__", "__len__", "__iter__", "__contains__", "__reversed__", "__eq__", "__ne__", "__lt__", "__le__",
     "__gt__", "__ge__", "__add__", "__mul__", "__repr__", "__str__", "__format__", "index", "count", "copy",
 )  # fmt: skip
-_CHANGES = ("extend", "insert", "pop", "remove", "clear", "sort", "reverse", "__setitem__", "__delitem__", "__iadd__", "__imul__")
+_CHANGES = ("extend", "insert", "remove", "clear", "sort", "reverse", "__setitem__", "__delitem__", "__iadd__", "__imul__")
 
 
 class _Recording(list):  # type: ignore[type-arg]
-    """The user's list while the step is traced: what the step appends is recorded, not stored."""
+    """The user's list while the step is traced: what the step appends is recorded, and
+    held while the step runs, so that a pop of the last of it (a forward hook pushing an
+    activation that a backward hook pops, as opacus' do) takes it off again, leaving the list
+    as it came in."""
 
     def __init__(self, items: list[Any]) -> None:
         super().__init__(items)
@@ -50,6 +53,14 @@ class _Recording(list):  # type: ignore[type-arg]
 
     def append(self, value: Any) -> None:
         self.appended.append(value)
+        list.append(self, value)
+
+    def pop(self, index: int = -1) -> Any:
+        if self.appended and index in (-1, len(self) - 1):
+            list.pop(self)
+            return self.appended.pop()
+        self.changed = self.changed or "pop"
+        return list.pop(self, index)
 
 
 def record_calls(cls: type, base: type, reads: tuple[str, ...], changes: tuple[str, ...], on: Callable[[Any], Any] = lambda c: c) -> None:

@@ -70,6 +70,9 @@ def module_attributes(model: torch.nn.Module, name: str = "model", skip: frozens
         for key, value in vars(module).items():
             if key not in _MODULE_TABLES and not key.startswith("__"):
                 yield f"{name}.{prefix}.{key}" if prefix else f"{name}.{key}", module, key, value
+        for tname, t in [*module._parameters.items(), *module._buffers.items()]:  # a flag set on a parameter (param_hooks)
+            for key, value in param_hooks.attributes(t).items() if t is not None else ():
+                yield f"{name}.{prefix}.{tname}.{key}" if prefix else f"{name}.{tname}.{key}", t, key, value
 
 
 _MODULE_TABLES = frozenset(vars(torch.nn.Module()))  # nn.Module's own: parameters, buffers, submodules, hooks
@@ -192,14 +195,15 @@ def _items(slot: Slot, value: Any) -> list[tuple[Slot, Any]]:
     return [(Slot(item_name(slot, f"[{k!r}]"), slot, k), v) for k, v in value.items()]
 
 
-def _watched(slots: list[tuple[Slot, Any]], library_read: frozenset[tuple[int, str]] = frozenset()) -> dict[str, _Watched]:
+def _watched(slots: list[tuple[Slot, Any]], library_read: frozenset[tuple[int, str]] = frozenset(), unread: frozenset[int] = frozenset()) -> dict[str, _Watched]:
     """The slots holding plain values (or the user's functions), by name; a library's only
-    where a trace read its field (`library_read`: library_objects.recording_reads)."""
+    where a trace read its field (`library_read`: library_objects.recording_reads). The
+    containers in `unread` (by id) are compared without their contents."""
     out = {}
     for slot, value in slots:
         if slot.library and not library_objects.read_by_trace(slot, library_read):
             continue
-        fz = _snapshot(value)
+        fz = _snapshot(value, unread)
         if fz is not NOT_PLAIN:
             out[slot.name] = _Watched(slot, value, fz)
     return out
@@ -224,7 +228,10 @@ def step_values(
     logs numbers to, which the graph never reads). `library_read`: the library fields the
     traces read (library_objects.recording_reads), watched too."""
     slots = state_slots(model, train_step, ran) if slots is None else slots
-    return tuple((name, w.frozen) for name, w in _watched(slots, library_read).items() if name not in skip)
+    # A skipped container held in another slot too (a dict of logs inside the settings
+    # dict the step reads) is not compared by its contents there either.
+    unread = frozenset(id(value) for slot, value in slots if slot.name in skip and isinstance(value, (list, dict, set)))
+    return tuple((name, w.frozen) for name, w in _watched(slots, library_read, unread).items() if name not in skip)
 
 
 def _object_fields(name: str, obj: Any, names: set[str], seen: set[int], depth: int, ran: frozenset[types.CodeType] | None) -> Iterator[tuple[Slot, Any]]:
@@ -249,10 +256,11 @@ def _object_fields(name: str, obj: Any, names: set[str], seen: set[int], depth: 
             yield from _object_fields(f"{name} (class {cls.__name__})", cls, names, seen, depth + 1, ran)
 
 
-def _snapshot(value: Any) -> Any:
-    """What a watched value is compared by: its frozen copy, or which function it is."""
+def _snapshot(value: Any, unread: frozenset[int] = frozenset()) -> Any:
+    """What a watched value is compared by: its frozen copy (the containers in `unread`
+    without their contents), or which function it is."""
     fn = user_code.user_function(value) if isinstance(value, types.FunctionType) else None
-    return _FunctionRef(fn) if fn is not None else frozen(value)
+    return _FunctionRef(fn) if fn is not None else frozen(value, unread)
 
 
 class _FunctionRef:

@@ -1,0 +1,118 @@
+"""Python state that an optimizer's hooks change while the step is traced.
+
+An optimizer may call functions of its own or of another library's around its update:
+torch's step hooks (`register_step_pre_hook`, `register_step_post_hook`, and the global
+ones), or a function a library keeps in one of its fields (opacus' `DPOptimizer.step_hook`,
+which moves its privacy accountant on by one step). Their Python code runs once, when
+the step is traced: a count or a history they keep would move once, at capture, and never
+again, with no error (an accountant that counts one step of many reports a privacy budget
+too small). So the values their closures and bound objects hold (plain values, and
+containers of them) are noted before the traces and compared after: one left changed is
+put back as it was, and the step refused, naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Any, Iterator
+
+import torch
+import torch.optim.optimizer as torch_optimizer
+
+from remat.capture.optimizers import innermost
+from remat.capture.state.python_state import copied
+from remat.capture.state.slots import NOT_PLAIN, Slot, frozen
+from remat.errors import CaptureError
+
+
+def _hooks(optimizer: Any) -> list[tuple[str, Any]]:
+    """(how a message names it, the function) for each hook `optimizer` calls around its step."""
+    name = type(optimizer).__name__
+    tables = [
+        (f"a step hook on {name}", getattr(optimizer, "_optimizer_step_pre_hooks", None)),
+        (f"a step hook on {name}", getattr(optimizer, "_optimizer_step_post_hooks", None)),
+        ("a global optimizer step hook", torch_optimizer._global_optimizer_pre_hooks),
+        ("a global optimizer step hook", torch_optimizer._global_optimizer_post_hooks),
+    ]
+    found = [(where, fn) for where, table in tables if isinstance(table, dict) for fn in table.values()]
+    fields = vars(optimizer) if hasattr(optimizer, "__dict__") else {}
+    found += [
+        (f"{name}.{key}", fn) for key, fn in fields.items()
+        if isinstance(fn, (types.FunctionType, types.MethodType)) and getattr(fn, "__self__", None) is not optimizer
+    ]  # fmt: skip
+    return found
+
+
+def _reached(fn: Any) -> list[tuple[str, Slot]]:
+    """The places a hook reaches, by name: its closure's cells, and the fields of the objects
+    they hold and of its `self`."""
+    cells = getattr(getattr(fn, "__func__", fn), "__closure__", None) or ()
+    names = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    out, objects = [], [fn.__self__] if isinstance(fn, types.MethodType) else []
+    for name, cell in zip(names.co_freevars if names is not None else (), cells):
+        out.append((name, Slot(name, cell, "")))
+        objects.append(Slot(name, cell, "").get())
+    for obj in objects:
+        if not isinstance(obj, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer, types.FunctionType, type)) and hasattr(obj, "__dict__"):
+            out += [(f"{type(obj).__name__}.{key}", Slot(key, obj, key)) for key in vars(obj) if not key.startswith("__")]
+    return out
+
+
+def _places(optimizer: Any) -> list[tuple[str, Slot, Any]]:
+    """(name, slot, value) of each plain value or container the hooks reach."""
+    out = []
+    for where, fn in _hooks(optimizer):
+        for name, slot in _reached(fn):
+            value = slot.get()
+            if frozen(value) is not NOT_PLAIN:
+                out.append((f"{name} (reached through {where}, {getattr(fn, '__qualname__', fn)})", slot, value))
+    return out
+
+
+def _passed(passed: Any) -> list[Any]:
+    """The optimizers passed, and the one each wraps (a library's wrapper calls hooks too)."""
+    items = list(passed) if isinstance(passed, (list, tuple)) else [] if passed is None else [passed]
+    return list({id(o): o for item in items for o in (item, innermost(item))}.values())
+
+
+@contextlib.contextmanager
+def unchanged_by_traces(passed: Any) -> Iterator[None]:
+    """Around the step's traces: refuse a change they leave in what the hooks reach."""
+    before = [(name, slot, value, frozen(value), copied(value)) for opt in _passed(passed) for name, slot, value in _places(opt)]
+    try:
+        yield
+    finally:  # put back after a failed trace too
+        changed, libraries = _put_back(before)
+    if changed:
+        raise CaptureError(
+            f"the optimizer's step changes Python state while train_step is traced: {', '.join(changed)}. The code "
+            "that changes it runs once, when the step is traced, and the graph would not change it again at later "
+            "steps (a step count or a history kept there would stop). It is put back as it was; do that bookkeeping "
+            f"outside train_step, after each step{_OPACUS if 'opacus' in libraries else ''}."
+        )
+
+
+def _put_back(before: list[tuple[str, Slot, Any, Any, Any]]) -> tuple[list[str], set[str]]:
+    """Each place left changed, by name, put back as it was; and the libraries that own them."""
+    changed, libraries = [], set()
+    for name, slot, value, was, saved in before:
+        now = slot.get()
+        if frozen(now) != was:
+            changed.append(name)
+            libraries.add(type(slot.owner).__module__.split(".")[0])
+            if now is value and isinstance(value, list):
+                value[:] = saved
+            elif now is value and isinstance(value, (dict, set)):
+                value.clear()
+                value.update(saved)
+            else:
+                slot.set(saved)
+    return changed, libraries
+
+
+_OPACUS = (
+    " (opacus' PrivacyEngine: set optimizer.step_hook = None after make_private, and call "
+    "privacy_engine.accountant.step(noise_multiplier=optimizer.noise_multiplier, sample_rate=1 / len(data_loader)) "
+    "after each step)"
+)
