@@ -79,9 +79,13 @@ class StepReport:
                 lines.append(f"  lean ops: {plan.meta['lean_ops_note']}")
         if self.predicted_time is not None:
             t = self.predicted_time
-            lines.append(
-                f"  predicted graph time {t.seconds * 1e3:.1f} ms ({t.ops:,} ops; host {t.host_seconds * 1e3:.1f} ms, device {t.device_seconds * 1e3:.1f} ms)"
+            # A negative host cost is the calibration taking the op timer's own cost back
+            # off the measured ops (time_model.line_seconds), not time the host spends.
+            split = (
+                f"host {t.host_seconds * 1e3:.1f} ms, device {t.device_seconds * 1e3:.1f} ms" if t.host_seconds >= 0
+                else f"{t.device_seconds * 1e3:.1f} ms as timed op by op, less {-t.host_seconds * 1e3:.1f} ms of the timer's own cost"
             )
+            lines.append(f"  predicted graph time {t.seconds * 1e3:.1f} ms ({t.ops:,} ops; {split})")
         if self.regions:
             lines.append(f"  {self.regions} regions compiled by Inductor ({self.region_splits} split, {self.regions_slower} left op by op)")
         if self.cuda_graph:

@@ -612,6 +612,49 @@ def test_one_hot_without_num_classes_is_refused_saying_to_pass_it_and_with_it_tr
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), eager_model.parameters()))
 
 
+def test_float_of_the_loss_is_refused_saying_to_use_item_which_trains_bitwise():
+    import remat
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [torch.randn(6, 8) for _ in range(3)]
+
+    def step_of(as_number):  # type: ignore[no-untyped-def]
+        def train_step(model, opt, batch):  # type: ignore[no-untyped-def]
+            opt.zero_grad()
+            loss = model(batch).square().mean()
+            loss.backward()
+            opt.step()
+            return as_number(loss)
+
+        return train_step
+
+    with pytest.raises(CaptureError, match=r"float\(\), at test_capture\.py, line \d+: +return as_number\(loss\).*Use \.item\(\) instead"):
+        remat.compile(step_of(float), model, opt, batches[0], memory_budget=None)
+    eager_model, eager_opt = twin(model, opt)
+    step = remat.compile(step_of(lambda t: t.item()), model, opt, batches[0], memory_budget=None)
+    for batch in batches:
+        got, expected = step(batch), step_of(float)(eager_model, eager_opt, batch)
+        assert type(got) is float and got == expected
+
+
+def test_a_torchscript_submodule_is_traced_as_its_ops_with_a_warning_that_it_is_not_bitwise():
+    import remat
+
+    def scripted():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)  # made twice: a deep copy of a TorchScript module is not one to train
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.jit.script(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())))
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    (model, opt), (eager_model, eager_opt) = scripted(), scripted()
+    with pytest.warns(UserWarning, match=r"the model's 1 is a TorchScript module .* not bitwise"):
+        step = remat.compile(_sgd_step, model, opt, torch.randn(4, 8), memory_budget=None)
+    for _ in range(3):
+        batch = torch.randn(4, 8)
+        torch.testing.assert_close(step(batch), _sgd_step(eager_model, eager_opt, batch))
+
+
 class _PackedGRU(torch.nn.Module):
     def __init__(self):
         super().__init__()

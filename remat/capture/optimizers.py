@@ -117,8 +117,8 @@ def as_one(optimizer: Any) -> "torch.optim.Optimizer | Optimizers | None":
 
 def innermost(optimizer: Any) -> Any:
     """The torch optimizer inside a library's wrapper (Accelerate's `AcceleratedOptimizer`,
-    Lightning's `LightningOptimizer`, opacus' `DPOptimizer`): the object whose state and param groups the wrapper
-    shares and whose `step()` its own calls. remat reads and updates that one; the step
+    Lightning's `LightningOptimizer`, opacus' `DPOptimizer`): the object whose state and
+    param groups the wrapper shares and whose `step()` its own calls. remat reads and updates that one; the step
     still gets the wrapper, so what the wrapper does around the update is traced."""
     while (inner := _wrapped(optimizer)) is not None:
         optimizer = inner

@@ -16,7 +16,6 @@ traced (state/kept_tensors.attributes_on).
 
 from __future__ import annotations
 
-
 from dataclasses import dataclass
 from typing import Any, Callable
 

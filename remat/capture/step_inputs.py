@@ -87,6 +87,15 @@ def check_arguments(
             "the model (or a submodule) is torch.compile'd, and remat traces the step itself, which it cannot do "
             "through a compiled module: pass the module before torch.compile (its _orig_mod), in the step too"
         )
+    scripted = next((n for n, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)), None)
+    if scripted is not None:
+        warnings.warn(
+            f"remat: the model's {scripted or 'root'} is a TorchScript module (torch.jit.script or torch.jit.trace). "
+            "remat traces its ops and runs them with autograd's derivatives, where TorchScript differentiates and "
+            "fuses them its own way: the step agrees with eager's within rounding, not bitwise (script nothing to "
+            "compare bitwise).",
+            stacklevel=4,
+        )
     check_settings()
     leaves, spec = check_batch(example_batch)
     params = unique_named(model.named_parameters())

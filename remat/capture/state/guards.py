@@ -147,6 +147,9 @@ class Guards:
         for module in model.modules():
             holders[id(vars(module))] = vars(module)
             looked_into[id(module._modules)] = module._modules
+            for t in [*module._parameters.values(), *module._buffers.values()]:  # their attributes (a flag, a kept tensor)
+                if t is not None:
+                    holders[id(vars(t))] = vars(t)
         for slot, value in slots:
             if slot.library:
                 if slot.name not in skip and library_objects.read_by_trace(slot, library_read):
