@@ -32,7 +32,7 @@ from remat.capture.optim.optimizer_state import optimizer_on, optimizer_states
 from remat.capture.optimizers import as_one, only_passed_step
 
 from remat.capture.markers import marking_updates, MARKER, RECORD_FUNCTION_OPS, marker, marking_passes
-from remat.capture.trace_checks import branched_hyperparameters, calls_compiled_function, float_of_a_traced_value_named, no_dynamic_output_shapes, data_dependent_condition, check_backward_ran, check_graph_runnable, cleared_before_backward, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state, where_in_users_code, where_in_users_code_now
+from remat.capture.trace_checks import branched_hyperparameters, calls_compiled_function, no_dynamic_output_shapes, data_dependent_condition, check_backward_ran, check_graph_runnable, cleared_before_backward, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state, where_in_users_code, where_in_users_code_now
 from remat.capture.train_graph import CallContract, GraphInput, InputKind, Phase, TrainGraph, TrainStep
 from remat.capture.state.python_state import no_python_state_changed, put_back_as_now, state_slots
 from remat.capture.traced_rng import no_host_random_drawn, no_rng_state_set
@@ -443,7 +443,7 @@ def _step_patches(model: torch.nn.Module, recorded: _Recorded, updating: Callabl
         stack.enter_context(ctc_loss.static_shapes(where_in_users_code_now))
         stack.enter_context(known)
         stack.enter_context(plain_checkpoints())
-        stack.enter_context(float_of_a_traced_value_named())
+        stack.enter_context(step_outputs.float_of_a_traced_value_named())
         stack.enter_context(no_rng_state_set())
         stack.enter_context(no_host_random_drawn([(slot.name, value) for slot, value in slots]))
         stack.enter_context(train_modes.recorded_mode_calls(model, recorded.mode_calls))

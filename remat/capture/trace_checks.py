@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import linecache
-import sys
 import traceback
 import warnings
 from pathlib import Path
@@ -16,9 +15,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from remat.capture.state import user_code
 from remat.errors import CaptureError
 from remat.ops import ctc_loss
 
@@ -234,38 +231,6 @@ def calls_compiled_function(e: BaseException) -> bool:
         stacklevel=2,
     )
     return True
-
-
-@contextlib.contextmanager
-def float_of_a_traced_value_named() -> Iterator[None]:
-    """While the step is traced, `float(t)` in the user's code of a value only the graph's run
-    knows (a loss: `float(loss)`) is refused saying to use `t.item()`, which the trace holds
-    as a number: Python wants a plain float from `__float__`, and the trace has none to give."""
-    original = torch.Tensor.__float__
-    depth = [0]  # torch function modes call it again, inside: the outermost call sees the caller
-
-    def checked(self: torch.Tensor) -> float:
-        outermost, depth[0] = depth[0] == 0, depth[0] + 1
-        caller = sys._getframe(1).f_code.co_filename
-        try:
-            return original(self)
-        except GuardOnDataDependentSymNode as e:
-            if not outermost or not user_code.is_user_file(caller):
-                raise  # a library's float() (BatchNorm's of its count) is named by what it is, later
-            raise CaptureError(
-                f"train_step converts a tensor it computes to a Python float with float(){where_in_users_code_now()}: "
-                "Python needs a plain number there, and the value is known only when the graph runs. Use .item() "
-                "instead (float(loss) -> loss.item()): remat traces that number, so returned, logged or added up it "
-                "is each step's own."
-            ) from e
-        finally:
-            depth[0] -= 1
-
-    torch.Tensor.__float__ = checked  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        torch.Tensor.__float__ = original  # type: ignore[method-assign]
 
 
 def where_in_users_code(e: BaseException) -> str:
