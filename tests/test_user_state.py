@@ -1381,3 +1381,61 @@ def test_a_step_hook_on_the_optimizer_that_counts_is_refused_and_put_back() -> N
     with pytest.raises(CaptureError, match=r"Log\.seen \(reached through a step hook on SGD"):
         remat.compile(_step, model, opt, batches[0], memory_budget=None)
     assert log.seen == [] and counts["steps"] == 0
+
+
+def test_a_key_the_step_adds_to_a_dict_of_numbers_with_a_plain_value_is_refused_and_taken_out() -> None:
+    """`logs.setdefault("times", []).append(time.perf_counter() - t0)` in a dict of numbers:
+    the key was dropped after the trace, so nothing was ever logged, with no error."""
+    model, batches = _mlp(depth=1), _batches(1)
+    logs = {"epoch": 0}
+
+    def timed(model, optimizer, batch):  # type: ignore[no-untyped-def]
+        start = len(batch)  # a plain number, not from a tensor: the trace's, once
+        loss = _step(model, optimizer, batch)
+        logs.setdefault("times", []).append(float(start))
+        return loss
+
+    with pytest.raises(CaptureError, match=r"changed Python state while it was traced: logs\['times'\] \(from the closure of timed\) \(absent -> \[2\.0\]\)"):
+        remat.compile(timed, model, torch.optim.SGD(model.parameters(), lr=0.1), batches[0], memory_budget=None)
+    assert logs == {"epoch": 0}
+
+
+def test_tensorboard_scalars_written_in_the_step_are_written_at_every_step_with_its_values(monkeypatch) -> None:
+    """A TensorBoard writer's add_scalar and add_scalars in the step (where
+    torch.utils.tensorboard is loaded: a stand-in of its writer here) are made again after
+    each run with the step's numbers; traced once, they would have been given the trace's
+    stand-in once."""
+    import sys
+
+    class SummaryWriter:
+        def __init__(self) -> None:
+            self.written: list[tuple[Any, ...]] = []
+
+        def add_scalar(self, tag, value, step=None):  # type: ignore[no-untyped-def]
+            self.written.append((tag, value, step))
+
+        def add_scalars(self, tag, values, step=None):  # type: ignore[no-untyped-def]
+            self.written.append((tag, dict(values), step))
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard.writer", types.SimpleNamespace(SummaryWriter=SummaryWriter))
+
+    def logging_step(writer, counts):  # type: ignore[no-untyped-def]
+        def train_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+            loss = _step(model, optimizer, batch)
+            writer.add_scalar("train/loss", loss.item(), counts["step"])
+            writer.add_scalars("train/parts", {"lr": optimizer.param_groups[0]["lr"], "loss": loss.item()}, counts["step"])
+            counts["step"] += 1
+            return loss
+
+        return train_step
+
+    model, batches = _mlp(depth=2), _batches(4)
+    eager_model = copy.deepcopy(model)
+    writer, eager_writer, counts, eager_counts = SummaryWriter(), SummaryWriter(), {"step": 0}, {"step": 0}
+    opt, eager_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager_model.parameters(), lr=0.1)
+    step = remat.compile(logging_step(writer, counts), model, opt, batches[0], memory_budget=None)
+    assert writer.written == []
+    for batch in batches:
+        assert torch.equal(step(batch), logging_step(eager_writer, eager_counts)(eager_model, eager_opt, batch))
+    assert writer.written == eager_writer.written and len(writer.written) == 8 and counts == {"step": 4}
+    assert all(type(entry[1]) in (float, dict) for entry in writer.written)

@@ -364,9 +364,9 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
     for slot in kept:
         if slot.name not in before:
             slot.set(held.get(slot.name, MISSING))
-    _drop_new_keys(watch)
     kept_names = {slot.name for slot in kept}
-    changed = []
+    changed = [f"{name} (absent -> {short(repr(value))})" for name, value in _new_keys(watch) if name not in kept_names]
+    _drop_new_keys(watch)
     for name, w in before.items():
         value = w.slot.get()
         now = _snapshot(value)
@@ -401,6 +401,16 @@ def put_back_as_now() -> Callable[[], None]:
     for w in now.values():
         w.content = copied(w.value)
     return lambda: [w.put_back() for w in now.values()] and None
+
+
+def _new_keys(watch: StateWatch) -> list[tuple[str, Any]]:
+    """(name, value) of each key the traces added to a dict split by key (a list made with
+    `logs.setdefault("times", [])` in a dict of numbers)."""
+    out = []
+    for parent, keys in watch.split.values():
+        held_now = parent.get()
+        out += [(item_name(parent, f"[{k!r}]"), v) for k, v in held_now.items() if k not in keys] if isinstance(held_now, dict) else []
+    return out
 
 
 def _drop_new_keys(watch: StateWatch) -> None:

@@ -16,7 +16,8 @@ computes (`accelerator.print("loss", loss.item())`); its other messages are made
 capture. A library's
 logging method (Lightning's `self.log`) is recorded the same way once its integration
 registers it (`record_calls_of`), and so are a tqdm progress bar's `update`, `set_postfix`
-and `set_description` where tqdm is loaded.
+and `set_description` where tqdm is loaded, and a TensorBoard `SummaryWriter`'s
+`add_scalar` and `add_scalars` where it is.
 """
 
 from __future__ import annotations
@@ -140,10 +141,17 @@ def _call_again(real: Callable[..., Any], obj: Any, *args: Any, **kwargs: Any) -
     real(obj, *args, **kwargs)
 
 
+# TensorBoard's scalars a step writes (`writer.add_scalar("loss", loss.item(), step)`):
+# traced, the writer would be given the trace's stand-in once, and nothing at the steps.
+_TENSORBOARD_METHODS = ("add_scalar", "add_scalars")
+
+
 def _loaded_library_methods() -> list[RecordedMethod]:
-    """The registered methods, and those of libraries the process has loaded (tqdm)."""
-    tqdm = getattr(sys.modules.get("tqdm.std"), "tqdm", None)
-    known = [RecordedMethod(tqdm, name, _call_again) for name in _TQDM_METHODS] if isinstance(tqdm, type) else []
+    """The registered methods, and those of libraries the process has loaded (tqdm, TensorBoard's writer)."""
+    known = []
+    for module, cls, names in (("tqdm.std", "tqdm", _TQDM_METHODS), ("torch.utils.tensorboard.writer", "SummaryWriter", _TENSORBOARD_METHODS)):
+        kind = getattr(sys.modules.get(module), cls, None)
+        known += [RecordedMethod(kind, name, _call_again) for name in names] if isinstance(kind, type) else []
     return [*known, *_RECORDED_METHODS.values()]
 
 
