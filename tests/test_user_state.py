@@ -1399,6 +1399,19 @@ def test_a_key_the_step_adds_to_a_dict_of_numbers_with_a_plain_value_is_refused_
         remat.compile(timed, model, torch.optim.SGD(model.parameters(), lr=0.1), batches[0], memory_budget=None)
     assert logs == {"epoch": 0}
 
+    def logged(model, optimizer, batch):  # type: ignore[no-untyped-def]
+        loss = _step(model, optimizer, batch)
+        logs.setdefault("loss", []).append(loss.item())
+        return loss
+
+    with pytest.raises(CaptureError, match=r"logs\['loss'\].*make the key before the first step, or hold a collections\.defaultdict\(list\)"):
+        remat.compile(logged, model, torch.optim.SGD(model.parameters(), lr=0.1), batches[0], memory_budget=None)
+    logs["loss"] = []  # as the error says: then each step's loss is logged
+    step = remat.compile(logged, model, torch.optim.SGD(model.parameters(), lr=0.1), batches[0], memory_budget=None)
+    for _ in range(3):
+        loss = step(batches[0])
+    assert len(logs["loss"]) == 3 and logs["loss"][-1] == loss.item()
+
 
 def test_tensorboard_scalars_written_in_the_step_are_written_at_every_step_with_its_values(monkeypatch) -> None:
     """A TensorBoard writer's add_scalar and add_scalars in the step (where

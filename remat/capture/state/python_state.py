@@ -430,6 +430,12 @@ def _kept_error(names: list[str]) -> CaptureError:
         "or dict of the loss and the tensors to keep), keep it directly in a list or dict of your own held in a global, a "
         "closure or an attribute (stats.append(t), features[name] = t: set after each run), or, if nothing reads it after "
         "the step, drop it before train_step returns (.clear() the dict, del the attribute)."
+        + (
+            " A list the step makes under a new key (logs.setdefault('loss', []).append(...)) is made once, at capture: "
+            "make the key before the first step, or hold a collections.defaultdict(list), whose keys remat makes as the "
+            "step reads them."
+            if any("[" in name for name in names) else ""
+        )
     )
 
 
