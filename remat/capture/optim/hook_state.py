@@ -21,8 +21,8 @@ import torch
 import torch.optim.optimizer as torch_optimizer
 
 from remat.capture.optimizers import innermost
-from remat.capture.state.python_state import copied
-from remat.capture.state.slots import NOT_PLAIN, Slot, frozen
+from remat.capture.state.python_state import watched_now
+from remat.capture.state.slots import Slot
 from remat.errors import CaptureError
 
 
@@ -47,27 +47,22 @@ def _hooks(optimizer: Any) -> list[tuple[str, Any]]:
 def _reached(fn: Any) -> list[tuple[str, Slot]]:
     """The places a hook reaches, by name: its closure's cells, and the fields of the objects
     they hold and of its `self`."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
     cells = getattr(getattr(fn, "__func__", fn), "__closure__", None) or ()
-    names = getattr(getattr(fn, "__func__", fn), "__code__", None)
-    out, objects = [], [fn.__self__] if isinstance(fn, types.MethodType) else []
-    for name, cell in zip(names.co_freevars if names is not None else (), cells):
-        out.append((name, Slot(name, cell, "")))
-        objects.append(Slot(name, cell, "").get())
+    out = [(name, Slot(name, cell, "")) for name, cell in zip(code.co_freevars if code is not None else (), cells)]
+    objects = [*([fn.__self__] if isinstance(fn, types.MethodType) else []), *(slot.get() for _, slot in out)]
     for obj in objects:
         if not isinstance(obj, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer, types.FunctionType, type)) and hasattr(obj, "__dict__"):
             out += [(f"{type(obj).__name__}.{key}", Slot(key, obj, key)) for key in vars(obj) if not key.startswith("__")]
     return out
 
 
-def _places(optimizer: Any) -> list[tuple[str, Slot, Any]]:
-    """(name, slot, value) of each plain value or container the hooks reach."""
-    out = []
-    for where, fn in _hooks(optimizer):
-        for name, slot in _reached(fn):
-            value = slot.get()
-            if frozen(value) is not NOT_PLAIN:
-                out.append((f"{name} (reached through {where}, {getattr(fn, '__qualname__', fn)})", slot, value))
-    return out
+def _places(optimizer: Any) -> list[tuple[Slot, Any]]:
+    """Each place the hooks reach, named as a message names it, with the value it holds."""
+    return [
+        (Slot(f"{name} (reached through {where}, {getattr(fn, '__qualname__', fn)})", slot.owner, slot.key), slot.get())
+        for where, fn in _hooks(optimizer) for name, slot in _reached(fn)
+    ]  # fmt: skip
 
 
 def _passed(passed: Any) -> list[Any]:
@@ -78,37 +73,23 @@ def _passed(passed: Any) -> list[Any]:
 
 @contextlib.contextmanager
 def unchanged_by_traces(passed: Any) -> Iterator[None]:
-    """Around the step's traces: refuse a change they leave in what the hooks reach."""
-    before = [(name, slot, value, frozen(value), copied(value)) for opt in _passed(passed) for name, slot, value in _places(opt)]
+    """Around the step's traces: refuse a change they leave in what the hooks reach, put
+    back as it was (after a failed trace too)."""
+    before = watched_now([place for opt in _passed(passed) for place in _places(opt)])
     try:
         yield
-    finally:  # put back after a failed trace too
-        changed, libraries = _put_back(before)
+    finally:
+        changed = [w for w in before.values() if w.changed()]
+        for w in changed:
+            w.put_back()
     if changed:
+        libraries = {type(w.slot.owner).__module__.split(".")[0] for w in changed}
         raise CaptureError(
-            f"the optimizer's step changes Python state while train_step is traced: {', '.join(changed)}. The code "
-            "that changes it runs once, when the step is traced, and the graph would not change it again at later "
-            "steps (a step count or a history kept there would stop). It is put back as it was; do that bookkeeping "
-            f"outside train_step, after each step{_OPACUS if 'opacus' in libraries else ''}."
+            f"the optimizer's step changes Python state while train_step is traced: {', '.join(w.slot.name for w in changed)}. "
+            "The code that changes it runs once, when the step is traced, and the graph would not change it again at "
+            "later steps (a step count or a history kept there would stop). It is put back as it was; do that "
+            f"bookkeeping outside train_step, after each step{_OPACUS if 'opacus' in libraries else ''}."
         )
-
-
-def _put_back(before: list[tuple[str, Slot, Any, Any, Any]]) -> tuple[list[str], set[str]]:
-    """Each place left changed, by name, put back as it was; and the libraries that own them."""
-    changed, libraries = [], set()
-    for name, slot, value, was, saved in before:
-        now = slot.get()
-        if frozen(now) != was:
-            changed.append(name)
-            libraries.add(type(slot.owner).__module__.split(".")[0])
-            if now is value and isinstance(value, list):
-                value[:] = saved
-            elif now is value and isinstance(value, (dict, set)):
-                value.clear()
-                value.update(saved)
-            else:
-                slot.set(saved)
-    return changed, libraries
 
 
 _OPACUS = (

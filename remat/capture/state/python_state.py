@@ -95,6 +95,10 @@ class _Watched:
     frozen: Any  # and what it held
     content: Any = None  # a copy of a container's items (the tensors in it themselves), to put back
 
+    def changed(self) -> bool:
+        """Whether the slot holds another value now than it was watched with."""
+        return _snapshot(self.slot.get()) != self.frozen
+
     def put_back(self) -> None:
         if self.slot.get() is not self.value:
             self.slot.set(self.value)
@@ -307,9 +311,7 @@ class StateWatch:
         # A dict split by key (_items): the dict itself, and its keys, to drop those a refused trace added.
         self.split = {slot.owner.name: (slot.owner, set(slot.owner.get())) for slot, _ in slots if isinstance(slot.owner, Slot)}
         self.held.update({name: parent.get() for name, (parent, _) in self.split.items()})
-        self.before = _watched(slots)
-        for w in self.before.values():
-            w.content = copied(w.value)
+        self.before = watched_now(slots)
         self.set_up: set[str] = set()  # slots the step's first run sets once (first_call): put back, not refused
 
     def refuse_traced_tensors(self) -> None:
@@ -390,6 +392,15 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
 _CAPTURES: list[StateWatch] = []  # the captures under way, the innermost last
 
 
+def watched_now(slots: list[tuple[Slot, Any]]) -> dict[str, _Watched]:
+    """The slots' plain values as they are now, by name, each able to say whether it changed
+    since and to put itself back (a container's items too)."""
+    now = _watched(slots)
+    for w in now.values():
+        w.content = copied(w.value)
+    return now
+
+
 def put_back_as_now() -> Callable[[], None]:
     """The state the capture under way watches, as it is now, as a function that puts it
     back: a trace that fails midway (and is made again, knowing more) may have set state
@@ -397,9 +408,7 @@ def put_back_as_now() -> Callable[[], None]:
     next trace must start from the state this one started from."""
     if not _CAPTURES:
         return lambda: None
-    now = _watched([(w.slot, w.slot.get()) for w in _CAPTURES[-1].before.values()])
-    for w in now.values():
-        w.content = copied(w.value)
+    now = watched_now([(w.slot, w.slot.get()) for w in _CAPTURES[-1].before.values()])
     return lambda: [w.put_back() for w in now.values()] and None
 
 
