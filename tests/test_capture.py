@@ -16,6 +16,7 @@ import numpy as np
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
 import remat
 from remat.memory.analysis import Role, analyze
@@ -178,6 +179,29 @@ def test_anomaly_detection_is_refused_saying_to_turn_it_off():
     with torch.autograd.set_detect_anomaly(True), pytest.raises(CaptureError, match=r"anomaly detection is on .*set_detect_anomaly\(False\)"):
         capture(_sgd_step, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 4))
     capture(_sgd_step, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 4))  # off again: captured
+
+
+def test_anomaly_detection_turned_on_inside_the_step_is_refused_by_name_and_without_nan_checks_trains_bitwise():
+    import remat
+
+    def step(model, opt, batch, check_nan=True):
+        opt.zero_grad()
+        with torch.autograd.detect_anomaly(check_nan=check_nan):
+            loss = torch.nn.functional.gelu(model(batch)).square().mean()
+            loss.backward()
+        opt.step()
+        return loss
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(CaptureError, match=r"backward pass with autograd's anomaly detection on, at test_capture.py.*check_nan=False"):
+        capture(step, model, opt, torch.randn(2, 4))
+    eager_model, eager_opt = twin(model, opt)
+    compiled = remat.compile(functools.partial(step, check_nan=False), model, opt, torch.randn(2, 4), profile_runs=1, measure=False)
+    for _ in range(3):
+        batch = torch.randn(2, 4)
+        assert torch.equal(compiled(batch), step(eager_model, eager_opt, batch, check_nan=False))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), eager_model.parameters()))
 
 
 def _encoded_step(model, opt, batch):
@@ -781,6 +805,35 @@ def test_a_draw_from_pythons_or_numpys_generator_in_the_step_is_refused_and_thei
     assert _NUMPY_RNG.bit_generator.state == states[2]
 
 
+@pytest.mark.parametrize("of", ["output", "batch"])
+def test_a_numpy_array_made_in_the_step_is_refused_saying_to_do_that_work_with_torch_ops(of):
+    # A host computation on the step's values (a scipy matching) would run once, at capture.
+    def step(model, opt, batch):
+        opt.zero_grad()
+        out = model(batch)
+        picked = int((out if of == "output" else batch).detach().numpy().argmax())
+        loss = out.flatten()[picked] + out.square().mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(CaptureError, match=r"makes a numpy array of a tensor \(\.numpy\(\)\), at test_capture.py.*with torch ops"):
+        capture(step, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 4))
+
+
+def test_a_checkpoint_saved_inside_the_step_is_refused_saying_to_save_in_the_loop(tmp_path):
+    def step(model, opt, batch):
+        loss = _stepping(model, opt, batch)
+        torch.save(model.state_dict(), tmp_path / "last.pt")
+        return loss
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(CaptureError, match=r"saves with torch.save, at test_capture.py.*Save outside train_step: in the loop"):
+        capture(step, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 4))
+    assert not (tmp_path / "last.pt").exists()
+
+
 def test_mixup_drawn_with_torchs_generator_trains_bitwise():
     import remat
 
@@ -1134,38 +1187,97 @@ class _KeepsItsOutput(torch.nn.Module):
 
     def forward(self, x):
         y = self.lin(x)
-        self.last_outputs = [y.detach()]  # in a new list: a traced placeholder, never a step's value
+        self.last_outputs = [y.detach()]  # in a new list: graph outputs, set after each run
         return y
+
+
+def _stepping(model, opt, batch):
+    opt.zero_grad()
+    loss = model(batch).pow(2).mean()
+    loss.backward()
+    opt.step()
+    return loss.detach()
 
 
 class _KeepingTrainer:
     def step(self, model, opt, batch):
-        loss = _step(model, opt, batch)
+        loss = _stepping(model, opt, batch)
         self.last_losses = [loss.detach()]
         return loss
 
 
 _LAST = None
+_STATE = {"hidden": (torch.zeros(2, 4), torch.zeros(2, 4))}  # an RNN's state carried from step to step
 
 
 def _global_keeping_step(model, opt, batch):
     global _LAST
-    loss = _step(model, opt, batch)
+    loss = _stepping(model, opt, batch)
     _LAST = {"loss": loss.detach()}
     return loss
 
 
+def _carrying_step(model, opt, batch):
+    h, c = _STATE["hidden"]
+    opt.zero_grad()
+    out = model(batch + h)
+    loss = (out * c.tanh()).square().mean() + out.square().mean()
+    loss.backward()
+    opt.step()
+    _STATE["hidden"] = (out.detach(), (c + out).detach())
+    return loss
+
+
+_KEEPING_TRAINER = _KeepingTrainer()
+
+
 @pytest.mark.parametrize(
-    "model,step,name",
-    [(_KeepsItsOutput, _step, r"model\.last_outputs"), (lambda: torch.nn.Linear(4, 4), _KeepingTrainer().step, r"_KeepingTrainer\.last_losses"),
-     (lambda: torch.nn.Linear(4, 4), _global_keeping_step, r"global _LAST")],
+    "model,step,kept",
+    [(_KeepsItsOutput, _stepping, lambda m: m.last_outputs), (lambda: torch.nn.Linear(4, 4), _KEEPING_TRAINER.step, lambda m: _KEEPING_TRAINER.last_losses),
+     (lambda: torch.nn.Linear(4, 4), _global_keeping_step, lambda m: _LAST), (lambda: torch.nn.Linear(4, 4), _carrying_step, lambda m: _STATE["hidden"])],
 )  # fmt: skip
-def test_a_tensor_the_step_keeps_in_python_state_is_refused_and_the_state_put_back(model, step, name):
+def test_a_tuple_list_or_dict_of_tensors_the_step_keeps_in_python_state_is_each_steps_as_in_eager(model, step, kept):
+    import remat
+
+    global _LAST
+    torch.manual_seed(0)
     m = model()
-    with pytest.raises(CaptureError, match=rf"kept a tensor \(or a number computed from one\) in Python state: {name}\. .* Return it from train_step"):
-        capture(step, m, None, torch.randn(2, 4))
-    assert not hasattr(m, "last_outputs") and _LAST is None
-    assert not hasattr(getattr(step, "__self__", None), "last_losses")
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    eager_model, eager_opt = twin(m, opt)
+    before = copy.deepcopy(_STATE)
+    compiled = remat.compile(step, m, opt, torch.randn(2, 4), profile_runs=1, measure=False)
+    assert not hasattr(m, "last_outputs") and _LAST is None and not hasattr(_KEEPING_TRAINER, "last_losses")  # compiling changes nothing
+    assert all(torch.equal(a, b) for a, b in zip(_STATE["hidden"], before["hidden"]))
+    for _ in range(3):
+        batch = torch.randn(2, 4)
+        eager_loss = step(eager_model, eager_opt, batch)
+        eager_kept = copy.deepcopy(kept(eager_model))
+        if step is _carrying_step:
+            _STATE["hidden"] = before["hidden"]  # the compiled step carries on from where eager's did
+        assert torch.equal(compiled(batch), eager_loss)
+        assert type(kept(m)) is type(eager_kept) and all(torch.equal(a, b) for a, b in zip(pytree.tree_leaves(kept(m)), pytree.tree_leaves(eager_kept)))
+        before = {"hidden": eager_kept} if step is _carrying_step else before
+    _LAST = None
+    _STATE["hidden"] = (torch.zeros(2, 4), torch.zeros(2, 4))
+    vars(_KEEPING_TRAINER).pop("last_losses", None)
+
+
+def _mixed_keeping_step(model, opt, batch):
+    global _LAST
+    loss = _stepping(model, opt, batch)
+    _LAST = (loss.detach(), model.weight) if _MIXED == "parameter" else (loss.detach(), 3)
+    return loss
+
+
+@pytest.mark.parametrize("mixed", ["parameter", "number"])
+def test_a_tuple_of_a_computed_tensor_and_anything_else_kept_in_python_state_is_refused_and_put_back(mixed):
+    # No graph output gives the parameter or the number beside the step's tensor.
+    global _MIXED
+    _MIXED = mixed
+    with pytest.raises(CaptureError, match=r"kept a tensor \(or a number computed from one\) in Python state: global _LAST\. .* Return it from train_step"):
+        model = torch.nn.Linear(4, 4)
+        capture(_mixed_keeping_step, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 4))
+    assert _LAST is None
 
 
 _HOLDERS = [types.SimpleNamespace(scale=torch.ones(4))]  # the user's object inside a list: searched
@@ -1433,7 +1545,7 @@ def test_torchs_lines_are_not_named_as_the_users_where_its_packages_are_reached_
         "import torch, traceback; from remat.capture import trace_checks\n"
         "frame = traceback.FrameSummary(torch.__file__.replace('__init__.py', 'nn/functional.py'), 1, 'f', line='x')\n"
         "assert '/site/torch/' in frame.filename, frame.filename\n"
-        "print(repr(trace_checks._where_in_users_code([frame])))\n"
+        "print(repr(trace_checks.where_in_frames([frame])))\n"
     )
     env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}:{pathlib.Path(remat.__file__).resolve().parents[1]}"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

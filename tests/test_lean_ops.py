@@ -132,6 +132,28 @@ def test_an_input_read_later_is_never_overwritten():
     assert check_against_eager(step, eager_model, eager_opt, model, opt, compiled, batch, steps=3).match
 
 
+def test_a_metric_under_inference_mode_in_the_step_is_left_its_own_buffers_and_trains_bitwise():
+    # Inference tensors take no out= write outside inference mode: the pass leaves them alone.
+    def step(model, opt, batch):
+        opt.zero_grad()
+        loss = model(batch).square().mean()
+        loss.backward()
+        opt.step()
+        with torch.inference_mode():
+            hidden = model[1](model[0](batch))
+        return loss.detach(), torch.nn.functional.gelu(model[2](hidden.clone()) * 2).mean() + torch.nn.functional.gelu(hidden).mean()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    eager_model, eager_opt = twin(model, opt)
+    compiled = remat.compile(step, model, opt, torch.randn(8, 16), memory_budget=0.95, profile_runs=1)
+    for _ in range(3):
+        batch = torch.randn(8, 16)
+        assert all(torch.equal(a, b) for a, b in zip(compiled(batch), step(eager_model, eager_opt, batch)))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), eager_model.parameters()))
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_a_budget_only_the_lean_graph_reaches_runs_bitwise_at_its_predicted_peak(optimizer):
     spec, opt, step, built = _built("bert-tiny", 8, optimizer)

@@ -721,6 +721,64 @@ def _norm_logging_step(norms: list[torch.Tensor], features: dict[str, torch.Tens
     return train_step
 
 
+def _logs_into_its_defaults(model, optimizer, batch, history=[], *, last={"loss": 0.0}):  # noqa: B006 - the idiom under test
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(batch["x"]), batch["y"])
+    loss.backward()
+    optimizer.step()
+    history.append(loss.item())
+    last["loss"] = loss.item()
+    return loss.detach()
+
+
+def test_a_list_and_a_dict_given_as_default_arguments_log_each_steps_numbers() -> None:
+    # A mutable default is one object from call to call: the step's log, as a closure's list is.
+    history, last = _logs_into_its_defaults.__defaults__[0], _logs_into_its_defaults.__kwdefaults__["last"]
+    batches = _batches()
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    eager_model = copy.deepcopy(model)
+    eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
+    step = remat.compile(_logs_into_its_defaults, model, opt, batches[0], memory_budget=None)
+    assert history == [] and last == {"loss": 0.0}  # compiling changes nothing
+    eager_losses = []
+    for batch in batches:
+        eager_losses.append(_logs_into_its_defaults(eager_model, eager_opt, batch).item())
+        assert step(batch).item() == eager_losses[-1] and last == {"loss": eager_losses[-1]}
+    assert history == [x for v in eager_losses for x in (v, v)]
+    assert len(step._graphs) == 1 and _same_parameters(model, eager_model)
+    history.clear()
+    last["loss"] = 0.0
+
+
+_WINDOW: collections.deque = collections.deque(maxlen=3)  # the last losses, for a smoothed figure in the loop
+
+
+def _logs_into_a_window(model, optimizer, batch):  # type: ignore[no-untyped-def]
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(batch["x"]), batch["y"])
+    loss.backward()
+    optimizer.step()
+    _WINDOW.append(loss.item())
+    return loss.detach()
+
+
+def test_a_deque_the_step_appends_to_holds_each_steps_numbers_within_its_maxlen() -> None:
+    batches = _batches(5)
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    eager_model = copy.deepcopy(model)
+    eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
+    step = remat.compile(_logs_into_a_window, model, opt, batches[0], memory_budget=None)
+    assert len(_WINDOW) == 0
+    for batch in batches:
+        expected = _logs_into_a_window(eager_model, eager_opt, batch).item()
+        _WINDOW.pop()  # eager's number out again: the compiled step's is the one left
+        assert step(batch).item() == expected and _WINDOW[-1] == expected
+    assert len(_WINDOW) == 3 and _WINDOW.maxlen == 3 and len(step._graphs) == 1
+    _WINDOW.clear()
+
+
 def test_tensors_hooks_and_the_step_log_into_lists_and_dicts_are_each_steps_and_compile_no_more() -> None:
     """What the model's forward hooks (their closures are the user's state too) and the step
     put in a list or a dict holds each step's tensors as eager's does, and a dict the step

@@ -22,7 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
 from remat.gc_pause import gc_paused
-from remat.capture import data_parallel, param_hooks, sharded, sharded_norms, step_call
+from remat.capture import data_parallel, param_hooks, sharded, sharded_norms, step_call, trace_failures
 from remat.capture.optim import first_step_state, hook_state, hyperparams, optimizer_state
 from remat.capture.state import first_call, kept_numbers, kept_tensors, library_objects, logged_numbers, outside_tensors, read_numbers, scheduler_calls, step_outputs, module_hooks, step_prints, train_modes, user_code
 from remat.capture.cpu_strides import CpuLikeEager
@@ -32,7 +32,7 @@ from remat.capture.optim.optimizer_state import optimizer_on, optimizer_states
 from remat.capture.optimizers import as_one, only_passed_step
 
 from remat.capture.markers import marking_updates, MARKER, RECORD_FUNCTION_OPS, marker, marking_passes
-from remat.capture.trace_checks import branched_hyperparameters, calls_compiled_function, no_dynamic_output_shapes, data_dependent_condition, check_backward_ran, check_graph_runnable, cleared_before_backward, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, explain_trace_failure, drop_unread_new_state, where_in_users_code, where_in_users_code_now
+from remat.capture.trace_checks import host_effects_named, branched_hyperparameters, calls_compiled_function, no_dynamic_output_shapes, data_dependent_condition, check_backward_ran, check_graph_runnable, cleared_before_backward, check_static_shapes, drop_unread_inputs, ends_with_zero_grads, drop_unread_new_state, where_in_users_code, where_in_users_code_now
 from remat.capture.train_graph import CallContract, GraphInput, InputKind, Phase, TrainGraph, TrainStep
 from remat.capture.state.python_state import no_python_state_changed, put_back_as_now, state_slots
 from remat.capture.traced_rng import no_host_random_drawn, no_rng_state_set
@@ -177,7 +177,7 @@ def _trace(
                 if isinstance(e, CaptureError):
                     raise e
                 batch_floats.refuse_use(make, e)
-                raise explain_trace_failure(e, model) from e
+                raise trace_failures.explain_trace_failure(e, model) from e
             sign_facts.update({name: hyperparams.sign(hyper_values[name]) for name in new})
             if not new:
                 sign_facts.update({name: hyperparams.FIXED for name in fixed})
@@ -435,15 +435,15 @@ class _Recorded:
 def _step_patches(model: torch.nn.Module, recorded: _Recorded, updating: Callable[[], bool], slots: list[tuple[Any, Any]], known: known_values.KnownValues) -> Iterator[None]:
     """What runs around train_step while it is traced, besides the markers: CPU kernels'
     real strides, CTC loss with static shapes, the values the trace can know (`known`: sizes and branches from the
-    batch's, a constant's results), the user's checkpoints as plain calls, refusing generator state set and
-    draws from Python's or numpy's generators, `float()` of a traced value named, and recording train()/eval() and
-    scheduler.step() calls."""
+    batch's, a constant's results), the user's checkpoints as plain calls, refusing generator state set and draws from Python's
+    or numpy's generators, `float()` of a traced value, anomaly detection and torch.save named, recording train()/eval() and scheduler.step()."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(CpuLikeEager())
         stack.enter_context(ctc_loss.static_shapes(where_in_users_code_now))
         stack.enter_context(known)
         stack.enter_context(plain_checkpoints())
         stack.enter_context(step_outputs.float_of_a_traced_value_named())
+        stack.enter_context(host_effects_named())
         stack.enter_context(no_rng_state_set())
         stack.enter_context(no_host_random_drawn([(slot.name, value) for slot, value in slots]))
         stack.enter_context(train_modes.recorded_mode_calls(model, recorded.mode_calls))

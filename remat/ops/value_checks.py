@@ -93,7 +93,7 @@ class KernelCheck(RuntimeError):
 class ValueCheck:
     """One check: where the step branches, the side the graph takes, and what the other raises."""
 
-    where: str  # ", at file.py, line N: code" (trace_checks._where_in_users_code)
+    where: str  # ", at file.py, line N: code" (trace_checks.where_in_frames)
     holds: bool
     error_type: type[BaseException]
     message: str

@@ -139,8 +139,8 @@ def find_lean_ops(tg: TrainGraph, analysis: GraphAnalysis) -> LeanOps:
             continue  # the result is not one fresh storage
         result = node.meta.get("val")
         for arg in node.args:
-            if not isinstance(arg, torch.fx.Node) or not _same_layout(arg.meta.get("val"), result):
-                continue
+            if not isinstance(arg, torch.fx.Node) or not _same_layout(arg.meta.get("val"), result) or arg.meta["val"].is_inference():
+                continue  # an inference tensor (torch.inference_mode() in the step) takes no out= write outside that mode
             sids = analysis.node_storages.get(arg.name, [])
             if len(sids) != 1:
                 continue

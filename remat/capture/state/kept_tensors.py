@@ -7,8 +7,10 @@ steps compute. So the tensor becomes an output of the graph, and after each run 
 is set to its value (detached: the step's autograd graph is freed by then, as eager's is).
 
 - **A slot** (python_state's: an attribute, a global, a closure cell) left holding a
-  tensor made by the trace, other than the graph input it held, is noted when the step's
-  Python code ends, and put back. A slot that held nothing before (a field the step
+  tensor made by the trace, other than the graph input it held, or a new tuple, list or
+  dict of only such tensors (an LSTM's `(h, c)` carried to the next step), is noted when
+  the step's Python code ends, and put back; one holding a traced tensor beside anything
+  else (a parameter, a number) is refused. A slot that held nothing before (a field the step
   creates) stays part of the step's cache key: the step is compiled again once it holds
   a tensor.
 - **A key of a dict** held in a slot (not a library's): while the step is traced, each
@@ -57,14 +59,14 @@ from remat.capture import param_hooks
 from remat.capture.state.logged_numbers import record_calls
 from remat.capture.trace_checks import where_in_users_code_now
 from remat.errors import CaptureError
-from remat.capture.state.python_state import MISSING, TRACED_NUMBERS, Slot, item_name
+from remat.capture.state.python_state import MISSING, TRACED_NUMBERS, Slot, item_name, kept_error
 
 _MOST_KEYS = 256  # a larger dict is left as it is (watched as a value)
 
 
 @dataclass(frozen=True)
 class KeptTensor:
-    """A slot set to the graph's next output after each run."""
+    """A slot set to the graph's next output after each run (a tensor, or a tuple, list or dict of them)."""
 
     slot: Slot
     keyed: bool  # it held nothing before: its presence stays part of the cache key
@@ -85,16 +87,28 @@ def setting(slots: Callable[[], list[tuple[Slot, Any]]], inputs: set[int]) -> It
     before = {slot.name: value for slot, value in slots()}
     set_: list[tuple[KeptTensor, Any]] = []
     traced = False
+    mixed: list[str] = []
     try:
         yield set_
         traced = True
     finally:  # a trace that fails (one side of a value check tried) puts them back too
-        for slot, value in slots():
+        now = slots()
+        made = {id(value) for slot, value in now if value is not before.get(slot.name, MISSING)}
+        for slot, value in now:
             held = before.get(slot.name, MISSING)
-            if isinstance(value, FakeTensor) and value is not held and id(value) not in inputs:
+            if value is held or id(slot.owner) in made:
+                continue  # a field of an object the step made (a cache made at the first call): python_state judges it
+            if isinstance(slot.owner, Slot) and not isinstance(value, FakeTensor):
+                continue  # a key of a dict watched key by key: a list made there is a log (first_call's defaultdict keys)
+            if _computed_tensors(value, inputs):
                 if traced:
                     set_.append((KeptTensor(slot, keyed=held is MISSING), value))
                 slot.set(held)
+            elif isinstance(value, tuple) and any(_computed(leaf, inputs) for leaf in pytree.tree_leaves(value)):
+                mixed.append(slot.name)  # beside a parameter or a plain number: no graph output gives it (a list or dict is judged by python_state)
+                slot.set(held)
+    if mixed and traced:
+        raise kept_error(mixed)
 
 
 _DICT_READS = (
@@ -179,7 +193,7 @@ def recording_dicts(slots: list[tuple[Slot, Any]], inputs: set[int]) -> Iterator
                     slot.set(original)
             if recorder.changed is not None:  # left as the step made it: judged as any change to the user's state
                 continue
-            taken = {k: original[k] for k in recorder.set_keys if k in original and _computed(original[k], inputs)}
+            taken = {k: original[k] for k in recorder.set_keys if k in original and (_computed(original[k], inputs) or _computed_tensors(original[k], inputs))}
             for k in taken:  # set after each run instead; what else the step set stays, and is judged
                 if k in before:
                     original[k] = before[k]
@@ -189,6 +203,16 @@ def recording_dicts(slots: list[tuple[Slot, Any]], inputs: set[int]) -> Iterator
             if taken and recorder.read is None:
                 unread |= {slot.name for slot in held_in}
         found.unread = frozenset(unread)
+
+
+def _computed_tensors(value: Any, inputs: set[int]) -> bool:
+    """A tensor the trace computed, or a tuple, list or dict of such (an LSTM's hidden state
+    `(h, c)` kept for the next step): a graph output, or several, which the graph's outputs
+    put back together in the same structure (pytree)."""
+    if type(value) in (tuple, list, dict) or isinstance(value, tuple) and hasattr(value, "_fields"):
+        leaves = pytree.tree_leaves(value)
+        return bool(leaves) and all(isinstance(leaf, FakeTensor) and id(leaf) not in inputs for leaf in leaves)
+    return isinstance(value, FakeTensor) and id(value) not in inputs
 
 
 def _computed(value: Any, inputs: set[int]) -> bool:

@@ -20,6 +20,7 @@ it between steps.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 from dataclasses import dataclass
@@ -99,7 +100,35 @@ def record_calls(cls: type, base: type, reads: tuple[str, ...], changes: tuple[s
     cls.__reduce_ex__ = lambda self, protocol: (base, (plain(self),))
 
 
+class _RecordingDeque(collections.deque):  # type: ignore[type-arg]
+    """The user's deque (a window of the last losses, `deque(maxlen=100)`) while the step is
+    traced, recorded as a list is; its `maxlen` kept, so that what the step reads of it is eager's."""
+
+    def __init__(self, items: collections.deque[Any]) -> None:
+        super().__init__(items, items.maxlen)
+        self.appended: list[Any] = []
+        self.read: str | None = None
+        self.changed: str | None = None
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # a plain deque, as record_calls makes for a list
+        self.read = self.read or "copy"
+        return (collections.deque, (list(self), self.maxlen))
+
+    def append(self, value: Any) -> None:
+        self.appended.append(value)
+        collections.deque.append(self, value)
+
+    def pop(self) -> Any:  # the last appended taken off again, as a list's
+        if self.appended:
+            collections.deque.pop(self)
+            return self.appended.pop()
+        self.changed = self.changed or "pop"
+        return collections.deque.pop(self)
+
+
 record_calls(_Recording, list, _READS, _CHANGES)
+record_calls(_RecordingDeque, collections.deque, (*_READS[:-1], "copy"), (*_CHANGES, "appendleft", "extendleft", "popleft", "rotate"))
+_RecordingDeque.__reduce_ex__ = _RecordingDeque.__dict__["__reduce_ex__"]  # not record_calls' list-making one
 # A list to torch's pytree functions, read through its own methods: a plain list comes back.
 pytree.register_pytree_node(_Recording, lambda items: (list(items), None), lambda values, _: list(values))
 
@@ -117,7 +146,7 @@ class LoggedList:
 
     def replay(self, values: list[Any]) -> None:
         target = self.slot.get()
-        if not isinstance(target, list):
+        if not isinstance(target, (list, collections.deque)):
             raise CaptureError(
                 f"{self.slot.name}, the list train_step logs numbers to, is now a {type(target).__name__}; the step "
                 f"appended its {self.count} numbers to a list when it was compiled. Hold a list there, or compile a new step."
@@ -126,12 +155,12 @@ class LoggedList:
 
 
 def candidates(slots: list[tuple[Slot, Any]]) -> list[tuple[Slot, list[Any]]]:
-    """The lists of plain numbers or tensors (or empty) the step could log to: held by the
+    """The lists (and deques) of plain numbers or tensors (or empty) the step could log to: held by the
     user's globals, closures and objects, or a module's attributes (not a library object's)."""
     return [
         (slot, value)
         for slot, value in slots
-        if type(value) is list and not slot.library and all(type(v) in NUMBERS or isinstance(v, torch.Tensor) for v in value)
+        if type(value) in (list, collections.deque) and not slot.library and all(type(v) in NUMBERS or isinstance(v, torch.Tensor) for v in value)
     ]
 
 
@@ -143,7 +172,7 @@ def recording(lists: list[tuple[Slot, list[Any]]]) -> Iterator[list[tuple[Slot, 
     copies: dict[int, _Recording] = {}
     for _, original in lists:
         if id(original) not in copies:
-            copies[id(original)] = _Recording(original)
+            copies[id(original)] = _Recording(original) if type(original) is list else _RecordingDeque(original)
     swapped = [(slot, original, copies[id(original)]) for slot, original in lists]
     try:
         for slot, _, recorder in swapped:

@@ -14,8 +14,8 @@ list of its parameters) stands for the model's placeholder instead.
 A library's object held in those places (a noise scheduler, an EMA helper) is looked into
 too: its fields that hold a tensor or a list, tuple or dict of tensors, and those of the
 library objects in its fields (python_state.library_tensors).
-Not followed: tensors inside tuples nested in other containers, objects inside lists (but modules), and
-objects deeper in a library's objects; a step that uses one is refused at capture, naming
+Not followed: tensors inside tuples other than plain ones and namedtuples, objects inside lists (but
+modules), and objects deeper in a library's objects; a step that uses one is refused at capture, naming
 the tensor's shape and the line that uses it.
 """
 
@@ -99,8 +99,8 @@ def _tensors_in(value: Any, path: tuple[Any, ...], name: str, depth: int) -> Ite
         for qualified, t in [*value.named_parameters(remove_duplicate=False), *value.named_buffers(remove_duplicate=False)]:
             yield (*path, *qualified.split(".")), f"{name}.{qualified}", t
     elif depth < DEPTH and isinstance(value, (list, tuple)) and len(value) <= _MOST_ITEMS:
-        if isinstance(value, tuple) and depth > 0:
-            return  # a placeholder is put into a tuple by replacing it, which only its slot can do
+        if isinstance(value, tuple) and type(value) is not tuple and not hasattr(value, "_fields"):
+            return  # a placeholder is put into a tuple by making it again (_put): a plain tuple or a namedtuple
         for i, v in enumerate(value):
             yield from _tensors_in(v, (*path, i), f"{name}[{i}]", depth + 1)
     elif depth < DEPTH and isinstance(value, dict) and len(value) <= _MOST_ITEMS:
@@ -132,20 +132,21 @@ def swapped(held: dict[int, list[Location]], placeholders: dict[int, torch.Tenso
 
 
 def _put(location: Location, t: torch.Tensor) -> Callable[[], None]:
-    """Put `t` where `location` is; returns how to undo it."""
+    """Put `t` where `location` is; returns how to undo it. A tuple on the way (an LSTM's
+    `(h, c)` in a dict) is made again with it, and set where the tuple was."""
     slot, path = location.slot, location.path
-    if not path:
+    holders = [slot.get()]
+    for key in path[:-1]:
+        holders.append(_child(holders[-1], key))
+    depth = len(path)
+    while depth > 0 and isinstance(holders[depth - 1], tuple):
+        depth -= 1
+        t = _with_item(holders[depth], path[depth], t)
+    if depth == 0:
         old = slot.get()
         slot.set(t)
         return lambda: slot.set(old)
-    holder: Any = slot.get()
-    for key in path[:-1]:
-        holder = _child(holder, key)
-    key = path[-1]
-    if isinstance(holder, tuple):  # a tuple held by the slot itself (see _tensors_in)
-        old = holder
-        slot.set(tuple(t if i == key else v for i, v in enumerate(holder)))
-        return lambda: slot.set(old)
+    holder, key = holders[depth - 1], path[depth - 1]
     if isinstance(holder, torch.nn.Module):
         for table in (holder._parameters, holder._buffers):
             if key in table:
@@ -158,6 +159,11 @@ def _put(location: Location, t: torch.Tensor) -> Callable[[], None]:
     old = holder[key]
     holder[key] = t
     return lambda: holder.__setitem__(key, old)
+
+
+def _with_item(holder: tuple[Any, ...], index: int, value: Any) -> tuple[Any, ...]:
+    items = [value if i == index else v for i, v in enumerate(holder)]
+    return type(holder)(*items) if hasattr(holder, "_fields") else tuple(items)
 
 
 def check_no_gradient(outside: list[OutsideTensor], traced: list[torch.Tensor]) -> None:

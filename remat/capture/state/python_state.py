@@ -28,8 +28,10 @@ and scalars (by value), and lists, tuples, dicts and sets of them (nested), held
 A dict of numbers and lists of numbers under str keys held outside a module (metrics, a
 history of losses) is watched key by key, each key a slot of its own, so that the step
 may add to or log into one key (kept_numbers, logged_numbers).
-A tensor the trace leaves in one of these places (`self.last_output = y.detach()`) is
-refused too: it is a traced placeholder, and the graph stores no step's value there.
+A tensor the trace computes and leaves in one of these places (`self.last_output =
+y.detach()`), or a tuple, list or dict of only such, is set there after each run
+(kept_tensors); anything else holding a traced value (such a tensor beside a parameter or
+a plain number) is refused: it is a traced placeholder, and no graph output gives it.
 A library object's fields holding tensors or numbers are slots too (library_objects), but not
 watched: a number the loop changes there is not seen; one the step changes is kept
 (kept_numbers), or refused where the graph depends on it.
@@ -319,7 +321,7 @@ class StateWatch:
         the state is traced again: the next trace would read another trace's placeholder."""
         kept = [slot.name for slot, value in state_slots(self.model, self.train_step) if holds_traced_value(value, False)]
         if kept:
-            raise _kept_error(kept)
+            raise kept_error(kept)
 
     def numbers_changed(self, set_up: frozenset[tuple[int, str]] = frozenset()) -> list[NumberChange]:
         """The slots the traces so far left holding another number (capture.state.kept_numbers),
@@ -386,7 +388,7 @@ def no_python_state_changed(model: torch.nn.Module, train_step: Callable[..., An
             "value, return it from train_step or append it to a list of your own (a global, a closure's, an attribute)."
         )
     if kept:
-        raise _kept_error([slot.name for slot in kept])
+        raise kept_error([slot.name for slot in kept])
 
 
 _CAPTURES: list[StateWatch] = []  # the captures under way, the innermost last
@@ -430,7 +432,7 @@ def _drop_new_keys(watch: StateWatch) -> None:
             del held_now[key]
 
 
-def _kept_error(names: list[str]) -> CaptureError:
+def kept_error(names: list[str]) -> CaptureError:
     """The refusal of the slots named, each holding a traced value."""
     return CaptureError(
         f"train_step kept a tensor (or a number computed from one) in Python state: {_listed(names)}. "
@@ -438,7 +440,9 @@ def _kept_error(names: list[str]) -> CaptureError:
         "computes it but stores it nowhere, so it would never hold a step's value. Return it from train_step instead (a tuple "
         "or dict of the loss and the tensors to keep), keep it directly in a list or dict of your own held in a global, a "
         "closure or an attribute (stats.append(t), features[name] = t: set after each run), or, if nothing reads it after "
-        "the step, drop it before train_step returns (.clear() the dict, del the attribute)."
+        "the step, drop it before train_step returns (.clear() the dict, del the attribute). A tensor the step computes, or "
+        "a tuple, list or dict of only such tensors (an RNN's hidden state), is set there after each run; one holding a "
+        "parameter or a plain number beside them is not."
         + (
             " A list the step makes under a new key (logs.setdefault('loss', []).append(...)) is made once, at capture: "
             "make the key before the first step, or hold a collections.defaultdict(list), whose keys remat makes as the "

@@ -1,6 +1,6 @@
 """Where a value of the user's Python state lives (dynamo's `Source`): a global, a closure
 cell, an attribute of a module or object, a key of a dict another slot holds, an argument
-a `functools.partial` binds; and a value held there as the watch compares it (`frozen`)
+a `functools.partial` binds, a function's default argument; and a value held there as the watch compares it (`frozen`)
 and as a message shows it (`shown`): plain values as they are, containers of them copied,
 a tensor by its shape, dtype and device, a small numpy array or numpy scalar by its bytes
 (one changed in place is the same object), anything else NOT_PLAIN."""
@@ -16,6 +16,38 @@ import numpy as np
 import torch
 
 MISSING = object()
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """A function's default arguments, as the owner of a slot keyed by the parameter's name
+    (`def train_step(model, opt, batch, history=[])`: the list every call appends to)."""
+
+    fn: types.FunctionType
+
+    def get(self, name: str) -> Any:
+        if name in (self.fn.__kwdefaults__ or {}):
+            return self.fn.__kwdefaults__[name]  # type: ignore[index]
+        code = self.fn.__code__
+        positional = code.co_varnames[: code.co_argcount]
+        defaults = self.fn.__defaults__ or ()
+        i = positional.index(name) - (len(positional) - len(defaults))
+        return defaults[i]
+
+    def set(self, name: str, value: Any) -> None:
+        if name in (self.fn.__kwdefaults__ or {}):
+            self.fn.__kwdefaults__[name] = value  # type: ignore[index]
+            return
+        code = self.fn.__code__
+        positional = code.co_varnames[: code.co_argcount]
+        defaults = list(self.fn.__defaults__ or ())
+        defaults[positional.index(name) - (len(positional) - len(defaults))] = value
+        self.fn.__defaults__ = tuple(defaults)
+
+    def names(self) -> list[str]:
+        code = self.fn.__code__
+        positional = code.co_varnames[: code.co_argcount]
+        return [*positional[len(positional) - len(self.fn.__defaults__ or ()) :], *(self.fn.__kwdefaults__ or {})]
 
 
 @dataclass
@@ -36,6 +68,8 @@ class Slot:
         return (id(self.owner.get()) if isinstance(self.owner, Slot) else id(self.owner), self.key)
 
     def get(self) -> Any:
+        if isinstance(self.owner, Defaults):
+            return self.owner.get(self.key)
         if isinstance(self.owner, functools.partial):  # a positional argument it binds (key: its index)
             return self.owner.args[int(self.key)]
         if isinstance(self.owner, Slot):
@@ -52,7 +86,9 @@ class Slot:
         return held.get(self.key, MISSING) if held is not None else getattr(self.owner, self.key, MISSING)  # __slots__
 
     def set(self, value: Any) -> None:
-        if isinstance(self.owner, functools.partial):
+        if isinstance(self.owner, Defaults):
+            self.owner.set(self.key, value)
+        elif isinstance(self.owner, functools.partial):
             p, i = self.owner, int(self.key)
             p.__setstate__((p.func, (*p.args[:i], value, *p.args[i + 1 :]), p.keywords, p.__dict__ or None))
         elif isinstance(self.owner, Slot):

@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from remat.capture.state import module_hooks
-from remat.capture.state.slots import MISSING, Slot
+from remat.capture.state.slots import CONTAINERS, MISSING, PLAIN, Defaults, Slot
 
 _LIBRARY_DIRS = tuple(
     {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")} | {site.getusersitepackages()}
@@ -205,6 +205,11 @@ def recording_run(ran: set[types.CodeType], device: str) -> Iterator[bool]:
 _MOST_FUNCTIONS = 500
 
 
+def _held_across_calls(value: Any) -> bool:
+    """A default argument the step could change for the next call: a container or an object (not a function, a class, a module)."""
+    return isinstance(value, CONTAINERS) or not (isinstance(value, (*PLAIN, type, types.ModuleType)) or callable(value))
+
+
 @dataclass
 class UserCode:
     names: set[str]  # every attribute name the code reads or writes (fields of the user's objects are watched by these)
@@ -240,8 +245,11 @@ def followed(pending: list[Any], step_globals: dict[str, Any] | None, ran: froze
         where = "" if globs is step_globals else f"{globs.get('__name__', '?')}."
         slots = [Slot(f"global {where}{key}", globs, key) for key in sorted(global_names(fn.__code__, ran) & globs.keys())]
         slots += [Slot(f"{key} (from the closure of {fn.__name__})", cell, key) for key, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ())]
-        # A function given as a default argument (`loss_fn=focal_loss`) runs as the step's.
+        # A function given as a default argument (`loss_fn=focal_loss`) runs as the step's; a container or an
+        # object given so (`history=[]`) is held there from call to call, as a closure's is.
+        defaults = Defaults(fn)
         pending += [d for d in (*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()) if user_function(d) is not None]
+        slots += [Slot(f"default {k} of {fn.__name__}", defaults, k) for k in defaults.names() if _held_across_calls(defaults.get(k))]
         for slot in slots:
             value = slot.get()
             if value is not MISSING:  # an empty closure cell
