@@ -1153,13 +1153,20 @@ def _config_step(model, opt, batch):
     return _step(model, opt, batch * _CONFIG.schedule.weight)
 
 
-def test_a_step_that_changes_python_state_is_refused_and_the_state_put_back():
-    # Traced once, the step would repeat its first value at every call, silently. A float
-    # the step keeps and also computes from is traced again as a count: the message names the use.
-    with pytest.raises(CaptureError, match=r"changed Python state while it was traced: global _CONFIG\.schedule\.weight \(1\.0 -> 0\.\d+\), "
-                                           r"which it also uses \(\w+\)\. Its Python code runs once"):
-        capture(_config_step, torch.nn.Linear(4, 4), None, torch.randn(2, 4))
-    assert _CONFIG.schedule.weight == 1.0
+def test_a_float_the_step_scales_is_read_at_every_call_and_set_after_each_run_the_state_put_back():
+    # Traced once, the step would repeat its first value at every call, silently: the float is
+    # an input instead, and what the step computes from it is set there after each run.
+    tg = capture(_config_step, torch.nn.Linear(4, 4), None, torch.randn(2, 4))
+    assert [i.name for i in tg.inputs if i.kind is InputKind.NUMBER] == ["global _CONFIG.schedule.weight"]
+    assert _CONFIG.schedule.weight == 1.0  # compiling changes nothing
+    model = torch.nn.Linear(4, 4)
+    step, batch = remat.compile(_config_step, model, None, torch.randn(2, 4), profile_runs=1, measure=False), torch.randn(2, 4)
+    for i in range(3):
+        loss = step(batch)
+        with torch.no_grad():  # no optimizer: the model stays as it is, only the weight moves
+            assert torch.equal(loss, model(batch * 0.5 ** (i + 1)).pow(2).mean())
+        assert _CONFIG.schedule.weight == 0.5 ** (i + 1)
+    _CONFIG.schedule.weight = 1.0
 
 
 @pytest.mark.parametrize(

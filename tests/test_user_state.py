@@ -779,6 +779,155 @@ def test_a_deque_the_step_appends_to_holds_each_steps_numbers_within_its_maxlen(
     _WINDOW.clear()
 
 
+class _StatefulLSTM(torch.nn.Module):
+    """A recurrent model that carries its state from batch to batch (None before the first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lstm, self.head, self.state = torch.nn.LSTM(8, 16, batch_first=True), torch.nn.Linear(16, 3), None
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        out, (h, c) = self.lstm(x, self.state)
+        self.state = (h.detach(), c.detach())
+        return self.head(out[:, -1])
+
+
+class _SmoothedLoss:
+    smoothed = 0.0  # a class default the first step shadows with the instance's own
+
+    def __init__(self, own: bool) -> None:
+        if own:
+            self.smoothed = 0.0
+
+    def step(self, model, optimizer, batch):  # type: ignore[no-untyped-def]
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(batch[0]), batch[1])
+        loss.backward()
+        optimizer.step()
+        self.smoothed = 0.9 * self.smoothed + 0.1 * loss.item()
+        return loss.detach()
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_a_carried_state_and_a_smoothed_loss_the_step_computes_from_its_last_are_eagers_at_every_step(own) -> None:
+    # The state starts as None and is a tuple from the first step on; the smoothed loss is a
+    # float the step computes anew from itself: read at every call, set after each run.
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(4, 5, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(4)]
+    model, eager_model = _StatefulLSTM(), _StatefulLSTM()
+    opt, eager_opt = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(eager_model.parameters(), lr=1e-2)
+    user, eager_user = _SmoothedLoss(own), _SmoothedLoss(own)
+    step = remat.compile(user.step, model, opt, batches[0], memory_budget=None)
+    assert model.state is None and vars(user) == vars(eager_user)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the state's first tuple compiles the step again, as a warning says
+        for batch in batches:
+            assert torch.equal(step(batch), eager_user.step(eager_model, eager_opt, batch))
+            assert all(torch.equal(a, b) for a, b in zip(model.state, eager_model.state))
+            assert user.smoothed == eager_user.smoothed
+    assert _same_parameters(model, eager_model) and len(step._graphs) == 2, len(step._graphs)
+
+
+_CACHING_LIBRARY = """
+import torch
+
+TABLE = torch.tensor([0.5, 0.25, 0.125, 0.125], dtype=torch.float64)  # a solver's coefficients, in the library's module
+
+
+class CachedScale(torch.nn.Module):  # as rotary-embedding-torch caches its frequencies at the first call
+    def __init__(self, width):
+        super().__init__()
+        self.register_buffer("cached", torch.zeros(16, width), persistent=False)
+        self.register_buffer("freq", torch.linspace(0.1, 1.0, width), persistent=False)
+        self.cached_len = 0
+
+    def forward(self, x):
+        n = x.shape[0]
+        if n <= self.cached_len:
+            scale = self.cached[:n].detach()
+        else:
+            scale = (torch.arange(n, dtype=x.dtype)[:, None] * self.freq).cos()
+            self.cached[:n] = scale
+            self.cached_len = n
+        return x * scale * TABLE.to(x.dtype).sum()
+"""
+
+
+def _library_module(name: str, source: str) -> types.ModuleType:
+    """A module as a library installed among the packages holds it (its file there)."""
+    import sys
+    import sysconfig
+
+    module = types.ModuleType(name)
+    module.__file__ = f"{sysconfig.get_paths()['purelib']}/{name}.py"
+    sys.modules[name] = module
+    exec(compile(source, module.__file__, "exec"), vars(module))
+    return module
+
+
+def test_a_librarys_constant_tensor_and_its_cache_filled_at_the_first_call_train_bitwise() -> None:
+    # The cache's length is set once and branched on: read at every call, the first graph
+    # fills the buffer, the second reads it; the module-level table is a constant of the graph.
+    library = _library_module("a_caching_library_of_the_test", _CACHING_LIBRARY)
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), library.CachedScale(8), torch.nn.Linear(8, 3))
+
+    def step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(batch[0]), batch[1])
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(12, 8, generator=g), torch.randint(0, 3, (12,), generator=g)) for _ in range(4)]
+    m, eager_m = model(), model()
+    opt, eager_opt = torch.optim.AdamW(m.parameters(), lr=1e-2), torch.optim.AdamW(eager_m.parameters(), lr=1e-2)
+    compiled = remat.compile(step, m, opt, batches[0], memory_budget=None)
+    assert m[1].cached_len == 0 and not m[1].cached.any()  # compiling changes nothing
+    for batch in batches:
+        assert torch.equal(compiled(batch), step(eager_m, eager_opt, batch))
+        assert m[1].cached_len == eager_m[1].cached_len and torch.equal(m[1].cached, eager_m[1].cached)
+    assert _same_parameters(m, eager_m) and len(compiled._graphs) == 2
+
+
+def _counts_itself(model, optimizer, batch):  # type: ignore[no-untyped-def]
+    _counts_itself.calls += 1  # a count kept on the function
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(batch["x"]), batch["y"])
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+_counts_itself.calls = 0  # type: ignore[attr-defined]
+_TICKS = __import__("itertools").count()
+
+
+def _ticks(model, optimizer, batch):  # type: ignore[no-untyped-def]
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(batch["x"]), batch["y"]) * (1 + 0.1 * next(_TICKS))
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def test_a_count_on_the_function_is_counted_and_an_iterator_the_step_advances_is_refused() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = remat.compile(_counts_itself, model, opt, _batches(1)[0], memory_budget=None)
+    assert _counts_itself.calls == 0  # compiling changes nothing
+    for batch in _batches(3):
+        step(batch)
+    assert _counts_itself.calls == 3 and len(step._graphs) == 1
+    # Python's own iterator, advanced by the trace: every step would take the first number.
+    with pytest.raises(remat.CaptureError, match=r"changed Python state while it was traced: global _TICKS \(<count at \(0,\)> -> <count at \(1,\)>\)"):
+        remat.compile(_ticks, model, opt, _batches(1)[0], memory_budget=None)
+
+
 def test_tensors_hooks_and_the_step_log_into_lists_and_dicts_are_each_steps_and_compile_no_more() -> None:
     """What the model's forward hooks (their closures are the user's state too) and the step
     put in a list or a dict holds each step's tensors as eager's does, and a dict the step

@@ -7,8 +7,8 @@ the user's state (python_state's) the step leaves holding another number, it is 
 again with each such number swapped for a `_Counted`: a stand-in that can only be added
 to. Anything else the step does with it (compare it, scale it, print it, pass it to torch)
 is refused, naming the slot: the graph would hold what it computed from the count at
-capture; but an int of the user's is captured again read at every call (`CountUsed`,
-read_numbers), where what it computes with the int holds for any value. What the slot
+capture; but an int or float of the user's is captured again read at every call (`CountUsed`,
+read_numbers), where what it computes with the number holds for any value. What the slot
 ends as is done again after each run, on the number it holds then: the same additions
 in the same order (so that floats round as eager's do), the numbers the graph computes
 (`loss.item()`) taken from its outputs. A value set outright is set again.
@@ -160,7 +160,7 @@ class _Counted:
 
 
 class CountUsed(CaptureError):
-    """A use of an int of the user's that the step counts up (`self.step += 1`, then `if
+    """A use of an int or float of the user's that the step changes (`self.step += 1`, then `if
     self.step % 10 == 0`): the capture tries again with it read at every call as a symbol
     (read_numbers), the count made again after each run; where it cannot be, this error."""
 
@@ -192,8 +192,8 @@ def with_counts_read(again: Callable[..., Any]) -> Callable[[Callable[..., Any]]
 
 
 def _refuse(change: NumberChange, op: str) -> Any:
-    counted_int = type(change.before) is int and not change.slot.library
-    raise (functools.partial(CountUsed, name=change.slot.name) if counted_int else CaptureError)(
+    read_again = type(change.before) in (int, float) and not change.slot.library  # a user's number: read at every call instead
+    raise (functools.partial(CountUsed, name=change.slot.name) if read_again else CaptureError)(
         f"train_step changed Python state while it was traced: {change.slot.name} ({_shown(change.before)} -> "
         f"{_shown(change.after)}), which it also uses ({op}). Its Python code runs once, at capture, so what it computes "
         "from that number would be the same at every step. A step may add to a number it keeps (a step count, a sum of "

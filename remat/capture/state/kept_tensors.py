@@ -11,8 +11,8 @@ is set to its value (detached: the step's autograd graph is freed by then, as ea
   dict of only such tensors (an LSTM's `(h, c)` carried to the next step), is noted when
   the step's Python code ends, and put back; one holding a traced tensor beside anything
   else (a parameter, a number) is refused. A slot that held nothing before (a field the step
-  creates) stays part of the step's cache key: the step is compiled again once it holds
-  a tensor.
+  creates), or no tensors where the user's code holds it (a state that starts as None),
+  stays part of the step's cache key: the step is compiled again once it holds them.
 - **A key of a dict** held in a slot (not a library's): while the step is traced, each
   such dict is swapped for a recording copy (one per dict, in every slot that holds it),
   which notes the keys the step sets and whether it reads anything it had not set first.
@@ -45,6 +45,7 @@ Tensors in a list or dict nested in another container stay refused (python_state
 from __future__ import annotations
 
 import contextlib
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -56,6 +57,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
 from remat.capture import param_hooks
+from remat.capture.state import user_code
 from remat.capture.state.logged_numbers import record_calls
 from remat.capture.trace_checks import where_in_users_code_now
 from remat.errors import CaptureError
@@ -102,7 +104,7 @@ def setting(slots: Callable[[], list[tuple[Slot, Any]]], inputs: set[int]) -> It
                 continue  # a key of a dict watched key by key: a list made there is a log (first_call's defaultdict keys)
             if _computed_tensors(value, inputs):
                 if traced:
-                    set_.append((KeptTensor(slot, keyed=held is MISSING), value))
+                    set_.append((KeptTensor(slot, keyed=held is MISSING or not _tensors(held) and _users(slot)), value))
                 slot.set(held)
             elif isinstance(value, tuple) and any(_computed(leaf, inputs) for leaf in pytree.tree_leaves(value)):
                 mixed.append(slot.name)  # beside a parameter or a plain number: no graph output gives it (a list or dict is judged by python_state)
@@ -203,6 +205,23 @@ def recording_dicts(slots: list[tuple[Slot, Any]], inputs: set[int]) -> Iterator
             if taken and recorder.read is None:
                 unread |= {slot.name for slot in held_in}
         found.unread = frozenset(unread)
+
+
+def _tensors(value: Any) -> bool:
+    """A tensor, or a tuple, list or dict of them: what a slot the step sets held, read by the
+    graph at every call where it reads it (outside_tensors). Anything else (None before the
+    first step's state, `self.state = None`) stays part of the cache key where the user's
+    code holds it (`_users`): the next step's trace may branch on it."""
+    leaves = pytree.tree_leaves(value) if type(value) in (tuple, list, dict) else [value]
+    return bool(leaves) and all(isinstance(leaf, torch.Tensor) for leaf in leaves)
+
+
+def _users(slot: Slot) -> bool:
+    """A slot of the user's code (a global, a closure's, a field of the user's module or
+    object), whose code may branch on what it held: not a library's field (torchmetrics'
+    `_forward_cache`, None before its first forward, which its forward only writes)."""
+    owner = slot.owner
+    return isinstance(owner, (dict, types.CellType, Slot)) or user_code.user_class(type(owner))
 
 
 def _computed_tensors(value: Any, inputs: set[int]) -> bool:

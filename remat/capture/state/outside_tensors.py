@@ -22,13 +22,17 @@ the tensor's shape and the line that uses it.
 from __future__ import annotations
 
 import contextlib
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, fake_tensor_tls
 
 from remat.errors import CaptureError
+from remat.capture.state import user_code
 from remat.capture.state.slots import MISSING, Slot
+from remat.capture.trace_checks import users_frame
 from remat.capture.train_graph import InputKind
 
 _MOST_ITEMS = 10_000  # a larger container is not searched
@@ -113,7 +117,8 @@ def _tensors_in(value: Any, path: tuple[Any, ...], name: str, depth: int) -> Ite
 def swapped(held: dict[int, list[Location]], placeholders: dict[int, torch.Tensor]) -> Iterator[None]:
     """While the block runs (the step traced), wherever the user's state holds one of the
     step's tensors, its placeholder (`placeholders`: by the real tensor's id), which
-    requires a gradient where the tensor does; everything put back after, in reverse order."""
+    requires a gradient where the tensor does; everything put back after, in reverse order.
+    A library's tensor found nowhere is a constant of the graph meanwhile (`library_constants`)."""
     undo: list[Callable[[], None]] = []
     try:
         for tid, locations in held.items():
@@ -125,7 +130,8 @@ def swapped(held: dict[int, list[Location]], placeholders: dict[int, torch.Tenso
                 t.requires_grad_(real.requires_grad)
             for location in locations:
                 undo.append(_put(location, t))
-        yield
+        with library_constants():
+            yield
     finally:
         for fn in reversed(undo):
             fn()
@@ -164,6 +170,33 @@ def _put(location: Location, t: torch.Tensor) -> Callable[[], None]:
 def _with_item(holder: tuple[Any, ...], index: int, value: Any) -> tuple[Any, ...]:
     items = [value if i == index else v for i, v in enumerate(holder)]
     return type(holder)(*items) if hasattr(holder, "_fields") else tuple(items)
+
+
+@contextlib.contextmanager
+def library_constants() -> Iterator[None]:
+    """While the step is traced, a tensor a library's own code uses that remat finds nowhere
+    it looks (a solver's coefficients kept in the library's module: torchdiffeq's
+    Dormand-Prince tableau) is a constant of the graph, as make_fx holds one (an attribute of
+    the graph module, read at each run); one the user's code uses stays refused, the error
+    naming where remat looks (trace_failures)."""
+    validate = FakeTensorMode.validate_and_convert_non_fake_tensors
+
+    def validating(mode: FakeTensorMode, func: Any, converter: Any, flat_args: Any, args_spec: Any) -> Any:
+        real = any(isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) for a in flat_args)
+        frame = users_frame(traceback.extract_stack()) if real else None
+        if frame is None or user_code.is_user_file(frame.filename):
+            return validate(mode, func, converter, flat_args, args_spec)
+        before, fake_tensor_tls.allow_non_fake_inputs_override = fake_tensor_tls.allow_non_fake_inputs_override, True
+        try:
+            return validate(mode, func, converter, flat_args, args_spec)
+        finally:
+            fake_tensor_tls.allow_non_fake_inputs_override = before
+
+    FakeTensorMode.validate_and_convert_non_fake_tensors = validating  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        FakeTensorMode.validate_and_convert_non_fake_tensors = validate  # type: ignore[method-assign]
 
 
 def check_no_gradient(outside: list[OutsideTensor], traced: list[torch.Tensor]) -> None:

@@ -241,11 +241,13 @@ def step_values(
 
 
 def _object_fields(name: str, obj: Any, names: set[str], seen: set[int], depth: int, ran: frozenset[types.CodeType] | None) -> Iterator[tuple[Slot, Any]]:
-    """The fields of a user's object, class or module (a `CFG` class or a config module the
-    step reads `CFG.aux` of), and of the user's objects in them, that the user's code names."""
+    """The fields of a user's object, class, module or function (a `CFG` class or a config
+    module the step reads `CFG.aux` of), and of the user's objects in them, that the user's code names."""
     path = getattr(obj, "__file__", None) if isinstance(obj, types.ModuleType) else None
     if isinstance(obj, type):
         ours = user_code.user_class(obj) and not issubclass(obj, torch.nn.Module)
+    elif isinstance(obj, types.FunctionType):  # its attributes (`train_step.calls += 1`)
+        ours = user_code.user_function(obj) is obj
     else:
         ours = user_code.user_class(type(obj)) or (isinstance(path, str) and user_code.is_user_file(path))
     if depth > 3 or id(obj) in seen or isinstance(obj, (torch.nn.Module, torch.Tensor)) or not ours:
@@ -257,9 +259,19 @@ def _object_fields(name: str, obj: Any, names: set[str], seen: set[int], depth: 
     for key in sorted(k for k in fields if k in names):
         yield Slot(f"{name}.{key}", obj, key), fields[key]
         yield from _object_fields(f"{name}.{key}", fields[key], names, seen, depth + 1, ran)
-    if not isinstance(obj, (type, types.ModuleType)):  # what `self.aux` reads where the class holds it
+    if not isinstance(obj, (type, types.ModuleType, types.FunctionType)):  # what `self.aux` reads where the class holds it
+        # The object's own field of that name, absent (MISSING) while the class holds it: `self.aux = ...` in the
+        # step or the loop then shadows the class's, which the key and the guards see.
+        shadowed = {k for cls in type(obj).__mro__ for k, v in vars(cls).items() if k in names and k not in fields and _data(v)}
+        for key in sorted(shadowed) if fields_of(obj) is not None else ():
+            yield Slot(f"{name}.{key}", obj, key), MISSING
         for cls in type(obj).__mro__:
             yield from _object_fields(f"{name} (class {cls.__name__})", cls, names, seen, depth + 1, ran)
+
+
+def _data(value: Any) -> bool:
+    """A class attribute holding data (a default an instance may shadow), not a method or descriptor."""
+    return not (callable(value) or hasattr(type(value), "__get__"))
 
 
 def _snapshot(value: Any, unread: frozenset[int] = frozenset()) -> Any:

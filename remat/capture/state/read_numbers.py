@@ -28,7 +28,9 @@ value, and the arithmetic is Python's, on the same int, bitwise. An int used whe
 fixed number can go (a list's index, a tensor's size, a format) stays a constant of the
 graph, compiled again for each value as before. An int the step counts up itself and
 computes with (`self.step += 1; if self.step % 10 == 0`) is read the same way
-(kept_numbers.CountUsed), and what the trace added to it is added again after each run.
+(kept_numbers.CountUsed), and what the trace added to it is added again after each run. A
+float the step computes with and sets anew (a smoothed loss, `self.ema = 0.9 * self.ema +
+0.1 * loss.item()`) is read the same way, and set after each run to what the graph computes.
 """
 
 from __future__ import annotations
@@ -239,13 +241,8 @@ class Reading:
                 count = added_to(slot.get(), placed[name]) if isinstance(slot.get(), torch.SymInt) and isinstance(placed[name], torch.SymInt) else None
                 if count is not None:
                     self.counts[name] = count  # added again after each run (kept), to the number held then
-                elif name in self.set_by_step:
+                else:  # set anew (a smoothed loss computed from itself, a library's cache length): set after each run
                     self.set_to[name] = slot.get()
-                else:
-                    raise CaptureError(
-                        f"train_step changed {name} while it ran, which the loop also changes between steps; remat reads "
-                        "it at every call. Change it in one place: between steps, or in the step only."
-                    )
             for name, now in self.set_to.items():
                 if not (isinstance(now, (torch.Tensor, *TRACED_NUMBERS)) or type(now) in (int, float)):
                     raise CaptureError(

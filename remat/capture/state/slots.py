@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import types
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,6 +178,8 @@ def frozen(value: Any, opaque: frozenset[int] = frozenset()) -> Any:
             return (np.ndarray, v.dtype.str, v.shape, v.tobytes())
         if depth and id(v) in opaque:
             return _NotCompared(type(v))
+        if type(v).__module__ in ("itertools", "builtins") and hasattr(type(v), "__next__"):
+            return _iterator_state(v)  # `next(self.counter)` in the step: a change the watch sees
         if not isinstance(v, CONTAINERS) or depth > 8 or len(v) > budget[0]:
             raise _Skip
         budget[0] -= len(v)
@@ -194,6 +197,36 @@ def frozen(value: Any, opaque: frozenset[int] = frozenset()) -> Any:
 
 class _Skip(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class _IteratorState:
+    """An iterator of Python's own (`itertools.count()`, `iter(a_list)`) by where it stands:
+    the state its pickling gives, with the objects it walks by identity."""
+
+    kind: str
+    state: Any
+
+    def __repr__(self) -> str:
+        return f"<{self.kind} at {self.state!r}>"
+
+
+def _iterator_state(it: Any) -> Any:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # itertools' pickling is deprecated (3.12): where it is gone, not compared
+            reduced = it.__reduce__()
+    except Exception:
+        raise _Skip from None
+    plain = [x if isinstance(x, PLAIN) else id(x) for x in _leaves(reduced[1:])]
+    return _IteratorState(type(it).__name__, tuple(plain))
+
+
+def _leaves(value: Any) -> list[Any]:
+    """The leaves of nested tuples and lists."""
+    if isinstance(value, (tuple, list)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [value]
 
 
 @dataclass(frozen=True)
