@@ -531,6 +531,34 @@ class _Trainer:
         return loss
 
 
+class _SmoothingTrainer:
+    """A trainer that keeps a smoothed loss, computed from itself at every step, and the
+    last hidden summary as a tuple, read by the next step's loss."""
+
+    smoothed = 0.0  # a class default, shadowed by the first step
+
+    def __init__(self):
+        self.carry = (torch.zeros(()), torch.zeros(()))
+
+    def train_step(self, model, optimizer, batch):
+        optimizer.zero_grad()
+        out = model(**batch)
+        loss = out.loss + 0.01 * (self.carry[0] - self.carry[1]).square()
+        loss.backward()
+        optimizer.step()
+        self.smoothed = 0.9 * self.smoothed + 0.1 * loss.item()
+        self.carry = (out.logits.detach().mean(), out.logits.detach().std())
+        return loss.detach()
+
+
+def _give_smoothing_trainer(model):
+    model.trainer = _SmoothingTrainer()
+
+
+def _smoothing_step(model, optimizer, batch):
+    return model.trainer.train_step(model, optimizer, batch)
+
+
 def _give_trainer(model):
     model.trainer = _Trainer()  # each side's own, copied with its model
 
@@ -604,6 +632,9 @@ IDIOMS = [
           "works", step=_warn_once_step, setup=_first_run_flags, kept=lambda m: (m.warned_once, m.first_shape)),
     Idiom("a trainer's method as train_step, counting steps and summing losses (self.global_step += 1, self.loss_sum += loss.item())",
           "works", step=_trainer_step, setup=_give_trainer, kept=lambda m: vars(m.trainer)),
+    Idiom("a smoothed loss computed from itself (self.smoothed = 0.9 * self.smoothed + 0.1 * loss.item(), a class default "
+          "at first) and a tuple of tensors carried to the next step's loss", "works", step=_smoothing_step,
+          setup=_give_smoothing_trainer, kept=lambda m: (m.trainer.smoothed, *map(float, m.trainer.carry))),
     Idiom("checks that raise inside train_step: labels against the vocabulary, assert torch.isfinite(loss), "
           "clip_grad_norm_(error_if_nonfinite=True)", "works", step=_checked_step),
 ]
