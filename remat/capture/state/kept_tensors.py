@@ -71,7 +71,7 @@ class KeptTensor:
     """A slot set to the graph's next output after each run (a tensor, or a tuple, list or dict of them)."""
 
     slot: Slot
-    keyed: bool  # it held nothing before: its presence stays part of the cache key
+    keyed: bool  # it held no tensors before (nothing, or None in the user's code): what it holds stays part of the cache key
     count = 1
 
     def where(self) -> str:

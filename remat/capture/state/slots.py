@@ -3,7 +3,8 @@ cell, an attribute of a module or object, a key of a dict another slot holds, an
 a `functools.partial` binds, a function's default argument; and a value held there as the watch compares it (`frozen`)
 and as a message shows it (`shown`): plain values as they are, containers of them copied,
 a tensor by its shape, dtype and device, a small numpy array or numpy scalar by its bytes
-(one changed in place is the same object), anything else NOT_PLAIN."""
+(one changed in place is the same object), an iterator of Python's own by where it stands
+(`itertools.count()`: one the step advances is a change), anything else NOT_PLAIN."""
 
 from __future__ import annotations
 
