@@ -851,6 +851,13 @@ class CachedScale(torch.nn.Module):  # as rotary-embedding-torch caches its freq
             self.cached[:n] = scale
             self.cached_len = n
         return x * scale * TABLE.to(x.dtype).sum()
+
+
+GAIN = torch.nn.Parameter(torch.ones(()))  # trained by nobody's optimizer: eager accumulates its .grad
+
+
+def gained(x):
+    return x * GAIN
 """
 
 
@@ -892,6 +899,17 @@ def test_a_librarys_constant_tensor_and_its_cache_filled_at_the_first_call_train
         assert torch.equal(compiled(batch), step(eager_m, eager_opt, batch))
         assert m[1].cached_len == eager_m[1].cached_len and torch.equal(m[1].cached, eager_m[1].cached)
     assert _same_parameters(m, eager_m) and len(compiled._graphs) == 2
+
+    def gained_step(model, optimizer, batch):  # type: ignore[no-untyped-def]
+        optimizer.zero_grad()
+        loss = F.cross_entropy(library.gained(model(batch[0])), batch[1])
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    # A library's tensor that requires a gradient is no constant: the graph would give it none.
+    with pytest.raises(remat.CaptureError, match=r"uses a parameter of shape \(\) that is not the model's"):
+        remat.compile(gained_step, m, opt, batches[0], memory_budget=None)
 
 
 def _counts_itself(model, optimizer, batch):  # type: ignore[no-untyped-def]

@@ -182,9 +182,10 @@ def library_constants() -> Iterator[None]:
     validate = FakeTensorMode.validate_and_convert_non_fake_tensors
 
     def validating(mode: FakeTensorMode, func: Any, converter: Any, flat_args: Any, args_spec: Any) -> Any:
-        real = any(isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) for a in flat_args)
+        real = [a for a in flat_args if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor)]
         frame = users_frame(traceback.extract_stack()) if real else None
-        if frame is None or user_code.is_user_file(frame.filename):
+        if frame is None or user_code.is_user_file(frame.filename) or any(t.requires_grad for t in real):
+            # (one that requires a gradient would get none: eager would accumulate its .grad)
             return validate(mode, func, converter, flat_args, args_spec)
         before, fake_tensor_tls.allow_non_fake_inputs_override = fake_tensor_tls.allow_non_fake_inputs_override, True
         try:
