@@ -64,10 +64,14 @@ class _Recording(list):  # type: ignore[type-arg]
         return list.pop(self, index)
 
 
-def record_calls(cls: type, base: type, reads: tuple[str, ...], changes: tuple[str, ...], on: Callable[[Any], Any] = lambda c: c) -> None:
+def record_calls(
+    cls: type, base: type, reads: tuple[str, ...], changes: tuple[str, ...], on: Callable[[Any], Any] = lambda c: c,
+    made: Callable[[Any], Any] | None = None,
+) -> None:
     """Give a recording container's class methods that note the first of `reads` called
     (`read`) and the first of `changes` (`changed`) by name, then do what `base`'s do, on
-    the container itself or on what `on` gives for it."""
+    the container itself or on what `on` gives for it. `made`: a plain container of its
+    contents (`base` of them, but where it keeps more: a deque's `maxlen`)."""
 
     def reading(name: str) -> Any:
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -93,11 +97,11 @@ def record_calls(cls: type, base: type, reads: tuple[str, ...], changes: tuple[s
     # default copy of a subclass would share the recording).
     def plain(self: Any) -> Any:
         self.read = self.read or "copy"
-        return base(on(self))
+        return (made or base)(on(self))
 
     cls.__copy__ = plain
     cls.__deepcopy__ = lambda self, memo: copy.deepcopy(plain(self), memo)
-    cls.__reduce_ex__ = lambda self, protocol: (base, (plain(self),))
+    cls.__reduce_ex__ = lambda self, protocol: (copy.copy, (plain(self),))  # unpickled: the plain container
 
 
 class _RecordingDeque(collections.deque):  # type: ignore[type-arg]
@@ -109,10 +113,6 @@ class _RecordingDeque(collections.deque):  # type: ignore[type-arg]
         self.appended: list[Any] = []
         self.read: str | None = None
         self.changed: str | None = None
-
-    def __reduce_ex__(self, protocol: Any) -> Any:  # a plain deque, as record_calls makes for a list
-        self.read = self.read or "copy"
-        return (collections.deque, (list(self), self.maxlen))
 
     def append(self, value: Any) -> None:
         self.appended.append(value)
@@ -127,8 +127,10 @@ class _RecordingDeque(collections.deque):  # type: ignore[type-arg]
 
 
 record_calls(_Recording, list, _READS, _CHANGES)
-record_calls(_RecordingDeque, collections.deque, (*_READS[:-1], "copy"), (*_CHANGES, "appendleft", "extendleft", "popleft", "rotate"))
-_RecordingDeque.__reduce_ex__ = _RecordingDeque.__dict__["__reduce_ex__"]  # not record_calls' list-making one
+record_calls(
+    _RecordingDeque, collections.deque, (*_READS[:-1], "copy"), (*_CHANGES, "appendleft", "extendleft", "popleft", "rotate"),
+    made=lambda d: collections.deque(d, d.maxlen),
+)
 # A list to torch's pytree functions, read through its own methods: a plain list comes back.
 pytree.register_pytree_node(_Recording, lambda items: (list(items), None), lambda values, _: list(values))
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.utils._pytree as pytree
 
 MISSING = object()
 
@@ -219,15 +220,8 @@ def _iterator_state(it: Any) -> Any:
             reduced = it.__reduce__()
     except Exception:
         raise _Skip from None
-    plain = [x if isinstance(x, PLAIN) else id(x) for x in _leaves(reduced[1:])]
+    plain = [x if isinstance(x, PLAIN) else id(x) for x in pytree.tree_leaves(reduced[1:])]
     return _IteratorState(type(it).__name__, tuple(plain))
-
-
-def _leaves(value: Any) -> list[Any]:
-    """The leaves of nested tuples and lists."""
-    if isinstance(value, (tuple, list)):
-        return [leaf for v in value for leaf in _leaves(v)]
-    return [value]
 
 
 @dataclass(frozen=True)
