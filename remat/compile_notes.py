@@ -1,5 +1,5 @@
 """What a step says about a graph it compiles again or cannot compile: a batch that comes
-in many shapes, a budget given as a fraction that no plan meets, and a budget that a
+in many shapes (or with many values of a plain value the step reads), a budget given as a fraction that no plan meets, and a budget that a
 call's graph cannot meet because it holds the gradients it finds set."""
 
 from __future__ import annotations
@@ -52,6 +52,28 @@ def warn_many_shapes(shapes: int, compile_seconds: float) -> None:
             "Batches padded to their longest row (a data collator's dynamic padding) take as many shapes as there "
             "are lengths: pad to a few lengths instead (DataCollatorWithPadding(tokenizer, pad_to_multiple_of=64), "
             "or padding='max_length'), and drop or pad a smaller last batch (drop_last=True).",
+            stacklevel=5,
+        )
+
+
+def warn_many_graphs(shapes_and_values: tuple[int, int], names_read: list[str], compile_seconds: float) -> None:
+    """Say, at the shape or value that makes them many, that each new batch shape is a
+    capture, and each new value of the batch's plain values the graphs read (`names_read`).
+    `shapes_and_values`: batch_signature.shapes_and_values of the graphs compiled."""
+    warn_many_shapes(shapes_and_values[0], compile_seconds)
+    warn_many_values(names_read, shapes_and_values[1], compile_seconds)
+
+
+def warn_many_values(names: list[str], graphs: int, compile_seconds: float) -> None:
+    """Say, at the value that makes them many, that every new value of the batch's plain
+    values the step reads is a capture."""
+    if graphs == MANY_SHAPES and names:
+        warnings.warn(
+            f"remat: train_step reads {', '.join(names[:3])} (plain values of the batch: a str, bytes or int), so the "
+            f"graph holds each value as a constant, and each new one is captured, profiled and planned again "
+            f"({compile_seconds:.1f} s for this one); {MANY_SHAPES} graphs of this shape so far. Leave such values "
+            "out of what train_step uses (log or store them in the loop), or pass a number it computes with as a "
+            "tensor or a float.",
             stacklevel=5,
         )
 

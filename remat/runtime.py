@@ -17,7 +17,7 @@ import torch.fx
 
 from remat import compile_notes, failed_step, ranks
 from remat import build as pipeline
-from remat.batch_signature import check_dtype_device, signature, without_devices
+from remat.batch_signature import checked_signature, shapes_and_values, signature, values_read, without_devices
 from remat.capture import data_parallel, sharded
 from remat.capture.optim import first_step_state, optimizer_state
 from remat.capture.optimizers import as_one
@@ -96,6 +96,7 @@ class RematStep:
     cuda_graph: bool = False  # replay the graph as a CUDA graph after its first call (passes.cuda_graph)
     _graphs: dict[Any, CompiledGraph] = field(default_factory=dict)
     _structure: str | None = None
+    _batch_read: frozenset[int] = frozenset()  # positions of the batch's plain values a graph reads: their values in the key
     _last: CompiledGraph | None = None
     _unkeyed: set[str] = field(default_factory=set)  # slots the step updates and never reads (TrainGraph.call.state_updates)
     _read: set[str] = field(default_factory=set)  # numbers the loop changed between steps, and the optimizer state's: read at every call (read_numbers)
@@ -190,6 +191,10 @@ class RematStep:
         known = {b.slot.name for b in self._branches}
         branches = [u for u in tg.call.state_updates if isinstance(u, CountedBranch) and u.slot.name not in known]
         frozen = [p for p in frozen_gradients_taken(tg, self.model) if all(p is not q for q in self._frozen_graded)]
+        if tg.call.batch_read - self._batch_read:  # from now on, their values are in the key
+            self._batch_read |= tg.call.batch_read
+            sig = self._checked_signature(batch)
+            shapes = self._with_call_state(sig)
         if (tg.call.accumulates and self._accumulating is None) or branches or frozen:  # from now on, these are in the key
             if tg.call.accumulates and self._accumulating is None:
                 self._accumulating = [p for n, p in self.model.named_parameters() if n in set(tg.call.trainable)]
@@ -214,7 +219,8 @@ class RematStep:
         if newly_read:  # the graphs before did not read these library flags: right whatever they hold, keyed with them now
             self._graphs = {(s, g.rekeyed(compiled.step_values, self._library_slots(newly_read))): g for (s, _), g in self._graphs.items()}
         self._graphs[(shapes, compiled.step_values)] = compiled
-        compile_notes.warn_many_shapes(len({s[0] if wrapped else s for wrapped in [self._with_call_state(None) is not None] for s, _ in self._graphs}), compiled.report.compile_seconds)  # batch shapes
+        wrapped = self._with_call_state(None) is not None
+        compile_notes.warn_many_graphs(shapes_and_values([s[0] if wrapped else s for s, _ in self._graphs], sig), values_read(batch, self._batch_read), compiled.report.compile_seconds)
         return compiled
 
     def _with_call_state(self, shapes: Any) -> Any:
@@ -250,16 +256,7 @@ class RematStep:
         return tuple((name, self._keys.key(name, value)) if name in self._read else (name, value) for name, value in values)
 
     def _checked_signature(self, batch: Any) -> Any:
-        """The batch's shape signature, or an error for a batch this step cannot take."""
-        structure, sig = signature(batch)
-        if self._structure is not None and structure != self._structure:
-            raise CaptureError(
-                f"this step was compiled for batches structured as {self._structure}, got {structure}; "
-                "compile another step for another batch structure"
-            )
-        if self._graphs and all(shapes != sig for shapes, _ in self._graphs):
-            check_dtype_device(batch, next(iter(self._graphs.values())).tg)
-        return sig
+        return checked_signature(batch, self._batch_read, self._structure, self._graphs)
 
     def _agreed(self, what: str, fn: Any, summary: Any = None, differ: str = "") -> Any:
         """`fn()`; for a data-parallel step, on every rank together (remat.ranks.together),
@@ -277,7 +274,7 @@ class RematStep:
             "capturing the step",
             lambda: capture(
                 self.train_step, self.model, self.optimizer, batch, frozenset(self._read), reduce_in_buckets=not self._reduce_per_gradient,
-                grads_in=self._accumulating is not None,
+                grads_in=self._accumulating is not None, batch_read=self._batch_read,
             ),
             summary=graph_fingerprint, differ="the captured graph",
         )  # fmt: skip

@@ -166,8 +166,8 @@ def test_an_op_whose_shape_function_refuses_its_inputs_is_named(monkeypatch):
 
 def test_bad_batches_are_refused():
     model = torch.nn.Linear(4, 4)
-    with pytest.raises(CaptureError, match=r"batch\['scale'\] is a int. Pass a number as a tensor \(or a float\)"):
-        capture(_step, model, None, {"x": torch.randn(2, 4), "scale": 2})
+    with pytest.raises(CaptureError, match=r"batch\['scale'\] is a ndarray. Convert it to a tensor \(torch.as_tensor"):
+        capture(_step, model, None, {"x": torch.randn(2, 4), "scale": np.ones(2)})
     with pytest.raises(CaptureError, match="holds no tensors"):
         capture(_step, model, None, {"scale": 2.0})
     with pytest.raises(CaptureError, match="holds no tensors"):

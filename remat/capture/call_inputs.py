@@ -32,7 +32,8 @@ from remat.capture.optim import hyperparams
 from remat.capture.state import read_numbers
 from remat.capture.state.guards import SameContents, SameEntries, same_objects
 from remat.capture.optimizers import as_one, each
-from remat.capture.step_inputs import ModelView, batch_value, flat_inputs, flatten_batch, outside_value, state_owners
+from remat.capture.batch_leaves import flatten_batch, graph_leaves, graph_values, is_plain_value
+from remat.capture.step_inputs import ModelView, flat_inputs, outside_value, state_owners
 from remat.capture.train_graph import InputKind, TrainGraph
 
 _training = attrgetter("training")
@@ -100,7 +101,7 @@ class LastCall:
         return cls(
             view=view,
             params=params,
-            inputs=inputs[: len(inputs) - len(leaves)],
+            inputs=inputs[: len(inputs) - len(graph_leaves(leaves))],
             reread=reread,
             batch_spec=spec,
             tables=SameContents.of(m._parameters for m in view.modules),
@@ -168,13 +169,13 @@ class CallInputs:
         last, tg = self.last, self.tg
         if last is not None and last.holds(optimizer):
             leaves, spec = flatten_batch(batch)
-            if spec == last.batch_spec and all(isinstance(leaf, (torch.Tensor, float)) for leaf in leaves):
+            if spec == last.batch_spec and all(isinstance(leaf, (torch.Tensor, float)) or is_plain_value(leaf) for leaf in leaves):
                 if tg.call.data_parallel is not None:
                     data_parallel.check_unchanged(model, tg.call.data_parallel)
                 for r in last.reread:  # the last call's value let go as this one's is made: the step holds one
                     last.inputs[r.position] = r.now()
                 inputs = list(last.inputs)
-                inputs.extend(map(batch_value, leaves))
+                inputs.extend(graph_values(leaves))
                 return inputs, last.view
         self.last = last = None  # its inputs let go before this call's are made
         view = ModelView.of(model)

@@ -22,7 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
 from remat.gc_pause import gc_paused
-from remat.capture import data_parallel, param_hooks, sharded, sharded_norms, step_call, trace_failures
+from remat.capture import data_parallel, param_hooks, sharded, sharded_norms, trace_failures
 from remat.capture.optim import first_step_state, hook_state, hyperparams, optimizer_state
 from remat.capture.state import first_call, kept_numbers, kept_tensors, library_objects, logged_numbers, outside_tensors, read_numbers, scheduler_calls, step_outputs, module_hooks, step_prints, train_modes, user_code
 from remat.capture.cpu_strides import CpuLikeEager
@@ -39,7 +39,8 @@ from remat.capture.traced_rng import no_host_random_drawn, no_rng_state_set
 from remat.capture.user_checkpoints import plain_checkpoints
 from remat.ops import check_placement, ctc_loss, dropout_masks, known_values, training_workspace, value_checks
 from remat.ops.cpu_shape_functions import cpu_kernels_as_shape_functions
-from remat.capture.step_inputs import BatchFloats, accumulated_gradients, finds_gradients, batch_leaf_names, batch_value, check_arguments, describe, held_gradients
+from remat.capture.batch_leaves import BatchValues, batch_leaf_names
+from remat.capture.step_inputs import accumulated_gradients, call_step, finds_gradients, check_arguments, graph_inputs, held_gradients
 
 
 def _user_state(
@@ -68,55 +69,6 @@ def _aliases(model: torch.nn.Module, params: dict[str, torch.Tensor], buffers: d
     return real_to_name, param_alias, buffer_alias
 
 
-def _graph_inputs(
-    params: dict[str, torch.Tensor],
-    buffers: dict[str, torch.Tensor],
-    states: dict[str, dict[str, torch.Tensor]],
-    grads: dict[str, torch.Tensor],
-    optimizer: torch.optim.Optimizer | None,
-    numbers: dict[str, Any],
-    outside: list[tuple[outside_tensors.OutsideTensor, torch.Tensor]],
-    example_batch: Any,
-    leaves: list[Any],
-) -> tuple[list[GraphInput], list[torch.Tensor], dict[str, float]]:
-    """The graph's placeholders in order (parameters, buffers, optimizer state, gradients, one 0-dim
-    float64 per number of param_groups and per number read at every call, tensors outside
-    the model, batch leaves), their tensors, and the param groups' numbers."""
-    inputs: list[GraphInput] = []
-    flat: list[torch.Tensor] = []
-    for n, p in params.items():
-        inputs.append(GraphInput(n, InputKind.PARAMETER, *describe(p)))
-        flat.append(p)
-    for n, b in buffers.items():
-        inputs.append(GraphInput(n, InputKind.BUFFER, *describe(b)))
-        flat.append(b)
-    for n, st in states.items():
-        for key, value in st.items():
-            inputs.append(GraphInput(f"{n}.{key}", InputKind.OPTIMIZER_STATE, *describe(value)))
-            flat.append(value)
-    for n, g in grads.items():
-        inputs.append(GraphInput(n, InputKind.GRADIENT, *describe(g)))
-        flat.append(g)
-    hyper_values: dict[str, float] = {}
-    if optimizer is not None:
-        hyperparams.check_readable(optimizer)
-        for gi, group in enumerate(optimizer.param_groups):
-            for key, value in hyperparams.float_entries(group).items():
-                hyper_values[name := hyperparams.input_name(gi, key)] = value
-                inputs.append(GraphInput(name, InputKind.HYPERPARAMETER, (), "float64", "cpu"))
-                flat.append(torch.tensor(value, dtype=torch.float64))
-    for name, slot in numbers.items():
-        flat.append(read_numbers.value(slot))
-        inputs.append(GraphInput(name, InputKind.NUMBER, (), str(flat[-1].dtype).removeprefix("torch."), "cpu"))
-    for held, t in outside:
-        inputs.append(GraphInput(held.name, InputKind.OUTSIDE, *describe(t)))
-        flat.append(t)
-    for n, leaf in zip(batch_leaf_names(example_batch), map(batch_value, leaves)):
-        inputs.append(GraphInput(n, InputKind.BATCH, *describe(leaf)))
-        flat.append(leaf)
-    return inputs, flat, hyper_values
-
-
 def _as_stand_ins(t_params: dict[str, torch.Tensor], trainable: tuple[str, ...], grads: dict[str, torch.Tensor], preset: bool) -> None:
     """Each traced parameter requires a gradient as its parameter does, and starts with the
     gradient it adds to (`grads`: GRADIENT inputs) or without one, not the fake copy of its
@@ -134,7 +86,7 @@ def _as_stand_ins(t_params: dict[str, torch.Tensor], trainable: tuple[str, ...],
 
 def _trace(
     traced: Callable[..., Any], flat: list[torch.Tensor], symbols: dict[str, str], sign_facts: dict[str, int],
-    hyper_values: dict[str, float], numbers: read_numbers.Reading, batch_floats: BatchFloats, model: torch.nn.Module,
+    hyper_values: dict[str, float], numbers: read_numbers.Reading, batch_values: BatchValues, model: torch.nn.Module,
     checks: value_checks.ValueChecks,
 ) -> torch.fx.GraphModule:  # fmt: skip
     """make_fx of `traced`; a branch on a hyperparameter other than the known ones fixes its
@@ -155,16 +107,18 @@ def _trace(
     while True:
         try:
             gm = make()
-            if checks.finished() or numbers.sized(gm, symbols):
+            if checks.finished() or numbers.sized(gm, symbols) or batch_values.newly_read():
                 continue
             return gm
         except (Exception, SystemExit) as e:  # noqa: BLE001 - translated into a message a user can act on (sys.exit: a check's failing side)
             put_back()
+            if batch_values.newly_read():
+                continue
             if not into_compiled[0] and calls_compiled_function(e):
                 into_compiled[0] = True
                 continue
             branched = branched_hyperparameters(e, symbols)
-            batch_floats.refuse_branch(branched, e)
+            batch_values.refuse_branch(branched, e)
             new = [name for name in branched if name in hyper_values and name not in sign_facts]
             fixed = [name for name in branched if name in hyper_values and sign_facts.get(name, hyperparams.FIXED) != hyperparams.FIXED and type(hyper_values[name]) is int]
             # A setting compared with a count (`step > group["warmup"]`) is decided first: the count's condition is then its own.
@@ -176,7 +130,9 @@ def _trace(
                 e = checks.refusal(e)
                 if isinstance(e, CaptureError):
                     raise e
-                batch_floats.refuse_use(make, e)
+                if batch_values.newly_read(failed=True):
+                    continue
+                batch_values.refuse_use(make, e)
                 raise trace_failures.explain_trace_failure(e, model) from e
             sign_facts.update({name: hyperparams.sign(hyper_values[name]) for name in new})
             if not new:
@@ -193,13 +149,13 @@ def _trace(
 @first_call.with_keys_made(lambda train_step, model, optimizer, *rest, **kw: first_step_state.drop_made_ahead(as_one(optimizer)))
 def capture(
     train_step: TrainStep, model: torch.nn.Module, optimizer: Any, example_batch: Any,
-    read_numbers_named: frozenset[str] = frozenset(), reduce_in_buckets: bool = True, grads_in: bool = False,
+    read_numbers_named: frozenset[str] = frozenset(), reduce_in_buckets: bool = True, grads_in: bool = False, batch_read: frozenset[int] = frozenset(),
 ) -> TrainGraph:
     """Trace one call of `train_step(model, optimizer, batch)` into a TrainGraph. `optimizer`: one, a list of
     those the step steps (capture.optimizers), or None; its state is created here if empty (`init_optimizer_state`),
     and nothing else changes. `read_numbers_named`: the floats and ints (python_state slot names) to read at every
     call where the trace can (read_numbers). `reduce_in_buckets`: a DDP model's gradients all-reduced in DDP's
-    buckets, or each on its own (data_parallel.buckets). `grads_in`: the gradients set now are inputs it adds to."""
+    buckets, or each on its own (data_parallel.buckets). `grads_in`: the gradients set now are inputs it adds to. `batch_read`: the positions of the batch's plain values traced as themselves (batch_leaves)."""
     passed, optimizer = optimizer, as_one(optimizer)  # the step gets what was passed; remat reads it as one
     leaves, spec, params, buffers, trainable, device = check_arguments(model, example_batch, optimizer)
     dp = data_parallel.data_parallel_of(model, in_buckets=reduce_in_buckets)
@@ -214,7 +170,7 @@ def capture(
     hooks = param_hooks.of(params)  # the user's gradient hooks: traced in, and checked at every call
     numbers = read_numbers.Reading.of(slots, read_numbers_named, set_by_step=optimizer_state.number_slots(optimizer, params))
     entry_grads = held_gradients(params, trainable, dp or shards, grads_in)
-    inputs, flat, hyper_values = _graph_inputs(params, buffers, states, entry_grads, optimizer, numbers.slots, outside, example_batch, leaves)
+    inputs, flat, hyper_values = graph_inputs(params, buffers, states, entry_grads, optimizer, numbers.slots, outside, example_batch, leaves)
 
     state_keys = [(n, list(st)) for n, st in states.items()]
     grad_order: list[str] = []  # filled while tracing: names of the grads the "grads" marker holds
@@ -225,7 +181,7 @@ def capture(
     sign_facts = {n: hyperparams.sign(v) for n, v in hyper_values.items() if hyperparams.parse_input_name(n)[1] in hyperparams.BRANCHED_KEYS}
     sign_facts.update(hyperparams.fixed_by_fused_kernels(optimizer))
     symbols: dict[str, str] = {}
-    batch_floats, recorded = BatchFloats.of(example_batch, leaves), _Recorded()  # `recorded`: filled while tracing
+    batch_values, recorded = BatchValues.of(example_batch, leaves, batch_read), _Recorded()  # `recorded`: filled while tracing
     checks = value_checks.ValueChecks()  # branches on tensor values where one side raises: decided over the traces
 
     def traced(*args: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -238,7 +194,7 @@ def capture(
         t_hyper = {n: next(it) for n in hyper_values}
         t_numbers = {n: next(it) for n in numbers.slots}
         t_outside = [next(it) for _ in outside]
-        t_batch = pytree.tree_unflatten(batch_floats.traced(batch_args := list(it), leaves, symbols), spec)
+        t_batch = pytree.tree_unflatten(batch_values.traced(batch_args := list(it), leaves, symbols), spec)
         _as_stand_ins(t_params, trainable, t_grads, preset=probe["preset_grads"])
         param_hooks.register_on(hooks, t_params)
         calls = {"backward": 0, "reduced": 0, "updates": 0}
@@ -265,7 +221,8 @@ def capture(
             stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots, known))
             stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
             effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), args, passed, model, ({**params, **buffers}, {**t_params, **t_buffers}))
-            result = step_call.call(train_step, model, passed, t_batch)
+            result = call_step(train_step, model, passed, t_batch)
+            batch_values.escaped(lambda: [result, *(value for _, value in state_slots(model, train_step))])
             probe["cleared_first"] = {id(t_params[n]) for n in trainable} <= cleared
             outside_tensors.check_no_gradient([held for held, _ in outside], t_outside)
         updates, update_values = effects.updates(probe["numbers_unread"], optimizer_state.kept_by_step(numbers, group_counts, effects.skips))
@@ -276,8 +233,7 @@ def capture(
         seen.update(library_read=seen.get("library_read", set()) | effects.library_read, left_alone=effects.left_alone, output_spec=out_spec, output_numbers=returned, backward_passes=calls["backward"], reduced=calls["reduced"], state_updates=updates, unread_containers=logged_numbers.unread(effects.logged) | effects.dicts.unread, requires_grad_set=train_modes.requires_grad_set(t_params, trainable))
         return outputs, [g for _, g in grads]
 
-    def trace() -> torch.fx.GraphModule:
-        return _trace(traced, flat, symbols, sign_facts, hyper_values, numbers, batch_floats, model, checks)
+    trace = lambda: _trace(traced, flat, symbols, sign_facts, hyper_values, numbers, batch_values, model, checks)  # noqa: E731
 
     ran: set[Any] = set()  # the user's code the traces ran: the step reads only what it names
     set_ups: list[first_call.SetUp] = []
@@ -287,7 +243,7 @@ def capture(
     grads_in = grads_in or finds_gradients(probe_gm, probe["cleared_first"], leaves_zero_grads, {n: params[n] for n in trainable}, optimizer, dp or shards)
     if grads_in and not set(entry_grads) & set(trainable) and accumulated_gradients(params, trainable, dp or shards):  # this call finds some: its graph takes them
         first_step_state.drop_made_ahead(optimizer)  # as it was: made again, where read
-        return capture(train_step, model, passed, example_batch, read_numbers_named, reduce_in_buckets, grads_in=True)
+        return capture(train_step, model, passed, example_batch, read_numbers_named, reduce_in_buckets, grads_in=True, batch_read=frozenset(batch_values.read))
     check_static_shapes(gm)
     check_graph_runnable(gm)
     gm = training_workspace.swap_in(known_values.checked_first(check_placement.state_checks_first(check_placement.hoisted(gm), checks.checks)))
@@ -309,7 +265,7 @@ def capture(
     tg.call.scheduler_calls = scheduler_calls.checked(tg, recorded.scheduler_calls)
     tg.call.trainable, tg.call.leaves_zero_grads, tg.call.accumulates, tg.call.groups, tg.call.param_hooks = trainable, leaves_zero_grads, grads_in, groups, hooks
     tg.call.code_read, tg.call.library_read = frozenset(ran) if recorded_run else None, frozenset(seen["library_read"])
-    tg.call.set_up, tg.call.value_checks = set_ups, checks.checks
+    tg.call.set_up, tg.call.value_checks, tg.call.batch_read = set_ups, checks.checks, frozenset(batch_values.read)
     return tg
 
 

@@ -2,23 +2,24 @@
 placeholders, read from the model, the optimizer, the user's state and the batch as they
 are now (where the loop's changes are checked), and one step run with `.grad` and the
 train/eval flags left as eager leaves them. Also what a capture takes: its arguments
-checked, the batch flattened (a UserDict looked into), and the batch's floats traced as
-numbers read at every call (`BatchFloats`)."""
+checked (the batch's leaves: `batch_leaves`), and how the step is called: with the model,
+optimizer and batch, or the batch alone, for a step that reaches its model and optimizer
+itself (globals, a closure, a trainer's fields), as many training scripts write it
+(`call_step`)."""
 
 from __future__ import annotations
 
+import inspect
 import operator
 import sys
 import warnings
 import weakref
-from collections import UserDict
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 
 from remat.errors import CaptureError, ChangedSinceCompiled
 from remat.capture.state.guards import same_objects
@@ -29,7 +30,8 @@ from remat.capture.optim.optimizer_state import optimizer_states
 from remat.capture.optimizers import as_one
 from remat.capture.train_graph import GraphInput, InputKind, TrainGraph
 from remat.ops import value_checks
-from remat.capture.trace_checks import check_settings, where_in_users_code
+from remat.capture.trace_checks import check_settings
+from remat.capture.batch_leaves import batch_leaf_names, batch_value, check_batch, graph_values, is_plain_value
 from remat.capture.markers import MARKER
 
 
@@ -73,6 +75,37 @@ class ModelView:
                         seen.add(id(t))
                         out[f"{prefix}.{key}" if prefix else key] = t
         return cls(modules, names, params, buffers)
+
+
+def _takes_batch_only(train_step: Callable[..., Any]) -> bool:
+    try:
+        params = list(inspect.signature(train_step).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C callable: called as documented
+        return False
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = sum(p.default is p.empty for p in positional)
+    if len(positional) >= 3 and required <= 3:
+        return False
+    if positional and required <= 1:  # train_step(batch), or train_step(batch, scale=1.0)
+        return True
+    what = f"it needs {required} arguments" if required > 3 else f"it takes {len(positional)} arguments"
+    raise CaptureError(_said(train_step, positional, what))
+
+
+def _said(train_step: Callable[..., Any], positional: list[inspect.Parameter], what: str) -> str:
+    name = getattr(train_step, "__name__", None) or type(train_step).__name__
+    return (
+        f"remat calls the training step as train_step(model, optimizer, batch), or as train_step(batch) when the step "
+        f"reaches its model and optimizer itself; {name}({', '.join(p.name for p in positional)}) does not fit, as {what}. "
+        "Give it those three parameters, or only the batch (other values as defaults, globals or fields of an object)."
+    )
+
+
+def call_step(train_step: Callable[..., Any], model: Any, optimizer: Any, batch: Any) -> Any:
+    """Run the step as its signature asks: with the model, optimizer and batch, or the batch alone."""
+    return train_step(batch) if _takes_batch_only(train_step) else train_step(model, optimizer, batch)
 
 
 def check_arguments(
@@ -132,108 +165,57 @@ def _warn_frozen_gradients(frozen: list[str]) -> None:
         )
 
 
-def flatten_batch(batch: Any) -> tuple[list[Any], Any]:
-    """The batch's leaves and structure (pytree), with UserDicts looked into: transformers'
-    BatchEncoding, what its tokenizers and data collators return, is one. Each such kind
-    is registered with pytree on first sight, its items its leaves; the step gets one of
-    the same kind back, made from a dict of its items."""
-    leaves, spec = pytree.tree_flatten(batch)
-    new = {type(leaf) for leaf in leaves if isinstance(leaf, UserDict)}
-    if not new:
-        return leaves, spec
-    for kind in new:
-        pytree.register_pytree_node(
-            kind,
-            lambda d: (list(d.data.values()), tuple(d.data)),
-            lambda values, keys, kind=kind: kind(dict(zip(keys, values))),
-            flatten_with_keys_fn=lambda d: ([(pytree.MappingKey(k), v) for k, v in d.data.items()], tuple(d.data)),
-            serialized_type_name=f"{kind.__module__}.{kind.__qualname__}",
-        )
-    return flatten_batch(batch)
-
-
-def check_batch(batch: Any) -> tuple[list[Any], Any]:
-    """The batch's leaves and structure: tensors, and floats (a loss weight, a mixup
-    coefficient drawn in the loop), each read at every call (`batch_value`)."""
-    leaves, spec = flatten_batch(batch)
-    if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
-        raise CaptureError(
-            f"the batch ({type(batch).__name__}) holds no tensors remat can find: pass a tensor, or a tuple, list or "
-            "dict of them (a dataclass: dataclasses.asdict(batch))"
-        )
-    paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(batch)[0]]
-    for path, leaf in zip(paths, leaves):
-        if not isinstance(leaf, (torch.Tensor, float)):
-            raise CaptureError(
-                f"the batch must be a tensor, a tuple or a dict of tensors and floats; batch{path} is a "
-                f"{type(leaf).__name__}. Pass a number as a tensor (or a float), and leave other values (names, "
-                "paths, ids as strings) out of the batch given to the step, or move them into train_step or the model."
-            )
-    return leaves, spec
-
-
-def batch_value(leaf: Any) -> torch.Tensor:
-    """A batch leaf as its graph input: a float is a 0-dim float64 tensor, read back as a
-    Python float inside the trace (a symbolic float, as a hyperparameter is), so the step's
-    arithmetic on it is eager's, on the same double, and a new value needs no new graph."""
-    return torch.scalar_tensor(leaf, dtype=torch.float64) if isinstance(leaf, float) else leaf
-
-
-@dataclass
-class BatchFloats:
-    """The batch's floats, by leaf position: symbolic floats in the trace (graph inputs read
-    at every call), but those `fixed` (only to tell why a trace failed): the example's values."""
-
-    names: dict[int, str]
-    fixed: frozenset[int] = frozenset()
-
-    @classmethod
-    def of(cls, batch: Any, leaves: list[Any]) -> BatchFloats:
-        return cls({i: n for i, (n, leaf) in enumerate(zip(batch_leaf_names(batch), leaves)) if isinstance(leaf, float)})
-
-    def traced(self, leaves: list[Any], example: list[Any], symbols: dict[str, str]) -> list[Any]:
-        """The batch's traced leaves, each float a symbolic float (its name in `symbols`), or
-        the example's value where fixed."""
-        for i, name in self.names.items():
-            leaves[i] = example[i] if i in self.fixed else hyperparams.traced_float(leaves[i], name, None, symbols)
-        return leaves
-
-    def refuse_branch(self, branched: list[str], e: BaseException) -> None:
-        if on := [n for n in branched if n in self.names.values()]:
-            raise CaptureError(
-                f"train_step needs {on[0]}, a float of the batch, as a fixed value{where_in_users_code(e)} (a branch on "
-                "it, torch.tensor(x), a size): the graph reads it at every call, so one graph cannot hold that use. Use "
-                "it in arithmetic on tensors (x * w), pass it as a tensor, or decide outside train_step and pass what "
-                "was decided."
-            ) from e
-
-    def refuse_use(self, trace: Callable[[], Any], e: BaseException) -> None:
-        """After a trace failed otherwise: if it succeeds with a float fixed, that float was
-        used where a number that changes cannot go (numpy's functions on it, a rate)."""
-        alone = [{i} for i in self.names]
-        for fixed in alone + [set(self.names)] if len(alone) > 1 else alone:  # each alone, then all together
-            self.fixed = frozenset(fixed)
-            try:
-                trace()
-            except Exception:  # noqa: BLE001 - not this one: the next, or the first failure is explained
-                continue
-            finally:
-                self.fixed = frozenset()
-            names = ", ".join(self.names[i] for i in sorted(fixed))
-            raise CaptureError(
-                f"train_step uses {names} (floats of the batch) where a number that changes at every call cannot go "
-                f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}){where_in_users_code(e)}: "
-                "the graph reads the batch's floats at every call. Compute that use outside train_step and pass its "
-                "result in the batch, or compute it with torch's ops on the tensors."
-            ) from e
-
-
-def batch_leaf_names(batch: Any) -> list[str]:
-    return [f"batch{pytree.keystr(p)}" for p, _ in pytree.tree_flatten_with_path(batch)[0]]
-
-
 def describe(t: torch.Tensor) -> tuple[tuple[int, ...], str, str]:
     return tuple(t.shape), str(t.dtype).replace("torch.", ""), str(t.device)
+
+
+def graph_inputs(
+    params: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+    states: dict[str, dict[str, torch.Tensor]],
+    grads: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer | None,
+    numbers: dict[str, Any],
+    outside: list[tuple[Any, torch.Tensor]],
+    example_batch: Any,
+    leaves: list[Any],
+) -> tuple[list[GraphInput], list[torch.Tensor], dict[str, float]]:
+    """The graph's placeholders in order (parameters, buffers, optimizer state, gradients, one 0-dim
+    float64 per number of param_groups and per number read at every call, tensors outside
+    the model, batch leaves), their tensors, and the param groups' numbers."""
+    inputs: list[GraphInput] = []
+    flat: list[torch.Tensor] = []
+    for n, p in params.items():
+        inputs.append(GraphInput(n, InputKind.PARAMETER, *describe(p)))
+        flat.append(p)
+    for n, b in buffers.items():
+        inputs.append(GraphInput(n, InputKind.BUFFER, *describe(b)))
+        flat.append(b)
+    for n, st in states.items():
+        for key, value in st.items():
+            inputs.append(GraphInput(f"{n}.{key}", InputKind.OPTIMIZER_STATE, *describe(value)))
+            flat.append(value)
+    for n, g in grads.items():
+        inputs.append(GraphInput(n, InputKind.GRADIENT, *describe(g)))
+        flat.append(g)
+    hyper_values: dict[str, float] = {}
+    if optimizer is not None:
+        hyperparams.check_readable(optimizer)
+        for gi, group in enumerate(optimizer.param_groups):
+            for key, value in hyperparams.float_entries(group).items():
+                hyper_values[name := hyperparams.input_name(gi, key)] = value
+                inputs.append(GraphInput(name, InputKind.HYPERPARAMETER, (), "float64", "cpu"))
+                flat.append(torch.tensor(value, dtype=torch.float64))
+    for name, slot in numbers.items():
+        flat.append(read_numbers.value(slot))
+        inputs.append(GraphInput(name, InputKind.NUMBER, (), str(flat[-1].dtype).removeprefix("torch."), "cpu"))
+    for held, t in outside:
+        inputs.append(GraphInput(held.name, InputKind.OUTSIDE, *describe(t)))
+        flat.append(t)
+    for n, leaf in [(n, batch_value(leaf)) for n, leaf in zip(batch_leaf_names(example_batch), leaves) if not is_plain_value(leaf)]:
+        inputs.append(GraphInput(n, InputKind.BATCH, *describe(leaf)))
+        flat.append(leaf)
+    return inputs, flat, hyper_values
 
 
 def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: Any, batch: Any, view: ModelView | None = None) -> list[torch.Tensor]:
@@ -286,7 +268,7 @@ def flat_inputs(tg: TrainGraph, model: torch.nn.Module, optimizer: Any, batch: A
             out.append(outside_value(tg, inp))
         elif inp.kind is InputKind.NUMBER:
             out.append(read_numbers.value(tg.call.numbers[inp.name], inp.dtype))
-    out.extend(map(batch_value, leaves))
+    out.extend(graph_values(leaves))
     return out
 
 

@@ -54,6 +54,7 @@ class CallContract:
     captured graph, shared by the graphs derived from it."""
 
     batch_spec: str = ""  # pytree structure of the batch, as text, to reject other structures
+    batch_read: frozenset[int] = frozenset()  # positions of the batch's plain values (a str, an int) the graph holds: in its key
     output_spec: Any = None  # pytree spec of train_step's return value (None: one tensor)
     output_numbers: dict[int, str] = field(default_factory=dict)  # output position -> 'bool', 'int' or 'float': given back as a Python number
     # What the step does to the user's Python state, done again after each run on the graph's

@@ -161,7 +161,7 @@ class Idiom:
     outside: Callable[[torch.nn.Module], list[torch.Tensor]] | None = None  # each side's tensors outside the model, compared too
     logged: list[float] | None = None  # a list both sides log into, eager's entry then remat's at each step: compared
     kept: Callable[[torch.nn.Module], Any] | None = None  # each side's Python values the step keeps, compared
-    other_sizes: bool = False
+    batches: Callable[[dict[str, torch.Tensor]], list[Any]] | None = None  # the steps' batches, made from the example's
 
 
 def _sched(make: Callable[[Any], Any], *, metric: bool = False, every: int = 1):
@@ -567,6 +567,34 @@ def _trainer_step(model, optimizer, batch):
     return model.trainer.train_step(model, optimizer, batch)
 
 
+def _other_sizes(batch):
+    small = {k: v[:2] for k, v in batch.items()}
+    return [batch, batch, small, batch, small, batch]
+
+
+_TASK_WEIGHTS = {"nli": 1.0, "qa": 0.5}
+
+
+def _with_metadata(batch):
+    """Batches as a dataset's collate gives them: ids, file names and raw text beside the
+    tensors (new at every step), and a task name of two."""
+    rows = len(batch["input_ids"])
+    return [
+        {**batch, "id": [100 * i + r for r in range(rows)], "file": [f"shard-{i:03d}.jsonl"] * rows,
+         "text": [f"example {i}.{r}" for r in range(rows)], "task": "qa" if i % 2 else "nli"}
+        for i in range(STEPS)
+    ]  # fmt: skip
+
+
+def _metadata_step(model, optimizer, batch):
+    optimizer.zero_grad()
+    inputs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    loss = model(**inputs).loss * _TASK_WEIGHTS[batch["task"]]
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
 IDIOMS = [
     Idiom("learning-rate scheduler stepped every step (LambdaLR warm-up from 0)", "works",
           between=_sched(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, s / 3)))),
@@ -590,7 +618,9 @@ IDIOMS = [
     Idiom("dropout rate lowered between steps (nn.Dropout.p)", "works", between=_hook(_dropout_schedule)),
     Idiom("a warm-up and a term every other step computed in train_step from the loop's iteration count", "works",
           step=_warm_up_by_count, setup=_count_from_zero, between=_hook(_count_up)),
-    Idiom("a last batch of another size", "works", other_sizes=True),
+    Idiom("a last batch of another size", "works", batches=_other_sizes),
+    Idiom("the dataset's ids, file names and raw text in the batch beside the tensors, filtered out in train_step; "
+          "a task name the loss weight is looked up by", "works", step=_metadata_step, batches=_with_metadata),
     Idiom("frozen parameters (fine-tuning a part)", "works", setup=_freeze),
     Idiom("train_step returns (loss, logits)", "works", step=_outputs),
     Idiom("train_step returns loss.item() and the learning rate (a LambdaLR warm-up)", "works", step=_numbers_out,
@@ -653,19 +683,17 @@ def run_idiom(idiom: Idiom) -> dict[str, Any]:
     if idiom.between is not None:
         hooks = {id(eager_opt): idiom.between(eager_model, eager_opt), id(o): idiom.between(model, o)}
     between = (lambda i, m, optimizer: hooks[id(optimizer)](i, m, optimizer)) if hooks else None
-    batches = None
-    if idiom.other_sizes:
-        small = {k: v[:2] for k, v in spec.batch.items()}
-        batches = [spec.batch, spec.batch, small, spec.batch, small, spec.batch]
+    batches = idiom.batches(spec.batch) if idiom.batches is not None else None
+    example = batches[0] if batches else spec.batch
     outcome: dict[str, Any] = {"idiom": idiom.name, "expected": idiom.expect}
     try:
         try:
-            step = remat.compile(idiom.step, model, o, spec.batch, memory_budget=0.9, profile_runs=1, measure=False)
+            step = remat.compile(idiom.step, model, o, example, memory_budget=0.9, profile_runs=1, measure=False)
         except BudgetError as e:  # a memory budget out of reach is no verdict on the idiom: plan at the reachable peak
             if getattr(e, "reach", None) is None:
                 raise
-            step = remat.compile(idiom.step, model, o, spec.batch, memory_budget=e.reach.best, profile_runs=1, measure=False)
-        result = check_against_eager(idiom.step, eager_model, eager_opt, model, o, step, spec.batch, steps=STEPS,
+            step = remat.compile(idiom.step, model, o, example, memory_budget=e.reach.best, profile_runs=1, measure=False)
+        result = check_against_eager(idiom.step, eager_model, eager_opt, model, o, step, example, steps=STEPS,
                                      between_steps=between, batches=batches)
     except RematError as e:
         outcome.update(outcome="refused", detail=str(e))

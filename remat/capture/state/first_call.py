@@ -34,7 +34,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from remat.capture.state.python_state import StateWatch, copied, holds_traced_value
+from remat.capture.state.python_state import TEXT, StateWatch, copied, holds_traced_value
 from remat.capture.state.slots import MISSING, NOT_PLAIN, Slot, frozen, item_name
 from remat.errors import CaptureError
 from remat.ops.op_facts import is_random
@@ -58,7 +58,7 @@ def traced_as_set_up(watch: StateWatch, retrace: Callable[[], Any], first: Any) 
     slots then as the first trace left them), or one holds a traced value, or the first
     trace drew random numbers the second does not (a set-up that draws them: the graph
     could not draw them at the first run)."""
-    changed = [w for w in watch.before.values() if _fingerprint(w.slot.get()) != _fingerprint(w.content) and not _counted(w)]
+    changed = [w for w in watch.before.values() if _fingerprint(w.slot.get()) != _fingerprint(w.content) and not _kept(w)]
     if not changed or any(_traced(w.slot.get()) for w in changed):
         return None, []
     left = [copied(w.slot.get()) for w in changed]
@@ -116,9 +116,11 @@ def _traced(value: Any, depth: int = 0) -> bool:
     return False
 
 
-def _counted(w: Any) -> bool:
+def _kept(w: Any) -> bool:
+    """A number changed by counting, or a text the user's code sets (set again after each
+    run whatever the slot held: `self.mode = "eval"`): kept_numbers', not a set-up."""
     now = w.slot.get()
-    return type(w.content) in _COUNTS and type(now) in _COUNTS
+    return (type(w.content) in _COUNTS and type(now) in _COUNTS) or (type(now) in TEXT and not w.slot.library)
 
 
 def _fingerprint(value: Any, depth: int = 0) -> Any:

@@ -11,7 +11,8 @@ capture; but an int or float of the user's is captured again read at every call 
 read_numbers), where what it computes with the number holds for any value. What the slot
 ends as is done again after each run, on the number it holds then: the same additions
 in the same order (so that floats round as eager's do), the numbers the graph computes
-(`loss.item()`) taken from its outputs. A value set outright is set again.
+(`loss.item()`) taken from its outputs. A value set outright is set again, and so is a
+text (a str or bytes: a mode, a name) the user's code sets where it held one or a number.
 
 A library object's number (library_objects: its code is not followed, so any use may
 matter) is not swapped: the step is traced with it as this step found it and as the next
@@ -43,7 +44,7 @@ import torch.fx
 from remat.errors import CaptureError
 from remat.capture.state import library_objects
 from remat.capture.state.slots import shown
-from remat.capture.state.python_state import MISSING, NUMBERS, TRACED_NUMBERS, NumberChange, Slot, is_number, same_number
+from remat.capture.state.python_state import MISSING, NUMBERS, TEXT, TRACED_NUMBERS, NumberChange, Slot, is_number, same_number
 
 
 
@@ -276,13 +277,13 @@ def kept(ended: list[tuple[NumberChange, Any]], unread: frozenset[str] = frozens
             terms = value.terms
         elif isinstance(value, _Counted):  # `self.a = self.b + 1`: a use of the other slot's number
             _refuse(value.change, f"assigned to {change.slot.name}")
-        elif type(value) in NUMBERS and type(change.after) in NUMBERS and not same_number(value, change.after):
+        elif type(value) in (*NUMBERS, *TEXT) and type(change.after) in (*NUMBERS, *TEXT) and not same_number(value, change.after):
             raise CaptureError(
                 f"train_step sets {change.slot.name} to a number that differs from one trace to the next ({change.after!r}, "
                 f"then {value!r}): it comes from outside the step's inputs (a clock, a counter of a library's object), "
                 "so the graph would set the first one at every step. Compute it outside train_step."
             )
-        elif is_number(value):
+        elif is_number(value) or type(value) in TEXT:
             terms = (value,)
         else:
             raise CaptureError(
@@ -292,7 +293,8 @@ def kept(ended: list[tuple[NumberChange, Any]], unread: frozenset[str] = frozens
             )
         traced = [t for t in terms if isinstance(t, TRACED_NUMBERS)]
         terms = tuple(Term.GRAPH if isinstance(t, TRACED_NUMBERS) else t for t in terms)
-        keyed = (change.before is None or change.before is MISSING) and change.slot.name not in unread
+        # A text's reads are not seen (a number's are: `_Counted`): it stays in the key.
+        keyed = ((change.before is None or change.before is MISSING) and change.slot.name not in unread) or type(value) in TEXT
         numbers.append(KeptNumber(change.slot, terms, keyed))
         values.append(traced)
     warned = [

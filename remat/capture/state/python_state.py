@@ -60,6 +60,7 @@ from remat.capture.state.slots import CONTAINERS, MISSING, MOST_ITEMS, NOT_PLAIN
 
 NUMBERS = (bool, int, float)
 TRACED_NUMBERS = (torch.SymBool, torch.SymInt, torch.SymFloat)  # a number computed from tensors while tracing (`loss.item()`)
+TEXT = (str, bytes)  # what the user's code sets in a slot (a name, a mode), set again after each run as a number is
 
 
 def module_attributes(model: torch.nn.Module, name: str = "model", skip: frozenset[int] = frozenset()) -> Iterator[tuple[str, torch.nn.Module, str, Any]]:
@@ -336,8 +337,8 @@ class StateWatch:
             raise kept_error(kept)
 
     def numbers_changed(self, set_up: frozenset[tuple[int, str]] = frozenset()) -> list[NumberChange]:
-        """The slots the traces so far left holding another number (capture.state.kept_numbers),
-        each put back; but for the places in `set_up` (a library's first-call mark:
+        """The slots the traces so far left holding another number, or the user's code another
+        text (capture.state.kept_numbers), each put back; but for the places in `set_up` (a library's first-call mark:
         module_hooks), which capture puts back itself."""
         changes = []
         for slot, value in state_slots(self.model, self.train_step):
@@ -345,7 +346,8 @@ class StateWatch:
                 continue
             w = self.before.get(slot.name)
             before = self.held.get(slot.name, MISSING)
-            if is_number(value) and (before is None or before is MISSING or type(before) in NUMBERS):
+            plain_before = before is None or before is MISSING or type(before) in NUMBERS
+            if (is_number(value) and plain_before) or (not slot.library and type(value) in TEXT and (plain_before or type(before) in TEXT)):
                 if slot.library and type(value) is type(before) and same_number(value, before):
                     continue  # a library's number, not watched: changed only if it holds another
                 if w is None or _snapshot(value) != w.frozen:
@@ -464,15 +466,21 @@ def kept_error(names: list[str]) -> CaptureError:
     )
 
 
-def holds_traced_value(value: Any, numbers: bool, depth: int = 0) -> bool:
+def holds_traced_value(value: Any, numbers: bool) -> bool:
     """Whether `value` is, or a list, tuple or dict holds, a tensor (or if `numbers`, a
     number) made while tracing."""
-    if isinstance(value, (FakeTensor, *(TRACED_NUMBERS if numbers else ()))):
+    return holds(value, lambda v: isinstance(v, (FakeTensor, *(TRACED_NUMBERS if numbers else ()))))
+
+
+def holds(value: Any, test: Callable[[Any], bool], depth: int = 0) -> bool:
+    """Whether `value` is, or a list, tuple or dict of at most MOST_ITEMS holds (three
+    deep), a value `test` picks."""
+    if test(value):
         return True
     if depth < 3 and isinstance(value, (list, tuple)) and len(value) <= MOST_ITEMS:
-        return any(holds_traced_value(v, numbers, depth + 1) for v in value)
+        return any(holds(v, test, depth + 1) for v in value)
     if depth < 3 and isinstance(value, dict) and len(value) <= MOST_ITEMS:
-        return any(holds_traced_value(v, numbers, depth + 1) for v in value.values())
+        return any(holds(v, test, depth + 1) for v in value.values())
     return False
 
 
