@@ -163,3 +163,21 @@ def test_a_plain_value_returned_or_appended_is_refused_as_a_constant(value):
     batch = {**_batch(0), "tag": value}
     with pytest.raises(remat.CaptureError, match="appends the Python value"):
         remat.compile(train_step, model, opt, batch, memory_budget=0.7)
+
+
+def test_a_stand_in_looks_like_its_value_to_isinstance_and_abstract_base_classes():
+    import collections.abc
+    import numbers
+
+    from remat.capture.batch_leaves import _TextStandIn
+
+    touched: set[int] = set()
+    for stand_in, value in [(_TextStandIn(str, 0, touched), "a"), (_TextStandIn(bytes, 1, touched), b"a"), (_StandIn(int, 2, touched), 3)]:
+        for kind in (str, bytes, int, collections.abc.Iterable, collections.abc.Sized, collections.abc.Sequence, collections.abc.Callable,
+                     os.PathLike, numbers.Number, collections.abc.Hashable):  # fmt: skip
+            assert isinstance(stand_in, kind) == isinstance(value, kind), (value, kind)
+        assert callable(stand_in) == callable(value)
+    assert not touched  # telling its type is no read
+    with pytest.raises(AttributeError):
+        _ = _StandIn(int, 2, touched) + 1
+    assert touched == {2}

@@ -125,12 +125,27 @@ def _touch(stand_in: _StandIn, *_: Any, **__: Any) -> Any:
     raise BatchValueRead("a value of the batch read while tracing: traced again with its value")
 
 
-_USES = """setattr delattr eq ne lt le gt ge hash bool len iter reversed contains getitem setitem delitem str
-repr format bytes int float index complex round trunc floor ceil abs neg pos invert add radd sub rsub mul rmul
-matmul rmatmul truediv rtruediv floordiv rfloordiv mod rmod divmod rdivmod pow rpow and rand or ror xor rxor
-lshift rlshift rshift rrshift fspath call reduce reduce_ex copy deepcopy dir sizeof enter exit""".split()
+# The uses a stand-in marks: none that an abstract base class tells types apart by
+# (`__call__`, `__fspath__`, `__enter__`: callable() and isinstance(x, os.PathLike) must say
+# what they say of the value), so that a step taking another branch on a stand-in takes it
+# on the value too; an int's has no items (isinstance(x, Iterable) is False for an int).
+# A use left out fails the trace, which then holds every plain value as itself.
+_USES = """setattr delattr eq ne lt le gt ge hash bool str repr format bytes int float index complex round trunc
+floor ceil abs neg pos invert add radd sub rsub mul rmul matmul rmatmul truediv rtruediv floordiv rfloordiv mod
+rmod divmod rdivmod pow rpow and rand or ror xor rxor lshift rlshift rshift rrshift reduce reduce_ex copy
+deepcopy dir sizeof""".split()
 for _use in _USES:
     setattr(_StandIn, f"__{_use}__", _touch)
+
+
+class _TextStandIn(_StandIn):
+    """A str's or bytes' stand-in: a sequence, as they are."""
+
+    __slots__ = ()
+
+
+for _use in "len iter reversed contains getitem".split():
+    setattr(_TextStandIn, f"__{_use}__", _touch)
 
 
 @dataclass
@@ -167,7 +182,8 @@ class BatchValues:
             if i not in self.plain:
                 leaves.append(next(it))
             else:
-                leaves.append(self.plain[i] if i in self.read else _StandIn(type(self.plain[i]), i, self.touched))
+                kind = type(self.plain[i])
+                leaves.append(self.plain[i] if i in self.read else (_TextStandIn if kind in (str, bytes) else _StandIn)(kind, i, self.touched))
         for i, name in self.names.items():
             leaves[i] = example[i] if i in self.fixed else hyperparams.traced_float(leaves[i], name, None, symbols)
         return leaves
@@ -189,7 +205,7 @@ class BatchValues:
                 holds(value, self._seen)
 
     def _seen(self, value: Any) -> bool:
-        if type(value) is _StandIn:
+        if isinstance(value, _StandIn):
             self.touched.add(object.__getattribute__(value, "_position"))
         return False  # on through the rest
 
