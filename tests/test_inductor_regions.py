@@ -96,7 +96,10 @@ def test_regions_run_by_a_plain_compiler_are_bitwise_and_recompute_in_the_backwa
     assert result.match, result.mismatches[:5]
 
 
-def test_inductor_step_is_within_tolerance_and_its_measured_peak_within_the_budget():
+def test_inductor_step_is_within_tolerance_and_its_measured_peak_within_the_budget(monkeypatch):
+    # Every region kept, however it timed: on a loaded machine all of them timed slower
+    # compiled once, leaving none to judge (the timing's own rule is tested below).
+    monkeypatch.setattr(inductor_regions, "_slower_regions", lambda *timings: [])
     model, opt, batch = _mlp(1, depth=3)
     eager_model, eager_opt = twin(model, opt)
     before = model_snapshot(model)
