@@ -72,8 +72,9 @@ def warn_many_values(names: list[str], graphs: int, compile_seconds: float) -> N
             f"remat: train_step reads {', '.join(names[:3])} (plain values of the batch: a str, bytes or int), so the "
             f"graph holds each value as a constant, and each new one is captured, profiled and planned again "
             f"({compile_seconds:.1f} s for this one); {MANY_SHAPES} graphs of this shape so far. Leave such values "
-            "out of what train_step uses (log or store them in the loop), or pass a number it computes with as a "
-            "tensor or a float.",
+            "out of what train_step uses (log or store them in the loop); an int it computes with, compares or "
+            "returns is read at every call, but one formatted into text, used as a size, an index or a dict key is "
+            "held as its value: do that outside train_step, or pass the number as a tensor.",
             stacklevel=5,
         )
 

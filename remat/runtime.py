@@ -97,6 +97,7 @@ class RematStep:
     _graphs: dict[Any, CompiledGraph] = field(default_factory=dict)
     _structure: str | None = None
     _batch_read: frozenset[int] = frozenset()  # positions of the batch's plain values a graph reads: their values in the key
+    _batch_sides: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # the batch's ints a graph compares: their sides in the key
     _last: CompiledGraph | None = None
     _unkeyed: set[str] = field(default_factory=set)  # slots the step updates and never reads (TrainGraph.call.state_updates)
     _read: set[str] = field(default_factory=set)  # numbers the loop changed between steps, and the optimizer state's: read at every call (read_numbers)
@@ -191,8 +192,10 @@ class RematStep:
         known = {b.slot.name for b in self._branches}
         branches = [u for u in tg.call.state_updates if isinstance(u, CountedBranch) and u.slot.name not in known]
         frozen = [p for p in frozen_gradients_taken(tg, self.model) if all(p is not q for q in self._frozen_graded)]
-        if tg.call.batch_read - self._batch_read:  # from now on, their values are in the key
+        sides = {i: (*self._batch_sides.get(i, ()), *(c for c in conds if c not in self._batch_sides.get(i, ()))) for i, conds in tg.call.batch_sides.items()}
+        if tg.call.batch_read - self._batch_read or sides.items() - self._batch_sides.items():  # from now on, their values (or sides) are in the key
             self._batch_read |= tg.call.batch_read
+            self._batch_sides = {**self._batch_sides, **sides}
             sig = self._checked_signature(batch)
             shapes = self._with_call_state(sig)
         if (tg.call.accumulates and self._accumulating is None) or branches or frozen:  # from now on, these are in the key
@@ -256,7 +259,7 @@ class RematStep:
         return tuple((name, self._keys.key(name, value)) if name in self._read else (name, value) for name, value in values)
 
     def _checked_signature(self, batch: Any) -> Any:
-        return checked_signature(batch, self._batch_read, self._structure, self._graphs)
+        return checked_signature(batch, self._batch_read, self._batch_sides, self._structure, self._graphs)
 
     def _agreed(self, what: str, fn: Any, summary: Any = None, differ: str = "") -> Any:
         """`fn()`; for a data-parallel step, on every rank together (remat.ranks.together),

@@ -1,7 +1,7 @@
-"""The batch's plain values (paths and ids as strings, an int, a flag, None): not graph
-inputs; one the step never reads takes any value with one graph, one it reads is held as
-a constant and keys the graph; a text the step leaves in the user's state is set again
-after each run. Each case is trained beside eager and compared bitwise after every step."""
+"""The batch's plain values (paths and ids as strings, an int, a flag, None): one the step
+never reads takes any value with one graph; an int it computes with is read at every call;
+one it reads otherwise is held as a constant and keys the graph; a text the step leaves in
+the user's state is set again after each run. Each case is trained beside eager and compared bitwise after every step."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import remat
-from remat.capture.batch_leaves import _StandIn
+from remat.capture.batch_leaves import BatchValues, _StandIn
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -35,10 +35,10 @@ def _batch(i: int) -> dict[str, Any]:
 
 def _twins(
     step_of: Callable[[dict[str, Any]], Callable[..., Any]], steps: int = 6, state: Callable[[dict[str, Any]], Any] | None = None,
-    between: Callable[[list[dict[str, Any]], int], None] | None = None,
+    between: Callable[[list[dict[str, Any]], int], None] | None = None, batches: list[dict[str, Any]] | None = None,
 ) -> tuple[Any, list[str]]:  # fmt: skip
     """Train the step in eager and compiled (each with its own `env`, the user's state the
-    step reaches) over `steps` batches, `between(envs, i)` before each; assert losses,
+    step reaches) over `steps` batches (`batches`, or `_batch(i)`), `between(envs, i)` before each; assert losses,
     parameters, optimizer state and the user's `state` equal after every step. The
     compiled step and its warnings."""
     envs = [{}, {}]
@@ -46,11 +46,11 @@ def _twins(
     (model, opt), (twin, twin_opt) = _model(), _model()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        compiled = remat.compile(steps_made[1], twin, twin_opt, _batch(0), memory_budget=0.7)
-        for i in range(steps):
+        batches = batches or [_batch(i) for i in range(steps)]
+        compiled = remat.compile(steps_made[1], twin, twin_opt, batches[0], memory_budget=0.7)
+        for i, batch in enumerate(batches):
             if between is not None:
                 between(envs, i)
-            batch = _batch(i)
             eager_loss = steps_made[0](model, opt, copy.deepcopy(batch))
             loss = compiled(batch)
             assert torch.equal(eager_loss.detach(), loss), i
@@ -151,8 +151,8 @@ def test_a_text_the_step_sets_is_set_again_whatever_the_loop_left():
     _twins(step_of, steps=5, state=lambda env: env["log"].mode, between=between)
 
 
-@pytest.mark.parametrize("value", [b"raw", 7, "name"])
-def test_a_plain_value_returned_or_appended_is_refused_as_a_constant(value):
+@pytest.mark.parametrize("value", [b"raw", "name"])
+def test_a_text_appended_is_refused_as_a_constant(value):
     logged: list[Any] = []
 
     def train_step(model, opt, batch):
@@ -165,19 +165,89 @@ def test_a_plain_value_returned_or_appended_is_refused_as_a_constant(value):
         remat.compile(train_step, model, opt, batch, memory_budget=0.7)
 
 
+def test_an_int_the_step_computes_with_is_read_at_every_call_in_one_graph():
+    def step_of(env):
+        env["counts"], env["tokens"] = [], 0
+
+        def train_step(model, opt, batch):
+            kept = batch["rows"] + batch["idx"] * 0  # ints that change at every step
+            loss = F.cross_entropy(model(batch["x"]), batch["y"], reduction="sum") / kept * (batch["idx"] / 8 + 1)
+            env["counts"].append(batch["idx"])  # logged, and counted up in the user's state
+            env["tokens"] += kept
+            return _finish(loss, opt)
+        return train_step
+
+    compiled, notes = _twins(step_of, state=lambda env: (env["counts"], env["tokens"]))
+    assert len(compiled._graphs) == 2, notes  # one per value of the bool `augmented`; idx 0..5 and rows 3, 4 read at every call
+    assert not notes
+
+
+def test_an_int_returned_is_each_calls_own():
+    model, opt = _model()
+    batch = lambda i: {k: v for k, v in _batch(i).items() if k != "augmented"}  # noqa: E731 - a bool keys the graph
+    step = remat.compile(lambda m, o, b: (_finish(_loss(m, b), o), b["idx"]), model, opt, batch(0), memory_budget=0.7)
+    returned = [step(batch(i))[1] for i in range(4)]
+    assert returned == [0, 1, 2, 3] and all(type(r) is int for r in returned)
+    assert len(step._graphs) == 1
+
+
+def test_an_int_compared_keys_the_graph_by_the_side_it_is_on():
+    def step_of(env):
+        def train_step(model, opt, batch):
+            n = batch["ntokens"]
+            scale = 2.0 if n > 12 else 1.0  # a side of 12, whatever the count
+            return _finish(F.cross_entropy(model(batch["x"]), batch["y"], reduction="sum") / max(n, 1) * scale, opt)
+        return train_step
+
+    batches = [{"x": _batch(i)["x"], "y": _batch(i)["y"], "ntokens": 10 + i} for i in range(6)]
+    compiled, notes = _twins(step_of, batches=batches)
+    assert len(compiled._graphs) == 2, notes  # 10-12 and 13-15 (max(n, 1): the same side for all)
+
+
+@pytest.mark.parametrize("use", ["formatted", "size"])
+def test_an_int_used_where_its_value_is_needed_keys_the_graph(use):
+    scales = {f"rows{r}": float(r) for r in (3, 4)}
+
+    def step_of(env):
+        def train_step(model, opt, batch):
+            rows = batch["rows"] * 1  # computed with first: the trace makes it a symbol, then needs its value
+            if use == "formatted":
+                scale = scales[f"rows{rows}"]
+            else:
+                scale = 1.0 + batch["x"][:rows].sum().item() * 0
+            return _finish(_loss(model, batch) * scale, opt)
+        return train_step
+
+    compiled, _ = _twins(step_of)
+    assert len(compiled._graphs) == 2  # rows 3 and 4
+
+
+def test_a_float_of_the_batch_formatted_into_text_is_refused_saying_to_pass_it_to_print():
+    def train_step(model, opt, batch):
+        print(f"weight {batch['w']}")
+        return _finish(_loss(model, batch) * batch["w"], opt)
+
+    model, opt = _model()
+    with pytest.raises(remat.CaptureError, match=r"formats batch\['w'\], a float of the batch, into text.*print\('w', w\)"):
+        remat.compile(train_step, model, opt, {**_batch(0), "w": 0.5}, memory_budget=0.7)
+
+
 def test_a_stand_in_looks_like_its_value_to_isinstance_and_abstract_base_classes():
     import collections.abc
     import numbers
 
     from remat.capture.batch_leaves import _TextStandIn
 
-    touched: set[int] = set()
-    for stand_in, value in [(_TextStandIn(str, 0, touched), "a"), (_TextStandIn(bytes, 1, touched), b"a"), (_StandIn(int, 2, touched), 3)]:
+    marks = BatchValues({}, {}, set())
+    for stand_in, value in [(_TextStandIn(str, 0, marks), "a"), (_TextStandIn(bytes, 1, marks), b"a"), (_StandIn(int, 2, marks), 3)]:
         for kind in (str, bytes, int, collections.abc.Iterable, collections.abc.Sized, collections.abc.Sequence, collections.abc.Callable,
                      os.PathLike, numbers.Number, collections.abc.Hashable):  # fmt: skip
             assert isinstance(stand_in, kind) == isinstance(value, kind), (value, kind)
         assert callable(stand_in) == callable(value)
-    assert not touched  # telling its type is no read
+    assert not marks.touched and not marks.computed  # telling its type is no read
     with pytest.raises(AttributeError):
-        _ = _StandIn(int, 2, touched) + 1
-    assert touched == {2}
+        _ = _StandIn(int, 2, marks) + 1
+    assert marks.computed == {2} and not marks.touched  # arithmetic: a symbolic int can take it
+    with pytest.raises(AttributeError):
+        _ = f"{_StandIn(int, 3, marks)}"
+    assert marks.touched == {3}  # text needs the value

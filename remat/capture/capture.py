@@ -39,7 +39,7 @@ from remat.capture.traced_rng import no_host_random_drawn, no_rng_state_set
 from remat.capture.user_checkpoints import plain_checkpoints
 from remat.ops import check_placement, ctc_loss, dropout_masks, known_values, training_workspace, value_checks
 from remat.ops.cpu_shape_functions import cpu_kernels_as_shape_functions
-from remat.capture.batch_leaves import BatchValues, batch_leaf_names
+from remat.capture.batch_leaves import BatchValues, batch_leaf_names, graph_leaves, is_counted
 from remat.capture.step_inputs import accumulated_gradients, call_step, finds_gradients, check_arguments, graph_inputs, held_gradients
 
 
@@ -107,7 +107,7 @@ def _trace(
     while True:
         try:
             gm = make()
-            if checks.finished() or numbers.sized(gm, symbols) or batch_values.newly_read():
+            if checks.finished() or numbers.sized(gm, symbols) or batch_values.newly_read() or batch_values.as_values(read_numbers.sizing(gm, symbols)):
                 continue
             return gm
         except (Exception, SystemExit) as e:  # noqa: BLE001 - translated into a message a user can act on (sys.exit: a check's failing side)
@@ -118,6 +118,8 @@ def _trace(
                 into_compiled[0] = True
                 continue
             branched = branched_hyperparameters(e, symbols)
+            if batch_values.decided(branched, data_dependent_condition(e), symbols):  # an int of the batch compared
+                continue
             batch_values.refuse_branch(branched, e)
             new = [name for name in branched if name in hyper_values and name not in sign_facts]
             fixed = [name for name in branched if name in hyper_values and sign_facts.get(name, hyperparams.FIXED) != hyperparams.FIXED and type(hyper_values[name]) is int]
@@ -214,10 +216,10 @@ def capture(
                 stack.enter_context(optimizer_on(optimizer, real_to_name, t_params, t_states, args))
                 stack.enter_context(hyperparams.symbolic(optimizer, t_hyper, sign_facts, symbols, group_counts))
                 stack.callback(optimizer.register_step_pre_hook(marking_updates(calls)).remove)
-            stack.enter_context(numbers.traced(t_numbers, symbols))
+            stack.enter_context(numbers.traced(t_numbers, symbols, batch_values.symbols))
             stack.enter_context(passes)
             stack.enter_context(cleared_before_backward(calls, cleared := set()))
-            known = known_values.KnownValues(list(zip(batch_args, flat[len(flat) - len(batch_args):])), where_in_users_code_now, checks, known_values.state_followed(buffers, t_buffers, states, t_states), lambda: {s: hyper_values[n] for s, n in symbols.items() if n in hyper_values})  # fmt: skip
+            known = known_values.KnownValues([(a, r) for a, r, leaf in zip(batch_args, flat[len(flat) - len(batch_args):], graph_leaves(leaves)) if not is_counted(leaf)], where_in_users_code_now, checks, known_values.state_followed(buffers, t_buffers, states, t_states), lambda: {s: hyper_values[n] for s, n in symbols.items() if n in hyper_values})  # fmt: skip
             stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots, known))
             stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
             effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), args, passed, model, ({**params, **buffers}, {**t_params, **t_buffers}))
@@ -265,7 +267,7 @@ def capture(
     tg.call.scheduler_calls = scheduler_calls.checked(tg, recorded.scheduler_calls)
     tg.call.trainable, tg.call.leaves_zero_grads, tg.call.accumulates, tg.call.groups, tg.call.param_hooks = trainable, leaves_zero_grads, grads_in, groups, hooks
     tg.call.code_read, tg.call.library_read = frozenset(ran) if recorded_run else None, frozenset(seen["library_read"])
-    tg.call.set_up, tg.call.value_checks, tg.call.batch_read = set_ups, checks.checks, frozenset(batch_values.read)
+    tg.call.set_up, tg.call.value_checks, tg.call.batch_read, tg.call.batch_sides = set_ups, checks.checks, frozenset(batch_values.read), batch_values.sides()
     return tg
 
 

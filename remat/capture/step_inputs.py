@@ -31,7 +31,7 @@ from remat.capture.optimizers import as_one
 from remat.capture.train_graph import GraphInput, InputKind, TrainGraph
 from remat.ops import value_checks
 from remat.capture.trace_checks import check_settings
-from remat.capture.batch_leaves import batch_leaf_names, batch_value, check_batch, graph_values, is_plain_value
+from remat.capture.batch_leaves import batch_leaf_names, batch_value, check_batch, graph_values, is_graph_leaf
 from remat.capture.markers import MARKER
 
 
@@ -212,7 +212,7 @@ def graph_inputs(
     for held, t in outside:
         inputs.append(GraphInput(held.name, InputKind.OUTSIDE, *describe(t)))
         flat.append(t)
-    for n, leaf in [(n, batch_value(leaf)) for n, leaf in zip(batch_leaf_names(example_batch), leaves) if not is_plain_value(leaf)]:
+    for n, leaf in [(n, batch_value(leaf)) for n, leaf in zip(batch_leaf_names(example_batch), leaves) if is_graph_leaf(leaf)]:
         inputs.append(GraphInput(n, InputKind.BATCH, *describe(leaf)))
         flat.append(leaf)
     return inputs, flat, hyper_values

@@ -55,6 +55,7 @@ class CallContract:
 
     batch_spec: str = ""  # pytree structure of the batch, as text, to reject other structures
     batch_read: frozenset[int] = frozenset()  # positions of the batch's plain values (a str, an int) the graph holds: in its key
+    batch_sides: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # the batch's ints read at every call it compares: their sides in its key (read_numbers.Condition)
     output_spec: Any = None  # pytree spec of train_step's return value (None: one tensor)
     output_numbers: dict[int, str] = field(default_factory=dict)  # output position -> 'bool', 'int' or 'float': given back as a Python number
     # What the step does to the user's Python state, done again after each run on the graph's

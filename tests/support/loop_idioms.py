@@ -595,6 +595,22 @@ def _metadata_step(model, optimizer, batch):
     return loss.detach()
 
 
+def _with_token_counts(batch):
+    """Batches as a fairseq-style collate gives them: the count of target tokens and of
+    sentences as Python ints beside the tensors, the count new at every step."""
+    rows = len(batch["input_ids"])
+    return [{**batch, "ntokens": batch["input_ids"].numel() - i, "nsentences": rows} for i in range(STEPS)]
+
+
+def _token_count_step(model, optimizer, batch):
+    optimizer.zero_grad()
+    inputs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    loss = model(**inputs).loss * batch["nsentences"] / batch["ntokens"]
+    loss.backward()
+    optimizer.step()
+    return {"loss": loss.detach(), "ntokens": batch["ntokens"], "sample_size": batch["nsentences"]}
+
+
 IDIOMS = [
     Idiom("learning-rate scheduler stepped every step (LambdaLR warm-up from 0)", "works",
           between=_sched(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, s / 3)))),
@@ -621,6 +637,8 @@ IDIOMS = [
     Idiom("a last batch of another size", "works", batches=_other_sizes),
     Idiom("the dataset's ids, file names and raw text in the batch beside the tensors, filtered out in train_step; "
           "a task name the loss weight is looked up by", "works", step=_metadata_step, batches=_with_metadata),
+    Idiom("a token count as a Python int in the batch (fairseq's ntokens), the loss divided by it, returned for logging",
+          "works", step=_token_count_step, batches=_with_token_counts),
     Idiom("frozen parameters (fine-tuning a part)", "works", setup=_freeze),
     Idiom("train_step returns (loss, logits)", "works", step=_outputs),
     Idiom("train_step returns loss.item() and the learning rate (a LambdaLR warm-up)", "works", step=_numbers_out,

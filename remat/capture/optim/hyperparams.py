@@ -153,7 +153,7 @@ def symbolic(
                 _set(group, key, value)
                 placed[name] = value
                 continue
-            value = traced_float(tensors[name], name, sign_facts.get(name), symbols)
+            value = traced_number(tensors[name], name, sign_facts.get(name), symbols)
             _set(group, key, value)
             placed[name] = value
     try:
@@ -218,10 +218,10 @@ class GroupCount:
         _set(group, self.key, _get(group, self.key) + self.added)
 
 
-def traced_float(tensor: torch.Tensor, name: str, known_sign: int | None, symbols: dict[str, str]) -> Any:
-    """While tracing: the `.item()` of a 0-dim graph input, a symbolic float, recorded in
-    `symbols` under `name` (to name a branch the trace trips on) and told its sign where
-    one is known (-1, 0, 1)."""
+def traced_number(tensor: torch.Tensor, name: str, known_sign: int | None, symbols: dict[str, str]) -> Any:
+    """While tracing: the `.item()` of a 0-dim graph input, a symbolic float (or int, of an
+    int64 input), recorded in `symbols` under `name` (to name a branch the trace trips on)
+    and told its sign where one is known (-1, 0, 1)."""
     value = tensor.item()
     symbols[str(value.node.expr)] = name
     if known_sign is not None:

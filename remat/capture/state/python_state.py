@@ -170,12 +170,14 @@ _MOST_KEYS = 64
 def _in_container(slot: Slot, value: Any, index: str = "", depth: int = 0) -> list[tuple[str, Any]]:
     """The user's objects and functions in a list, tuple or dict a slot holds (callbacks), and
     the modules in it or in the lists and dicts in it (metrics, teachers), by name."""
-    if isinstance(value, (list, tuple)) and len(value) <= _MOST_KEYS:
-        items = [(f"{index}[{i}]", v) for i, v in enumerate(value)]
-    elif isinstance(value, dict) and len(value) <= _MOST_KEYS:
-        items = [(f"{index}[{k!r}]", v) for k, v in value.items()]
-    else:
+    # Through the base classes' methods, as `holds` looks: no read of a recording list.
+    base = next((kind for kind in (list, tuple, dict) if isinstance(value, kind)), None)
+    if base is None or base.__len__(value) > _MOST_KEYS:
         return []
+    if base is dict:
+        items = [(f"{index}[{k!r}]", v) for k, v in dict.items(value)]
+    else:
+        items = [(f"{index}[{i}]", v) for i, v in enumerate(base.__iter__(value))]
     out = []
     for i, v in items:
         if isinstance(v, torch.nn.Module) or (depth == 0 and (user_code.user_class(type(v)) or user_code.user_function(v) is not None)):
@@ -477,10 +479,11 @@ def holds(value: Any, test: Callable[[Any], bool], depth: int = 0) -> bool:
     deep), a value `test` picks."""
     if test(value):
         return True
-    if depth < 3 and isinstance(value, (list, tuple)) and len(value) <= MOST_ITEMS:
-        return any(holds(v, test, depth + 1) for v in value)
-    if depth < 3 and isinstance(value, dict) and len(value) <= MOST_ITEMS:
-        return any(holds(v, test, depth + 1) for v in value.values())
+    # Through the base classes' own methods: a list the step logs into is a recording one
+    # while it is traced (logged_numbers), and remat's look is no read of the step's.
+    base = next((kind for kind in (list, tuple, dict) if isinstance(value, kind)), None)
+    if depth < 3 and base is not None and base.__len__(value) <= MOST_ITEMS:
+        return any(holds(v, test, depth + 1) for v in (dict.values(value) if base is dict else base.__iter__(value)))
     return False
 
 

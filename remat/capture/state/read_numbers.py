@@ -50,7 +50,7 @@ from torch.fx.experimental.sym_node import SymNode
 from torch.utils._sympy.printers import PythonPrinter
 
 from remat.errors import CaptureError
-from remat.capture.optim.hyperparams import added_to, sign, traced_float
+from remat.capture.optim.hyperparams import added_to, sign, traced_number
 from remat.capture.state.kept_numbers import KeptNumber, Term
 from remat.capture.state.kept_tensors import KeptTensor
 from remat.capture.state.python_state import TRACED_NUMBERS, Slot
@@ -97,6 +97,18 @@ def _as_python(expr: Any) -> Callable[[int], Any]:
     modulo and true division as Python's operators, and its square root as torch._sym_sqrt (math's on a
     number), so the side is Python's, as eager's."""
     return eval(f"lambda n: {PythonPrinter().doprint(expr)}", {"math": math, "torch": torch, "__builtins__": {"abs": abs, "min": min, "max": max, "float": float, "int": int}})  # noqa: S307
+
+
+def sizing(gm: torch.fx.GraphModule, symbols: dict[str, str]) -> set[str]:
+    """The names (in `symbols`) of the symbolic numbers a tensor's size, stride or offset in the graph comes from."""
+    names: set[str] = set()
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            for size in (*val.shape, *val.stride(), val.storage_offset()):
+                if isinstance(size, torch.SymInt):
+                    names |= {symbols[str(s)] for s in size.node.expr.free_symbols if str(s) in symbols}
+    return names
 
 
 @dataclass
@@ -168,14 +180,7 @@ class Reading:
         """After a trace: the ints a tensor's size, stride or offset came from (`x[:it]`,
         `torch.zeros(it)`) are constants from now on, since the plan is made for fixed sizes.
         True if there were any (trace again)."""
-        names: set[str] = set()
-        for node in gm.graph.nodes:
-            val = node.meta.get("val")
-            if isinstance(val, torch.Tensor):
-                for size in (*val.shape, *val.stride(), val.storage_offset()):
-                    if isinstance(size, torch.SymInt):
-                        names |= {symbols[str(s)] for s in size.node.expr.free_symbols if str(s) in symbols}
-        names &= set(self.symbolic)
+        names = sizing(gm, symbols) & set(self.symbolic)
         self.constant(sorted(names))
         return bool(names)
 
@@ -207,12 +212,13 @@ class Reading:
         return out
 
     @contextlib.contextmanager
-    def traced(self, tensors: dict[str, torch.Tensor], symbols: dict[str, str]) -> Iterator[None]:
+    def traced(self, tensors: dict[str, torch.Tensor], symbols: dict[str, str], others: set[str] = frozenset()) -> Iterator[None]:
         """While tracing: each number still a symbol is the `.item()` of its graph input
         (`tensors`, by name) in its slot, with its sign known where one is assumed, and a
         zero is itself; `symbols` is filled with each symbol's name, to name a branch the
-        trace trips on. Text made of one (`f"step {it}"`) trips the trace as a use that
-        needs the value, rather than hold the symbol's name. The numbers are put back after."""
+        trace trips on. Text made of one, or of the `others` (the batch's numbers: symbols),
+        (`f"step {it}"`) trips the trace as a use that needs the value, rather than hold the
+        symbol's name. The numbers are put back after."""
         saved = {name: slot.get() for name, slot in self.symbolic.items()}
         # A number only the step changes that is a constant of the graph (a use that needs
         # its value): what the step leaves in it is set again after each run of this graph,
@@ -230,9 +236,9 @@ class Reading:
                     for condition in self.conditions.get(name, ()):
                         condition.told(value, saved[name])
                 else:
-                    placed[name] = value = traced_float(tensors[name], name, self.signs.get(name), symbols)
+                    placed[name] = value = traced_number(tensors[name], name, self.signs.get(name), symbols)
                 slot.set(value)
-            with _text_trips({str(v.node.expr) for v in placed.values() if isinstance(v, (torch.SymInt, torch.SymFloat))}), _math_on_symbols():
+            with _text_trips({str(v.node.expr) for v in placed.values() if isinstance(v, (torch.SymInt, torch.SymFloat))} | set(others)), _math_on_symbols():
                 yield
             self.set_to = {name: self.slots[name].get() for name, was in constant.items() if self.slots[name].get() is not was}
             for name, slot in self.symbolic.items():
