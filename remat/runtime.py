@@ -438,7 +438,8 @@ class RematStep:
         """One step; on failure, its error says what the step had already changed in place."""
         dp = compiled.tg.call.data_parallel
         try:
-            result = run_captured(compiled.tg, compiled.cuda_graph or compiled.gm, self.model, inputs, view)
+            after = lambda: make_calls(compiled.tg.call.scheduler_calls, before_update=False)  # noqa: E731
+            result = run_captured(compiled.tg, compiled.cuda_graph or compiled.gm, self.model, inputs, view, after)
         except Exception as e:
             failed_step.note_changes(e, compiled.tg, compiled.gm)
             if dp is not None:
@@ -450,7 +451,6 @@ class RematStep:
         if isinstance(compiled.cuda_graph, cuda_graphs.CudaGraphStep):  # (a stand-in while its call is timed)
             compiled.report.cuda_graph_captures = compiled.cuda_graph.captures
             compiled.report.cuda_graph_pool_bytes = compiled.cuda_graph.pool_bytes
-        make_calls(compiled.tg.call.scheduler_calls, before_update=False)
         return result
 
 

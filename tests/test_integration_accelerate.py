@@ -7,6 +7,7 @@ loop in eager; gradient accumulation as micro-batches inside the step, across ca
 from __future__ import annotations
 
 import contextlib
+import io
 
 import pytest
 import torch
@@ -223,3 +224,34 @@ def test_a_count_that_moves_otherwise_than_remat_knows_is_refused(monkeypatch):
     with pytest.raises(CaptureError, match=r"moves accelerator .*step, a count Accelerator keeps, from 0 to 1, where remat expected 2.*counts otherwise"):
         remat.compile(_accumulating_step(accelerator), model, optimizer, _batches(1)[0], memory_budget=0.8)(_batches(1)[0])
     assert accelerator.step == 0
+
+
+def test_the_prepared_schedulers_rate_stepped_and_read_in_the_step_is_eagers():
+    """Accelerate's loop with the prepared scheduler stepped inside the step and its rate
+    printed with `accelerator.print` and returned: read through Accelerate's wrapper after
+    the step's scheduler step, as eager reads it, bitwise."""
+
+    def run(compiled: bool):
+        accelerator, model, optimizer, loader, scheduler = _prepared()
+
+        def train_step(model, optimizer, batch):
+            optimizer.zero_grad()
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            accelerator.print("lr", scheduler.get_last_lr()[0])
+            return {"loss": loss.detach(), "lr": scheduler.get_last_lr()[0]}
+
+        step = remat.compile(train_step, model, optimizer, _batches(1)[0], memory_budget=0.8) if compiled else None
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            seen = [step(batch) if compiled else train_step(model, optimizer, batch) for batch in loader]
+        return seen, printed.getvalue(), _state(model, optimizer), step
+
+    eager, eager_printed, eager_state, _ = run(False)
+    ran, printed, state, step = run(True)
+    assert [r["lr"] for r in ran] == [e["lr"] for e in eager] and ran[0]["lr"] != ran[-1]["lr"]
+    assert printed == eager_printed and printed.count("lr") == 6
+    assert all(torch.equal(r["loss"], e["loss"]) for r, e in zip(ran, eager)) and len(step._graphs) == 1
+    assert all(torch.equal(a, b) for a, b in zip(state, eager_state))

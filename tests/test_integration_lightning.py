@@ -148,6 +148,29 @@ class _NetWithMetric(_Net):
         return torch.nn.functional.cross_entropy(logits, y)
 
 
+class _NetLoggingRate(_Net):
+    """The warm-up's rate logged in training_step, as a learning-rate monitor would show it."""
+
+    def __init__(self):
+        torch.manual_seed(0)
+        super().__init__()
+
+    def training_step(self, batch, batch_idx):
+        self.log("lr", self.lr_schedulers().get_last_lr()[0])
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_schedulers_rate_logged_in_training_step_is_each_steps_own(tmp_path):
+    # Lightning steps the scheduler after the update, outside the compiled step: the rate is
+    # read from it at each call, not the one the trace saw.
+    eager_rows, eager_state, _, _ = _fit(tmp_path / "eager", [], module=_NetLoggingRate())
+    callback = RematCallback(memory_budget=0.9)
+    rows, state, _, _ = _fit(tmp_path / "remat", [callback], module=_NetLoggingRate())
+    assert _equal_rows(rows, eager_rows) and len(callback.step._graphs) == 1
+    assert [float(r[2]["lr"]) for r in rows[:3]] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3])
+    assert all(torch.equal(a, b) for a, b in zip(state, eager_state, strict=True))
+
+
 def test_a_torchmetrics_metric_logged_as_an_object_logs_each_steps_value_bitwise(tmp_path):
     # Lightning reads the batch's value from the metric when the log is made again after a
     # run: the metric's update must be in place by then, or each step logs the one before.

@@ -398,7 +398,7 @@ def test_a_step_returning_python_numbers_gives_them_back_as_eager_does_each_step
     assert type(out["loss"]) is float and type(out["positives"]) is int and type(out["above_one"]) is bool
     with pytest.raises(CaptureError, match=r"returned tuple holding str\. Return tensors and numbers only"):
         remat.compile(lambda m, o, b: (_mse_step(m, o, b), "done"), *twin(model, opt), batch, memory_budget=None)
-    # A number no input gives (a scheduler's get_last_lr()) would be the traced one at every step.
+    # A number no input gives (a constant, a count kept outside) would be the traced one at every step.
     with pytest.raises(CaptureError, match=r"returned the Python number 0\.5 \(output 1\), which no tensor or optimizer setting gives"):
         remat.compile(lambda m, o, b: (_mse_step(m, o, b), 0.5), *twin(model, opt), batch, memory_budget=None)
 

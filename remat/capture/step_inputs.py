@@ -369,9 +369,11 @@ def run_captured(
     model: torch.nn.Module,
     inputs: list[torch.Tensor],
     view: ModelView | None = None,
+    after_graph: Callable[[], None] | None = None,
 ) -> Any:
     """Run one step of `gm` (the captured graph or a rewrite of it) in place; returns what
-    train_step returns (the loss, or its tuple/dict of tensors).
+    train_step returns (the loss, or its tuple/dict of tensors). `after_graph()` runs once
+    the graph has, before what the step returns is read (step_outputs.as_returned).
 
     Leaves each parameter's `.grad` as the eager step would: the graph's final gradient
     where train_step left one set, None where it cleared them; and the modules' train/eval
@@ -397,7 +399,7 @@ def run_captured(
         p.grad = g
     if tg.call.leaves_zero_grads:
         _ZERO_GRADS_LEFT[model] = [_no_gradient if p.grad is None else weakref.ref(p.grad) for p in params.values()]
-    return step_outputs.as_returned(tg, outputs)
+    return step_outputs.as_returned(tg, outputs, after_graph)
 
 
 def accumulates(probe_gm: torch.fx.GraphModule, trainable: dict[str, torch.Tensor], optimizer: Any, data_parallel: Any) -> bool:

@@ -276,6 +276,14 @@ def _inner_scheduler_step(model, optimizer, batch):
     return loss
 
 
+def _inner_scheduler_rate_step(model, optimizer, batch):
+    """optimizer.step(), scheduler.step() and the scheduler's new rate returned for logging."""
+    loss = plain_step(model, optimizer, batch)
+    scheduler = _INNER_SCHEDULERS[id(optimizer)]
+    scheduler.step()
+    return {"loss": loss.item(), "lr": scheduler.get_last_lr()[0]}
+
+
 def _made_before_the_loop(make: Callable[[Any], Any]):
     """A scheduler for each side's optimizer, made before the loop (nothing to do between steps)."""
 
@@ -654,6 +662,9 @@ IDIOMS = [
           setup=_freeze_embeddings, between=_hook(_unfreeze_embeddings)),
     Idiom("scheduler stepped inside train_step, after optimizer.step() (StepLR)", "works", step=_inner_scheduler_step,
           between=_made_before_the_loop(lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))),
+    Idiom("scheduler stepped inside train_step, its new rate returned (scheduler.get_last_lr()[0], a cosine schedule)",
+          "works", step=_inner_scheduler_rate_step,
+          between=_made_before_the_loop(lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=4))),
     Idiom("ReduceLROnPlateau stepped on the loss inside train_step", "refused", step=_plateau_inside,
           between=_made_before_the_loop(lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o))),
     Idiom("the model's own activation checkpointing (gradient_checkpointing_enable, dropout inside)", "works", setup=_checkpointing),

@@ -7,7 +7,8 @@ object's fields) is swapped for a recording list. After the trace the user's lis
 and what the step appended (traced stand-ins of `loss.item()`, a learning rate, tensors it
 computed) become outputs of the graph, computed at every call; after each run they are
 appended to the list the slot holds then (a new list per epoch is the one appended to),
-as eager appends them. A tensor is appended detached: the step's autograd graph is freed
+as eager appends them; a scheduler's rate (`scheduler.get_last_lr()[0]`), as the scheduler
+gives it once the call's scheduler steps are made. A tensor is appended detached: the step's autograd graph is freed
 by then, as eager's is once its backward has run.
 
 What a trace cannot repeat is refused: reading a list the step also logs to (its length,
@@ -32,6 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.errors import CaptureError
 from remat.capture.state.python_state import NUMBERS, TRACED_NUMBERS, Slot
+from remat.capture.state.scheduler_calls import RateRead
 
 _READS = (
     "__getitem__", "__len__", "__iter__", "__contains__", "__reversed__", "__eq__", "__ne__", "__lt__", "__le__",
@@ -137,10 +139,13 @@ pytree.register_pytree_node(_Recording, lambda items: (list(items), None), lambd
 
 @dataclass(frozen=True)
 class LoggedList:
-    """A list the step appends `count` traced numbers or tensors to, at each call."""
+    """A list the step appends `count` traced numbers or tensors to, at each call, and the
+    scheduler's rates among them (`rates`: position among what it appends, RateRead), read
+    once the call's scheduler steps are made."""
 
     slot: Slot
     count: int
+    rates: tuple[tuple[int, RateRead], ...] = ()
     keyed = False  # not part of the step's cache key: it grows at every call, and the graph never reads it
 
     def where(self) -> str:
@@ -153,7 +158,8 @@ class LoggedList:
                 f"{self.slot.name}, the list train_step logs numbers to, is now a {type(target).__name__}; the step "
                 f"appended its {self.count} numbers to a list when it was compiled. Hold a list there, or compile a new step."
             )
-        target.extend(values)
+        rates, graph = dict(self.rates), iter(values)
+        target.extend(rates[i].read() if i in rates else next(graph) for i in range(self.count + len(rates)))
 
 
 def candidates(slots: list[tuple[Slot, Any]]) -> list[tuple[Slot, list[Any]]]:
@@ -212,7 +218,9 @@ def logged(recorders: list[tuple[Slot, _Recording]], inputs: set[int]) -> tuple[
             )
         if not recorder.appended:
             continue
-        plain = [v for v in recorder.appended if not isinstance(v, TRACED_NUMBERS) and not _computed(v, inputs)]
+        rates = tuple((i, v) for i, v in enumerate(recorder.appended) if isinstance(v, RateRead))
+        traced = [v for v in recorder.appended if not isinstance(v, RateRead)]
+        plain = [v for v in traced if not isinstance(v, TRACED_NUMBERS) and not _computed(v, inputs)]
         if plain:
             what = "a tensor the step did not compute (a parameter, the batch)" if isinstance(plain[0], torch.Tensor) else f"the Python value {plain[0]!r}"
             raise CaptureError(
@@ -225,8 +233,8 @@ def logged(recorders: list[tuple[Slot, _Recording]], inputs: set[int]) -> tuple[
                 f"train_step reads {slot.name} (list.{recorder.read}), a list it also logs numbers to: what it reads is "
                 "read once, at capture, and would be the same at every step. Read the list outside train_step."
             )
-        lists.append(LoggedList(slot, len(recorder.appended)))
-        values.append(list(recorder.appended))
+        lists.append(LoggedList(slot, len(traced), rates))
+        values.append(traced)
     return lists, values
 
 

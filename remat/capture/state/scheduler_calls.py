@@ -9,14 +9,26 @@ stepped it before `optimizer.step()` (the update then uses the new rate, as in e
 after the graph otherwise. Refused: a step with an argument (`ReduceLROnPlateau.step(loss)`:
 the metric is a value of the step) and a scheduler made inside train_step (each trace
 would make another).
+
+The rates a scheduler gives (`scheduler.get_last_lr()`) are not yet known while the step is
+traced where it steps after the update, nor are they the traced ones where the loop steps it
+between calls. So to the step's code (the user's, or a library's passing it on: Accelerate's
+scheduler) it gives `RateRead`s instead: a rate returned from
+train_step, or passed to a print, a logger or a recorded logging method, is read from the
+real scheduler once this call's scheduler steps are made, as eager would read it then. Any
+other use of it (arithmetic, text formatted from it) is refused, naming it; so is a read
+between two steps of the same scheduler in one step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+import torch
 import torch.fx
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
@@ -30,10 +42,59 @@ class SchedulerCall:
     before_update: bool  # stepped before optimizer.step() in train_step
 
 
-def checked(tg: TrainGraph, calls: list[SchedulerCall]) -> tuple[SchedulerCall, ...]:
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+@dataclass(frozen=True)
+class RateRead:
+    """The rate `scheduler.get_last_lr()[index]` as train_step read it, after `steps_before`
+    of the step's own calls of `scheduler.step()`: read from the scheduler after the call's."""
+
+    scheduler: Any
+    index: int
+    steps_before: int
+
+    def read(self) -> float:
+        return self.scheduler.get_last_lr()[self.index]
+
+    def __repr__(self) -> str:
+        return f"{type(self.scheduler).__name__}.get_last_lr()[{self.index}]"
+
+
+def _rate_used(op: str) -> Callable[..., Any]:
+    def method(self: RateRead, *args: Any) -> Any:
+        raise CaptureError(
+            f"train_step uses {self!r} ({op}): a scheduler's rate is known only once the call's scheduler steps are "
+            "made, after the graph, so the step may return it, or pass it to print, a logger or a logging method "
+            "(print('lr', scheduler.get_last_lr()[0])), and nothing else. Compute with optimizer.param_groups[i]['lr'] "
+            "read before the scheduler's step instead, or use the rate after train_step returns."
+        )
+
+    return method
+
+
+for _op in (
+    "__bool__", "__int__", "__float__", "__index__", "__complex__", "__round__", "__trunc__", "__floor__", "__ceil__",
+    "__neg__", "__pos__", "__abs__", "__lt__", "__le__", "__gt__", "__ge__", "__add__", "__radd__", "__sub__", "__rsub__",
+    "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__",
+    "__pow__", "__rpow__", "__str__", "__format__",
+):  # fmt: skip
+    setattr(RateRead, _op, _rate_used(_op.strip("_")))
+
+
+def checked(tg: TrainGraph, calls: list[SchedulerCall], reads: list[RateRead] = ()) -> tuple[SchedulerCall, ...]:
     """The calls, once sure the step returns no number computed from a hyperparameter while
     a scheduler steps after the update: in eager that number may be read after the
-    scheduler's step (the next rate), but the graph computes it from this step's rate."""
+    scheduler's step (the next rate), but the graph computes it from this step's rate; and
+    that each rate the step read comes after all of its scheduler's steps in the step."""
+    for rate in reads:
+        steps = sum(c.scheduler is rate.scheduler for c in calls)
+        if steps != rate.steps_before:
+            raise CaptureError(
+                f"train_step reads {rate!r} after {rate.steps_before} of its {steps} scheduler.step() calls: remat "
+                "makes a step's scheduler steps before or after the graph, so it can give only the rate after all of "
+                "them. Read the rate after the last step of that scheduler in train_step, or outside it."
+            )
     if any(not c.before_update for c in calls) and tg.call.output_numbers:
         placeholders = [n for n in tg.gm.graph.nodes if n.op == "placeholder"]
         hyper = {n for n, i in zip(placeholders, tg.inputs) if i.kind is InputKind.HYPERPARAMETER}
@@ -75,10 +136,12 @@ def make_calls(calls: tuple[SchedulerCall, ...], before_update: bool) -> None:
 
 
 @contextlib.contextmanager
-def recorded_scheduler_calls(calls: list[SchedulerCall], updating: Callable[[], bool]) -> Iterator[None]:
+def recorded_scheduler_calls(calls: list[SchedulerCall], updating: Callable[[], bool], reads: list[RateRead]) -> Iterator[None]:
     """While train_step is traced: record its scheduler.step() calls instead of running them
-    (`updating()`: whether optimizer.step() has begun)."""
+    (`updating()`: whether optimizer.step() has begun), and give the user's code RateReads
+    for the rates it reads (`reads`: those given)."""
     calls.clear()
+    reads.clear()
 
     def step(self: Any, *args: Any, **kwargs: Any) -> None:
         if args or kwargs:
@@ -94,8 +157,21 @@ def recorded_scheduler_calls(calls: list[SchedulerCall], updating: Callable[[], 
             "scheduler stepped inside train_step is stepped at every call)."
         )
 
-    # Every subclass's own step; the two base classes' __init__, which every scheduler runs.
+    def last_rates(real: Callable[..., Any]) -> Callable[..., Any]:
+        def get_last_lr(self: Any) -> Any:
+            rates = real(self)
+            if sys._getframe(1).f_code.co_filename.startswith(_TORCH_DIR):
+                return rates  # torch's own (a scheduler reading another's); a library's may pass it on (Accelerate's scheduler)
+            steps = sum(c.scheduler is self for c in calls)
+            given = [RateRead(self, i, steps) if type(rate) is float else rate for i, rate in enumerate(rates)]
+            reads.extend(r for r in given if isinstance(r, RateRead))
+            return given
+
+        return get_last_lr
+
+    # Every subclass's own step and get_last_lr; the two base classes' __init__, which every scheduler runs.
     replaced = [(cls, "step", step) for cls in _scheduler_classes() if "step" in vars(cls)]
+    replaced += [(cls, "get_last_lr", last_rates(vars(cls)["get_last_lr"])) for cls in _scheduler_classes() if "get_last_lr" in vars(cls)]
     replaced += [(cls, "__init__", init) for cls in (LRScheduler, ReduceLROnPlateau)]
     saved = [(cls, name, vars(cls)[name]) for cls, name, _ in replaced]
     try:

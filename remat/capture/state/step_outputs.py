@@ -4,7 +4,9 @@ A lone tensor is the loss; a tuple, list or dict may add other tensors (logits f
 metrics) and Python numbers traced from the step's inputs (`loss.item()`, a learning rate
 read from param_groups). Such a number is computed in the graph as a 0-dim tensor of a
 dtype that holds it exactly, and given back as a Python number of the type eager returns.
-A plain number (no input gives it) would be the traced value at every step: refused.
+A plain number (no input gives it) would be the traced value at every step: refused. A
+scheduler's rate (`scheduler.get_last_lr()[0]`, a scheduler_calls.RateRead) is read from the
+scheduler once the call's scheduler steps are made (`after_graph`).
 `float(t)` of a value the step computes cannot be traced (Python wants a plain float from
 it): refused while the step is traced, saying to use `.item()`.
 """
@@ -13,20 +15,22 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from remat.capture.state import user_code
+from remat.capture.state.scheduler_calls import RateRead
 from remat.capture.trace_checks import where_in_users_code_now
 from remat.errors import CaptureError
 from remat.capture.train_graph import TrainGraph
 
 def as_graph_outputs(result: Any, logged: list[list[Any]] | None = None) -> tuple[list[torch.Tensor], Any, dict[int, str]]:
     """train_step's return value as graph outputs: its tensors (detached), its structure, and
-    which outputs stand for Python numbers (position -> 'bool', 'int' or 'float'). The
+    which outputs stand for Python numbers (position -> 'bool', 'int' or 'float', or the
+    RateRead it is read from: its output a placeholder zero). The
     numbers of each of the step's updates of Python state (TrainGraph.call.state_updates), if
     any, follow it: the structure is then `(result, logged)`."""
     if logged:
@@ -43,14 +47,17 @@ def as_graph_outputs(result: Any, logged: list[list[Any]] | None = None) -> tupl
         kind = _traced_number_kind(leaf)
         if isinstance(leaf, torch.Tensor):
             outputs.append(leaf.detach())
+        elif isinstance(leaf, RateRead):
+            outputs.append(torch.zeros((), dtype=torch.float64))
+            numbers[i] = leaf
         elif kind is not None:
             outputs.append(torch.scalar_tensor(leaf, dtype=_NUMBER_DTYPES[kind]))
             numbers[i] = kind
         elif isinstance(leaf, (bool, int, float)):
             raise CaptureError(
                 f"train_step returned the Python number {leaf!r} (output {i}), which no tensor or optimizer setting gives: "
-                "it is read once, when the step is traced, so every step would return that value (a scheduler's "
-                "get_last_lr(), a counter). Return numbers computed from tensors (loss.item()) or read from "
+                "it is read once, when the step is traced, so every step would return that value (a count "
+                "kept outside the step, a clock). Return numbers computed from tensors (loss.item()) or read from "
                 "optimizer.param_groups, and read others outside train_step."
             )
         else:
@@ -74,12 +81,16 @@ def _traced_number_kind(value: Any) -> str | None:
     return None
 
 
-def as_returned(tg: TrainGraph, outputs: list[torch.Tensor]) -> Any:
-    """The graph's outputs as train_step returned them, once the step's updates of Python
-    state are done again with their numbers."""
+def as_returned(tg: TrainGraph, outputs: list[torch.Tensor], after_graph: Callable[[], None] | None = None) -> Any:
+    """The graph's outputs as train_step returned them, once `after_graph()` is done (the
+    scheduler steps made after the graph: the rates returned and printed are read after
+    them) and the step's updates of Python state are done again with their numbers."""
+    if after_graph is not None:
+        after_graph()
     if tg.call.output_spec is None:
         return outputs[0]
-    returned = [t.item() if i in tg.call.output_numbers else t for i, t in enumerate(outputs)]
+    numbers = tg.call.output_numbers
+    returned = [t if i not in numbers else numbers[i].read() if isinstance(numbers[i], RateRead) else t.item() for i, t in enumerate(outputs)]
     result = pytree.tree_unflatten(returned, tg.call.output_spec)
     if tg.call.state_updates:
         result, logged = result
