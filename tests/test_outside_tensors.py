@@ -373,17 +373,32 @@ def test_tensors_outside_the_model_written_in_place_before_the_update_or_in_the_
     _pair(make, between=between)
 
 
-def test_averaged_model_updated_inside_the_step_is_refused_naming_what_to_do():
-    model = _Net()
-    average = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+def _averaged(ema: bool):
+    def make(model):
+        swa = torch.optim.swa_utils
+        average = swa.AveragedModel(model, multi_avg_fn=swa.get_ema_multi_avg_fn(0.9) if ema else None)
 
-    def step(m, opt, batch):
-        loss = _cross_entropy_step(m, opt, batch)
-        average.update_parameters(m)
-        return loss
+        def step(m, opt, batch):
+            loss = _cross_entropy_step(m, opt, batch)
+            average.update_parameters(m)
+            return loss
 
-    with pytest.raises(CaptureError, match=r"AveragedModel\.update_parameters, which branches on how many steps.*between steps"):
-        remat.compile(step, model, torch.optim.SGD(model.parameters(), lr=0.1), _batch())
+        return step, average
+
+    return make
+
+
+@pytest.mark.parametrize("ema", [True, False], ids=["ema", "running mean"])
+def test_averaged_model_updated_inside_the_step_copies_then_averages_as_eager(ema):
+    # update_parameters copies the weights while n_averaged == 0 and averages after: the
+    # count (an outside tensor) is followed, the branch held and checked at every call.
+    def between(i, eager_average, remat_average):
+        assert int(eager_average.n_averaged) == int(remat_average.n_averaged) == i + 1
+        assert all(torch.equal(a, b) for a, b in zip(eager_average.parameters(), remat_average.parameters())), i
+
+    with pytest.warns(UserWarning, match=r"branches on the value of average .*n_averaged.* the step is compiled again for it"):
+        _, _, compiled = _pair(_averaged(ema), between=between)
+    assert len(compiled._graphs) == 1
 
 
 class _WithPlainTensors(_Net):

@@ -219,7 +219,7 @@ def capture(
             stack.enter_context(numbers.traced(t_numbers, symbols, batch_values.symbols))
             stack.enter_context(passes)
             stack.enter_context(cleared_before_backward(calls, cleared := set()))
-            known = known_values.KnownValues([(a, r) for a, r, leaf in zip(batch_args, flat[len(flat) - len(batch_args):], graph_leaves(leaves)) if not is_counted(leaf)], where_in_users_code_now, checks, known_values.state_followed(buffers, t_buffers, states, t_states), lambda: {s: hyper_values[n] for s, n in symbols.items() if n in hyper_values})  # fmt: skip
+            known = known_values.KnownValues([(a, r) for a, r, leaf in zip(batch_args, flat[len(flat) - len(batch_args):], graph_leaves(leaves)) if not is_counted(leaf)], where_in_users_code_now, checks, known_values.state_followed(buffers, t_buffers, states, t_states, [(o.name, t, real) for (o, real), t in zip(outside, t_outside)]), lambda: {s: hyper_values[n] for s, n in symbols.items() if n in hyper_values})  # fmt: skip
             stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots, known))
             stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
             effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), args, passed, model, ({**params, **buffers}, {**t_params, **t_buffers}))

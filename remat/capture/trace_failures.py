@@ -97,13 +97,6 @@ def _sized_by_values(e: BaseException, data_dependent: bool, where: str) -> Capt
 def _library_branch(frames: list[traceback.FrameSummary], where: str) -> CaptureError | None:
     """The refusal of a branch on tensor values in a library's code that a setting of that
     library, or a call outside the step, avoids: what to do, by library."""
-    if any(Path(f.filename).name == "swa_utils.py" for f in frames):
-        return CaptureError(
-            "train_step calls torch.optim.swa_utils.AveragedModel.update_parameters, which branches on how many "
-            f"steps it has averaged (n_averaged == 0){where}: one captured graph cannot hold that branch. Call it "
-            "between steps, outside train_step, or keep the average yourself inside the step "
-            "(with torch.no_grad(): for e, p in zip(ema.parameters(), model.parameters()): e.lerp_(p, 1 - decay))."
-        )
     if any(Path(f.filename).parent.parts[-2:] == ("torch", "distributions") for f in frames):
         return CaptureError(
             f"a torch.distributions object in train_step checks its arguments or samples with a Python branch on "

@@ -130,12 +130,15 @@ def _number_tensor(number: Any, dtype: torch.dtype | None = None, device: Any = 
 def state_followed(
     buffers: dict[str, torch.Tensor], traced_buffers: dict[str, torch.Tensor],
     states: dict[str, dict[str, Any]], traced_states: dict[str, dict[str, torch.Tensor]],
+    outside: list[tuple[str, torch.Tensor, torch.Tensor]] = (),
 ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """The model's buffers and the optimizer's state tensors, as KnownValues takes them: the
-    name a message shows, the traced tensor and the real one. Those of at most
+    """The model's buffers, the optimizer's state tensors and the tensors outside the model
+    the step reads (`outside`: name, traced, real), as KnownValues takes them: the name a
+    message shows, the traced tensor and the real one. Those of at most
     _MOST_STATE_FOLLOWED elements are followed: a flag, a counter, an optimizer's step count
-    (RAdam's `if rho_t > 5.0:` on it)."""
-    followed = [(f"model.{n}", traced_buffers[n], buffers[n]) for n in buffers]
+    (RAdam's `if rho_t > 5.0:` on it), an averaged model's count (`AveragedModel`'s
+    `n_averaged == 0`, which copies the weights at its first update and averages after)."""
+    followed = [(f"model.{n}", traced_buffers[n], buffers[n]) for n in buffers] + list(outside)
     for param, state in states.items():
         followed += [
             (f"the optimizer's {key!r} of {param}", traced_states[param][key], value)

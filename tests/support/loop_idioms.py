@@ -417,6 +417,25 @@ def _library_ema_inside(model, optimizer, batch):
     return loss
 
 
+class _Holder:
+    """A plain object holding a module beside the model (not a submodule of it)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+
+def _keep_averaged(model):
+    swa = torch.optim.swa_utils
+    model.averaged = _Holder(swa.AveragedModel(model, multi_avg_fn=swa.get_ema_multi_avg_fn(0.99)))
+
+
+def _averaged_inside(model, optimizer, batch):
+    """torch's AveragedModel updated inside the step: a copy at its first update, an average after."""
+    loss = plain_step(model, optimizer, batch)
+    model.averaged.module.update_parameters(model)
+    return loss
+
+
 def _ema_inside(model, optimizer, batch):
     """The EMA updated inside the step, after the optimizer's."""
     loss = plain_step(model, optimizer, batch)
@@ -673,6 +692,9 @@ IDIOMS = [
           setup=_count_calls, kept=lambda m: m.calls),
     Idiom("an EMA copy of the weights updated inside train_step (a helper object the model holds)", "works", step=_ema_inside,
           setup=_keep_ema, outside=lambda m: m.ema.shadow),
+    Idiom("torch's AveragedModel (an EMA) updated inside train_step: compiled again once, when its count leaves 0", "works",
+          step=_averaged_inside, setup=_keep_averaged,
+          outside=lambda m: [*m.averaged.module.parameters(), m.averaged.module.n_averaged]),
     Idiom("a library's EMA helper (diffusers' EMAModel, its decay from a step count it keeps) stepped inside train_step", "refused",
           step=_library_ema_inside, setup=_keep_library_ema),
     Idiom("gradient hooks on the parameters (register_hook clamping, register_post_accumulate_grad_hook scaling)", "works",
