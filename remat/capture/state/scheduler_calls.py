@@ -111,8 +111,8 @@ def checked(tg: TrainGraph, calls: list[SchedulerCall], reads: list[RateRead] = 
                 raise CaptureError(
                     f"train_step {what} and steps a "
                     "learning-rate scheduler after the update: remat steps the scheduler after the graph, so the number "
-                    "would be this step's rate, where eager may read the next one. Read it from optimizer.param_groups "
-                    "(or scheduler.get_last_lr()) after train_step returns."
+                    "would be this step's rate, where eager may read the next one. Use scheduler.get_last_lr()[i] instead "
+                    "(remat reads it once the scheduler has stepped), or read optimizer.param_groups after train_step returns."
                 )
     return tuple(calls)
 
