@@ -162,3 +162,31 @@ def test_a_rate_read_between_two_steps_of_its_scheduler_is_refused():
 
     with pytest.raises(CaptureError, match=r"reads LambdaLR.get_last_lr\(\)\[0\] after 1 of its 2 scheduler.step\(\) calls"):
         remat.compile(train_step, model, opt, _batch(0), memory_budget=None, profile_runs=1, measure=False)
+
+
+def test_a_schedulers_count_read_after_its_step_is_the_next_one_and_a_branch_on_it_refused():
+    def make_step(sched, logged):
+        def train_step(model, opt, batch):
+            opt.zero_grad()
+            loss = _loss(model, batch)
+            loss.backward()
+            opt.step()
+            sched.step()
+            print("epoch", sched.last_epoch)
+            logged.append(sched.last_epoch)
+            return {"loss": loss.detach(), "lr": sched.get_last_lr()[0], "epoch": sched.last_epoch}
+
+        return train_step
+
+    _assert_same(make_step)
+    got, logged, _, _ = _run(make_step)
+    assert [out["epoch"] for out, _ in got] == logged == [1, 2, 3, 4, 5] and got[0][1] == "epoch 1\n"
+
+    model, opt, sched = _setup()
+
+    def branches(model, opt, batch):
+        loss = _loss(model, batch)
+        return loss * 2 if sched.last_epoch % 2 == 0 else loss
+
+    with pytest.raises(CaptureError, match=r"uses LambdaLR.last_epoch \(mod\).*a count the step keeps itself"):
+        remat.compile(branches, model, opt, _batch(0), memory_budget=None, profile_runs=1, measure=False)

@@ -264,7 +264,7 @@ def capture(
     tg.call.output_spec, tg.call.output_numbers, tg.backward_passes, tg.call.state_updates, tg.call.unread_containers, tg.call.requires_grad_set = (
         seen[k] for k in ("output_spec", "output_numbers", "backward_passes", "state_updates", "unread_containers", "requires_grad_set"))
     tg.call.training, tg.call.mode_calls, tg.call.sets_mode_first = train_modes.traced_modes(model, recorded.mode_calls)
-    tg.call.scheduler_calls = scheduler_calls.checked(tg, recorded.scheduler_calls, recorded.rate_reads)
+    tg.call.scheduler_calls = scheduler_calls.checked(tg, recorded.scheduler_calls, recorded.scheduler_reads)
     tg.call.trainable, tg.call.leaves_zero_grads, tg.call.accumulates, tg.call.groups, tg.call.param_hooks = trainable, leaves_zero_grads, grads_in, groups, hooks
     tg.call.code_read, tg.call.library_read = frozenset(ran) if recorded_run else None, frozenset(seen["library_read"])
     tg.call.set_up, tg.call.value_checks, tg.call.batch_read, tg.call.batch_sides = set_ups, checks.checks, frozenset(batch_values.read), batch_values.sides()
@@ -387,7 +387,7 @@ class _Recorded:
 
     mode_calls: list[tuple[str, bool, bool]] = field(default_factory=list)  # train_modes.recorded_mode_calls
     scheduler_calls: list[scheduler_calls.SchedulerCall] = field(default_factory=list)  # scheduler_calls.recorded_scheduler_calls
-    rate_reads: list[scheduler_calls.RateRead] = field(default_factory=list)  # the rates it read (scheduler.get_last_lr())
+    scheduler_reads: list[scheduler_calls.SchedulerRead] = field(default_factory=list)  # the rates it read (scheduler.get_last_lr())
 
 
 @contextlib.contextmanager
@@ -406,7 +406,7 @@ def _step_patches(model: torch.nn.Module, recorded: _Recorded, updating: Callabl
         stack.enter_context(no_rng_state_set())
         stack.enter_context(no_host_random_drawn([(slot.name, value) for slot, value in slots]))
         stack.enter_context(train_modes.recorded_mode_calls(model, recorded.mode_calls))
-        stack.enter_context(scheduler_calls.recorded_scheduler_calls(recorded.scheduler_calls, updating, recorded.rate_reads))
+        stack.enter_context(scheduler_calls.recorded_scheduler_calls(recorded.scheduler_calls, updating, recorded.scheduler_reads))
         yield
 
 

@@ -57,7 +57,7 @@ class CallContract:
     batch_read: frozenset[int] = frozenset()  # positions of the batch's plain values (a str, an int) the graph holds: in its key
     batch_sides: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # the batch's ints read at every call it compares: their sides in its key (read_numbers.Condition)
     output_spec: Any = None  # pytree spec of train_step's return value (None: one tensor)
-    output_numbers: dict[int, Any] = field(default_factory=dict)  # output position -> 'bool', 'int' or 'float': given back as a Python number; or a scheduler_calls.RateRead: read after the scheduler steps
+    output_numbers: dict[int, Any] = field(default_factory=dict)  # output position -> 'bool', 'int' or 'float': given back as a Python number; or a scheduler_calls.SchedulerRead: read after the scheduler steps
     # What the step does to the user's Python state, done again after each run on the graph's
     # last outputs: lists it appends numbers to (logged_numbers.LoggedList), numbers it adds
     # to or sets (kept_numbers.KeptNumber), what it prints or logs (step_prints.PrintCall),

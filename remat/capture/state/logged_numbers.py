@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.errors import CaptureError
 from remat.capture.state.python_state import NUMBERS, TRACED_NUMBERS, Slot
-from remat.capture.state.scheduler_calls import RateRead
+from remat.capture.state.scheduler_calls import SchedulerRead
 
 _READS = (
     "__getitem__", "__len__", "__iter__", "__contains__", "__reversed__", "__eq__", "__ne__", "__lt__", "__le__",
@@ -140,12 +140,12 @@ pytree.register_pytree_node(_Recording, lambda items: (list(items), None), lambd
 @dataclass(frozen=True)
 class LoggedList:
     """A list the step appends `count` traced numbers or tensors to, at each call, and the
-    scheduler's rates among them (`rates`: position among what it appends, RateRead), read
+    scheduler's rates among them (`rates`: position among what it appends, SchedulerRead), read
     once the call's scheduler steps are made."""
 
     slot: Slot
     count: int
-    rates: tuple[tuple[int, RateRead], ...] = ()
+    rates: tuple[tuple[int, SchedulerRead], ...] = ()
     keyed = False  # not part of the step's cache key: it grows at every call, and the graph never reads it
 
     def where(self) -> str:
@@ -218,8 +218,8 @@ def logged(recorders: list[tuple[Slot, _Recording]], inputs: set[int]) -> tuple[
             )
         if not recorder.appended:
             continue
-        rates = tuple((i, v) for i, v in enumerate(recorder.appended) if isinstance(v, RateRead))
-        traced = [v for v in recorder.appended if not isinstance(v, RateRead)]
+        rates = tuple((i, v) for i, v in enumerate(recorder.appended) if isinstance(v, SchedulerRead))
+        traced = [v for v in recorder.appended if not isinstance(v, SchedulerRead)]
         plain = [v for v in traced if not isinstance(v, TRACED_NUMBERS) and not _computed(v, inputs)]
         if plain:
             what = "a tensor the step did not compute (a parameter, the batch)" if isinstance(plain[0], torch.Tensor) else f"the Python value {plain[0]!r}"

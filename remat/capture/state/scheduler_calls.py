@@ -10,14 +10,15 @@ after the graph otherwise. Refused: a step with an argument (`ReduceLROnPlateau.
 the metric is a value of the step) and a scheduler made inside train_step (each trace
 would make another).
 
-The rates a scheduler gives (`scheduler.get_last_lr()`) are not yet known while the step is
-traced where it steps after the update, nor are they the traced ones where the loop steps it
-between calls. So to the step's code (the user's, or a library's passing it on: Accelerate's
-scheduler) it gives `RateRead`s instead: a rate returned from
-train_step, or passed to a print, a logger or a recorded logging method, is read from the
-real scheduler once this call's scheduler steps are made, as eager would read it then. Any
-other use of it (arithmetic, text formatted from it) is refused, naming it; so is a read
-between two steps of the same scheduler in one step.
+The rates a scheduler gives (`scheduler.get_last_lr()`) and the counts it keeps
+(`last_epoch`, `_step_count`) are not yet known while the step is traced where it steps
+after the update, nor are they the traced ones where the loop steps it between calls. So
+to the step's code (the user's, or a library's passing it on: Accelerate's scheduler) a
+scheduler gives `SchedulerRead`s instead: one returned from train_step, or passed to a
+print, a logger or a recorded logging method, or appended to a list, is read from the real
+scheduler once this call's scheduler steps are made, as eager would read it then. Any
+other use of it (arithmetic, a comparison, text formatted from it) is refused, naming it;
+so is a read between two steps of the same scheduler in one step.
 """
 
 from __future__ import annotations
@@ -42,35 +43,50 @@ class SchedulerCall:
     before_update: bool  # stepped before optimizer.step() in train_step
 
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
+# Code whose reads of a scheduler get its real values: torch's own (a scheduler reading
+# another's) and remat's (walking the user's state); a library's code may pass a read on.
+_REAL_READERS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+_COUNTS = ("last_epoch", "_step_count")  # the ints every scheduler's step moves
 
 
 @dataclass(frozen=True)
-class RateRead:
-    """The rate `scheduler.get_last_lr()[index]` as train_step read it, after `steps_before`
-    of the step's own calls of `scheduler.step()`: read from the scheduler after the call's."""
+class SchedulerRead:
+    """A number train_step read from a scheduler after `steps_before` of the step's own
+    calls of `scheduler.step()`: a rate (`get_last_lr()[what]`, an index) or a count it keeps
+    (`what`: the field's name); read from the scheduler once the call's steps are made."""
 
     scheduler: Any
-    index: int
+    what: int | str
     steps_before: int
 
-    def read(self) -> float:
-        return self.scheduler.get_last_lr()[self.index]
+    def read(self) -> float | int:
+        return self.scheduler.get_last_lr()[self.what] if isinstance(self.what, int) else getattr(self.scheduler, self.what)
 
     def __repr__(self) -> str:
-        return f"{type(self.scheduler).__name__}.get_last_lr()[{self.index}]"
+        name = type(self.scheduler).__name__
+        return f"{name}.get_last_lr()[{self.what}]" if isinstance(self.what, int) else f"{name}.{self.what}"
 
 
 def _rate_used(op: str) -> Callable[..., Any]:
-    def method(self: RateRead, *args: Any) -> Any:
+    def method(self: SchedulerRead, *args: Any) -> Any:
         raise CaptureError(
-            f"train_step uses {self!r} ({op}): a scheduler's rate is known only once the call's scheduler steps are "
-            "made, after the graph, so the step may return it, or pass it to print, a logger or a logging method "
-            "(print('lr', scheduler.get_last_lr()[0])), and nothing else. Compute with optimizer.param_groups[i]['lr'] "
-            "read before the scheduler's step instead, or use the rate after train_step returns."
+            f"train_step uses {self!r} ({op}): what a scheduler holds is known only once the call's scheduler steps "
+            "are made, after the graph, so the step may return it, append it to a list, or pass it to print, a logger "
+            "or a logging method (print('lr', scheduler.get_last_lr()[0])), and nothing else. Compute with "
+            "optimizer.param_groups[i]['lr'] read before the scheduler's step, or with a count the step keeps itself "
+            "(self.step += 1), instead; or use the scheduler's values after train_step returns."
         )
 
     return method
+
+
+def _read_by_real_code() -> bool:
+    """Whether the scheduler's value being read is for torch's or remat's code (past remat's
+    own wrappers: library_objects' attribute lookups)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_REAL_READERS[1]):
+        frame = frame.f_back
+    return frame is None or frame.f_code.co_filename.startswith(_REAL_READERS[0])
 
 
 for _op in (
@@ -79,10 +95,10 @@ for _op in (
     "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__",
     "__pow__", "__rpow__", "__str__", "__format__",
 ):  # fmt: skip
-    setattr(RateRead, _op, _rate_used(_op.strip("_")))
+    setattr(SchedulerRead, _op, _rate_used(_op.strip("_")))
 
 
-def checked(tg: TrainGraph, calls: list[SchedulerCall], reads: list[RateRead] = ()) -> tuple[SchedulerCall, ...]:
+def checked(tg: TrainGraph, calls: list[SchedulerCall], reads: list[SchedulerRead] = ()) -> tuple[SchedulerCall, ...]:
     """The calls, once sure the step returns no number computed from a hyperparameter while
     a scheduler steps after the update: in eager that number may be read after the
     scheduler's step (the next rate), but the graph computes it from this step's rate; and
@@ -136,10 +152,10 @@ def make_calls(calls: tuple[SchedulerCall, ...], before_update: bool) -> None:
 
 
 @contextlib.contextmanager
-def recorded_scheduler_calls(calls: list[SchedulerCall], updating: Callable[[], bool], reads: list[RateRead]) -> Iterator[None]:
+def recorded_scheduler_calls(calls: list[SchedulerCall], updating: Callable[[], bool], reads: list[SchedulerRead]) -> Iterator[None]:
     """While train_step is traced: record its scheduler.step() calls instead of running them
-    (`updating()`: whether optimizer.step() has begun), and give the user's code RateReads
-    for the rates it reads (`reads`: those given)."""
+    (`updating()`: whether optimizer.step() has begun), and give the step's code SchedulerReads
+    for the rates and counts it reads (`reads`: those given)."""
     calls.clear()
     reads.clear()
 
@@ -160,14 +176,24 @@ def recorded_scheduler_calls(calls: list[SchedulerCall], updating: Callable[[], 
     def last_rates(real: Callable[..., Any]) -> Callable[..., Any]:
         def get_last_lr(self: Any) -> Any:
             rates = real(self)
-            if sys._getframe(1).f_code.co_filename.startswith(_TORCH_DIR):
-                return rates  # torch's own (a scheduler reading another's); a library's may pass it on (Accelerate's scheduler)
+            if _read_by_real_code():
+                return rates
             steps = sum(c.scheduler is self for c in calls)
-            given = [RateRead(self, i, steps) if type(rate) is float else rate for i, rate in enumerate(rates)]
-            reads.extend(r for r in given if isinstance(r, RateRead))
+            given = [SchedulerRead(self, i, steps) if type(rate) is float else rate for i, rate in enumerate(rates)]
+            reads.extend(r for r in given if isinstance(r, SchedulerRead))
             return given
 
         return get_last_lr
+
+    real_lookup = LRScheduler.__getattribute__
+
+    def getattribute(self: Any, name: str) -> Any:
+        value = real_lookup(self, name)
+        if name not in _COUNTS or type(value) is not int or _read_by_real_code():
+            return value
+        read = SchedulerRead(self, name, sum(c.scheduler is self for c in calls))
+        reads.append(read)
+        return read
 
     # Every subclass's own step and get_last_lr; the two base classes' __init__, which every scheduler runs.
     replaced = [(cls, "step", step) for cls in _scheduler_classes() if "step" in vars(cls)]
@@ -177,10 +203,13 @@ def recorded_scheduler_calls(calls: list[SchedulerCall], updating: Callable[[], 
     try:
         for cls, name, method in replaced:
             setattr(cls, name, method)
+        LRScheduler.__getattribute__ = getattribute  # every scheduler's counts (ReduceLROnPlateau's too)
         yield
     finally:
         for cls, name, method in saved:
             setattr(cls, name, method)
+        if "__getattribute__" in vars(LRScheduler):
+            del LRScheduler.__getattribute__
 
 
 def _scheduler_classes() -> list[type]:

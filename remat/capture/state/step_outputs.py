@@ -5,7 +5,7 @@ metrics) and Python numbers traced from the step's inputs (`loss.item()`, a lear
 read from param_groups). Such a number is computed in the graph as a 0-dim tensor of a
 dtype that holds it exactly, and given back as a Python number of the type eager returns.
 A plain number (no input gives it) would be the traced value at every step: refused. A
-scheduler's rate (`scheduler.get_last_lr()[0]`, a scheduler_calls.RateRead) is read from the
+scheduler's rate (`scheduler.get_last_lr()[0]`, a scheduler_calls.SchedulerRead) is read from the
 scheduler once the call's scheduler steps are made (`after_graph`).
 `float(t)` of a value the step computes cannot be traced (Python wants a plain float from
 it): refused while the step is traced, saying to use `.item()`.
@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from remat.capture.state import user_code
-from remat.capture.state.scheduler_calls import RateRead
+from remat.capture.state.scheduler_calls import SchedulerRead
 from remat.capture.trace_checks import where_in_users_code_now
 from remat.errors import CaptureError
 from remat.capture.train_graph import TrainGraph
@@ -30,7 +30,7 @@ from remat.capture.train_graph import TrainGraph
 def as_graph_outputs(result: Any, logged: list[list[Any]] | None = None) -> tuple[list[torch.Tensor], Any, dict[int, str]]:
     """train_step's return value as graph outputs: its tensors (detached), its structure, and
     which outputs stand for Python numbers (position -> 'bool', 'int' or 'float', or the
-    RateRead it is read from: its output a placeholder zero). The
+    SchedulerRead it is read from: its output a placeholder zero). The
     numbers of each of the step's updates of Python state (TrainGraph.call.state_updates), if
     any, follow it: the structure is then `(result, logged)`."""
     if logged:
@@ -47,7 +47,7 @@ def as_graph_outputs(result: Any, logged: list[list[Any]] | None = None) -> tupl
         kind = _traced_number_kind(leaf)
         if isinstance(leaf, torch.Tensor):
             outputs.append(leaf.detach())
-        elif isinstance(leaf, RateRead):
+        elif isinstance(leaf, SchedulerRead):
             outputs.append(torch.zeros((), dtype=torch.float64))
             numbers[i] = leaf
         elif kind is not None:
@@ -90,7 +90,7 @@ def as_returned(tg: TrainGraph, outputs: list[torch.Tensor], after_graph: Callab
     if tg.call.output_spec is None:
         return outputs[0]
     numbers = tg.call.output_numbers
-    returned = [t if i not in numbers else numbers[i].read() if isinstance(numbers[i], RateRead) else t.item() for i, t in enumerate(outputs)]
+    returned = [t if i not in numbers else numbers[i].read() if isinstance(numbers[i], SchedulerRead) else t.item() for i, t in enumerate(outputs)]
     result = pytree.tree_unflatten(returned, tg.call.output_spec)
     if tg.call.state_updates:
         result, logged = result

@@ -8,7 +8,7 @@ their arguments that the step computes become outputs of the graph, and after ea
 the call is made again with their values (before the numbers the step keeps are updated,
 in the order the step made the calls; a logger's level is checked then). A number the
 step counts up (kept_numbers) prints as it was when printed: the slot's number before
-the step plus the additions made by then; a scheduler's rate (scheduler_calls.RateRead), as
+the step plus the additions made by then; a scheduler's rate (scheduler_calls.SchedulerRead), as
 the scheduler gives it once the call's scheduler steps are made. Text
 formatted before the call (an f-string of `loss.item()`) cannot be: the trace stops
 there, and the error says to pass the number as an argument (trace_checks). A library's
@@ -39,7 +39,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from remat.capture.state import user_code
 from remat.capture.state.kept_numbers import Term, counted
 from remat.capture.state.python_state import TRACED_NUMBERS, Slot
-from remat.capture.state.scheduler_calls import RateRead
+from remat.capture.state.scheduler_calls import SchedulerRead
 
 _TRACED = (*TRACED_NUMBERS, torch.Tensor)
 
@@ -76,7 +76,7 @@ class PrintCall:
         def value(leaf: Any) -> Any:
             if leaf is Term.GRAPH:
                 return next(numbers)
-            if isinstance(leaf, RateRead):  # read once the call's scheduler steps are made
+            if isinstance(leaf, SchedulerRead):  # read once the call's scheduler steps are made
                 return leaf.read()
             if isinstance(leaf, CountedValue):
                 total = leaf.slot.get()
@@ -111,7 +111,7 @@ def _from_user_code(printed: tuple[Any, ...] = ()) -> bool:
     where = frame.f_code.co_filename
     if user_code.is_user_file(where):
         return True
-    return not where.startswith(_OWN_DIRS) and any(isinstance(v, (*TRACED_NUMBERS, FakeTensor, RateRead)) for v in pytree.tree_leaves(printed))
+    return not where.startswith(_OWN_DIRS) and any(isinstance(v, (*TRACED_NUMBERS, FakeTensor, SchedulerRead)) for v in pytree.tree_leaves(printed))
 
 
 @dataclass(frozen=True)
