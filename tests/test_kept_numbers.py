@@ -482,19 +482,28 @@ def test_tensors_a_layer_leaves_in_its_attributes_hold_each_steps_values(initial
 
 
 class _Timed:
-    def __init__(self) -> None:
+    def __init__(self, clock) -> None:
         self.seconds = 0.0
+        self.clock = clock
 
     def step(self, model, opt, batch):
-        start = time.perf_counter()
+        start = self.clock()
         loss = _plain(model, opt, batch)
-        self.seconds = time.perf_counter() - start  # a clock: set once, it would be the trace's time at every step
+        self.seconds = self.clock() - start  # a clock: set once, it would be the trace's time at every step
         return loss
 
 
 def test_a_number_set_from_outside_the_steps_inputs_is_refused():
-    timed, model = _Timed(), _Net()
+    # time.perf_counter() read by the step's code is refused as it is read; a clock bound
+    # before (from time import perf_counter) is found by what the step sets from it.
+    from time import perf_counter
+
+    model = _Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    timed = _Timed(lambda: time.perf_counter())
+    with pytest.raises(CaptureError, match=r"reads the clock with time\.perf_counter\(\), at test_kept_numbers\.py, line \d+: .*Time the call of the step"):
+        remat.compile(timed.step, model, opt, _batch(0), memory_budget=None, profile_runs=1, measure=False)
+    timed = _Timed(perf_counter)
     with pytest.raises(CaptureError, match=r"sets _Timed\.seconds to a number that differs from one trace to the next"):
         remat.compile(timed.step, model, opt, _batch(0), memory_budget=None, profile_runs=1, measure=False)
     assert timed.seconds == 0.0

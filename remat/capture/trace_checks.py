@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -15,6 +17,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from remat.errors import CaptureError
+from remat.capture.state import user_code
 from remat.ops import ctc_loss
 
 from remat.capture.train_graph import GraphInput, InputKind
@@ -138,8 +141,11 @@ def check_settings() -> None:
 def host_effects_named() -> Iterator[None]:
     """What the step's Python does on the host that a trace cannot, refused by name as it
     starts: a backward pass with anomaly detection turned on inside train_step (its NaN check
-    meets a traced value), and torch.save (before it writes: nothing saved would be a step's)."""
+    meets a traced value), torch.save (before it writes: nothing saved would be a step's),
+    and the user's code reading the clock (`time.perf_counter()`: a time taken inside would
+    be the trace's at every step; a library's reads are its own business)."""
     engine, save = torch.autograd._engine_run_backward, torch.save
+    clocks = {name: getattr(time, name) for name in _CLOCKS}
 
     def checked(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -156,11 +162,30 @@ def host_effects_named() -> Iterator[None]:
             "steps (every N steps, at the end of an epoch)."
         )
 
+    def refused_clock(name: str) -> Any:
+        def read() -> Any:
+            if not user_code.is_user_file(sys._getframe(1).f_code.co_filename):
+                return clocks[name]()
+            raise CaptureError(
+                f"train_step reads the clock with time.{name}(){where_in_users_code_now()}: its Python code runs once, "
+                "at capture, so a time taken inside it would be the trace's at every step. Time the call of the step "
+                "in the loop instead (t0 = time.perf_counter(); loss = step(batch); took = time.perf_counter() - t0)."
+            )
+
+        return read
+
     torch.autograd._engine_run_backward, torch.save = checked, refused_save
+    for name in _CLOCKS:
+        setattr(time, name, refused_clock(name))
     try:
         yield
     finally:
         torch.autograd._engine_run_backward, torch.save = engine, save
+        for name, clock in clocks.items():
+            setattr(time, name, clock)
+
+
+_CLOCKS = ("time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns", "process_time", "process_time_ns")
 
 
 def check_backward_ran(backward_passes: int) -> None:

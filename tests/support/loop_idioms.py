@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import time
 import types
 import warnings
 from dataclasses import dataclass
@@ -282,6 +283,13 @@ def _inner_scheduler_rate_step(model, optimizer, batch):
     scheduler = _INNER_SCHEDULERS[id(optimizer)]
     scheduler.step()
     return {"loss": loss.item(), "lr": scheduler.get_last_lr()[0]}
+
+
+def _timed_step(model, optimizer, batch):
+    """The step's own time measured inside it and returned for logging."""
+    start = time.perf_counter()
+    loss = plain_step(model, optimizer, batch)
+    return {"loss": loss.item(), "seconds": time.perf_counter() - start}
 
 
 def _made_before_the_loop(make: Callable[[Any], Any]):
@@ -688,6 +696,7 @@ IDIOMS = [
           between=_made_before_the_loop(lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o))),
     Idiom("the model's own activation checkpointing (gradient_checkpointing_enable, dropout inside)", "works", setup=_checkpointing),
     Idiom("torch.manual_seed inside train_step", "refused", step=_seeded_step),
+    Idiom("the step's time measured inside train_step (time.perf_counter()) and returned", "refused", step=_timed_step),
     Idiom("a loss weight warmed up from a Python counter the step counts up (model.calls += 1)", "works", step=_warmed_up_loss,
           setup=_count_calls, kept=lambda m: m.calls),
     Idiom("an EMA copy of the weights updated inside train_step (a helper object the model holds)", "works", step=_ema_inside,
