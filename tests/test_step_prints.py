@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import csv
 import io
+import json
 import logging
 import os
 import sysconfig
@@ -184,3 +186,23 @@ def test_a_librarys_log_record_made_while_the_step_is_traced_names_the_librarys_
     finally:
         library_logger.removeHandler(handler)
     assert [(r.getMessage(), r.pathname) for r in records] == [("from torch", torch_line)]
+
+
+@pytest.mark.parametrize(
+    "write, match",
+    [
+        (lambda out, loss: out.write(str(loss.item())), r"makes text of a number it computes \(str\(\) or repr\(\) of zuf\d+\), at test_step_prints\.py"),
+        (lambda out, loss: csv.writer(out).writerow([loss.item()]), r"makes text of a number it computes .*Pass the number to print or logging"),
+        (lambda out, loss: out.write(repr(round(loss.item(), 4))), r"makes text of a number it computes \(str\(\) or repr\(\) of RoundDecimal"),
+        (lambda out, loss: out.write(json.dumps({"loss": loss.item()})), r"formats a number it computes into text \(Object of type SymFloat is not JSON serializable\)"),
+    ],
+    ids=["str", "csv", "round", "json"],
+)
+def test_text_made_of_a_number_the_step_computes_is_refused_saying_to_pass_the_number(write, match):
+    # Made at capture, the text would hold the trace's stand-in (`zuf0`), written once.
+    out = io.StringIO()
+    step = _step_then(lambda loss, opt: write(out, loss))
+    model = torch.nn.Linear(16, 4)
+    with pytest.raises(CaptureError, match=match):
+        remat.compile(step, model, torch.optim.SGD(model.parameters(), lr=0.1), _batch(0), memory_budget=None, profile_runs=1, measure=False)
+    assert out.getvalue() == ""

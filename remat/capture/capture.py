@@ -402,6 +402,7 @@ def _step_patches(model: torch.nn.Module, recorded: _Recorded, updating: Callabl
         stack.enter_context(known)
         stack.enter_context(plain_checkpoints())
         stack.enter_context(step_outputs.float_of_a_traced_value_named())
+        stack.enter_context(step_outputs.text_of_a_traced_value_named())
         stack.enter_context(host_effects_named())
         stack.enter_context(no_rng_state_set())
         stack.enter_context(no_host_random_drawn([(slot.name, value) for slot, value in slots]))

@@ -199,7 +199,7 @@ def explain_trace_failure(e: Exception, model: torch.nn.Module | None = None) ->
         )
     if "DynamicOutputShape" in name:
         return CaptureError(f"{VALUE_SHAPED} ({first}){where}{STATIC_SHAPES}")
-    if "Sym" in first and "__format__" in first:
+    if "Sym" in first and ("__format__" in first or "is not JSON serializable" in first):
         return CaptureError(
             f"train_step formats a number it computes into text ({first}){where}: its Python code runs once, at "
             "capture, where the number is not known. Pass the number to print or logging as an argument "

@@ -14,12 +14,13 @@ it): refused while the step is traced, saying to use `.item()`.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils._pytree as pytree
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
 
 from remat.capture.state import user_code
 from remat.capture.state.scheduler_calls import SchedulerRead
@@ -129,3 +130,41 @@ def float_of_a_traced_value_named() -> Iterator[None]:
         yield
     finally:
         torch.Tensor.__float__ = original  # type: ignore[method-assign]
+
+
+_OWN_CODE = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["remat"]))
+
+
+@contextlib.contextmanager
+def text_of_a_traced_value_named() -> Iterator[None]:
+    """While the step is traced, `str()` or `repr()` of a number only the graph's run knows
+    (`str(loss.item())`, `round(loss.item(), 4)`, a csv writer's row of it), from code other
+    than torch's and remat's, is refused saying to pass the number to print or logging: the
+    text would hold the trace's stand-in for it (`zuf0`), written once. (An f-string of it
+    is refused by torch's own format check: trace_failures.)"""
+    patched = [(cls, name, cls.__dict__.get(name)) for cls in (torch.SymInt, torch.SymFloat, torch.SymBool) for name in ("__str__", "__repr__")]
+
+    def refusing(original: Any) -> Any:
+        def method(self: Any) -> str:
+            if free_unbacked_symbols(self.node.expr) and not sys._getframe(1).f_code.co_filename.startswith(_OWN_CODE):
+                raise CaptureError(
+                    f"train_step makes text of a number it computes (str() or repr() of {self.node.expr}){where_in_users_code_now()}: "
+                    "its Python code runs once, at capture, where the number is not known, so the text would be the "
+                    "trace's stand-in, written once. Pass the number to print or logging as an argument "
+                    "(print('loss', loss.item()), log.info('loss %.4f', loss.item())), which remat makes again after "
+                    "each step with its value, append it to a list, or return it from train_step and write it there."
+                )
+            return original(self)
+
+        return method
+
+    for cls, name, _ in patched:
+        setattr(cls, name, refusing(getattr(cls, name)))
+    try:
+        yield
+    finally:
+        for cls, name, original in patched:
+            if original is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
