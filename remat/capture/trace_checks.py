@@ -10,7 +10,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx
@@ -186,6 +186,22 @@ def host_effects_named() -> Iterator[None]:
 
 
 _CLOCKS = ("time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns", "process_time", "process_time_ns")
+
+
+@contextlib.contextmanager
+def wrapped_methods(classes: tuple[type, ...], names: tuple[str, ...], wrap: Callable[[Any], Any]) -> Iterator[None]:
+    """While the block runs, each of `names` of each of `classes` is `wrap(the method)`; put back after."""
+    saved = [(cls, name, cls.__dict__.get(name)) for cls in classes for name in names]
+    for cls, name, _ in saved:
+        setattr(cls, name, wrap(getattr(cls, name)))
+    try:
+        yield
+    finally:
+        for cls, name, original in saved:
+            if original is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
 
 
 def check_backward_ran(backward_passes: int) -> None:

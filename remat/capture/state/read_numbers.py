@@ -55,6 +55,7 @@ from remat.capture.state.kept_numbers import KeptNumber, Term
 from remat.capture.state.kept_tensors import KeptTensor
 from remat.capture.state.python_state import TRACED_NUMBERS, Slot
 from remat.capture.train_graph import InputKind, TrainGraph
+from remat.capture.trace_checks import wrapped_methods
 
 
 _N = sympy.Symbol("n", integer=True)  # the int a Condition is of
@@ -281,7 +282,6 @@ def _text_trips(ours: set[str]) -> Iterator[None]:
     if not ours:
         yield
         return
-    patched = [(cls, name, cls.__dict__.get(name)) for cls in (torch.SymInt, torch.SymFloat) for name in ("__format__", "__repr__")]
 
     def tripping(original: Callable[..., Any]) -> Callable[..., Any]:
         def method(self: Any, *args: Any) -> Any:
@@ -291,16 +291,8 @@ def _text_trips(ours: set[str]) -> Iterator[None]:
 
         return method
 
-    for cls, name, _ in patched:
-        setattr(cls, name, tripping(getattr(cls, name)))
-    try:
+    with wrapped_methods((torch.SymInt, torch.SymFloat), ("__format__", "__repr__"), tripping):
         yield
-    finally:
-        for cls, name, original in patched:
-            if original is None:
-                delattr(cls, name)
-            else:
-                setattr(cls, name, original)
 
 
 # math's functions torch traces on a symbolic number (torch._sym_cos, ...): a cosine

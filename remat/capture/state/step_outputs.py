@@ -24,7 +24,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, f
 
 from remat.capture.state import user_code
 from remat.capture.state.scheduler_calls import SchedulerRead
-from remat.capture.trace_checks import where_in_users_code_now
+from remat.capture.trace_checks import where_in_users_code_now, wrapped_methods
 from remat.errors import CaptureError
 from remat.capture.train_graph import TrainGraph
 
@@ -142,8 +142,6 @@ def text_of_a_traced_value_named() -> Iterator[None]:
     than torch's and remat's, is refused saying to pass the number to print or logging: the
     text would hold the trace's stand-in for it (`zuf0`), written once. (An f-string of it
     is refused by torch's own format check: trace_failures.)"""
-    patched = [(cls, name, cls.__dict__.get(name)) for cls in (torch.SymInt, torch.SymFloat, torch.SymBool) for name in ("__str__", "__repr__")]
-
     def refusing(original: Any) -> Any:
         def method(self: Any) -> str:
             if free_unbacked_symbols(self.node.expr) and not sys._getframe(1).f_code.co_filename.startswith(_OWN_CODE):
@@ -158,13 +156,5 @@ def text_of_a_traced_value_named() -> Iterator[None]:
 
         return method
 
-    for cls, name, _ in patched:
-        setattr(cls, name, refusing(getattr(cls, name)))
-    try:
+    with wrapped_methods((torch.SymInt, torch.SymFloat, torch.SymBool), ("__str__", "__repr__"), refusing):
         yield
-    finally:
-        for cls, name, original in patched:
-            if original is None:
-                delattr(cls, name)
-            else:
-                setattr(cls, name, original)
