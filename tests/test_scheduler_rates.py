@@ -33,6 +33,16 @@ def _loss(model, batch):
     return F.cross_entropy(model(x), y)
 
 
+def _updated(model, opt, batch, sched):
+    """A step's loss, its update made and its scheduler stepped after it."""
+    opt.zero_grad()
+    loss = _loss(model, batch)
+    loss.backward()
+    opt.step()
+    sched.step()
+    return loss
+
+
 def _run(make_step, steps: int = 5, compiled: bool = True, outside: bool = False):
     """Each step's return value and printed text, the list it logs to, the parameters,
     and the number of graphs: eager's step, or remat's compiled from it."""
@@ -57,11 +67,7 @@ def _run(make_step, steps: int = 5, compiled: bool = True, outside: bool = False
 
 def _stepped_after_update(sched, logged):
     def train_step(model, opt, batch):
-        opt.zero_grad()
-        loss = _loss(model, batch)
-        loss.backward()
-        opt.step()
-        sched.step()
+        loss = _updated(model, opt, batch, sched)
         lr = sched.get_last_lr()[0]
         print("lr", lr)
         logged.append(lr)
@@ -134,11 +140,7 @@ def test_another_use_of_a_rate_is_refused_naming_it(use, match):
     model, opt, sched = _setup()
 
     def train_step(model, opt, batch):
-        opt.zero_grad()
-        loss = _loss(model, batch)
-        loss.backward()
-        opt.step()
-        sched.step()
+        loss = _updated(model, opt, batch, sched)
         return use(loss, sched.get_last_lr()[0])
 
     before = copy.deepcopy(sched.state_dict())
@@ -167,11 +169,7 @@ def test_a_rate_read_between_two_steps_of_its_scheduler_is_refused():
 def test_a_schedulers_count_read_after_its_step_is_the_next_one_and_a_branch_on_it_refused():
     def make_step(sched, logged):
         def train_step(model, opt, batch):
-            opt.zero_grad()
-            loss = _loss(model, batch)
-            loss.backward()
-            opt.step()
-            sched.step()
+            loss = _updated(model, opt, batch, sched)
             print("epoch", sched.last_epoch)
             logged.append(sched.last_epoch)
             return {"loss": loss.detach(), "lr": sched.get_last_lr()[0], "epoch": sched.last_epoch}
