@@ -220,7 +220,7 @@ def capture(
             stack.enter_context(passes)
             stack.enter_context(cleared_before_backward(calls, cleared := set()))
             known = known_values.KnownValues([(a, r) for a, r, leaf in zip(batch_args, flat[len(flat) - len(batch_args):], graph_leaves(leaves)) if not is_counted(leaf)], where_in_users_code_now, checks, known_values.state_followed(buffers, t_buffers, states, t_states, [(o.name, t, real) for (o, real), t in zip(outside, t_outside)]), lambda: {s: hyper_values[n] for s, n in symbols.items() if n in hyper_values})  # fmt: skip
-            stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots, known))
+            stack.enter_context(_step_patches(model, recorded, lambda: calls["updates"] > 0, slots, known, checks.deciding))
             stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
             effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), args, passed, model, ({**params, **buffers}, {**t_params, **t_buffers}))
             result = call_step(train_step, model, passed, t_batch)
@@ -391,7 +391,10 @@ class _Recorded:
 
 
 @contextlib.contextmanager
-def _step_patches(model: torch.nn.Module, recorded: _Recorded, updating: Callable[[], bool], slots: list[tuple[Any, Any]], known: known_values.KnownValues) -> Iterator[None]:
+def _step_patches(
+    model: torch.nn.Module, recorded: _Recorded, updating: Callable[[], bool], slots: list[tuple[Any, Any]], known: known_values.KnownValues,
+    deciding: Callable[[], bool],
+) -> Iterator[None]:
     """What runs around train_step while it is traced, besides the markers: CPU kernels'
     real strides, CTC loss with static shapes, the values the trace can know (`known`: sizes and branches from the
     batch's, a constant's results), the user's checkpoints as plain calls, refusing generator state set and draws from Python's
@@ -402,7 +405,7 @@ def _step_patches(model: torch.nn.Module, recorded: _Recorded, updating: Callabl
         stack.enter_context(known)
         stack.enter_context(plain_checkpoints())
         stack.enter_context(step_outputs.float_of_a_traced_value_named())
-        stack.enter_context(step_outputs.text_of_a_traced_value_named())
+        stack.enter_context(step_outputs.text_of_a_traced_value_named(deciding))
         stack.enter_context(host_effects_named())
         stack.enter_context(no_rng_state_set())
         stack.enter_context(no_host_random_drawn([(slot.name, value) for slot, value in slots]))

@@ -217,6 +217,10 @@ class ValueChecks:
         trying = self._trial is not None and _raised_by_code(e)
         return trying or _check_index(e) is not None
 
+    def deciding(self) -> bool:
+        """Whether a side of a check is being tried (the trace may end in the step's own raise)."""
+        return self._trial is not None
+
     def finished(self) -> bool:
         """After a trace succeeded: whether it must run again (a check not yet decided, or
         decided for the other side)."""

@@ -136,25 +136,38 @@ _OWN_CODE = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modu
 
 
 @contextlib.contextmanager
-def text_of_a_traced_value_named() -> Iterator[None]:
+def text_of_a_traced_value_named(deciding: Callable[[], bool]) -> Iterator[None]:
     """While the step is traced, `str()` or `repr()` of a number only the graph's run knows
     (`str(loss.item())`, `round(loss.item(), 4)`, a csv writer's row of it), from code other
     than torch's and remat's, is refused saying to pass the number to print or logging: the
-    text would hold the trace's stand-in for it (`zuf0`), written once. (An f-string of it
-    is refused by torch's own format check: trace_failures.)"""
-    def refusing(original: Any) -> Any:
+    text would hold the trace's stand-in for it (`zuf0`), written once. While a side of a
+    value check is tried (`deciding()`), the text may be the message of the step's own
+    raise, which value_checks shows with a placeholder: it is refused only where that trace
+    runs to its end. (An f-string of such a number is refused by torch's own format check:
+    trace_failures.)"""
+    made: list[str] = []  # what the text was made of, and where
+
+    def refused(what: str) -> CaptureError:
+        return CaptureError(
+            f"train_step makes text of a number it computes ({what}: its Python code runs once, at capture, where "
+            "the number is not known, so the text would be the trace's stand-in, written once. Pass the number to "
+            "print or logging as an argument (print('loss', loss.item()), log.info('loss %.4f', loss.item())), which "
+            "remat makes again after each step with its value, append it to a list, or return it from train_step and "
+            "write it there."
+        )
+
+    def noting(original: Any) -> Any:
         def method(self: Any) -> str:
             if free_unbacked_symbols(self.node.expr) and not sys._getframe(1).f_code.co_filename.startswith(_OWN_CODE):
-                raise CaptureError(
-                    f"train_step makes text of a number it computes (str() or repr() of {self.node.expr}){where_in_users_code_now()}: "
-                    "its Python code runs once, at capture, where the number is not known, so the text would be the "
-                    "trace's stand-in, written once. Pass the number to print or logging as an argument "
-                    "(print('loss', loss.item()), log.info('loss %.4f', loss.item())), which remat makes again after "
-                    "each step with its value, append it to a list, or return it from train_step and write it there."
-                )
+                what = f"str() or repr() of {self.node.expr}){where_in_users_code_now()}"
+                if not deciding():
+                    raise refused(what)
+                made.append(what)
             return original(self)
 
         return method
 
-    with wrapped_methods((torch.SymInt, torch.SymFloat, torch.SymBool), ("__str__", "__repr__"), refusing):
+    with wrapped_methods((torch.SymInt, torch.SymFloat, torch.SymBool), ("__str__", "__repr__"), noting):
         yield
+    if made:
+        raise refused(made[0])
