@@ -35,6 +35,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from remat.errors import CaptureError
 from remat.capture.train_graph import InputKind, TrainGraph
+from remat.capture.trace_checks import wrapped_methods
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def checked(tg: TrainGraph, calls: list[SchedulerCall], reads: list[SchedulerRea
     scheduler's step (the next rate), but the graph computes it from this step's rate; and
     that each rate the step read comes after all of its scheduler's steps in the step."""
     for rate in reads:
-        steps = sum(c.scheduler is rate.scheduler for c in calls)
+        steps = _steps_of(rate.scheduler, calls)
         if steps != rate.steps_before:
             raise CaptureError(
                 f"train_step reads {rate!r} after {rate.steps_before} of its {steps} scheduler.step() calls: remat "
@@ -178,38 +179,38 @@ def recorded_scheduler_calls(calls: list[SchedulerCall], updating: Callable[[], 
             rates = real(self)
             if _read_by_real_code():
                 return rates
-            steps = sum(c.scheduler is self for c in calls)
+            steps = _steps_of(self, calls)
             given = [SchedulerRead(self, i, steps) if type(rate) is float else rate for i, rate in enumerate(rates)]
             reads.extend(r for r in given if isinstance(r, SchedulerRead))
             return given
 
         return get_last_lr
 
-    real_lookup = LRScheduler.__getattribute__
+    def counts(real: Callable[..., Any]) -> Callable[..., Any]:
+        def getattribute(self: Any, name: str) -> Any:
+            value = real(self, name)
+            if name not in _COUNTS or type(value) is not int or _read_by_real_code():
+                return value
+            read = SchedulerRead(self, name, _steps_of(self, calls))
+            reads.append(read)
+            return read
 
-    def getattribute(self: Any, name: str) -> Any:
-        value = real_lookup(self, name)
-        if name not in _COUNTS or type(value) is not int or _read_by_real_code():
-            return value
-        read = SchedulerRead(self, name, sum(c.scheduler is self for c in calls))
-        reads.append(read)
-        return read
+        return getattribute
 
-    # Every subclass's own step and get_last_lr; the two base classes' __init__, which every scheduler runs.
-    replaced = [(cls, "step", step) for cls in _scheduler_classes() if "step" in vars(cls)]
-    replaced += [(cls, "get_last_lr", last_rates(vars(cls)["get_last_lr"])) for cls in _scheduler_classes() if "get_last_lr" in vars(cls)]
-    replaced += [(cls, "__init__", init) for cls in (LRScheduler, ReduceLROnPlateau)]
-    saved = [(cls, name, vars(cls)[name]) for cls, name, _ in replaced]
-    try:
-        for cls, name, method in replaced:
-            setattr(cls, name, method)
-        LRScheduler.__getattribute__ = getattribute  # every scheduler's counts (ReduceLROnPlateau's too)
+    # Every subclass's own step and get_last_lr; the two base classes' __init__, which every
+    # scheduler runs; the base class's attribute lookup, every scheduler's counts.
+    classes = _scheduler_classes()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(wrapped_methods(tuple(c for c in classes if "step" in vars(c)), ("step",), lambda _: step))
+        stack.enter_context(wrapped_methods(tuple(c for c in classes if "get_last_lr" in vars(c)), ("get_last_lr",), last_rates))
+        stack.enter_context(wrapped_methods((LRScheduler, ReduceLROnPlateau), ("__init__",), lambda _: init))
+        stack.enter_context(wrapped_methods((LRScheduler,), ("__getattribute__",), counts))
         yield
-    finally:
-        for cls, name, method in saved:
-            setattr(cls, name, method)
-        if "__getattribute__" in vars(LRScheduler):
-            del LRScheduler.__getattribute__
+
+
+def _steps_of(scheduler: Any, calls: list[SchedulerCall]) -> int:
+    """How many of the step's scheduler.step() calls so far are `scheduler`'s."""
+    return sum(c.scheduler is scheduler for c in calls)
 
 
 def _scheduler_classes() -> list[type]:
