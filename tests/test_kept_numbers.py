@@ -4,6 +4,7 @@ does them; a step that also uses such a number is refused, naming it."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import logging
 import time
@@ -577,3 +578,133 @@ def test_a_trainer_using_all_of_it_on_a_transformer_trains_and_keeps_what_eager_
     assert printed == eager_printed and printed.count("grad norm") == 4
     assert len(step._graphs) == 1 and step.report.num_recomputed > 0
     assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes
+
+
+def _loop_state() -> dict:
+    """A loop's state as one dict, as scripts keep it: a window of recent losses, counts in an
+    OrderedDict and a Counter, sums in a defaultdict, a running count, and a model beside them
+    (which leaves the dict impossible to compare whole)."""
+    return {
+        "recent": collections.deque(maxlen=3),
+        "counts": collections.OrderedDict(steps=0),
+        "seen": collections.Counter(batches=0),
+        "sums": collections.defaultdict(float),
+        "samples": 0,
+        "history": [],
+        "teacher": _Net(),
+    }
+
+
+def _stateful_step(state: dict):
+    def train_step(model, opt, batch):
+        x, y = batch
+        opt.zero_grad()
+        logits = model(x)
+        loss = F.cross_entropy(logits, y)
+        loss.backward()
+        opt.step()
+        value = loss.item()
+        state["recent"].append(value)
+        state["counts"]["steps"] += 1
+        state["seen"]["batches"] += 1
+        state["sums"]["loss"] += value
+        state["samples"] = state["samples"] + x.shape[0]
+        state["history"].append({"loss": value, "accuracy": (logits.argmax(-1) == y).float().mean().item()})
+        return loss
+
+    return train_step
+
+
+def _shown(state: dict) -> dict:
+    return {k: (v if k != "recent" else (list(v), v.maxlen)) for k, v in state.items() if k != "teacher"}
+
+
+def test_a_loops_state_kept_in_one_dict_beside_objects_is_counted_and_logged_key_by_key_as_eager():
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    eager_model, eager_opt = copy.deepcopy((model, opt))
+    eager, mine = _loop_state(), _loop_state()
+    kinds = {k: type(v) for k, v in mine.items()}
+    compiled = remat.compile(_stateful_step(mine), model, opt, _batch(0), memory_budget=None, profile_runs=1, measure=False)
+    assert _shown(mine) == _shown(_loop_state())  # compiling changes none of it
+    assert {k: type(v) for k, v in mine.items()} == kinds  # and leaves each container of its own type
+    eager_step = _stateful_step(eager)
+    for i in range(5):
+        torch.manual_seed(i)
+        loss_e = eager_step(eager_model, eager_opt, _batch(i))
+        torch.manual_seed(i)
+        assert torch.equal(loss_e, compiled(_batch(i)))
+        assert _shown(mine) == _shown(eager), (i, _shown(mine), _shown(eager))
+    assert mine["counts"]["steps"] == 5 and mine["samples"] == 5 * 64 and len(mine["recent"]) == 3
+    assert {k: type(v) for k, v in mine.items()} == kinds
+    assert all(isinstance(r, dict) and type(r["loss"]) is float for r in mine["history"])
+    assert len(compiled._graphs) == 1
+    for pe, pr in zip(eager_model.parameters(), model.parameters()):
+        assert torch.equal(pe, pr)
+
+
+@pytest.mark.parametrize("what", ["count", "window", "list", "tuple"])
+def test_a_number_counted_or_logged_in_a_container_that_also_holds_a_module_is_not_left_at_the_traces_value(what):
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"teacher": _Net(), "n": 0, "window": collections.deque(maxlen=2)}
+    pair = [_Net(), 0]  # a head and its count, held together
+    held = (_Net(), {"n": 0})
+
+    def train_step(model, opt, batch):
+        loss = _plain(model, opt, batch)
+        if what == "count":
+            state["n"] += batch[0].shape[0]
+        elif what == "window":
+            state["window"].append(loss.item())
+        elif what == "list":
+            pair[1] += 1
+        else:
+            held[1]["n"] += 1
+        return loss
+
+    compiled = remat.compile(train_step, model, opt, _batch(0), memory_budget=None, profile_runs=1, measure=False)
+    assert state["n"] == 0 and not state["window"] and pair[1] == 0 and held[1] == {"n": 0}
+    losses = [compiled(_batch(i)).item() for i in range(3)]
+    assert state["n"] == (3 * 64 if what == "count" else 0)
+    assert list(state["window"]) == (losses[1:] if what == "window" else [])
+    assert pair[1] == (3 if what == "list" else 0) and held[1]["n"] == (3 if what == "tuple" else 0)
+
+
+@pytest.mark.parametrize("clock", ["perf_counter", "datetime.now", "datetime_module"])
+def test_a_clock_the_users_module_bound_to_its_own_name_is_refused_as_it_is_read(clock, capsys):
+    from tests.support import bound_clocks
+
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step(model, opt, batch):
+        started = bound_clocks.read(clock)
+        loss = _plain(model, opt, batch)
+        print("step started at", started)  # printed again after each run: it would be the trace's time
+        return loss
+
+    with pytest.raises(CaptureError, match=r"reads the clock with (time\.perf_counter|datetime\.now)\(\), at bound_clocks\.py.*Time the call of the step"):
+        remat.compile(train_step, model, opt, _batch(0), memory_budget=None, profile_runs=1, measure=False)
+    assert bound_clocks.perf_counter is time.perf_counter and bound_clocks.datetime.now().year >= 2024  # put back
+
+
+@pytest.mark.parametrize("kind", [collections.OrderedDict, collections.Counter])
+def test_counts_in_an_ordered_dict_or_counter_of_the_closure_are_kept_in_that_container(kind):
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    counts = kind(steps=0)
+
+    def train_step(model, opt, batch):
+        loss = _plain(model, opt, batch)
+        counts["steps"] += 1
+        return loss
+
+    compiled = remat.compile(train_step, model, opt, _batch(0), memory_budget=None, profile_runs=1, measure=False)
+    for i in range(3):
+        compiled(_batch(i))
+    assert type(counts) is kind and counts == kind(steps=3)
+    assert len(compiled._graphs) == 1

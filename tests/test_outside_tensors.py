@@ -6,6 +6,7 @@ follows what the loop changes between steps, and refuses what eager would do oth
 from __future__ import annotations
 
 import copy
+import functools
 import types
 import warnings
 
@@ -425,3 +426,51 @@ def test_a_plain_tensor_attribute_of_the_model_is_an_input_and_an_unread_sparse_
     expected = F.cross_entropy(eager(_batch()[0]), _batch()[1])
     torch.manual_seed(1)
     assert torch.equal(compiled(_batch()), expected)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_scale(width: int) -> torch.Tensor:
+    """A tensor made once per width by the user's cached function (as a causal mask by length is)."""
+    return torch.linspace(0.5, 1.5, width)
+
+
+class _Scales:
+    @functools.lru_cache(maxsize=8)
+    def of(self, width: int) -> torch.Tensor:
+        return torch.linspace(0.5, 1.5, width)
+
+
+_SCALES = _Scales()
+_BY_SHAPE: dict = {}
+
+
+def _scale_by_shape(n: int, width: int) -> torch.Tensor:
+    """The same, cached in a global dict under a tuple key (as positional encodings often are)."""
+    if (n, width) not in _BY_SHAPE:
+        _BY_SHAPE[(n, width)] = torch.linspace(0.5, 1.5, width).expand(n, width).contiguous()
+    return _BY_SHAPE[(n, width)]
+
+
+@pytest.mark.parametrize("cache", ["lru_cache", "lru_cache method", "dict"])
+def test_a_tensor_the_users_code_caches_is_eagers_and_the_cache_holds_only_what_eager_put_there(cache):
+    def make_step(model):
+        def train_step(model, opt, batch):
+            x, y = batch
+            opt.zero_grad()
+            scale = _cached_scale(16) if cache == "lru_cache" else _SCALES.of(16) if cache == "lru_cache method" else _scale_by_shape(x.shape[0], 16)
+            loss = F.cross_entropy(model(x * scale), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        return train_step, None
+
+    cached = _cached_scale if cache == "lru_cache" else _Scales.of
+    cached.cache_clear()
+    _BY_SHAPE.clear()
+    _pair(make_step, steps=4)
+    if cache.startswith("lru_cache"):  # eager's four calls: one miss, then hits; none of remat's traces left a placeholder
+        assert cached.cache_info().misses == 1 and cached.cache_info().hits == 3
+        assert type(_cached_scale(16) if cache == "lru_cache" else _SCALES.of(16)) is torch.Tensor
+    else:
+        assert list(_BY_SHAPE) == [(128, 16)] and type(_BY_SHAPE[(128, 16)]) is torch.Tensor

@@ -23,7 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from remat.capture.optim import hyperparams
-from remat.capture.state.python_state import holds
+from remat.capture.state.slots import holds
 from remat.capture.state.read_numbers import Condition, TextOfNumber
 from remat.capture.trace_checks import where_in_users_code
 from remat.errors import CaptureError

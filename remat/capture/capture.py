@@ -407,6 +407,7 @@ def _step_patches(
         stack.enter_context(step_outputs.float_of_a_traced_value_named())
         stack.enter_context(step_outputs.text_of_a_traced_value_named(deciding))
         stack.enter_context(host_effects_named())
+        stack.enter_context(user_code.caches_passed_over())
         stack.enter_context(no_rng_state_set())
         stack.enter_context(no_host_random_drawn([(slot.name, value) for slot, value in slots]))
         stack.enter_context(train_modes.recorded_mode_calls(model, recorded.mode_calls))

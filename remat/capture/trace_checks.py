@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import sys
 import time
+import types
 import traceback
 import warnings
 from pathlib import Path
@@ -142,8 +144,9 @@ def host_effects_named() -> Iterator[None]:
     """What the step's Python does on the host that a trace cannot, refused by name as it
     starts: a backward pass with anomaly detection turned on inside train_step (its NaN check
     meets a traced value), torch.save (before it writes: nothing saved would be a step's),
-    and the user's code reading the clock (`time.perf_counter()`: a time taken inside would
-    be the trace's at every step; a library's reads are its own business)."""
+    and the user's code reading the clock (`time.perf_counter()`, `from time import
+    perf_counter` bound before, `datetime.now()`: a time taken inside would be the trace's at
+    every step; a library's reads are its own business)."""
     engine, save = torch.autograd._engine_run_backward, torch.save
     clocks = {name: getattr(time, name) for name in _CLOCKS}
 
@@ -166,11 +169,7 @@ def host_effects_named() -> Iterator[None]:
         def read() -> Any:
             if not user_code.is_user_file(sys._getframe(1).f_code.co_filename):
                 return clocks[name]()
-            raise CaptureError(
-                f"train_step reads the clock with time.{name}(){where_in_users_code_now()}: its Python code runs once, "
-                "at capture, so a time taken inside it would be the trace's at every step. Time the call of the step "
-                "in the loop instead (t0 = time.perf_counter(); loss = step(batch); took = time.perf_counter() - t0)."
-            )
+            raise _clock_read(f"time.{name}()")
 
         return read
 
@@ -178,11 +177,43 @@ def host_effects_named() -> Iterator[None]:
     for name in _CLOCKS:
         setattr(time, name, refused_clock(name))
     try:
-        yield
+        with _clocks_bound_by_users_code({id(clock): refused_clock(name) for name, clock in clocks.items()}):
+            yield
     finally:
         torch.autograd._engine_run_backward, torch.save = engine, save
         for name, clock in clocks.items():
             setattr(time, name, clock)
+
+
+def _clock_read(what: str) -> CaptureError:
+    return CaptureError(
+        f"train_step reads the clock with {what}{where_in_users_code_now()}: its Python code runs once, "
+        "at capture, so a time taken inside it would be the trace's at every step. Time the call of the step "
+        "in the loop instead (t0 = time.perf_counter(); loss = step(batch); took = time.perf_counter() - t0)."
+    )
+
+
+def _refusing_now(cls: type) -> type:
+    """`cls` (datetime.datetime or datetime.date) with its clock reads (`now()`, `today()`) refused."""
+
+    def refused(name: str) -> Any:
+        def read(kind: type, *args: Any, **kwargs: Any) -> Any:
+            raise _clock_read(f"{cls.__name__}.{name}()")
+
+        return classmethod(read)
+
+    return type(cls.__name__, (cls,), {name: refused(name) for name in ("now", "utcnow", "today") if hasattr(cls, name)})
+
+
+def _clocks_bound_by_users_code(refused: dict[int, Any]) -> contextlib.AbstractContextManager[None]:
+    """The clocks the user's modules bound to their own names while the block runs (`from time
+    import perf_counter`, `from datetime import datetime`, `import datetime`), swapped for ones
+    that refuse: patching the time module does not reach a name bound before."""
+    instead = {**refused, id(datetime.datetime): _refusing_now(datetime.datetime), id(datetime.date): _refusing_now(datetime.date)}
+    module = types.ModuleType("datetime")
+    module.__dict__.update({**vars(datetime), "datetime": instead[id(datetime.datetime)], "date": instead[id(datetime.date)]})
+    instead[id(datetime)] = module
+    return user_code.globals_swapped(lambda v: instead.get(id(v)))
 
 
 _CLOCKS = ("time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns", "process_time", "process_time_ns")

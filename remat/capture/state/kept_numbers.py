@@ -44,7 +44,8 @@ import torch.fx
 from remat.errors import CaptureError
 from remat.capture.state import library_objects
 from remat.capture.state.slots import shown
-from remat.capture.state.python_state import MISSING, NUMBERS, TEXT, TRACED_NUMBERS, NumberChange, Slot, is_number, same_number
+from remat.capture.state.python_state import TEXT, NumberChange, same_number
+from remat.capture.state.slots import MISSING, NUMBERS, TRACED_NUMBERS, Slot, is_number
 
 
 

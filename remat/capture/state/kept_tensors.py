@@ -61,7 +61,8 @@ from remat.capture.state import user_code
 from remat.capture.state.logged_numbers import record_calls
 from remat.capture.trace_checks import where_in_users_code_now
 from remat.errors import CaptureError
-from remat.capture.state.python_state import MISSING, TRACED_NUMBERS, Slot, item_name, kept_error
+from remat.capture.state.python_state import MISSING, Slot, item_name, kept_error
+from remat.capture.state.slots import TRACED_NUMBERS
 
 _MOST_KEYS = 256  # a larger dict is left as it is (watched as a value)
 

@@ -32,7 +32,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.errors import CaptureError
-from remat.capture.state.python_state import NUMBERS, TRACED_NUMBERS, Slot
+from remat.capture.state.slots import NUMBERS, TRACED_NUMBERS, Slot
 from remat.capture.state.scheduler_calls import SchedulerRead
 
 _READS = (
@@ -140,12 +140,15 @@ pytree.register_pytree_node(_Recording, lambda items: (list(items), None), lambd
 @dataclass(frozen=True)
 class LoggedList:
     """A list the step appends `count` traced numbers or tensors to, at each call, and the
-    scheduler's rates among them (`rates`: position among what it appends, SchedulerRead), read
-    once the call's scheduler steps are made."""
+    scheduler's rates among them (`rates`: position among the leaves of what it appends,
+    SchedulerRead), read once the call's scheduler steps are made. `shapes`: for each value
+    appended, None for a number or tensor, or the pytree spec of a dict, tuple or list of them
+    (`history.append({"loss": loss.item(), "acc": acc})`), made again from its leaves."""
 
     slot: Slot
     count: int
     rates: tuple[tuple[int, SchedulerRead], ...] = ()
+    shapes: tuple[Any, ...] = ()
     keyed = False  # not part of the step's cache key: it grows at every call, and the graph never reads it
 
     def where(self) -> str:
@@ -159,7 +162,9 @@ class LoggedList:
                 f"appended its {self.count} numbers to a list when it was compiled. Hold a list there, or compile a new step."
             )
         rates, graph = dict(self.rates), iter(values)
-        target.extend(rates[i].read() if i in rates else next(graph) for i in range(self.count + len(rates)))
+        leaves = iter([rates[i].read() if i in rates else next(graph) for i in range(self.count + len(rates))])
+        shapes = self.shapes or (None,) * (self.count + len(rates))
+        target.extend(next(leaves) if spec is None else pytree.tree_unflatten([next(leaves) for _ in range(spec.num_leaves)], spec) for spec in shapes)
 
 
 def candidates(slots: list[tuple[Slot, Any]]) -> list[tuple[Slot, list[Any]]]:
@@ -218,8 +223,10 @@ def logged(recorders: list[tuple[Slot, _Recording]], inputs: set[int]) -> tuple[
             )
         if not recorder.appended:
             continue
-        rates = tuple((i, v) for i, v in enumerate(recorder.appended) if isinstance(v, SchedulerRead))
-        traced = [v for v in recorder.appended if not isinstance(v, SchedulerRead)]
+        shapes = tuple(_shape(v) for v in recorder.appended)
+        leaves = [leaf for v, spec in zip(recorder.appended, shapes) for leaf in ([v] if spec is None else pytree.tree_leaves(v))]
+        rates = tuple((i, v) for i, v in enumerate(leaves) if isinstance(v, SchedulerRead))
+        traced = [v for v in leaves if not isinstance(v, SchedulerRead)]
         plain = [v for v in traced if not isinstance(v, TRACED_NUMBERS) and not _computed(v, inputs)]
         if plain:
             what = "a tensor the step did not compute (a parameter, the batch)" if isinstance(plain[0], torch.Tensor) else f"the Python value {plain[0]!r}"
@@ -233,9 +240,16 @@ def logged(recorders: list[tuple[Slot, _Recording]], inputs: set[int]) -> tuple[
                 f"train_step reads {slot.name} (list.{recorder.read}), a list it also logs numbers to: what it reads is "
                 "read once, at capture, and would be the same at every step. Read the list outside train_step."
             )
-        lists.append(LoggedList(slot, len(traced), rates))
+        lists.append(LoggedList(slot, len(traced), rates, shapes if any(s is not None for s in shapes) else ()))
         values.append(traced)
     return lists, values
+
+
+def _shape(value: Any) -> Any:
+    """None for a value appended as it is, or the pytree spec of a dict, tuple or list of values (a record of the step's numbers)."""
+    if type(value) in (dict, tuple, list) or (isinstance(value, tuple) and hasattr(type(value), "_fields")):
+        return pytree.tree_flatten(value)[1]
+    return None
 
 
 def _computed(value: Any, inputs: set[int]) -> bool:

@@ -109,7 +109,7 @@ def _tensors_in(value: Any, path: tuple[Any, ...], name: str, depth: int) -> Ite
             yield from _tensors_in(v, (*path, i), f"{name}[{i}]", depth + 1)
     elif depth < DEPTH and isinstance(value, dict) and len(value) <= _MOST_ITEMS:
         for k, v in value.items():
-            if isinstance(k, (str, int)):
+            if isinstance(k, (str, int)) or (type(k) is tuple and all(type(x) in (str, int, float, bool) for x in k)):  # a cache by (length, width)
                 yield from _tensors_in(v, (*path, k), f"{name}[{k!r}]", depth + 1)
 
 

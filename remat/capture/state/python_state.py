@@ -43,7 +43,7 @@ user's code that ran loads by name, and the fields that code reads or writes
 
 from __future__ import annotations
 
-import collections
+import copy
 import functools
 import contextlib
 import types
@@ -56,10 +56,11 @@ from torch._subclasses.fake_tensor import FakeTensor
 from remat.errors import CaptureError
 from remat.capture.state import library_objects, module_hooks, outside_tensors, user_code
 from remat.capture import param_hooks
-from remat.capture.state.slots import CONTAINERS, MISSING, MOST_ITEMS, NOT_PLAIN, PLAIN, Slot, fields_of, frozen, item_name, remade, short, shown, slotted_fields
+from remat.capture.state.slots import (
+    CONTAINERS, MISSING, MOST_KEYS, NOT_PLAIN, NUMBERS, PLAIN, TRACED_NUMBERS, Slot, fields_of, frozen, holds, is_number, item_name,
+    remade, short, shown, slotted_fields, split,
+)
 
-NUMBERS = (bool, int, float)
-TRACED_NUMBERS = (torch.SymBool, torch.SymInt, torch.SymFloat)  # a number computed from tensors while tracing (`loss.item()`)
 TEXT = (str, bytes)  # what the user's code sets in a slot (a name, a mode), set again after each run as a number is
 
 
@@ -159,12 +160,11 @@ def state_slots(model: torch.nn.Module, train_step: Callable[..., Any], ran: fro
                 (Slot(f"{name}.{prefix}.training" if prefix else f"{name}.training", m, "training"), m.training)
                 for prefix, m in value.named_modules() if id(m) not in model_modules
             ]
-    out = [item for slot, value in out for item in _items(slot, value)]
+    out = [item for slot, value in out for item in split(slot, value)]
     places: set[tuple[int, str]] = set()  # one name per place: a cell can be seen from two functions' closures
     return own + [(slot, value) for slot, value in out if (place := slot.place()) not in places and not places.add(place)]
 
 
-_MOST_KEYS = 64
 
 
 def _in_container(slot: Slot, value: Any, index: str = "", depth: int = 0) -> list[tuple[str, Any]]:
@@ -172,7 +172,7 @@ def _in_container(slot: Slot, value: Any, index: str = "", depth: int = 0) -> li
     the modules in it or in the lists and dicts in it (metrics, teachers), by name."""
     # Through the base classes' methods, as `holds` looks: no read of a recording list.
     base = next((kind for kind in (list, tuple, dict) if isinstance(value, kind)), None)
-    if base is None or base.__len__(value) > _MOST_KEYS:
+    if base is None or base.__len__(value) > MOST_KEYS:
         return []
     if base is dict:
         items = [(f"{index}[{k!r}]", v) for k, v in dict.items(value)]
@@ -185,23 +185,6 @@ def _in_container(slot: Slot, value: Any, index: str = "", depth: int = 0) -> li
         elif isinstance(v, (list, tuple, dict)) and depth + 1 < outside_tensors.DEPTH:
             out += _in_container(slot, v, i, depth + 1)
     return out
-
-
-def _items(slot: Slot, value: Any) -> list[tuple[Slot, Any]]:
-    """A dict (or defaultdict) of numbers (traced ones too), strings, None and lists of numbers
-    or tensors under str keys (metrics, a history of losses, a loop's state) held outside a
-    module, as one slot per key: the step may count or log into one key
-    (capture.state.kept_numbers, logged_numbers) while the others are watched as values, and
-    a number the loop changes is read at every call on its own (read_numbers). Its keys are
-    watched through the items' names. Any other value: its own slot. (A list the step logs
-    tensors into splits its dict as it did when empty: the step found again after the loop
-    touched the state.)"""
-    if type(value) not in (dict, collections.defaultdict) or not value or len(value) > _MOST_KEYS or isinstance(slot.owner, torch.nn.Module):
-        return [(slot, value)]
-    for k, v in value.items():
-        if type(k) is not str or not (is_number(v) or type(v) in (str, type(None)) or (type(v) is list and all(is_number(x) or isinstance(x, torch.Tensor) for x in v))):
-            return [(slot, value)]
-    return [(Slot(item_name(slot, f"[{k!r}]"), slot, k), v) for k, v in value.items()]
 
 
 def _watched(slots: list[tuple[Slot, Any]], library_read: frozenset[tuple[int, str]] = frozenset(), unread: frozenset[int] = frozenset()) -> dict[str, _Watched]:
@@ -219,9 +202,16 @@ def _watched(slots: list[tuple[Slot, Any]], library_read: frozenset[tuple[int, s
 
 
 def copied(value: Any) -> Any:
-    """A container copied through its nested containers (for `frozen` values: bounded)."""
+    """A container copied through its nested containers (for `frozen` values: bounded), each of
+    its own type: an OrderedDict, Counter or defaultdict (its default too) put back is one still."""
     if isinstance(value, dict):
-        return {k: copied(v) for k, v in value.items()}
+        items = {k: copied(v) for k, v in dict.items(value)}
+        if type(value) is dict:
+            return items
+        out = copy.copy(value)
+        dict.clear(out)
+        dict.update(out, items)
+        return out
     if isinstance(value, CONTAINERS):
         return remade(type(value), [copied(v) for v in value])
     return value
@@ -314,9 +304,8 @@ def same_number(a: Any, b: Any) -> bool:
     return a == b or (a != a and b != b)  # NaN is the same NaN
 
 
-def is_number(value: Any) -> bool:
-    """A plain number or a traced one."""
-    return type(value) in NUMBERS or isinstance(value, TRACED_NUMBERS)
+def _keys(container: Any) -> set[Any]:
+    return set(container) if isinstance(container, dict) else set(range(len(container)))
 
 
 class StateWatch:
@@ -325,8 +314,9 @@ class StateWatch:
     def __init__(self, model: torch.nn.Module, train_step: Callable[..., Any], slots: list[tuple[Slot, Any]]) -> None:
         self.model, self.train_step = model, train_step
         self.held = {slot.name: value for slot, value in slots}
-        # A dict split by key (_items): the dict itself, and its keys, to drop those a refused trace added.
-        self.split = {slot.owner.name: (slot.owner, set(slot.owner.get())) for slot, _ in slots if isinstance(slot.owner, Slot)}
+        # A dict split by key (slots.split): the dict itself, and its keys, to drop those a refused trace added
+        # (a list split by index: its indices).
+        self.split = {slot.owner.name: (slot.owner, _keys(slot.owner.get())) for slot, _ in slots if isinstance(slot.owner, Slot)}
         self.held.update({name: parent.get() for name, (parent, _) in self.split.items()})
         self.before = watched_now(slots)
         self.set_up: set[str] = set()  # slots the step's first run sets once (first_call): put back, not refused
@@ -472,19 +462,6 @@ def holds_traced_value(value: Any, numbers: bool) -> bool:
     """Whether `value` is, or a list, tuple or dict holds, a tensor (or if `numbers`, a
     number) made while tracing."""
     return holds(value, lambda v: isinstance(v, (FakeTensor, *(TRACED_NUMBERS if numbers else ()))))
-
-
-def holds(value: Any, test: Callable[[Any], bool], depth: int = 0) -> bool:
-    """Whether `value` is, or a list, tuple or dict of at most MOST_ITEMS holds (three
-    deep), a value `test` picks."""
-    if test(value):
-        return True
-    # Through the base classes' own methods: a list the step logs into is a recording one
-    # while it is traced (logged_numbers), and remat's look is no read of the step's.
-    base = next((kind for kind in (list, tuple, dict) if isinstance(value, kind)), None)
-    if depth < 3 and base is not None and base.__len__(value) <= MOST_ITEMS:
-        return any(holds(v, test, depth + 1) for v in (dict.values(value) if base is dict else base.__iter__(value)))
-    return False
 
 
 def _listed(names: list[str]) -> str:

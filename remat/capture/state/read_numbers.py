@@ -53,7 +53,7 @@ from remat.errors import CaptureError
 from remat.capture.optim.hyperparams import added_to, sign, traced_number
 from remat.capture.state.kept_numbers import KeptNumber, Term
 from remat.capture.state.kept_tensors import KeptTensor
-from remat.capture.state.python_state import TRACED_NUMBERS, Slot
+from remat.capture.state.slots import TRACED_NUMBERS, Slot
 from remat.capture.train_graph import InputKind, TrainGraph
 from remat.capture.trace_checks import wrapped_methods
 

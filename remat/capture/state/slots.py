@@ -1,5 +1,6 @@
 """Where a value of the user's Python state lives (dynamo's `Source`): a global, a closure
-cell, an attribute of a module or object, a key of a dict another slot holds, an argument
+cell, an attribute of a module or object, a key of a dict or an item of a list another slot
+holds (`split`: a container watched item by item), an argument
 a `functools.partial` binds, a function's default argument; and a value held there as the watch compares it (`frozen`)
 and as a message shows it (`shown`): plain values as they are, containers of them copied,
 a tensor by its shape, dtype and device, a small numpy array or numpy scalar by its bytes
@@ -8,11 +9,12 @@ a tensor by its shape, dtype and device, a small numpy array or numpy scalar by 
 
 from __future__ import annotations
 
+import collections
 import functools
 import types
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -77,6 +79,8 @@ class Slot:
             return self.owner.args[int(self.key)]
         if isinstance(self.owner, Slot):
             held = self.owner.get()
+            if isinstance(held, (list, tuple)) and type(self.key) is int:  # an item of a list split by index
+                return held[self.key] if self.key < len(held) else MISSING
             return held.get(self.key, MISSING) if isinstance(held, dict) else MISSING
         if isinstance(self.owner, dict):
             return self.owner.get(self.key, MISSING)
@@ -96,6 +100,9 @@ class Slot:
             p.__setstate__((p.func, (*p.args[:i], value, *p.args[i + 1 :]), p.keywords, p.__dict__ or None))
         elif isinstance(self.owner, Slot):
             Slot(self.name, self.owner.get(), self.key).set(value)
+        elif isinstance(self.owner, list) and type(self.key) is int:
+            if value is not MISSING and self.key < len(self.owner):
+                self.owner[self.key] = value
         elif value is MISSING:  # it was not there
             if isinstance(self.owner, dict):
                 self.owner.pop(self.key, None)
@@ -260,3 +267,68 @@ def shown(value: Any) -> str:
 
 def short(text: str) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+NUMBERS = (bool, int, float)
+TRACED_NUMBERS = (torch.SymBool, torch.SymInt, torch.SymFloat)  # a number computed from tensors while tracing (`loss.item()`)
+MOST_KEYS = 64  # a larger dict is not split by key, nor looked into for the objects it holds
+_SPLIT_DICTS = (dict, collections.defaultdict, collections.OrderedDict, collections.Counter)
+_SPLIT_DEPTH = 3
+
+
+def is_number(value: Any) -> bool:
+    """A plain number or a traced one."""
+    return type(value) in NUMBERS or isinstance(value, TRACED_NUMBERS)
+
+
+def split(slot: Slot, value: Any, depth: int = 0) -> list[tuple[Slot, Any]]:
+    """The slots a slot's value is watched as: itself, or one per key or item. A dict (a
+    defaultdict, OrderedDict or Counter too) of numbers (traced ones too), strings, None and lists of numbers
+    or tensors under str keys (metrics, a history of losses, a loop's state) held outside a
+    module, as one slot per key: the step may count or log into one key
+    (capture.state.kept_numbers, logged_numbers) while the others are watched as values, and
+    a number the loop changes is read at every call on its own (read_numbers). Its keys are
+    watched through the items' names. Any other value: its own slot. (A list the step logs
+    tensors into splits its dict as it did when empty: the step found again after the loop
+    touched the state.)
+
+    A dict under str keys that cannot be watched whole (it holds a deque, a model or an
+    object beside its numbers: a loop's state `{"recent": deque(maxlen=100), "n": 0}`) is
+    split by key too, down to `_SPLIT_DEPTH`, each value then watched, counted or logged
+    into on its own; left whole, nothing the step changed in it would be seen. So is a list
+    by index (`[head, 0]`), and a tuple where it holds lists or dicts (its other items cannot change)."""
+    if type(value) not in (list, tuple, *_SPLIT_DICTS) or isinstance(slot.owner, torch.nn.Module) or not value or len(value) > MOST_KEYS:
+        return [(slot, value)]
+    if type(value) in (list, tuple):
+        if depth >= _SPLIT_DEPTH or not _holds_objects(value):
+            return [(slot, value)]
+        indexed = [(Slot(item_name(slot, f"[{i}]"), slot, i), v) for i, v in enumerate(value)]
+        return [item for index, v in indexed if type(value) is list or type(v) in (list, dict) for item in split(index, v, depth + 1)]
+    if any(type(k) is not str for k in value):
+        return [(slot, value)]
+    keys = [(Slot(item_name(slot, f"[{k!r}]"), slot, k), v) for k, v in value.items()]
+    if all(is_number(v) or type(v) in (str, type(None)) or (type(v) is list and all(is_number(x) or isinstance(x, torch.Tensor) for x in v)) for v in value.values()):
+        return keys
+    if depth < _SPLIT_DEPTH and _holds_objects(value):
+        return [item for key, v in keys for item in split(key, v, depth + 1)]
+    return [(slot, value)]
+
+
+def _holds_objects(value: Any) -> bool:
+    """Whether a container holds something the watch cannot compare (a deque, a module, an
+    object), looked into through the base classes' methods: the step's recording lists are
+    not read."""
+    return holds(value, lambda v: not isinstance(v, (*PLAIN, *CONTAINERS, torch.Tensor, np.generic, np.ndarray)))
+
+
+def holds(value: Any, test: Callable[[Any], bool], depth: int = 0) -> bool:
+    """Whether `value` is, or a list, tuple or dict of at most MOST_ITEMS holds (three
+    deep), a value `test` picks."""
+    if test(value):
+        return True
+    # Through the base classes' own methods: a list the step logs into is a recording one
+    # while it is traced (logged_numbers), and remat's look is no read of the step's.
+    base = next((kind for kind in (list, tuple, dict) if isinstance(value, kind)), None)
+    if depth < 3 and base is not None and base.__len__(value) <= MOST_ITEMS:
+        return any(holds(v, test, depth + 1) for v in (dict.values(value) if base is dict else base.__iter__(value)))
+    return False

@@ -38,7 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.capture.state import user_code
 from remat.capture.state.kept_numbers import Term, counted
-from remat.capture.state.python_state import TRACED_NUMBERS, Slot
+from remat.capture.state.slots import TRACED_NUMBERS, Slot
 from remat.capture.state.scheduler_calls import SchedulerRead
 
 _TRACED = (*TRACED_NUMBERS, torch.Tensor)

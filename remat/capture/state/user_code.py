@@ -18,7 +18,7 @@ import sys
 import sysconfig
 import types
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -256,3 +256,43 @@ def followed(pending: list[Any], step_globals: dict[str, Any] | None, ran: froze
                 bindings.append((slot, value))
                 pending += [*methods(value), *module_hooks.functions(value)] if isinstance(value, torch.nn.Module) else [value, *class_functions(type(value))]
     return UserCode(names, bindings)
+
+
+def _user_modules_globals() -> list[dict[str, Any]]:
+    """The globals of each imported module of the user's."""
+    modules = list(sys.modules.values())
+    return [vars(m) for m in modules if isinstance(path := getattr(m, "__file__", None), str) and is_user_file(path)]
+
+
+@contextlib.contextmanager
+def globals_swapped(instead: Callable[[Any], Any], in_classes: bool = False) -> Iterator[None]:
+    """While the block runs, each global of the user's imported modules (and, `in_classes`,
+    each attribute of the classes they define) for which `instead(value)` gives an object
+    (not None) holds that object; each put back after."""
+    swapped = []
+    for names in _user_modules_globals():
+        swapped += [(names, k, v, new) for k, v in list(names.items()) if (new := instead(v)) is not None and new is not v]
+        for cls in [v for v in list(names.values()) if in_classes and isinstance(v, type) and v.__module__ == names.get("__name__")]:
+            swapped += [(cls, k, v, new) for k, v in list(vars(cls).items()) if (new := instead(v)) is not None and new is not v]
+    def put(held: Any, key: str, value: Any) -> None:
+        if isinstance(held, dict):
+            held[key] = value
+        else:
+            setattr(held, key, value)
+
+    try:
+        for held, k, _, new in swapped:
+            put(held, k, new)
+        yield
+    finally:
+        for held, k, v, _ in swapped:
+            put(held, k, v)
+
+
+def caches_passed_over() -> contextlib.AbstractContextManager[None]:
+    """While a step is traced, the user's functions and methods cached with
+    `functools.lru_cache` or `functools.cache` (a causal mask by length, positional
+    encodings) called as they are: the trace's placeholder kept in the cache would be what
+    eager's next call and the next trace get, and a value eager cached is computed in the
+    graph as eager's first call did."""
+    return globals_swapped(lambda v: v.__wrapped__ if isinstance(v, functools._lru_cache_wrapper) and user_function(v.__wrapped__) else None, in_classes=True)
