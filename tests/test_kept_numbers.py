@@ -644,7 +644,7 @@ def test_a_loops_state_kept_in_one_dict_beside_objects_is_counted_and_logged_key
         assert torch.equal(pe, pr)
 
 
-@pytest.mark.parametrize("what", ["count", "window", "list", "tuple"])
+@pytest.mark.parametrize("what", ["count", "window", "list", "tuple", "module"])
 def test_a_number_counted_or_logged_in_a_container_that_also_holds_a_module_is_not_left_at_the_traces_value(what):
     torch.manual_seed(0)
     model = _Net()
@@ -652,6 +652,7 @@ def test_a_number_counted_or_logged_in_a_container_that_also_holds_a_module_is_n
     state = {"teacher": _Net(), "n": 0, "window": collections.deque(maxlen=2)}
     pair = [_Net(), 0]  # a head and its count, held together
     held = (_Net(), {"n": 0})
+    model.stats = {"n": 0, "window": collections.deque(maxlen=2)}  # a module's own attribute
 
     def train_step(model, opt, batch):
         loss = _plain(model, opt, batch)
@@ -661,8 +662,11 @@ def test_a_number_counted_or_logged_in_a_container_that_also_holds_a_module_is_n
             state["window"].append(loss.item())
         elif what == "list":
             pair[1] += 1
-        else:
+        elif what == "tuple":
             held[1]["n"] += 1
+        else:
+            model.stats["n"] += 1
+            model.stats["window"].append(loss.item())
         return loss
 
     compiled = remat.compile(train_step, model, opt, _batch(0), memory_budget=None, profile_runs=1, measure=False)
@@ -671,6 +675,7 @@ def test_a_number_counted_or_logged_in_a_container_that_also_holds_a_module_is_n
     assert state["n"] == (3 * 64 if what == "count" else 0)
     assert list(state["window"]) == (losses[1:] if what == "window" else [])
     assert pair[1] == (3 if what == "list" else 0) and held[1]["n"] == (3 if what == "tuple" else 0)
+    assert model.stats["n"] == (3 if what == "module" else 0) and list(model.stats["window"]) == (losses[1:] if what == "module" else [])
 
 
 @pytest.mark.parametrize("clock", ["perf_counter", "datetime.now", "datetime_module"])

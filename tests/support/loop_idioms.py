@@ -8,6 +8,7 @@ benchmarks/training_loops.py writes the table of them.
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import time
@@ -586,6 +587,49 @@ class _SmoothingTrainer:
         return loss.detach()
 
 
+class _LoopState:
+    """A loop's state as scripts keep it: one dict holding a window of recent losses, counts
+    in a Counter, sums in a defaultdict, a record of each step's numbers, and a module."""
+
+    def __init__(self):
+        self.state = {"recent": collections.deque(maxlen=3), "counts": collections.Counter(steps=0),
+                      "sums": collections.defaultdict(float), "records": [], "probe": torch.nn.Linear(2, 2)}  # fmt: skip
+
+
+def _give_loop_state(model):
+    model.loop = _LoopState()
+
+
+def _loop_state_step(model, optimizer, batch):
+    loss = plain_step(model, optimizer, batch)
+    state = model.loop.state
+    state["recent"].append(loss.item())
+    state["counts"]["steps"] += 1
+    state["sums"]["loss"] += loss.item()
+    state["records"].append({"loss": loss.item(), "half": (loss.detach() / 2).item()})
+    return loss
+
+
+def _kept_loop_state(model):
+    state = model.loop.state
+    return list(state["recent"]), dict(state["counts"]), dict(state["sums"]), state["records"]
+
+
+@functools.lru_cache(maxsize=None)
+def _class_scale(n: int) -> torch.Tensor:
+    """A tensor the user's code caches by size (as a causal mask by length is)."""
+    return torch.linspace(0.9, 1.1, n)
+
+
+def _cached_scale_step(model, optimizer, batch):
+    optimizer.zero_grad()
+    out = model(**batch)
+    loss = (out.loss * _class_scale(out.logits.shape[0])).mean()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
 def _give_smoothing_trainer(model):
     model.trainer = _SmoothingTrainer()
 
@@ -725,6 +769,10 @@ IDIOMS = [
     Idiom("a smoothed loss computed from itself (self.smoothed = 0.9 * self.smoothed + 0.1 * loss.item(), a class default "
           "at first) and a tuple of tensors carried to the next step's loss", "works", step=_smoothing_step,
           setup=_give_smoothing_trainer, kept=lambda m: (m.trainer.smoothed, *map(float, m.trainer.carry))),
+    Idiom("a loop's state in one dict beside a module: a deque of recent losses, a Counter, a defaultdict of sums, "
+          "records of each step's numbers appended", "works", step=_loop_state_step, setup=_give_loop_state, kept=_kept_loop_state),
+    Idiom("a tensor from the user's functools.lru_cache function in the loss (a scale cached by size)", "works",
+          step=_cached_scale_step, kept=lambda m: _class_scale.cache_info().currsize),
     Idiom("checks that raise inside train_step: labels against the vocabulary, assert torch.isfinite(loss), "
           "clip_grad_norm_(error_if_nonfinite=True)", "works", step=_checked_step),
 ]

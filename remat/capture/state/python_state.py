@@ -160,11 +160,10 @@ def state_slots(model: torch.nn.Module, train_step: Callable[..., Any], ran: fro
                 (Slot(f"{name}.{prefix}.training" if prefix else f"{name}.training", m, "training"), m.training)
                 for prefix, m in value.named_modules() if id(m) not in model_modules
             ]
+    own = [item for slot, value in own for item in split(slot, value)]
     out = [item for slot, value in out for item in split(slot, value)]
     places: set[tuple[int, str]] = set()  # one name per place: a cell can be seen from two functions' closures
     return own + [(slot, value) for slot, value in out if (place := slot.place()) not in places and not places.add(place)]
-
-
 
 
 def _in_container(slot: Slot, value: Any, index: str = "", depth: int = 0) -> list[tuple[str, Any]]:

@@ -296,8 +296,11 @@ def split(slot: Slot, value: Any, depth: int = 0) -> list[tuple[Slot, Any]]:
     object beside its numbers: a loop's state `{"recent": deque(maxlen=100), "n": 0}`) is
     split by key too, down to `_SPLIT_DEPTH`, each value then watched, counted or logged
     into on its own; left whole, nothing the step changed in it would be seen. So is a list
-    by index (`[head, 0]`), and a tuple where it holds lists or dicts (its other items cannot change)."""
-    if type(value) not in (list, tuple, *_SPLIT_DICTS) or isinstance(slot.owner, torch.nn.Module) or not value or len(value) > MOST_KEYS:
+    by index (`[head, 0]`), and a tuple where it holds lists or dicts (its other items cannot change).
+    A module's attribute is split only so (a dict of numbers there stays one value)."""
+    if type(value) not in (list, tuple, *_SPLIT_DICTS) or not value or len(value) > MOST_KEYS:
+        return [(slot, value)]
+    if isinstance(slot.owner, torch.nn.Module) and not _holds_objects(value):
         return [(slot, value)]
     if type(value) in (list, tuple):
         if depth >= _SPLIT_DEPTH or not _holds_objects(value):
