@@ -27,7 +27,9 @@ and scalars (by value), and lists, tuples, dicts and sets of them (nested), held
   steps).
 A dict of numbers and lists of numbers under str keys held outside a module (metrics, a
 history of losses) is watched key by key, each key a slot of its own, so that the step
-may add to or log into one key (kept_numbers, logged_numbers).
+may add to or log into one key (kept_numbers, logged_numbers); so is a dict or list that
+also holds what cannot be compared (a deque, a module, an object), a module's too, which
+whole would not be watched at all (slots.split).
 A tensor the trace computes and leaves in one of these places (`self.last_output =
 y.detach()`), or a tuple, list or dict of only such, is set there after each run
 (kept_tensors); anything else holding a traced value (such a tensor beside a parameter or
