@@ -274,6 +274,7 @@ def globals_swapped(instead: Callable[[Any], Any], in_classes: bool = False) -> 
         swapped += [(names, k, v, new) for k, v in list(names.items()) if (new := instead(v)) is not None and new is not v]
         for cls in [v for v in list(names.values()) if in_classes and isinstance(v, type) and v.__module__ == names.get("__name__")]:
             swapped += [(cls, k, v, new) for k, v in list(vars(cls).items()) if (new := instead(v)) is not None and new is not v]
+
     def put(held: Any, key: str, value: Any) -> None:
         if isinstance(held, dict):
             held[key] = value
