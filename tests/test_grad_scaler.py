@@ -25,12 +25,17 @@ def _batches(overflowing: tuple[int, ...] = (2, 5)) -> list[dict[str, torch.Tens
     return [{"x": torch.randn(64, 64, generator=g) * (3e4 if i in overflowing else 1.0), "y": torch.randint(0, 4, (64,), generator=g)} for i in range(8)]
 
 
-def _run(make_optimizer, compiled: bool, unscale_first: bool, overflowing: tuple[int, ...] = (2, 5), budget: float | None = 0.92):
+def _run(make_optimizer, compiled: bool, unscale_first: bool, overflowing: tuple[int, ...] = (2, 5), budget: float | None = 0.92, warm_up: bool = False):
     model = _model()
+    model.iters = 0
     optimizer = make_optimizer(model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
 
     def train_step(model, optimizer, batch):
+        if warm_up:  # nanoGPT's: the rate set from the step's count before the scaler's step, skipped or not
+            for group in optimizer.param_groups:
+                group["lr"] = 1e-3 * min(1.0, (model.iters + 1) / 4)
+            model.iters += 1
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
             loss = torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"])
@@ -49,7 +54,7 @@ def _run(make_optimizer, compiled: bool, unscale_first: bool, overflowing: tuple
         loss = step(batch) if compiled else train_step(model, optimizer, batch)
         seen.append((loss, scaler._scale.clone(), scaler._growth_tracker.clone()))
     state = [p.detach().clone() for p in model.parameters()] + [t.clone() for s in optimizer.state.values() for t in s.values()]
-    return seen, state, step
+    return seen, state + [torch.tensor(optimizer.param_groups[0]["lr"], dtype=torch.float64)], step
 
 
 def _assert_same(ran, state, eager, eager_state) -> None:
@@ -97,6 +102,28 @@ def test_grad_scaler_with_an_unfused_optimizer_is_bitwise(name, make_optimizer, 
     assert len(step._graphs) == 1
     _assert_same(ran, state, eager, eager_state)
     assert all(torch.isfinite(t).all() for t in state)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_a_rate_the_step_sets_before_the_scalers_step_is_set_through_skipped_updates_as_in_eager(fused):
+    eager, eager_state, _ = _run(lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=fused or None), False, True, budget=None, warm_up=True)
+    ran, state, step = _run(lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=fused or None), True, True, budget=None, warm_up=True)
+    assert eager_state[-1].item() == 1e-3 and len(step._graphs) <= 2  # warmed up; a graph per side of min
+    _assert_same(ran, state, eager, eager_state)
+
+
+class _DecayingSGD(torch.optim.SGD):
+    """Lowers its rate in its own step: a skipped update would not have lowered it."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["lr"] = group["lr"] * 0.9
+        return super().step(closure)
+
+
+def test_a_rate_the_optimizers_own_step_sets_under_a_grad_scaler_is_refused():
+    with pytest.raises(remat.CaptureError, match=r"GradScaler may skip this optimizer's update.*set in .*\['lr'\]"):
+        _run(lambda ps: _DecayingSGD(ps, lr=1e-2), True, False, budget=None)
 
 
 def test_accelerate_learns_which_steps_the_scaler_skipped():

@@ -5,6 +5,7 @@ for an int), or constants of the graph where the step needs the value (a compile
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import re
 import warnings
@@ -399,3 +400,46 @@ def test_a_script_piped_to_python_has_its_loop_count_read_as_a_files_would():
     done = subprocess.run([sys.executable, "-"], input=_PIPED_LOOP, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-4:] == ["bitwise", "True", "graphs", "1"], done.stdout
+
+
+def _cosine_rate(it: int, warmup: int = 3, decay: int = 8, top: float = 0.01, bottom: float = 0.001) -> float:
+    """A warm-up then a cosine decay to a floor, as nanoGPT's get_lr computes it."""
+    if it < warmup:
+        return top * (it + 1) / (warmup + 1)
+    if it > decay:
+        return bottom
+    return bottom + 0.5 * (1.0 + math.cos(math.pi * (it - warmup) / (decay - warmup))) * (top - bottom)
+
+
+def _rate_set_in_step(model, opt, batch):
+    """The learning rate set in every param group from a count the step keeps, before the update."""
+    for group in opt.param_groups:
+        group["lr"] = _cosine_rate(model.iters)
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+    loss.backward()
+    opt.step()
+    model.iters += 1
+    return loss.detach()
+
+
+@pytest.mark.parametrize("kind", ["for-loop", "foreach", "fused"])
+def test_a_rate_the_step_sets_in_its_param_groups_from_its_count_is_set_at_every_call_and_trains_as_eager(kind):
+    """Through the warm-up, the decay and the floor: each step's update uses the rate the step
+    computed, the group holds it after the call (compared with eager's, as the optimizer's
+    state is), the updates still run in the backward pass, and a graph serves each branch
+    of the schedule, not each step."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    net.iters = 0
+    flags = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[kind]
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01, **flags)
+    model, o = twin(net, opt)
+    eager_model, eager_opt = twin(net, opt)
+    batch = (torch.randn(512, 16), torch.randint(0, 4, (512,)))
+    compiled = remat.compile(_rate_set_in_step, model, o, batch, memory_budget=0.9, profile_runs=1)
+    result = check_against_eager(_rate_set_in_step, eager_model, eager_opt, model, o, compiled, batch, steps=11)
+    assert result.match, result.summary()
+    assert o.param_groups[0]["lr"] == _cosine_rate(10) and model.iters == eager_model.iters == 11
+    assert len(compiled._graphs) <= 4, len(compiled._graphs)  # a graph per branch of the schedule
+    assert compiled.report.plan.updates_in_backward and not compiled.report.plan.updates_note.startswith("0 of"), compiled.report.plan.updates_note

@@ -200,7 +200,7 @@ def capture(
         _as_stand_ins(t_params, trainable, t_grads, preset=probe["preset_grads"])
         param_hooks.register_on(hooks, t_params)
         calls = {"backward": 0, "reduced": 0, "updates": 0}
-        group_counts: list[hyperparams.GroupCount] = []  # ints the optimizer counts up in its param groups (hyperparams.symbolic)
+        in_groups: list[Any] = []  # numbers the step counts up or sets in the param groups, with their traced values (hyperparams.symbolic)
         synced: list[bool] = []  # per forward of a DDP model: whether it syncs gradients
         passes = marking_passes(t_params, grad_order, calls, dp, synced)
         mapping = {a: t_params[c] for a, c in param_alias.items()}
@@ -214,8 +214,8 @@ def capture(
             stack.enter_context(only_passed_step(optimizer))
             if optimizer is not None:
                 stack.enter_context(optimizer_on(optimizer, real_to_name, t_params, t_states, args))
-                stack.enter_context(hyperparams.symbolic(optimizer, t_hyper, sign_facts, symbols, group_counts))
-                stack.callback(optimizer.register_step_pre_hook(marking_updates(calls)).remove)
+                stack.callback(optimizer.register_step_pre_hook(marking_updates(calls)).remove)  # before symbolic's: its ops are the update's
+                stack.enter_context(hyperparams.symbolic(optimizer, t_hyper, sign_facts, symbols, in_groups))
             stack.enter_context(numbers.traced(t_numbers, symbols, batch_values.symbols))
             stack.enter_context(passes)
             stack.enter_context(cleared_before_backward(calls, cleared := set()))
@@ -227,7 +227,7 @@ def capture(
             batch_values.escaped(lambda: [result, *(value for _, value in state_slots(model, train_step))])
             probe["cleared_first"] = {id(t_params[n]) for n in trainable} <= cleared
             outside_tensors.check_no_gradient([held for held, _ in outside], t_outside)
-        updates, update_values = effects.updates(probe["numbers_unread"], optimizer_state.kept_by_step(numbers, group_counts, effects.skips))
+        updates, update_values = effects.updates(probe["numbers_unread"], optimizer_state.kept_by_step(numbers, in_groups, effects.skips))
         outputs, out_spec, returned = step_outputs.as_graph_outputs(result, update_values)
         check_backward_ran(calls["backward"])
         grads = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]

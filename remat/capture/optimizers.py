@@ -51,6 +51,9 @@ class Optimizers:
     def register_step_pre_hook(self, hook: Callable[..., Any]) -> "_Handles":
         return _Handles([opt.register_step_pre_hook(hook) for opt in self.optimizers])
 
+    def register_step_post_hook(self, hook: Callable[..., Any]) -> "_Handles":
+        return _Handles([opt.register_step_post_hook(hook) for opt in self.optimizers])
+
 
 class _State(MutableMapping):
     """The optimizers' state dicts as one mapping: each parameter's in its owner's."""

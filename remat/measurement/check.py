@@ -70,6 +70,12 @@ def compare_state(
                 d = _diff(sa.get(key), sb.get(key))
                 if d:
                     out.append(f"optimizer state {i}.{key}: {d}")
+        # The groups' settings too: a rate or count the step sets or counts there is state the next step reads.
+        for gi, (ga, gb) in enumerate(zip(opt_a.param_groups, opt_b.param_groups)):
+            for key in sorted((set(ga) | set(gb)) - {"params"}):
+                d = _diff(ga.get(key), gb.get(key))
+                if d:
+                    out.append(f"param_groups[{gi}][{key!r}]: {d}")
     return out
 
 

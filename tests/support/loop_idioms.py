@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import copy
 import functools
+import math
 import time
 import types
 import warnings
@@ -245,6 +246,15 @@ def _warm_up_by_count(model, optimizer, batch):
     loss.backward()
     optimizer.step()
     return loss
+
+
+def _rate_set_by_count(model, optimizer, batch):
+    """nanoGPT's: a warm-up then a cosine decay, set in the param groups from the loop's count before the update."""
+    it, warmup, decay = _LOOP["step"], 2, 5
+    rate = 1e-3 * (it + 1) / (warmup + 1) if it < warmup else 1e-4 + 0.5 * (1.0 + math.cos(math.pi * min(1.0, (it - warmup) / (decay - warmup)))) * 9e-4
+    for group in optimizer.param_groups:
+        group["lr"] = rate
+    return plain_step(model, optimizer, batch)
 
 
 def _freeze(model):
@@ -713,6 +723,8 @@ IDIOMS = [
     Idiom("dropout rate lowered between steps (nn.Dropout.p)", "works", between=_hook(_dropout_schedule)),
     Idiom("a warm-up and a term every other step computed in train_step from the loop's iteration count", "works",
           step=_warm_up_by_count, setup=_count_from_zero, between=_hook(_count_up)),
+    Idiom("a warm-up then cosine learning rate set in param_groups inside train_step from the loop's iteration count (nanoGPT's get_lr)",
+          "works", step=_rate_set_by_count, setup=_count_from_zero, between=_hook(_count_up)),
     Idiom("a last batch of another size", "works", batches=_other_sizes),
     Idiom("the dataset's ids, file names and raw text in the batch beside the tensors, filtered out in train_step; "
           "a task name the loss weight is looked up by", "works", step=_metadata_step, batches=_with_metadata),

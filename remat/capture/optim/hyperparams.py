@@ -17,7 +17,9 @@ its value. A fused kernel (`fused=True`) takes its settings as fixed numbers but
 learning rate, which it reads from a tensor: there the learning rate is the graph input
 itself, read at every call, and the other floats are fixed. An int the optimizer's step
 counts up in its group (`group["step"] += 1`: a library's step count) is read the same
-way and counted up again after each run (`GroupCount`).
+way and counted up again after each run (`GroupCount`); a number the step sets in a
+group (a warm-up's rate, computed from a count the step keeps) is set again after each
+run (`GroupSet`), and in a fused group it is made the tensor the kernel reads while traced.
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ def symbolic(
     tensors: dict[str, torch.Tensor],
     sign_facts: dict[str, int],
     symbols: dict[str, str],
-    counted: list[GroupCount],
+    kept: list[tuple[GroupCount | GroupSet, list[Any]]],
 ) -> Iterator[None]:
     """While tracing: each float of the param groups is the `.item()` of its graph input.
 
@@ -139,7 +141,9 @@ def symbolic(
     (-1, 0, 1), for the floats the update may branch on. `symbols` is filled with the
     symbol of each float -> its input name, to name a branch the trace trips on. An int
     the step counts up (`group["step"] += 1`, as many libraries' optimizers keep their
-    step) goes into `counted`, to be counted again after each run.
+    step) goes into `kept`, to be counted again after each run, and a number the step sets
+    (a warm-up's `group["lr"] = base * min(1, step / warmup)`), to be set again, each with
+    the traced numbers it takes from the graph.
     """
     saved = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     placed: dict[str, Any] = {}
@@ -156,22 +160,40 @@ def symbolic(
             value = traced_number(tensors[name], name, sign_facts.get(name), symbols)
             _set(group, key, value)
             placed[name] = value
+    as_tensors: dict[int, tuple[Any, torch.Tensor]] = {}  # id of a tensor made for a fused kernel -> the number set
+    before_update: list[dict[tuple[int, str], Any]] = []  # per step entered: a subclass's step calls its base's, each hooked
+    by_update: set[tuple[int, str]] = set()  # numbers the optimizer's own step set (a skipped update would not)
+
+    def update_begins(*_: Any) -> None:
+        _fused_rates_as_tensors(optimizer, tensors, as_tensors)
+        before_update.append(_numbers_of(optimizer))
+
+    def update_ended(*_: Any) -> None:
+        before = before_update.pop()
+        by_update.update(at for at, value in _numbers_of(optimizer).items() if before.get(at, MISSING_NUMBER) is not value)
+
+    hooks = [optimizer.register_step_pre_hook(update_begins), optimizer.register_step_post_hook(update_ended)]
     try:
         yield
         # Every number, placed or a constant of the graph (a count fixed by value, or zero by its sign).
         for gi, key in [(gi, key) for gi, values in enumerate(saved) for key in float_entries(values)]:
             came_in = placed.get(input_name(gi, key), _get(saved[gi], key))
             now = _get(optimizer.param_groups[gi], key)
+            now = as_tensors[id(now)][0] if id(now) in as_tensors else now
             if now is came_in:
                 continue
             added = added_to(now, came_in) if type(_get(saved[gi], key)) is int else None
             if added is not None:
-                counted.append(GroupCount(optimizer, gi, key, added))
+                kept.append((GroupCount(optimizer, gi, key, added), []))
+            elif isinstance(now, (torch.SymFloat, torch.SymInt)):  # computed from the graph's inputs
+                kept.append((GroupSet(optimizer, gi, key, None, 1, (gi, key) in by_update), [now]))
+            elif is_number(now):
+                kept.append((GroupSet(optimizer, gi, key, now, 0, (gi, key) in by_update), []))
             else:
                 raise CaptureError(
-                    f"train_step changed {group_name(optimizer, gi)}[{key.split('[')[0]!r}] while it ran (a learning-rate "
-                    "scheduler stepped inside train_step?). Change hyperparameters between steps, outside train_step: "
-                    "remat reads them at every call."
+                    f"train_step set {group_name(optimizer, gi)}[{key.split('[')[0]!r}] to {type(now).__name__} while it "
+                    "ran; remat reads the param groups' settings as Python numbers. Set a float there, or change it "
+                    "between steps, outside train_step."
                 )
         added = [(gi, k) for gi, (group, values) in enumerate(zip(optimizer.param_groups, saved)) for k in group if k != "params" and k not in values]
         if added:
@@ -181,10 +203,40 @@ def symbolic(
                 "training step before remat.compile, so that the group holds it, or train this optimizer without remat."
             )
     finally:
+        for hook in hooks:
+            hook.remove()
         for group, values in zip(optimizer.param_groups, saved):
             for key in [k for k in group if k != "params" and k not in values]:
                 del group[key]
             group.update(values)
+
+
+MISSING_NUMBER = object()
+
+
+def _numbers_of(optimizer: torch.optim.Optimizer) -> dict[tuple[int, str], Any]:
+    """Each number of the param groups, and a fused group's rate tensor, by group and key."""
+    out = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        for key, value in group.items():
+            if key == "params":
+                continue
+            for k, v in enumerate(value) if isinstance(value, tuple) else [(None, value)]:
+                out[(gi, key if k is None else f"{key}[{k}]")] = v
+    return out
+
+
+def _fused_rates_as_tensors(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], made: dict[int, tuple[Any, torch.Tensor]]) -> None:
+    """Before a traced step of the optimizer: a learning rate the step set as a number in a
+    fused group (a warm-up's), computed from the graph's inputs, made the 0-dim tensor its
+    graph input is, as the kernel's tensor-lr form reads it (a number there would be fixed
+    in the graph); `made` maps each such tensor to the number."""
+    for gi, group in enumerate(optimizer.param_groups):
+        rate = group.get("lr")
+        if group.get("fused") and (is_number(rate) or isinstance(rate, torch.SymFloat)):
+            like = tensors[input_name(gi, "lr")]
+            group["lr"] = torch.scalar_tensor(rate, dtype=like.dtype, device=like.device)
+            made[id(group["lr"])] = (rate, group["lr"])
 
 
 def added_to(now: Any, came_in: Any) -> int | None:
@@ -216,6 +268,27 @@ class GroupCount:
     def replay(self, values: list[Any]) -> None:
         group = self.optimizer.param_groups[self.group]
         _set(group, self.key, _get(group, self.key) + self.added)
+
+
+@dataclass(frozen=True)
+class GroupSet:
+    """A number of a param group the step sets, set again after each run: to the graph's
+    number output where the trace computed it from the step's inputs (`count` 1: a rate
+    from the loop's count), else to the constant it set."""
+
+    optimizer: torch.optim.Optimizer
+    group: int
+    key: str
+    value: Any  # the constant, where `count` is 0
+    count: int  # of the graph's number outputs
+    by_update: bool  # set by the optimizer's step itself, not by the code around it
+    keyed = True  # it holds no slot of the user's state
+
+    def where(self) -> str:
+        return f"set in {group_name(self.optimizer, self.group)}[{self.key!r}]"
+
+    def replay(self, values: list[Any]) -> None:
+        _set(self.optimizer.param_groups[self.group], self.key, values[0] if self.count else self.value)
 
 
 def traced_number(tensor: torch.Tensor, name: str, known_sign: int | None, symbols: dict[str, str]) -> Any:

@@ -21,7 +21,7 @@ from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from remat.errors import CaptureError
 from remat.capture.optim.first_step_state import drop_made_ahead, init_optimizer_state, torchs
-from remat.capture.optim.hyperparams import GroupCount, is_number
+from remat.capture.optim.hyperparams import GroupCount, GroupSet, is_number
 from remat.capture.state.read_numbers import Reading
 from remat.capture.state.kept_tensors import check_writable, memory_of
 from remat.capture.state.slots import MISSING, Slot
@@ -280,13 +280,19 @@ class SkippedSteps:
                 setattr(flag[0], flag[1], bool(skipped))
 
 
-def kept_by_step(numbers: Reading, group_counts: list[GroupCount], skips: dict[int, Any]) -> list[tuple[Any, list[Any]]]:
+def kept_by_step(numbers: Reading, in_groups: list[tuple[GroupCount | GroupSet, list[Any]]], skips: dict[int, Any]) -> list[tuple[Any, list[Any]]]:
     """What the step did to the numbers read at every call (`numbers`: the optimizer's among
-    them) and to the counts in the optimizer's param groups, to do again after each run, each
-    with its traced values. Refused where GradScaler may skip an update (`skips`:
-    skipped_in_graph's) whose optimizer changes such numbers: a skipped step would change them still."""
-    kept = numbers.kept() + [(count, []) for count in group_counts]
-    by_optimizer = [u.where() for u, _ in kept if isinstance(u, GroupCount) or u.slot.name in numbers.set_by_step]
+    them) and to the numbers in the optimizer's param groups (`in_groups`: counted up or
+    set, hyperparams.symbolic's), to do again after each run, each with its traced values. Refused where GradScaler may skip an update (`skips`:
+    skipped_in_graph's) whose optimizer's step changes such numbers: a skipped step would change them still."""
+    kept = numbers.kept() + in_groups
+
+    def changed_by_update(u: Any) -> bool:
+        if isinstance(u, GroupSet):  # a rate set before `scaler.step(optimizer)` is set whether or not it skips, as in eager
+            return u.by_update
+        return isinstance(u, GroupCount) or u.slot.name in numbers.set_by_step
+
+    by_optimizer = [u.where() for u, _ in kept if changed_by_update(u)]
     if skips and by_optimizer:
         raise CaptureError(
             f"torch.amp.GradScaler may skip this optimizer's update, and it keeps Python numbers its step changes ({by_optimizer[0]}), "
