@@ -443,3 +443,44 @@ def test_a_rate_the_step_sets_in_its_param_groups_from_its_count_is_set_at_every
     assert o.param_groups[0]["lr"] == _cosine_rate(10) and model.iters == eager_model.iters == 11
     assert len(compiled._graphs) <= 4, len(compiled._graphs)  # a graph per branch of the schedule
     assert compiled.report.plan.updates_in_backward and not compiled.report.plan.updates_note.startswith("0 of"), compiled.report.plan.updates_note
+
+
+def _plain_step(model, opt, batch):
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+def test_a_schedule_kept_as_a_numpy_array_set_in_the_groups_between_steps_is_read_at_every_call(foreach):
+    """DINO's schedules: `lr_schedule[it]` and `wd_schedule[it]` are numpy float64s, numbers
+    the update reads as it reads floats; one graph serves every step (a numpy number was a
+    setting compared by value: the step was compiled again at every step)."""
+    import numpy as np
+
+    lr_schedule = 1e-6 + 0.5 * (5e-4 - 1e-6) * (1 + np.cos(np.pi * np.arange(8) / 8))
+    wd_schedule = 0.4 + 0.5 * (0.04 - 0.4) * (1 + np.cos(np.pi * np.arange(8) / 8))
+
+    def set_schedule(i, model, opt):
+        for gi, group in enumerate(opt.param_groups):
+            group["lr"] = lr_schedule[i + 1]
+            if gi == 0:
+                group["weight_decay"] = wd_schedule[i + 1]
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
+    groups = [{"params": [p for p in net.parameters() if p.ndim > 1]}, {"params": [p for p in net.parameters() if p.ndim <= 1], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, foreach=foreach)
+    set_schedule(-1, net, opt)
+    model, o = twin(net, opt)
+    eager_model, eager_opt = twin(net, opt)
+    batch = (torch.randn(64, 16), torch.randint(0, 4, (64,)))
+    compiled = remat.compile(_plain_step, model, o, batch, profile_runs=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # compiled again: a warning
+        result = check_against_eager(_plain_step, eager_model, eager_opt, model, o, compiled, batch, steps=7, between_steps=set_schedule)
+    assert result.match, result.summary()
+    assert type(o.param_groups[0]["lr"]) is np.float64 and o.param_groups[0]["weight_decay"] == wd_schedule[7]
+    assert len(compiled._graphs) == 1

@@ -30,6 +30,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import numpy as np
 import sympy
 import torch
 
@@ -53,7 +54,7 @@ class GroupSpec:
 
 
 def sign(value: float) -> int:
-    return (value > 0) - (value < 0)
+    return int(value > 0) - int(value < 0)
 
 
 _SIGN_WORDS = {-1: "negative", 0: "zero", 1: "positive"}
@@ -65,6 +66,12 @@ def is_number(value: Any) -> bool:
     return type(value) in (float, int)
 
 
+def is_setting_number(value: Any) -> bool:
+    """A number of a param group read at every call: also numpy's float64 (a schedule kept as
+    an array, `lr_schedule[it]`), whose arithmetic is a Python float's."""
+    return is_number(value) or type(value) is np.float64
+
+
 def float_entries(group: dict[str, Any]) -> dict[str, float]:
     """The group's numbers by key: "lr", and "betas[0]" for the items of a tuple of numbers
     (an int kept an int: only a count may have its value fixed, `FIXED`)."""
@@ -72,9 +79,9 @@ def float_entries(group: dict[str, Any]) -> dict[str, float]:
     for key, value in group.items():
         if key == "params":
             continue
-        if is_number(value):
+        if is_setting_number(value):
             out[key] = value
-        elif isinstance(value, (tuple, list)) and value and all(is_number(v) for v in value):
+        elif isinstance(value, (tuple, list)) and value and all(is_setting_number(v) for v in value):
             out.update({f"{key}[{i}]": v for i, v in enumerate(value)})
     return out
 
@@ -187,7 +194,7 @@ def symbolic(
                 kept.append((GroupCount(optimizer, gi, key, added), []))
             elif isinstance(now, (torch.SymFloat, torch.SymInt)):  # computed from the graph's inputs
                 kept.append((GroupSet(optimizer, gi, key, None, 1, (gi, key) in by_update), [now]))
-            elif is_number(now):
+            elif is_setting_number(now):
                 kept.append((GroupSet(optimizer, gi, key, now, 0, (gi, key) in by_update), []))
             else:
                 raise CaptureError(
@@ -233,7 +240,7 @@ def _fused_rates_as_tensors(optimizer: torch.optim.Optimizer, tensors: dict[str,
     in the graph); `made` maps each such tensor to the number."""
     for gi, group in enumerate(optimizer.param_groups):
         rate = group.get("lr")
-        if group.get("fused") and (is_number(rate) or isinstance(rate, torch.SymFloat)):
+        if group.get("fused") and (is_setting_number(rate) or isinstance(rate, torch.SymFloat)):
             like = tensors[input_name(gi, "lr")]
             group["lr"] = torch.scalar_tensor(rate, dtype=like.dtype, device=like.device)
             made[id(group["lr"])] = (rate, group["lr"])
