@@ -246,15 +246,59 @@ def test_step_that_never_calls_backward_is_refused():
         capture(lambda m, o, b: m(b).sum(), model, None, torch.randn(2, 4))
 
 
-def test_step_must_return_the_loss():
+def test_step_must_return_tensors_and_numbers():
     model = torch.nn.Linear(4, 4)
 
     def step(m, o, b):
         m(b).sum().backward()
-        return None
+        return "done"
 
-    with pytest.raises(CaptureError, match="must return the loss"):
+    with pytest.raises(CaptureError, match="must return the loss, or a tuple, list or dict of tensors and numbers; it returned str"):
         capture(step, model, None, torch.randn(2, 4))
+
+
+class _Meter:
+    """PyTorch's ImageNet example's AverageMeter."""
+
+    def __init__(self):
+        self.val, self.sum, self.count, self.avg = 0, 0, 0, 0
+
+    def update(self, val, n=1):
+        self.val = val
+        self.sum += val * n
+        self.count += n
+        self.avg = self.sum / self.count
+
+
+@pytest.mark.parametrize("returns", ["nothing", "a None beside the loss"])
+def test_a_step_that_logs_through_a_meter_and_returns_nothing_trains_as_eager_and_returns_none(returns):
+    def run(compiled: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        meter = _Meter()
+
+        def step(m, o, b):
+            loss = torch.nn.functional.cross_entropy(m(b[0]), b[1])
+            meter.update(loss.item(), b[0].size(0))
+            o.zero_grad()
+            loss.backward()
+            o.step()
+            return None if returns == "nothing" else (loss.detach(), None)
+
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(4)]
+        call = remat.compile(step, model, opt, batches[0]) if compiled else lambda b: step(model, opt, b)
+        returned = [call(b) for b in batches]
+        return returned, (meter.val, meter.sum, meter.count, meter.avg), [p.detach().clone() for p in model.parameters()]
+
+    (ours, meter, params), (theirs, eager_meter, eager_params) = run(True), run(False)
+    if returns == "nothing":
+        assert ours == theirs == [None] * 4
+    else:
+        assert all(r[1] is None and torch.equal(r[0], e[0]) for r, e in zip(ours, theirs, strict=True))
+    assert meter == eager_meter and meter[2] == 64
+    assert all(torch.equal(p, q) for p, q in zip(params, eager_params))
 
 
 def test_optimizer_over_foreign_tensors_is_refused():

@@ -6,7 +6,8 @@ read from param_groups). Such a number is computed in the graph as a 0-dim tenso
 dtype that holds it exactly, and given back as a Python number of the type eager returns.
 A plain number (no input gives it) would be the traced value at every step: refused. A
 scheduler's rate (`scheduler.get_last_lr()[0]`, a scheduler_calls.SchedulerRead) is read from the
-scheduler once the call's scheduler steps are made (`after_graph`).
+scheduler once the call's scheduler steps are made (`after_graph`). None (a step that
+returns nothing, logging through its own meters) is given back as None.
 `float(t)` of a value the step computes cannot be traced (Python wants a plain float from
 it): refused while the step is traced, saying to use `.item()`.
 """
@@ -30,7 +31,7 @@ from remat.capture.train_graph import TrainGraph
 
 def as_graph_outputs(result: Any, logged: list[list[Any]] | None = None) -> tuple[list[torch.Tensor], Any, dict[int, str]]:
     """train_step's return value as graph outputs: its tensors (detached), its structure, and
-    which outputs stand for Python numbers (position -> 'bool', 'int' or 'float', or the
+    which outputs stand for Python numbers (position -> 'bool', 'int', 'float' or 'none', or the
     SchedulerRead it is read from: its output a placeholder zero). The
     numbers of each of the step's updates of Python state (TrainGraph.call.state_updates), if
     any, follow it: the structure is then `(result, logged)`."""
@@ -51,6 +52,9 @@ def as_graph_outputs(result: Any, logged: list[list[Any]] | None = None) -> tupl
         elif isinstance(leaf, SchedulerRead):
             outputs.append(torch.zeros((), dtype=torch.float64))
             numbers[i] = leaf
+        elif leaf is None:  # a step that logs through its own objects returns nothing, or a None beside its loss
+            outputs.append(torch.zeros((), dtype=torch.bool))
+            numbers[i] = "none"
         elif kind is not None:
             outputs.append(torch.scalar_tensor(leaf, dtype=_NUMBER_DTYPES[kind]))
             numbers[i] = kind
@@ -66,8 +70,6 @@ def as_graph_outputs(result: Any, logged: list[list[Any]] | None = None) -> tupl
                 f"train_step must return the loss, or a tuple, list or dict of tensors and numbers; it returned "
                 f"{type(result).__name__} holding {type(leaf).__name__}. Return tensors and numbers only."
             )
-    if not outputs:
-        raise CaptureError("train_step returned nothing: return the loss (or a tuple, list or dict holding it)")
     return outputs, out_spec, numbers
 
 
@@ -91,13 +93,19 @@ def as_returned(tg: TrainGraph, outputs: list[torch.Tensor], after_graph: Callab
     if tg.call.output_spec is None:
         return outputs[0]
     numbers = tg.call.output_numbers
-    returned = [t if i not in numbers else numbers[i].read() if isinstance(numbers[i], SchedulerRead) else t.item() for i, t in enumerate(outputs)]
+    returned = [t if i not in numbers else _number(numbers[i], t) for i, t in enumerate(outputs)]
     result = pytree.tree_unflatten(returned, tg.call.output_spec)
     if tg.call.state_updates:
         result, logged = result
         for update, values in zip(tg.call.state_updates, logged):
             update.replay(values)
     return result
+
+
+def _number(kind: str | SchedulerRead, output: torch.Tensor) -> Any:
+    if isinstance(kind, SchedulerRead):
+        return kind.read()
+    return None if kind == "none" else output.item()
 
 
 @contextlib.contextmanager
