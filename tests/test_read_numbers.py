@@ -484,3 +484,29 @@ def test_a_schedule_kept_as_a_numpy_array_set_in_the_groups_between_steps_is_rea
     assert result.match, result.summary()
     assert type(o.param_groups[0]["lr"]) is np.float64 and o.param_groups[0]["weight_decay"] == wd_schedule[7]
     assert len(compiled._graphs) == 1
+
+
+@pytest.mark.parametrize("flags", [{"fused": True}, {"foreach": True}], ids=["fused", "foreach"])
+def test_the_rate_the_step_reads_and_decays_in_its_groups_is_a_float_as_in_eager(flags):
+    """A fused kernel reads its rate from a tensor; the step's own code still reads a float
+    there, before the update and after it (returned for logging, decayed by hand)."""
+
+    def step(model, opt, batch):
+        seen = opt.param_groups[0]["lr"]
+        for group in opt.param_groups:
+            group["lr"] = group["lr"] * 0.9
+        loss = _plain_step(model, opt, batch)
+        return {"loss": loss, "lr before": seen, "lr after": opt.param_groups[0]["lr"]}
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01, **flags)
+    model, o = twin(net, opt)
+    eager_model, eager_opt = twin(net, opt)
+    batch = (torch.randn(64, 16), torch.randint(0, 4, (64,)))
+    compiled = remat.compile(step, model, o, batch, profile_runs=1)
+    for _ in range(3):
+        ours, theirs = compiled(batch), step(eager_model, eager_opt, batch)
+        assert type(ours["lr before"]) is type(ours["lr after"]) is float
+        assert (ours["lr before"], ours["lr after"]) == (theirs["lr before"], theirs["lr after"]) and torch.equal(ours["loss"], theirs["loss"])
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), eager_model.parameters())) and o.param_groups[0]["lr"] == eager_opt.param_groups[0]["lr"]

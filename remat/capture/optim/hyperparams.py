@@ -14,8 +14,9 @@ parameters each group holds, for a float the update branches on (`if
 weight_decay != 0`, RMSprop's `if momentum > 0`), its sign: negative, zero or positive,
 and for a number it branches on otherwise (Muon's `ns_steps`, a count of iterations),
 its value. A fused kernel (`fused=True`) takes its settings as fixed numbers but for the
-learning rate, which it reads from a tensor: there the learning rate is the graph input
-itself, read at every call, and the other floats are fixed. An int the optimizer's step
+learning rate, which it reads from a tensor: the step's code reads a number there as
+elsewhere, and for the optimizer's step alone the rate is the graph input itself (or a
+tensor made from the number the step set), read at every call; the other floats are fixed. An int the optimizer's step
 counts up in its group (`group["step"] += 1`: a library's step count) is read the same
 way and counted up again after each run (`GroupCount`); a number the step sets in a
 group (a warm-up's rate, computed from a count the step keeps) is set again after each
@@ -159,25 +160,25 @@ def symbolic(
             name = input_name(gi, key)
             if sign_facts.get(name) == FIXED:
                 continue  # the group's own value, a constant of the graph
-            if key == "lr" and group.get("fused"):
-                value = tensors[name]  # the fused kernel's tensor-lr form reads it as it is
-                _set(group, key, value)
-                placed[name] = value
-                continue
             value = traced_number(tensors[name], name, sign_facts.get(name), symbols)
             _set(group, key, value)
             placed[name] = value
-    as_tensors: dict[int, tuple[Any, torch.Tensor]] = {}  # id of a tensor made for a fused kernel -> the number set
-    before_update: list[dict[tuple[int, str], Any]] = []  # per step entered: a subclass's step calls its base's, each hooked
+    # Per optimizer step entered (a subclass's step calls its base's, each hooked): the numbers
+    # before it, and the fused groups' rates made tensors for it; the outermost one counts.
+    entered: list[tuple[dict[tuple[int, str], Any], dict[int, tuple[Any, torch.Tensor]]]] = []
     by_update: set[tuple[int, str]] = set()  # numbers the optimizer's own step set (a skipped update would not)
 
     def update_begins(*_: Any) -> None:
-        _fused_rates_as_tensors(optimizer, tensors, as_tensors)
-        before_update.append(_numbers_of(optimizer))
+        numbers = _numbers_of(optimizer)
+        entered.append((numbers, _fused_rates_as_tensors(optimizer, tensors, placed) if not entered else {}))
 
     def update_ended(*_: Any) -> None:
-        before = before_update.pop()
-        by_update.update(at for at, value in _numbers_of(optimizer).items() if before.get(at, MISSING_NUMBER) is not value)
+        before, rates = entered.pop()
+        for gi, (rate, made) in rates.items():  # the step's code after the update reads the number again, as in eager
+            if optimizer.param_groups[gi]["lr"] is made:
+                optimizer.param_groups[gi]["lr"] = rate
+        if not entered:
+            by_update.update(at for at, value in _numbers_of(optimizer).items() if before.get(at, MISSING_NUMBER) is not value)
 
     hooks = [optimizer.register_step_pre_hook(update_begins), optimizer.register_step_post_hook(update_ended)]
     try:
@@ -186,7 +187,6 @@ def symbolic(
         for gi, key in [(gi, key) for gi, values in enumerate(saved) for key in float_entries(values)]:
             came_in = placed.get(input_name(gi, key), _get(saved[gi], key))
             now = _get(optimizer.param_groups[gi], key)
-            now = as_tensors[id(now)][0] if id(now) in as_tensors else now
             if now is came_in:
                 continue
             added = added_to(now, came_in) if type(_get(saved[gi], key)) is int else None
@@ -233,17 +233,19 @@ def _numbers_of(optimizer: torch.optim.Optimizer) -> dict[tuple[int, str], Any]:
     return out
 
 
-def _fused_rates_as_tensors(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], made: dict[int, tuple[Any, torch.Tensor]]) -> None:
-    """Before a traced step of the optimizer: a learning rate the step set as a number in a
-    fused group (a warm-up's), computed from the graph's inputs, made the 0-dim tensor its
-    graph input is, as the kernel's tensor-lr form reads it (a number there would be fixed
-    in the graph); `made` maps each such tensor to the number."""
+def _fused_rates_as_tensors(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], placed: dict[str, Any]) -> dict[int, tuple[Any, torch.Tensor]]:
+    """Before a traced step of the optimizer: each fused group's learning rate made the 0-dim
+    tensor the kernel's tensor-lr form reads (a number there would be fixed in the graph):
+    its graph input itself where it is the number placed, else (a warm-up's rate the step
+    set) one made from the number. By group: the number and the tensor that stands for it."""
+    out = {}
     for gi, group in enumerate(optimizer.param_groups):
-        rate = group.get("lr")
+        rate, name = group.get("lr"), input_name(gi, "lr")
         if group.get("fused") and (is_setting_number(rate) or isinstance(rate, torch.SymFloat)):
-            like = tensors[input_name(gi, "lr")]
-            group["lr"] = torch.scalar_tensor(rate, dtype=like.dtype, device=like.device)
-            made[id(group["lr"])] = (rate, group["lr"])
+            like = tensors[name]
+            group["lr"] = like if rate is placed.get(name) else torch.scalar_tensor(rate, dtype=like.dtype, device=like.device)
+            out[gi] = (rate, group["lr"])
+    return out
 
 
 def added_to(now: Any, came_in: Any) -> int | None:
