@@ -411,16 +411,21 @@ def _cosine_rate(it: int, warmup: int = 3, decay: int = 8, top: float = 0.01, bo
     return bottom + 0.5 * (1.0 + math.cos(math.pi * (it - warmup) / (decay - warmup))) * (top - bottom)
 
 
-def _rate_set_in_step(model, opt, batch):
-    """The learning rate set in every param group from a count the step keeps, before the update."""
-    for group in opt.param_groups:
-        group["lr"] = _cosine_rate(model.iters)
+def _plain_step(model, opt, batch):
     opt.zero_grad()
     loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
     loss.backward()
     opt.step()
-    model.iters += 1
     return loss.detach()
+
+
+def _rate_set_in_step(model, opt, batch):
+    """The learning rate set in every param group from a count the step keeps, before the update."""
+    for group in opt.param_groups:
+        group["lr"] = _cosine_rate(model.iters)
+    loss = _plain_step(model, opt, batch)
+    model.iters += 1
+    return loss
 
 
 @pytest.mark.parametrize("kind", ["for-loop", "foreach", "fused"])
@@ -443,14 +448,6 @@ def test_a_rate_the_step_sets_in_its_param_groups_from_its_count_is_set_at_every
     assert o.param_groups[0]["lr"] == _cosine_rate(10) and model.iters == eager_model.iters == 11
     assert len(compiled._graphs) <= 4, len(compiled._graphs)  # a graph per branch of the schedule
     assert compiled.report.plan.updates_in_backward and not compiled.report.plan.updates_note.startswith("0 of"), compiled.report.plan.updates_note
-
-
-def _plain_step(model, opt, batch):
-    opt.zero_grad()
-    loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
-    loss.backward()
-    opt.step()
-    return loss.detach()
 
 
 @pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
