@@ -85,11 +85,14 @@ class Condition:
         if not isinstance(cond, sympy.logic.boolalg.Boolean) or cond.free_symbols != {symbol}:
             return None
         made = cls(cond.xreplace({symbol: _N}))
+        return made if made.agrees(value) else None
+
+    def agrees(self, value: int) -> bool:
+        """Python's arithmetic decides the side of `value` as sympy does."""
         try:
-            agreed = made.holds(value) == bool(cond.xreplace({symbol: sympy.Integer(value)}))
+            return self.holds(value) == bool(self.expr.xreplace({_N: sympy.Integer(value)}))
         except Exception:  # noqa: BLE001 - a form Python's arithmetic cannot evaluate: the int stays a constant
-            return None
-        return made if agreed else None
+            return False
 
 
 @functools.lru_cache(maxsize=1024)
@@ -145,21 +148,24 @@ class Reading:
         failure (`other_failure`: a use a symbol cannot take, `torch.tensor(alpha)`) every
         number is, as without them. True if the trace is worth running again."""
         counts = [name for name in branched if name in self.symbolic and type(self.symbolic[name].get()) is int]
+        # A trip on one field is taken as a trip on the same field of every object of its
+        # class (each dropout's `p`, each parameter's `state["step"]`): the same code reads
+        # them, and one trace per object would cost a trace per layer. A sibling that would
+        # not have tripped is given the condition, a sign or left a constant early,
+        # compiled per side or value as before: slower, never wrong.
         if counts:
             symbol = [s for s in getattr(cond, "free_symbols", ()) if (symbols or {}).get(str(s)) == counts[0]]
             learned = Condition.learned(cond, symbol[0], self.symbolic[counts[0]].get()) if len(counts) == 1 and symbol else None
-            if learned is not None and learned not in self.conditions.get(counts[0], []):
-                self.conditions.setdefault(counts[0], []).append(learned)
-            else:
-                self.constant(counts)
+            if learned is None or learned in self.conditions.get(counts[0], []):
+                self.constant(self._with_siblings(counts))
+                return True
+            for name in self._with_siblings(counts):
+                if type(self.symbolic[name].get()) is not int or not learned.agrees(self.symbolic[name].get()):
+                    self.constant([name])
+                elif learned not in self.conditions.get(name, []):
+                    self.conditions.setdefault(name, []).append(learned)
             return True
-        hit = [name for name in branched if name in self.symbolic]
-        # A trip on one field is taken as a trip on the same field of every object of its
-        # class (each dropout's `p`): the same code reads them, and one trace per object
-        # would cost a trace per layer. A sibling that would not have tripped is left a
-        # sign or a constant early, compiled per value as before: slower, never wrong.
-        kinds = {_kind(self.symbolic[name]) for name in hit}
-        hit += [name for name, slot in self.symbolic.items() if name not in hit and _kind(slot) in kinds]
+        hit = self._with_siblings([name for name in branched if name in self.symbolic])
         for name in hit:
             if name in self.signs:
                 del self.symbolic[name], self.signs[name]
@@ -169,6 +175,11 @@ class Reading:
             return bool(hit)
         self.constant(list(self.symbolic))
         return True
+
+    def _with_siblings(self, names: list[str]) -> list[str]:
+        """`names`, and every other number still a symbol of the same kind as one of them (`_kind`)."""
+        kinds = {_kind(self.symbolic[name]) for name in names}
+        return names + [name for name, slot in self.symbolic.items() if name not in names and _kind(slot) in kinds]
 
     def constant(self, names: list[str]) -> None:
         """These numbers are constants of the graph from now on (compiled per value)."""
@@ -332,7 +343,10 @@ def _math_on_symbols() -> Iterator[None]:
 
 def _kind(slot: Slot) -> tuple[Any, ...]:
     """Which fields one piece of code reads alike: a field of an object, by its class and
-    key; any other place (a global, a dict's key, a cell) is its own kind."""
+    key; one key of each item of one table (each parameter's `state["step"]`, each param
+    group's), by the table and key; any other place (a global, a dict's key, a cell) is its own kind."""
+    if isinstance(slot.owner, Slot) and isinstance(slot.owner.owner, Slot):
+        return ("item", slot.owner.owner.place(), slot.key)
     if isinstance(slot.owner, (Slot, dict, types.CellType, functools.partial, types.ModuleType)):
         return (slot.name,)
     return (type(slot.owner), slot.key)
