@@ -308,10 +308,18 @@ def test_a_branch_the_batch_decides_takes_its_side_and_another_side_is_refused()
     assert all(torch.equal(a, b) for a, b in zip(before, _state(model, optimizer)))
 
 
-def test_longformers_global_attention_branch_is_taken_as_the_batch_decides() -> None:
+def test_longformers_global_attention_branch_is_taken_as_the_batch_decides(monkeypatch) -> None:
     # `is_global_attn = is_index_global_attn.flatten().any().item()`, then `if is_global_attn:`
     # in every layer: none is global in a masked-LM batch without a global attention mask.
+    # Each layer branches at the same four lines: decided in the first layer, the second's
+    # are held the same way without tracing both sides again.
+    from torch.fx.experimental.proxy_tensor import make_fx
     from transformers import LongformerConfig, LongformerForMaskedLM
+
+    from remat.capture import capture as capture_module
+
+    traces = []
+    monkeypatch.setattr(capture_module, "make_fx", lambda *a, **k: traces.append(1) or make_fx(*a, **k))
 
     torch.manual_seed(0)
     config = LongformerConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
@@ -323,3 +331,4 @@ def test_longformers_global_attention_branch_is_taken_as_the_batch_decides() -> 
     row = run_model("longformer", model, batch, "tiny", budget=0.5, steps=3, pairs=0, profile_runs=1)
     assert row.status == "ok" and row.grads_match, row.error
     assert row.measured_peak_bytes == row.predicted_peak_bytes
+    assert len(traces) <= 10, len(traces)  # each side of each layer's four branches: 17

@@ -18,7 +18,10 @@ it).
 
 Where neither side raises but the batch's values decide the branch (ops/known_values.py:
 Longformer's `if is_global_attn:` from its attention mask), the graph takes the side the
-example batch gives, and a failed check raises `BatchValueChanged` instead.
+example batch gives, and a failed check raises `BatchValueChanged` instead. A later check
+at a line where one was decided for the side the batch gives (the same branch in each
+layer) is held as that one was, without tracing both its sides again: a trace or two per
+line, not per layer.
 
 At run time (`raise_as_eager`), a failed check raises the exception the failing side
 raised while tracing, with its message: the step stops there, as eager stops. A check
@@ -31,6 +34,7 @@ eager's were when it raised.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import re
 import sys
@@ -144,9 +148,10 @@ class ValueChecks:
                 return plain(t)
             except GuardOnDataDependentSymNode as e:
                 index = checks._reached
-                if index >= len(checks.assumed) and not checks._state_decided(t if tested is None else tested):
+                value = t if tested is None else tested
+                if index >= len(checks.assumed) and not checks._state_decided(value) and not checks._decided_as_before(value):
                     e.remat_value_check = index  # type: ignore[attr-defined]
-                    checks._known_at[index] = checks.known(t if tested is None else tested)
+                    checks._known_at[index] = checks.known(value)
                     raise
                 checks._reached += 1
                 holds = checks.assumed[index]
@@ -188,6 +193,22 @@ class ValueChecks:
         self.checks.append(_state_branch(self.where_now(), known, state))
         return True
 
+    def _decided_as_before(self, value: Any) -> bool:
+        """Whether a new check's `value`, which the batch's values decide, is tested at a line
+        where an earlier one was decided for the same side (Longformer's `if is_global_attn:`
+        in every layer): the same code, held the same way and raising what it raised, without
+        a trace of each side again. Not while a side of an earlier check is being tried: its
+        other side may not come here."""
+        return self._trial is None and self._as_before(self.where_now(), self.known(value))
+
+    def _as_before(self, where: str, known: bool | None) -> bool:
+        earlier = [c for c in self.checks if c.where == where and c.holds == known and not c.state]
+        if known is None or not earlier:
+            return False
+        self.assumed.append(known)
+        self.checks.append(dataclasses.replace(earlier[0]))
+        return True
+
     def retry(self, e: BaseException, where: str) -> bool:
         """After a trace failed with `e`: whether to trace again, with a side to try or the
         side decided. False: `refusal(e)` is the trace's failure."""
@@ -204,6 +225,8 @@ class ValueChecks:
                 return True
             # Decided for the side just traced, which went on: to the next check, or to a failure of its own.
         new = _check_index(e)
+        if new is not None and new == len(self.assumed) and self._as_before(where, self._known_at.get(new)):
+            return True
         if new is not None and new == len(self.assumed):
             self._trial = _Trial(new, e, where)
             self.assumed.append(True)
