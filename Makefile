@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test clean distclean
+.PHONY: demo test test-slow test-all clean distclean
 
 demo: $(STAMP)
 	$(VENV)/bin/remat demo
@@ -15,8 +15,17 @@ demo: $(STAMP)
 # process, without OpenMP threads of two processes spinning against each other. A test
 # module runs whole on one worker (--dist loadfile), so its module fixtures are made once;
 # the longest files go first (tests/conftest.py), not the ones with most tests.
+# `test` leaves out the tests marked slow (other processes, Inductor: tests/conftest.py),
+# `test-slow` runs them, `test-all` both; CI runs both (.ci/run).
+PYTEST := OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
+
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
+	$(PYTEST) -m "not slow" tests
+
+test-slow: $(STAMP)
+	$(PYTEST) -m slow tests
+
+test-all: test test-slow
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)

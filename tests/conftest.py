@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 # Never reach for the Hugging Face hub: every model here is built from a config.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -17,6 +19,27 @@ _LONGEST_FIRST = [
 ]
 
 
+# Marked `slow`: the tests that start other processes (two gloo ranks, a script as a user
+# runs it, the CLI's runs) or compile with Inductor, a third of the suite's time. `make
+# test` runs the rest, in under ten minutes on the 2-core machine; `make test-slow` these;
+# CI (.ci/run) both.
+_SLOW_FILES = {
+    "test_data_parallel.py", "test_fsdp.py", "test_readme_examples.py", "test_examples.py", "test_inductor_regions.py",
+    "test_bench.py", "test_frontier.py",
+}
+_SLOW_TESTS = {
+    "test_integration_transformers.py::test_under_ddp_with_accumulation_it_trains_like_trainer",
+    "test_value_checks.py::test_checks_hold_under_compiled_regions",
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts other processes or compiles with Inductor (make test-slow; CI runs it)")
+
+
 def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.name in _SLOW_FILES or f"{item.path.name}::{item.originalname}" in _SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
     rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
