@@ -30,6 +30,9 @@ _SLOW_FILES = {
 _SLOW_TESTS = {
     "test_integration_transformers.py::test_under_ddp_with_accumulation_it_trains_like_trainer",
     "test_value_checks.py::test_checks_hold_under_compiled_regions",
+    "test_capture.py::test_torchs_lines_are_not_named_as_the_users_where_its_packages_are_reached_through_a_symlink",
+    "test_read_numbers.py::test_a_script_piped_to_python_has_its_loop_count_read_as_a_files_would",
+    "test_integration_lightning.py::test_compiling_with_lightning_loaded_loads_its_integration",
 }
 
 
