@@ -313,13 +313,11 @@ def test_longformers_global_attention_branch_is_taken_as_the_batch_decides(monke
     # in every layer: none is global in a masked-LM batch without a global attention mask.
     # Each layer branches at the same four lines: decided in the first layer, the second's
     # are held the same way without tracing both sides again.
-    from torch.fx.experimental.proxy_tensor import make_fx
     from transformers import LongformerConfig, LongformerForMaskedLM
 
-    from remat.capture import capture as capture_module
+    from tests.support.traces import counted
 
-    traces = []
-    monkeypatch.setattr(capture_module, "make_fx", lambda *a, **k: traces.append(1) or make_fx(*a, **k))
+    traces = counted(monkeypatch)
 
     torch.manual_seed(0)
     config = LongformerConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,

@@ -11,14 +11,12 @@ import warnings
 
 import pytest
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
 
 import remat
 from remat.errors import CaptureError
 from remat.measurement.check import check_against_eager, twin
 from remat.models import build_model, make_train_step
-
-_MAKE_FX = make_fx
+from tests.support.traces import counted
 
 
 class _IntStepAdam(torch.optim.Optimizer):
@@ -122,10 +120,7 @@ def test_an_int_step_count_is_read_at_every_call_and_counted_after_each_run(monk
     graph per side, not one per value, and a state loaded mid-run (new dicts) is the one read.
     Each parameter's count is branched on by the same line: the first trace to trip on one
     decides them all, so a capture traces a few times whatever the number of parameters (16 here)."""
-    from remat.capture import capture as capture_module
-
-    traces = []
-    monkeypatch.setattr(capture_module, "make_fx", lambda *a, **k: traces.append(1) or _MAKE_FX(*a, **k))
+    traces = counted(monkeypatch)
 
     def reload(i, model, opt):
         if i == 1:

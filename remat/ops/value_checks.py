@@ -148,11 +148,13 @@ class ValueChecks:
                 return plain(t)
             except GuardOnDataDependentSymNode as e:
                 index = checks._reached
-                value = t if tested is None else tested
-                if index >= len(checks.assumed) and not checks._state_decided(value) and not checks._decided_as_before(value):
-                    e.remat_value_check = index  # type: ignore[attr-defined]
-                    checks._known_at[index] = checks.known(value)
-                    raise
+                if index >= len(checks.assumed):
+                    value = t if tested is None else tested
+                    known = checks.known(value)
+                    if not checks._state_decided(value, known) and not checks._decided_as_before(known):
+                        e.remat_value_check = index  # type: ignore[attr-defined]
+                        checks._known_at[index] = known
+                        raise
                 checks._reached += 1
                 holds = checks.assumed[index]
                 torch.ops.remat.value_check(t, holds, index)
@@ -183,27 +185,30 @@ class ValueChecks:
             for name, test in tests.items():
                 setattr(math, name, test)
 
-    def _state_decided(self, value: Any) -> bool:
-        """Whether small state tensors decide a new check's `value` (a flag, a step count): its
-        side is taken, and the trace goes on without being run again."""
-        state, known = self.state_of(value), self.known(value)
+    def _state_decided(self, value: Any, known: bool | None) -> bool:
+        """Whether small state tensors decide a new check's `value` (a flag, a step count), whose
+        truth the batch and state give as `known`: its side is taken, and the trace goes on
+        without being run again."""
+        state = self.state_of(value)
         if not state or known is None:
             return False
         self.assumed.append(known)
         self.checks.append(_state_branch(self.where_now(), known, state))
         return True
 
-    def _decided_as_before(self, value: Any) -> bool:
-        """Whether a new check's `value`, which the batch's values decide, is tested at a line
+    def _decided_as_before(self, known: bool | None) -> bool:
+        """Whether a new check, whose side the batch's values decide (`known`), is tested at a line
         where an earlier one was decided for the same side (Longformer's `if is_global_attn:`
         in every layer): the same code, held the same way and raising what it raised, without
         a trace of each side again. Not while a side of an earlier check is being tried: its
         other side may not come here."""
-        return self._trial is None and self._as_before(self.where_now(), self.known(value))
+        return self._trial is None and known is not None and self._as_before(self.where_now(), known)
 
     def _as_before(self, where: str, known: bool | None) -> bool:
+        if known is None:
+            return False
         earlier = [c for c in self.checks if c.where == where and c.holds == known and not c.state]
-        if known is None or not earlier:
+        if not earlier:
             return False
         self.assumed.append(known)
         self.checks.append(dataclasses.replace(earlier[0]))
