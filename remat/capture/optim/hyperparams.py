@@ -37,6 +37,7 @@ import torch
 
 from remat.errors import CaptureError, ChangedSinceCompiled
 from remat.capture.optimizers import group_name
+from remat.capture.state.slots import MISSING
 
 # Floats that torch.optim's optimizers compare with zero before using them. Their sign is
 # fixed from the start; others are found when a trace trips on one.
@@ -178,7 +179,7 @@ def symbolic(
             if optimizer.param_groups[gi]["lr"] is made:
                 optimizer.param_groups[gi]["lr"] = rate
         if not entered:
-            by_update.update(at for at, value in _numbers_of(optimizer).items() if before.get(at, MISSING_NUMBER) is not value)
+            by_update.update(at for at, value in _numbers_of(optimizer).items() if before.get(at, MISSING) is not value)
 
     hooks = [optimizer.register_step_pre_hook(update_begins), optimizer.register_step_post_hook(update_ended)]
     try:
@@ -216,9 +217,6 @@ def symbolic(
             for key in [k for k in group if k != "params" and k not in values]:
                 del group[key]
             group.update(values)
-
-
-MISSING_NUMBER = object()
 
 
 def _numbers_of(optimizer: torch.optim.Optimizer) -> dict[tuple[int, str], Any]:
