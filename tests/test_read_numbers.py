@@ -483,6 +483,50 @@ def test_a_schedule_kept_as_a_numpy_array_set_in_the_groups_between_steps_is_rea
     assert len(compiled._graphs) == 1
 
 
+def test_a_rate_set_as_a_numpy_float32_is_refused_with_advice_that_works():
+    """A float32 schedule (`np.linspace(...).astype(np.float32)`): eager's update computes
+    with the rate in float32 (`lr / bias_correction` rounds to float32), remat's graph with
+    Python floats, so it is refused, at capture and when set between steps, saying to set
+    float(...); set so, one graph serves every step, bitwise. (Set between steps it failed
+    with "not a float; compile a new step"; from the start it was held by value, and its
+    arithmetic with the step count, read at every call, was a float64's: off by 1e-8 after
+    five steps.)"""
+    import numpy as np
+
+    from remat.errors import CaptureError
+
+    schedule = np.linspace(1e-3, 1e-4, 7).astype(np.float32)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+
+    def set_rate(i, model, opt):
+        opt.param_groups[0]["lr"] = schedule[i + 1]
+
+    model, o = twin(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+    compiled = remat.compile(_plain_step, model, o, batch, memory_budget=0.8, profile_runs=1)
+    compiled(batch)
+    set_rate(0, model, o)
+    with pytest.raises(CaptureError, match=r"numpy float32 rounds.*float\(\.\.\.\)"):
+        compiled(batch)
+    model, o = twin(net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=np.float32(0.9)))
+    with pytest.raises(CaptureError, match=r"\['momentum'\].*numpy float32"):
+        remat.compile(_plain_step, model, o, batch)(batch)
+
+    def set_float(i, model, opt):
+        opt.param_groups[0]["lr"] = float(schedule[i + 1])
+
+    opt = torch.optim.AdamW(net.parameters(), lr=float(schedule[0]))
+    model, o = twin(net, opt)
+    eager_model, eager_opt = twin(net, opt)
+    compiled = remat.compile(_plain_step, model, o, batch, memory_budget=0.8, profile_runs=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # compiled again: a warning
+        result = check_against_eager(_plain_step, eager_model, eager_opt, model, o, compiled, batch, steps=6, between_steps=set_float)
+    assert result.match, result.summary()
+    assert len(compiled._graphs) == 1
+
+
 @pytest.mark.parametrize("flags", [{"fused": True}, {"foreach": True}], ids=["fused", "foreach"])
 def test_the_rate_the_step_reads_and_decays_in_its_groups_is_a_float_as_in_eager(flags):
     """A fused kernel reads its rate from a tensor; the step's own code still reads a float

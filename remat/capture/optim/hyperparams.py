@@ -94,6 +94,14 @@ def _flags(group: dict[str, Any], where: str) -> tuple[tuple[str, str], ...]:
     for key, value in group.items():
         if key == "params" or key in floats:
             continue
+        rounded = [v for v in (value if isinstance(value, (tuple, list)) else [value]) if isinstance(v, np.floating) and type(v) is not np.float64]
+        if rounded:  # numpy's float64 is a float (float_entries); its other floats round as they compute
+            raise CaptureError(
+                f"{where}[{key!r}] is {value!r}: the update's arithmetic on a numpy {rounded[0].dtype} rounds to its "
+                "precision, which remat's graph does not reproduce (it computes with Python floats). Set "
+                f"float(...) there (group[{key!r}] = float(value)): eager then computes as remat does, and the step "
+                "reads it at every call."
+            )
         if isinstance(value, torch.Tensor):
             raise CaptureError(
                 f"{where}[{key!r}] is a tensor; remat reads the param groups' settings as Python numbers at every "
@@ -378,7 +386,14 @@ def check_settings(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]
         for key, was in spec.flags:
             now = flags.get(key, repr(floats.get(key, "<missing>")))
             if now != was:
-                raise ChangedSinceCompiled(f"{where}[{key!r}] changed from {was} to {now} since the step was compiled, and the captured update depends on it")
+                raise ChangedSinceCompiled(
+                    f"{where}[{key!r}] changed from {was} to {now} since the step was compiled, and the captured update depends on it"
+                   
+                )
+        compared = {key for key, _ in spec.flags}
+        for key in flags:
+            if key not in compared:
+                raise _not_a_float(where, group, key)
         for key, was in spec.fixed:
             if floats.get(key) != was:
                 raise ChangedSinceCompiled(
@@ -391,6 +406,15 @@ def check_settings(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]
                 raise ChangedSinceCompiled(
                     f"{where}[{key!r}] changed from {_SIGN_WORDS[was]} to {now!r}, and the update skips or runs a whole term on whether it is {_SIGN_WORDS[was]}"
                 )
+
+
+def _not_a_float(where: str, group: dict[str, Any], key: str) -> ChangedSinceCompiled:
+    """A number the step read at every call is now of another type: compiled again, where it
+    is taken by value (or refused, as at any capture)."""
+    return ChangedSinceCompiled(
+        f"{where}[{key!r}] is now {_get(group, key)!r} since the step was compiled, not a Python float: the update's "
+        "arithmetic on it is its type's, so the step holds its value"
+    )
 
 
 def values(optimizer: torch.optim.Optimizer, names: list[str]) -> list[torch.Tensor]:
@@ -410,5 +434,5 @@ def read(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]], gi: int
     except (KeyError, IndexError) as e:
         raise CaptureError(f"{group_name(optimizer, gi)} has no {key!r} any more; compile a new step") from e
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise CaptureError(f"{group_name(optimizer, gi)}[{key!r}] is now {value!r}, not a float; compile a new step")
+        raise _not_a_float(group_name(optimizer, gi), groups[gi], key)
     return float(value)
