@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import warnings
 
+import numpy as np
+
 from remat.budget import Budget, format_bytes
 from remat.capture.train_graph import InputKind, TrainGraph
 from remat.passes.update_buckets import nbytes
@@ -15,12 +17,19 @@ from remat.passes.update_buckets import nbytes
 MANY_SHAPES = 4
 
 
-def warn_constants_changed(changed: list[str], needed: bool, reading_needs: int | None = None) -> None:
+def rounds_in_python(value: object) -> bool:
+    """A numpy float other than float64 (float32: a schedule kept as np.float32), whose Python
+    arithmetic rounds to its precision: the step holds it as a constant."""
+    return isinstance(value, np.floating) and type(value) is not np.float64
+
+
+def warn_constants_changed(changed: list[str], needed: bool, reading_needs: int | None = None, rounded: list[str] | None = None) -> None:
     """Name the values the graph about to be compiled holds as constants that changed since
     the last graph of its shape (`changed`, as `python_state.changed_values` writes them);
     `needed`: among them a number the loop changes that the step needs the value of;
     `reading_needs`: among them a number held constant because the graph reading it at every
-    call has no plan under the budget, the smallest peak that graph reaches."""
+    call has no plan under the budget, the smallest peak that graph reaches; `rounded`: among
+    them numpy floats whose arithmetic rounds to their precision (`rounds_in_python`)."""
     if not changed:
         return
     why = ""
@@ -29,6 +38,12 @@ def warn_constants_changed(changed: list[str], needed: bool, reading_needs: int 
             f" A number the loop changes is read at every call, but reading it adds an input to the graph, whose "
             f"plans then reach no lower than {format_bytes(reading_needs)} ({reading_needs} bytes), over the memory "
             f"budget. Raise the budget to at least {reading_needs} bytes to have it read at every call."
+        )
+    elif rounded:
+        why = (
+            f" {', '.join(rounded[:3])} {'is a numpy float' if len(rounded) == 1 else 'are numpy floats'} (not float64), whose "
+            "arithmetic in Python rounds to its precision, which the graph does not reproduce; so each value is a graph. "
+            "Set a Python float there (float(...)): the step then reads it at every call."
         )
     elif needed:
         why = (

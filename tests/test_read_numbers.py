@@ -483,6 +483,49 @@ def test_a_schedule_kept_as_a_numpy_array_set_in_the_groups_between_steps_is_rea
     assert len(compiled._graphs) == 1
 
 
+_WEIGHT: object = 0.1
+
+
+def _step_with_weight(model, opt, batch):
+    opt.zero_grad()
+    out = model(batch[0])
+    loss = torch.nn.functional.cross_entropy(out, batch[1]) + _WEIGHT * 2 * out.pow(2).mean()
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_a_global_numpy_float32_the_loop_changes_is_held_by_value_with_advice_that_works():
+    """`weight * 2` on a numpy float32 rounds to float32 in Python, which a graph reading it at
+    every call would compute as a float64: each value is a graph (bitwise), and the warning
+    says to set float(...); set so, one graph serves every step."""
+    import numpy as np
+
+    global _WEIGHT
+    weights = np.linspace(0.1, 1.0, 8).astype(np.float32)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    batch = (torch.randn(64, 16), torch.randint(0, 4, (64,)))
+    for convert, graphs in ((lambda w: w, 4), (float, 0)):
+
+        def set_weight(i, model, opt, convert=convert):
+            global _WEIGHT
+            _WEIGHT = convert(weights[i + 1])
+
+        _WEIGHT = convert(weights[0])
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        model, o = twin(net, opt)
+        eager_model, eager_opt = twin(net, opt)
+        compiled = remat.compile(_step_with_weight, model, o, batch, profile_runs=1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = check_against_eager(_step_with_weight, eager_model, eager_opt, model, o, compiled, batch, steps=5, between_steps=set_weight)
+        assert result.match, result.summary()
+        again = [str(w.message) for w in caught if "compiled again" in str(w.message)]
+        assert len(again) == graphs, again
+        assert all("_WEIGHT is a numpy float" in m and "float(...)" in m for m in again), again[:1]
+
+
 def test_a_rate_set_as_a_numpy_float32_is_refused_with_advice_that_works():
     """A float32 schedule (`np.linspace(...).astype(np.float32)`): eager's update computes
     with the rate in float32 (`lr / bias_correction` rounds to float32), remat's graph with

@@ -241,7 +241,7 @@ class _NotCompared:
         return f"<a {self.kind.__name__}>"
 
 
-def _thawed(value: Any) -> Any:
+def thawed(value: Any) -> Any:
     """The container `frozen` stands for, made anew."""
     if isinstance(value, tuple) and value and value[0] in (np.generic, np.ndarray):
         array = np.frombuffer(value[3], dtype=np.dtype(value[1])).reshape(value[2])
@@ -250,8 +250,8 @@ def _thawed(value: Any) -> Any:
         return value
     kind, items = value
     if kind is dict:
-        return {_thawed(k): _thawed(x) for k, x in items}
-    return remade(kind, [_thawed(x) for x in items])
+        return {thawed(k): thawed(x) for k, x in items}
+    return remade(kind, [thawed(x) for x in items])
 
 
 def remade(kind: type, items: list[Any]) -> Any:
@@ -262,7 +262,7 @@ def remade(kind: type, items: list[Any]) -> Any:
 
 def shown(value: Any) -> str:
     """A frozen value as the user wrote it, shortened."""
-    return short(repr(_thawed(value)))
+    return short(repr(thawed(value)))
 
 
 def short(text: str) -> str:
