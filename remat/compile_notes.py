@@ -7,8 +7,6 @@ from __future__ import annotations
 import math
 import warnings
 
-import numpy as np
-
 from remat.budget import Budget, format_bytes
 from remat.capture.train_graph import InputKind, TrainGraph
 from remat.passes.update_buckets import nbytes
@@ -17,19 +15,13 @@ from remat.passes.update_buckets import nbytes
 MANY_SHAPES = 4
 
 
-def rounds_in_python(value: object) -> bool:
-    """A numpy float other than float64 (float32: a schedule kept as np.float32), whose Python
-    arithmetic rounds to its precision: the step holds it as a constant."""
-    return isinstance(value, np.floating) and type(value) is not np.float64
-
-
 def warn_constants_changed(changed: list[str], needed: bool, reading_needs: int | None = None, rounded: list[str] | None = None) -> None:
     """Name the values the graph about to be compiled holds as constants that changed since
     the last graph of its shape (`changed`, as `python_state.changed_values` writes them);
     `needed`: among them a number the loop changes that the step needs the value of;
     `reading_needs`: among them a number held constant because the graph reading it at every
     call has no plan under the budget, the smallest peak that graph reaches; `rounded`: among
-    them numpy floats whose arithmetic rounds to their precision (`rounds_in_python`)."""
+    them numpy floats whose arithmetic rounds to their precision (`slots.rounds_in_python`)."""
     if not changed:
         return
     why = ""

@@ -40,7 +40,7 @@ from remat.capture.state.kept_numbers import CountedBranch
 from remat.capture.state.library_objects import read_by_trace
 from remat.capture.state.python_state import changed_values, state_slots, step_values
 from remat.capture.state.scheduler_calls import make_calls
-from remat.capture.state.slots import thawed
+from remat.capture.state.slots import rounds_in_python, thawed
 from remat.memory.simulator import simulate
 from remat.step_report import StepReport
 
@@ -250,7 +250,7 @@ class RematStep:
         now = self._key_values()
         changed = changed_values(unread(before), unread(now)) if before else []
         moved = [n for n, v in now if type(v) in (int, float) and n in self._constant and dict(before).get(n) != v]
-        rounded = [n for n, v in unread(now) if before and dict(before).get(n) != v and compile_notes.rounds_in_python(thawed(v))]
+        rounded = [n for n, v in unread(now) if before and dict(before).get(n) != v and rounds_in_python(thawed(v))]
         compile_notes.warn_constants_changed(
             changed, bool(moved), max((self._unread_for_budget[n] for n in moved if self._unread_for_budget.get(n)), default=None), rounded
         )

@@ -37,7 +37,7 @@ import torch
 
 from remat.errors import CaptureError, ChangedSinceCompiled
 from remat.capture.optimizers import group_name
-from remat.capture.state.slots import MISSING
+from remat.capture.state.slots import MISSING, rounds_in_python
 
 # Floats that torch.optim's optimizers compare with zero before using them. Their sign is
 # fixed from the start; others are found when a trace trips on one.
@@ -94,8 +94,8 @@ def _flags(group: dict[str, Any], where: str) -> tuple[tuple[str, str], ...]:
     for key, value in group.items():
         if key == "params" or key in floats:
             continue
-        rounded = [v for v in (value if isinstance(value, (tuple, list)) else [value]) if isinstance(v, np.floating) and type(v) is not np.float64]
-        if rounded:  # numpy's float64 is a float (float_entries); its other floats round as they compute
+        rounded = [v for v in (value if isinstance(value, (tuple, list)) else [value]) if rounds_in_python(v)]
+        if rounded:
             raise CaptureError(
                 f"{where}[{key!r}] is {value!r}: the update's arithmetic on a numpy {rounded[0].dtype} rounds to its "
                 "precision, which remat's graph does not reproduce (it computes with Python floats). Set "
@@ -386,10 +386,7 @@ def check_settings(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]
         for key, was in spec.flags:
             now = flags.get(key, repr(floats.get(key, "<missing>")))
             if now != was:
-                raise ChangedSinceCompiled(
-                    f"{where}[{key!r}] changed from {was} to {now} since the step was compiled, and the captured update depends on it"
-                   
-                )
+                raise ChangedSinceCompiled(f"{where}[{key!r}] changed from {was} to {now} since the step was compiled, and the captured update depends on it")
         compared = {key for key, _ in spec.flags}
         for key in flags:
             if key not in compared:

@@ -260,6 +260,13 @@ def remade(kind: type, items: list[Any]) -> Any:
     return kind._make(items) if issubclass(kind, tuple) and hasattr(kind, "_make") else kind(items)
 
 
+def rounds_in_python(value: Any) -> bool:
+    """A numpy float other than float64 (a schedule kept as np.float32): Python's arithmetic on
+    it rounds to its precision, which a graph reading it as a float at every call would not,
+    so a step holds it by value (numpy's float64 is a float, and read as one)."""
+    return isinstance(value, np.floating) and type(value) is not np.float64
+
+
 def shown(value: Any) -> str:
     """A frozen value as the user wrote it, shortened."""
     return short(repr(thawed(value)))
