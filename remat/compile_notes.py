@@ -6,24 +6,30 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 from remat.budget import Budget, format_bytes
+from remat.capture.state.python_state import changed_values, numpy_floats_changed
 from remat.capture.train_graph import InputKind, TrainGraph
 from remat.passes.update_buckets import nbytes
 
 # Batch shapes after which a step says that each new one is compiled again (dynamic padding).
 MANY_SHAPES = 4
 
+Values = tuple[tuple[str, Any], ...]  # (name, frozen value) of what a graph's key holds
 
-def warn_constants_changed(changed: list[str], needed: bool, reading_needs: int | None = None, rounded: list[str] | None = None) -> None:
+
+def warn_constants_changed(before: Values, now: Values, needed: bool, reading_needs: int | None = None) -> None:
     """Name the values the graph about to be compiled holds as constants that changed since
-    the last graph of its shape (`changed`, as `python_state.changed_values` writes them);
-    `needed`: among them a number the loop changes that the step needs the value of;
-    `reading_needs`: among them a number held constant because the graph reading it at every
-    call has no plan under the budget, the smallest peak that graph reaches; `rounded`: among
-    them numpy floats whose arithmetic rounds to their precision (`slots.rounds_in_python`)."""
+    the last graph of its shape (`before`: its key's values, empty for the first graph;
+    `now`: this one's); `needed`: among them a number the loop changes that the step needs
+    the value of; `reading_needs`: among them a number held constant because the graph
+    reading it at every call has no plan under the budget, the smallest peak that graph
+    reaches."""
+    changed = changed_values(before, now) if before else []
     if not changed:
         return
+    rounded = numpy_floats_changed(before, now)  # numpy floats whose arithmetic rounds to their precision
     why = ""
     if reading_needs is not None:
         why = (

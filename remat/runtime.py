@@ -38,9 +38,8 @@ from remat.profile.profiles import Profile, graph_fingerprint
 from remat.capture.call_inputs import CallInputs, gradients_set
 from remat.capture.state.kept_numbers import CountedBranch
 from remat.capture.state.library_objects import read_by_trace
-from remat.capture.state.python_state import changed_values, state_slots, step_values
+from remat.capture.state.python_state import state_slots, step_values
 from remat.capture.state.scheduler_calls import make_calls
-from remat.capture.state.slots import rounds_in_python, thawed
 from remat.memory.simulator import simulate
 from remat.step_report import StepReport
 
@@ -248,12 +247,9 @@ class RematStep:
         the graph about to be compiled holds as constants (not the floats read at every call)."""
         unread = lambda values: tuple((name, value) for name, value in values if name not in self._read)  # noqa: E731
         now = self._key_values()
-        changed = changed_values(unread(before), unread(now)) if before else []
         moved = [n for n, v in now if type(v) in (int, float) and n in self._constant and dict(before).get(n) != v]
-        rounded = [n for n, v in unread(now) if before and dict(before).get(n) != v and rounds_in_python(thawed(v))]
-        compile_notes.warn_constants_changed(
-            changed, bool(moved), max((self._unread_for_budget[n] for n in moved if self._unread_for_budget.get(n)), default=None), rounded
-        )
+        needs = max((self._unread_for_budget[n] for n in moved if self._unread_for_budget.get(n)), default=None)
+        compile_notes.warn_constants_changed(unread(before), unread(now), bool(moved), needs)
 
     def _key_values(self, slots: list[Any] | None = None) -> tuple[tuple[str, Any], ...]:
         """The watched values the compiled graph depends on: each value itself, but for a

@@ -60,7 +60,7 @@ from remat.capture.state import library_objects, module_hooks, outside_tensors, 
 from remat.capture import param_hooks
 from remat.capture.state.slots import (
     CONTAINERS, MISSING, MOST_KEYS, NOT_PLAIN, NUMBERS, PLAIN, TRACED_NUMBERS, Slot, fields_of, frozen, holds, is_number, item_name,
-    remade, short, shown, slotted_fields, split,
+    remade, rounds_in_python, short, shown, slotted_fields, split, thawed,
 )
 
 TEXT = (str, bytes)  # what the user's code sets in a slot (a name, a mode), set again after each run as a number is
@@ -92,6 +92,13 @@ def changed_values(before: tuple[tuple[str, Any], ...], now: tuple[tuple[str, An
         return shown(values[k]) if k in values else "an object, or nothing"
 
     return [f"{k} ({held(old, k)} -> {held(new, k)})" for k in {**old, **new} if old.get(k, gone) != new.get(k, gone)]
+
+
+def numpy_floats_changed(before: tuple[tuple[str, Any], ...], now: tuple[tuple[str, Any], ...]) -> list[str]:
+    """The names of the values that changed and hold a numpy float other than float64 now
+    (`slots.rounds_in_python`: held by value)."""
+    old = dict(before)
+    return [k for k, v in now if k in old and old[k] != v and rounds_in_python(thawed(v))]
 
 
 @dataclass
