@@ -387,10 +387,6 @@ def check_settings(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]
             now = flags.get(key, repr(floats.get(key, "<missing>")))
             if now != was:
                 raise ChangedSinceCompiled(f"{where}[{key!r}] changed from {was} to {now} since the step was compiled, and the captured update depends on it")
-        compared = {key for key, _ in spec.flags}
-        for key in flags:
-            if key not in compared:
-                raise _not_a_float(where, group, key)
         for key, was in spec.fixed:
             if floats.get(key) != was:
                 raise ChangedSinceCompiled(
