@@ -21,7 +21,7 @@ from remat.batch_signature import checked_signature, shapes_and_values, signatur
 from remat.capture import data_parallel, sharded
 from remat.capture.optim import first_step_state, optimizer_state
 from remat.capture.optimizers import as_one
-from remat.capture.state import first_call, guards, read_numbers
+from remat.capture.state import first_call, guards, kept_numbers, kept_tensors, read_numbers
 from remat.budget import format_bytes, parse_budget
 from remat.passes import cuda_graph as cuda_graphs, inductor_regions
 from remat.capture.capture import capture
@@ -36,7 +36,6 @@ from remat.planners.plan import Plan
 from remat.planners import DEFAULT_PLANNER, check_planner, make_plan
 from remat.profile.profiles import Profile, graph_fingerprint
 from remat.capture.call_inputs import CallInputs, gradients_set
-from remat.capture.state.kept_numbers import CountedBranch
 from remat.capture.state.library_objects import read_by_trace
 from remat.capture.state.python_state import state_slots, step_values
 from remat.capture.state.scheduler_calls import make_calls
@@ -113,7 +112,7 @@ class RematStep:
     _accumulating: list[torch.Tensor] | None = None  # a step that adds to gradients it finds set: its parameters, whose .grad set or not is in the key
     _frozen_graded: list[torch.Tensor] = field(default_factory=list)  # frozen parameters whose gradient a graph takes: set or not is in the key
     _library_read: frozenset[tuple[int, str]] = frozenset()  # library fields the traces read (a library's flag): in the key
-    _branches: list[Any] = field(default_factory=list)  # kept_numbers.CountedBranch of the graphs: the branch a library's count picks is in the key
+    _branches: list[Any] = field(default_factory=list)  # the graphs' CountedBranch and KeptBuffer: a library count's branch, a made buffer, in the key
 
     def __post_init__(self) -> None:
         # Parse now: a bad budget is an error at compile time, not at the first step.
@@ -190,7 +189,7 @@ class RematStep:
                 self._graphs = {k: g for k, g in self._graphs.items() if k[0] != shapes}
         tg = compiled.tg
         known = {b.slot.name for b in self._branches}
-        branches = [u for u in tg.call.state_updates if isinstance(u, CountedBranch) and u.slot.name not in known]
+        branches = [u for u in tg.call.state_updates if isinstance(u, (kept_numbers.CountedBranch, kept_tensors.KeptBuffer)) and u.slot.name not in known]
         frozen = [p for p in frozen_gradients_taken(tg, self.model) if all(p is not q for q in self._frozen_graded)]
         sides = {i: (*self._batch_sides.get(i, ()), *(c for c in conds if c not in self._batch_sides.get(i, ()))) for i, conds in tg.call.batch_sides.items()}
         if tg.call.batch_read - self._batch_read or sides.items() - self._batch_sides.items():  # from now on, their values (or sides) are in the key

@@ -700,6 +700,73 @@ def test_a_layer_replaced_at_the_first_call_is_refused_put_back_and_compiles_aft
     assert result.match, result.summary()
 
 
+class _MakesBuffers(torch.nn.Module):
+    """Buffers made in a forward: a rotary embedding's cos/sin cache, made at the first call and
+    grown for a longer sequence (non-persistent), and a scale initialised from the first batch
+    (ActNorm's data-dependent initialisation, persistent)."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out = torch.nn.Linear(width, width), torch.nn.Linear(width, 10)
+        self.cached = 0
+
+    def forward(self, x):
+        n = x.shape[1]
+        if n > self.cached:
+            angles = torch.outer(torch.arange(n, dtype=torch.float32), torch.linspace(0.1, 1.0, x.shape[-1] // 2))
+            self.register_buffer("cos", angles.cos(), persistent=False)
+            self.register_buffer("sin", angles.sin(), persistent=False)
+            self.cached = n
+        h = self.inp(x)
+        h1, h2 = h.chunk(2, -1)
+        c, s = self.cos[:n], self.sin[:n]
+        h = torch.cat([h1 * c - h2 * s, h1 * s + h2 * c], -1)
+        if not hasattr(self, "scale"):
+            self.register_buffer("scale", 1.0 / (h.detach().std((0, 1)) + 1e-6))
+        return self.out(F.gelu(h * self.scale).mean(1))
+
+
+def test_buffers_a_forward_makes_are_registered_after_the_first_run_and_the_step_trains_bitwise() -> None:
+    model = _MakesBuffers()
+    eager_model = copy.deepcopy(model)
+    opt, eager_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(4, n, 32, generator=g), "y": torch.randint(0, 10, (4,), generator=g)} for n in (8, 8, 12, 8)]
+    step = remat.compile(_step, model, opt, batches[0], memory_budget=None)
+    assert (dict(model.named_buffers()), model.cached) == ({}, 0), "compiling changes nothing in the model"
+    for batch in batches:
+        assert torch.equal(step(batch), _step(eager_model, eager_opt, batch))
+        assert {n: t.shape for n, t in model.named_buffers()} == {n: t.shape for n, t in eager_model.named_buffers()}
+    assert _same_parameters(model, eager_model)
+    ours, eagers = model.state_dict(), eager_model.state_dict()
+    assert ours.keys() == eagers.keys() and "scale" in ours and "cos" not in ours  # persistent as registered
+    assert all(torch.equal(ours[k], eagers[k]) for k in ours)
+    # Made at the first run, then read as buffers: the later graphs make none.
+    from remat.capture.state.kept_tensors import KeptBuffer
+
+    made = [[u.slot.name for u in g.tg.call.state_updates if isinstance(u, KeptBuffer)] for g in step._graphs.values()]
+    assert made[0] == ["model.cos", "model.sin", "model.scale"] and made[-1] == []
+
+
+class _RegistersAParameter(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(128, 10)
+
+    def forward(self, x):
+        if not hasattr(self, "gain"):
+            self.gain = torch.nn.Parameter(torch.ones(10))
+        return self.a(x) * self.gain
+
+
+def test_a_parameter_a_forward_registers_is_refused_and_the_model_left_as_it_was() -> None:
+    model = _RegistersAParameter()
+    with pytest.raises(remat.CaptureError, match=r"registers a new parameter, gain, .* Make it in the module's __init__"):
+        remat.compile(_step, model, torch.optim.SGD(model.parameters(), lr=0.1), _batches(1)[0], memory_budget=None)
+    assert not hasattr(model, "gain") and len(list(model.parameters())) == 2
+
+
 def _with_statistics_hooks(model: torch.nn.Module) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """A list a forward hook logs a layer's statistic into, and a dict another hook stores a layer's output in."""
     stats: list[torch.Tensor] = []

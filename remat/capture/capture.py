@@ -332,6 +332,7 @@ class _Effects:
     counted: Any
     printed: Any
     tensors: list[tuple[Any, Any]]
+    buffers: list[tuple[Any, Any]]  # the buffers it makes (kept_tensors.KeptBuffer), filled as the trace ends
     dicts: kept_tensors.DictsSet  # keys the step sets in the user's dicts
     skips: dict[int, Any]  # GradScaler's skipped updates (optimizer_state.skipped_in_graph)
     passed: Any  # the optimizer argument, whose wrappers keep a skip (Accelerate's)
@@ -347,7 +348,7 @@ class _Effects:
         """Entered after the outside tensors are swapped: a tensor kept where one was is told from its placeholder.
         `tensors_and_stand_ins`: the model's parameters and buffers, and their stand-ins, by name."""
         inputs = set(map(id, args))
-        stack.enter_context(kept_tensors.data_assignments(args, model))  # entered first: `t.data = new` written back last
+        buffers = stack.enter_context(kept_tensors.data_assignments(args, model))  # entered first: `t.data = new` written back last
         # The tensors kept are looked for once the lists and numbers are put back (it walks the state).
         tensors = stack.enter_context(kept_tensors.setting(all_slots, inputs))
         stack.enter_context(kept_tensors.attributes_on(*tensors_and_stand_ins, inputs, tensors))  # those left on them
@@ -356,6 +357,7 @@ class _Effects:
             stack.enter_context(kept_numbers.counting(probe["numbers"], probe["as_numbers"], probe.get("library_ahead", True))),
             stack.enter_context(step_prints.recording()),
             tensors,
+            buffers,
             stack.enter_context(kept_tensors.recording_dicts([(slot, slot.get()) for slot, _ in slots], inputs)),
             stack.enter_context(optimizer_state.skipped_in_graph()),
             passed,
@@ -373,7 +375,7 @@ class _Effects:
         logs, logged_values = logged_numbers.logged(self.logged, self.inputs)
         prints, printed_values = step_prints.recorded(self.printed)
         kept, kept_values, self.left_alone = kept_numbers.kept(self.counted, numbers_unread)
-        tensors = [*self.tensors, *self.dicts.kept]
+        tensors = [*self.tensors, *self.dicts.kept, *self.buffers]
         skipped, skipped_values = optimizer_state.skipped_steps(self.passed, self.skips)
         return (
             [*logs, *(t for t, _ in tensors), *prints, *kept, *(u for u, _ in counts), *skipped],

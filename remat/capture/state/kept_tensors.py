@@ -35,6 +35,15 @@ is set to its value (detached: the step's autograd graph is freed by then, as ea
   `self.avg = 0.9 * self.avg + ...` in a forward) is the same case: make_fx's module
   stand-in would be put back with the buffer as it came in, so its new value is written
   into its memory the same way.
+- **A buffer the step makes** (`KeptBuffer`): registered in a forward where the module
+  had none of that name or held None there (a rotary embedding's cos/sin cache made at
+  the first call, or grown for a longer sequence), or rebound to a tensor of another
+  shape. Left there, the trace's placeholder would be in the user's model; so the
+  module's buffer table is put back as it was, and the tensor is a graph output,
+  registered after each run (persistent or not, as the step registered it). What the
+  buffer holds is in the step's key, so once it is there the step compiles again and the
+  next graph reads it as one of the model's buffers, as eager's later steps do. A
+  parameter the step registers or replaces is refused: the optimizer does not hold it.
 - **An attribute of a parameter or buffer** (`attributes_on`): the stand-in holds the real
   tensor's attributes while the step is traced (a flag the user's optimizer reads); one the
   step leaves holding a tensor it computed (opacus' per-sample gradients, `p.grad_sample`)
@@ -62,7 +71,7 @@ from remat.capture.state.logged_numbers import record_calls
 from remat.capture.trace_checks import where_in_users_code_now
 from remat.errors import CaptureError
 from remat.capture.state.python_state import MISSING, Slot, item_name, kept_error
-from remat.capture.state.slots import TRACED_NUMBERS
+from remat.capture.state.slots import TRACED_NUMBERS, TensorSignature
 
 _MOST_KEYS = 256  # a larger dict is left as it is (watched as a value)
 
@@ -80,6 +89,26 @@ class KeptTensor:
 
     def replay(self, values: list[Any]) -> None:
         self.slot.set(values[0])
+
+
+@dataclass(frozen=True)
+class KeptBuffer(KeptTensor):
+    """A buffer the step makes (module docstring), registered on `module` after each run
+    (`slot`: its entry in the module's buffer table)."""
+
+    module: torch.nn.Module | None = None
+    persistent: bool = True
+
+    def where(self) -> str:
+        return f"registered as the buffer {self.slot.name}"
+
+    def branch(self) -> tuple[str, Any]:
+        """In the step's key: whether the module holds the buffer, and its signature (TensorSignature)."""
+        held = self.slot.get()
+        return self.slot.name, TensorSignature.of(held) if isinstance(held, torch.Tensor) else None
+
+    def replay(self, values: list[Any]) -> None:
+        self.module.register_buffer(self.slot.key, values[0], persistent=self.persistent)
 
 
 @contextlib.contextmanager
@@ -313,23 +342,93 @@ def check_writable(t: torch.Tensor, new: torch.Tensor, what: str, memory: dict[i
         )
 
 @contextlib.contextmanager
-def data_assignments(inputs: tuple[Any, ...], model: torch.nn.Module) -> Iterator[None]:
+def data_assignments(inputs: tuple[Any, ...], model: torch.nn.Module) -> Iterator[list[tuple[KeptTensor, Any]]]:
     """While the block runs, `t.data = new` rebinds `t` in the trace; at its end (if it ends
     without an error) the graph inputs so set, and the model's buffers the step bound to
-    another tensor, are written with their new values."""
+    another tensor like the one it held, are written with their new values. The buffers it
+    makes (KeptBuffer, with their traced values) go into the list yielded, their tables put back."""
     mode = _DataAssignments(inputs)
-    buffers, params = dict(model.named_buffers()), dict(model.named_parameters())  # the traced inputs, while the model holds them
-    with mode:
-        yield
-    replaced = [n for n, p in model.named_parameters() if params.get(n) is not p]
-    if replaced:
-        raise CaptureError(
-            f"train_step replaces the model's parameter {replaced[0]} with another one (`module.weight = nn.Parameter(...)` in a "
-            "forward or the step), which the optimizer does not hold and the graph cannot keep. Change the parameter in place "
-            "(`with torch.no_grad(): p.copy_(new)`, or `p.data = new`), or replace it outside train_step and compile again."
-        )
-    now = dict(model.named_buffers())
-    mode.write_back({n: (t, now[n]) for n, t in buffers.items() if now.get(n) is not t and isinstance(now.get(n), torch.Tensor)})
+    tables = _Tables.of(model)  # the traced inputs, while the model holds them
+    made: list[tuple[KeptTensor, Any]] = []
+    try:
+        with mode:
+            yield made
+    except BaseException:
+        tables.put_back()
+        raise
+    tables.check_parameters()
+    rebound: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, module, key, was, now in tables.buffers_changed():
+        if was is not None and isinstance(now, torch.Tensor) and _like(was, now):
+            rebound[name] = (was, now)
+        elif isinstance(now, FakeTensor) and id(now) not in mode.inputs:
+            made.append((KeptBuffer(Slot(f"model.{name}", module._buffers, key), keyed=True, module=module, persistent=key not in module._non_persistent_buffers_set), now))
+        else:
+            tables.put_back()
+            set_to = "None" if now is None else "a tensor it did not compute (another input's)" if isinstance(now, torch.Tensor) else type(now).__name__
+            raise CaptureError(
+                f"train_step sets the model's buffer {name} to {set_to}, which the graph cannot keep: a buffer the step "
+                "makes or rebinds must be a tensor it computes (`self.register_buffer('cache', x.detach().clone())`). "
+                "Copy into the buffer in place (`with torch.no_grad(): buf.copy_(new)`), or set it outside train_step."
+            )
+    tables.put_back()
+    mode.write_back(rebound)
+
+
+def _like(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `b` can be written into `a`'s memory: the same shape, dtype, device and strides."""
+    return (a.shape, a.dtype, a.device, a.stride()) == (b.shape, b.dtype, b.device, b.stride())
+
+
+@dataclass
+class _Tables:
+    """Each module's parameters and buffers and its set of non-persistent buffer names, as
+    the trace starts (the traced stand-ins, while the model holds them)."""
+
+    held: list[tuple[str, torch.nn.Module, dict[str, Any], dict[str, Any], set[str]]]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> _Tables:
+        return cls([
+            (prefix, m, dict(m._parameters), dict(m._buffers), set(m._non_persistent_buffers_set))
+            for prefix, m in model.named_modules(remove_duplicate=True)
+            if not isinstance(m, torch.jit.ScriptModule)  # its tables are TorchScript's, which no forward changes
+        ])  # fmt: skip
+
+    def check_parameters(self) -> None:
+        """Refuse a parameter the step registered or replaced (its tables put back first)."""
+        for prefix, m, params, _, _ in self.held:
+            changed = [k for k, p in m._parameters.items() if params.get(k, MISSING) is not p]
+            if changed:
+                self.put_back()
+                name = f"{prefix}.{changed[0]}" if prefix else changed[0]
+                if params.get(changed[0]) is None:
+                    what, advice = f"registers a new parameter, {name},", "Make it in the module's __init__."
+                else:
+                    what = f"replaces the model's parameter {name} with another one"
+                    advice = "Change the parameter in place (`with torch.no_grad(): p.copy_(new)`, or `p.data = new`), or replace it outside train_step and compile again."
+                raise CaptureError(
+                    f"train_step {what} (`module.weight = nn.Parameter(...)` in a forward or the step), which the optimizer "
+                    f"does not hold and the graph cannot keep. {advice}"
+                )
+
+    def buffers_changed(self) -> Iterator[tuple[str, torch.nn.Module, str, Any, Any]]:
+        """(name, module, key, the stand-in it held or None, what it holds now) for each buffer entry the step set."""
+        for prefix, m, _, buffers, _ in self.held:
+            for key, now in m._buffers.items():
+                was = buffers.get(key)
+                if now is not was:
+                    yield (f"{prefix}.{key}" if prefix else key), m, key, was, now
+
+    def put_back(self) -> None:
+        for _, m, params, buffers, non_persistent in self.held:
+            for table, held in ((m._parameters, params), (m._buffers, buffers)):
+                if table.keys() != held.keys() or any(table[k] is not v for k, v in held.items()):
+                    table.clear()
+                    table.update(held)
+            if m._non_persistent_buffers_set != non_persistent:
+                m._non_persistent_buffers_set.clear()
+                m._non_persistent_buffers_set.update(non_persistent)
 
 
 _SET_BY_TORCH = frozenset({"_is_param"})  # on a stand-in, by torch.func's reparametrization
