@@ -348,7 +348,7 @@ class _Effects:
         """Entered after the outside tensors are swapped: a tensor kept where one was is told from its placeholder.
         `tensors_and_stand_ins`: the model's parameters and buffers, and their stand-ins, by name."""
         inputs = set(map(id, args))
-        buffers = stack.enter_context(kept_tensors.data_assignments(args, model))  # entered first: `t.data = new` written back last
+        buffers = stack.enter_context(kept_tensors.data_assignments(args, model, slots))  # entered first: `t.data = new` written back last
         # The tensors kept are looked for once the lists and numbers are put back (it walks the state).
         tensors = stack.enter_context(kept_tensors.setting(all_slots, inputs))
         stack.enter_context(kept_tensors.attributes_on(*tensors_and_stand_ins, inputs, tensors))  # those left on them

@@ -35,7 +35,8 @@ is set to its value (detached: the step's autograd graph is freed by then, as ea
   `self.avg = 0.9 * self.avg + ...` in a forward) is the same case: make_fx's module
   stand-in would be put back with the buffer as it came in, so its new value is written
   into its memory the same way.
-- **A buffer the step makes** (`KeptBuffer`): registered in a forward where the module
+- **A buffer the step makes** (`KeptBuffer`), in the model or in another module held in
+  a slot (a teacher): registered in a forward where the module
   had none of that name or held None there (a rotary embedding's cos/sin cache made at
   the first call, or grown for a longer sequence), or rebound to a tensor of another
   shape. Left there, the trace's placeholder would be in the user's model; so the
@@ -307,7 +308,7 @@ class _DataAssignments(TorchFunctionMode):
         """Each input set, and each buffer of `rebound` (name: the buffer as it came in, the
         tensor the step bound in its place): its value now, written into the memory it came in with."""
         for name, (t, new) in rebound.items():
-            self._check(t, new, f"the model's buffer {name} (rebinding it in a forward or the step)")
+            self._check(t, new, f"the buffer {name} (rebinding it in a forward or the step)")
         with torch.no_grad():
             for t, came_in in self.came_in.values():
                 came_in.copy_(t)
@@ -342,13 +343,14 @@ def check_writable(t: torch.Tensor, new: torch.Tensor, what: str, memory: dict[i
         )
 
 @contextlib.contextmanager
-def data_assignments(inputs: tuple[Any, ...], model: torch.nn.Module) -> Iterator[list[tuple[KeptTensor, Any]]]:
+def data_assignments(inputs: tuple[Any, ...], model: torch.nn.Module, slots: list[tuple[Slot, Any]] = ()) -> Iterator[list[tuple[KeptTensor, Any]]]:
     """While the block runs, `t.data = new` rebinds `t` in the trace; at its end (if it ends
-    without an error) the graph inputs so set, and the model's buffers the step bound to
-    another tensor like the one it held, are written with their new values. The buffers it
-    makes (KeptBuffer, with their traced values) go into the list yielded, their tables put back."""
+    without an error) the graph inputs so set, and the buffers the step bound to another
+    tensor like the one it held, are written with their new values: the model's, and those
+    of another module held in `slots` (a teacher: python_state's). The buffers it makes
+    (KeptBuffer, with their traced values) go into the list yielded, their tables put back."""
     mode = _DataAssignments(inputs)
-    tables = _Tables.of(model)  # the traced inputs, while the model holds them
+    tables = _Tables.of([("model", model), *_modules_in(slots)])  # the traced inputs, while the modules hold them
     made: list[tuple[KeptTensor, Any]] = []
     try:
         with mode:
@@ -362,17 +364,26 @@ def data_assignments(inputs: tuple[Any, ...], model: torch.nn.Module) -> Iterato
         if was is not None and isinstance(now, torch.Tensor) and _like(was, now):
             rebound[name] = (was, now)
         elif isinstance(now, FakeTensor) and id(now) not in mode.inputs:
-            made.append((KeptBuffer(Slot(f"model.{name}", module._buffers, key), keyed=True, module=module, persistent=key not in module._non_persistent_buffers_set), now))
+            made.append((KeptBuffer(Slot(name, module._buffers, key), keyed=True, module=module, persistent=key not in module._non_persistent_buffers_set), now))
         else:
             tables.put_back()
             set_to = "None" if now is None else "a tensor it did not compute (another input's)" if isinstance(now, torch.Tensor) else type(now).__name__
             raise CaptureError(
-                f"train_step sets the model's buffer {name} to {set_to}, which the graph cannot keep: a buffer the step "
+                f"train_step sets the buffer {name} to {set_to}, which the graph cannot keep: a buffer the step "
                 "makes or rebinds must be a tensor it computes (`self.register_buffer('cache', x.detach().clone())`). "
                 "Copy into the buffer in place (`with torch.no_grad(): buf.copy_(new)`), or set it outside train_step."
             )
     tables.put_back()
     mode.write_back(rebound)
+
+
+def _modules_in(slots: list[tuple[Slot, Any]]) -> list[tuple[str, torch.nn.Module]]:
+    """The modules held in the slots, or in a list, tuple or dict a slot holds (a teacher, a list of metrics), by name."""
+    found = []
+    for slot, value in slots:
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+        found += [(slot.name, value)] if isinstance(value, torch.nn.Module) else [(f"{slot.name}[{k!r}]", v) for k, v in items if isinstance(v, torch.nn.Module)]
+    return found
 
 
 def _like(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -388,11 +399,13 @@ class _Tables:
     held: list[tuple[str, torch.nn.Module, dict[str, Any], dict[str, Any], set[str]]]
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> _Tables:
+    def of(cls, roots: list[tuple[str, torch.nn.Module]]) -> _Tables:
+        """`roots`: the modules, by name (a module held twice is taken where first found)."""
+        seen: set[int] = set()
         return cls([
-            (prefix, m, dict(m._parameters), dict(m._buffers), set(m._non_persistent_buffers_set))
-            for prefix, m in model.named_modules(remove_duplicate=True)
-            if not isinstance(m, torch.jit.ScriptModule)  # its tables are TorchScript's, which no forward changes
+            (f"{root}.{prefix}" if prefix else root, m, dict(m._parameters), dict(m._buffers), set(m._non_persistent_buffers_set))
+            for root, module in roots for prefix, m in module.named_modules(remove_duplicate=True)
+            if id(m) not in seen and not seen.add(id(m)) and not isinstance(m, torch.jit.ScriptModule)  # its tables are TorchScript's, which no forward changes
         ])  # fmt: skip
 
     def check_parameters(self) -> None:
@@ -401,11 +414,11 @@ class _Tables:
             changed = [k for k, p in m._parameters.items() if params.get(k, MISSING) is not p]
             if changed:
                 self.put_back()
-                name = f"{prefix}.{changed[0]}" if prefix else changed[0]
+                name = f"{prefix}.{changed[0]}"
                 if params.get(changed[0]) is None:
                     what, advice = f"registers a new parameter, {name},", "Make it in the module's __init__."
                 else:
-                    what = f"replaces the model's parameter {name} with another one"
+                    what = f"replaces the parameter {name} with another one"
                     advice = "Change the parameter in place (`with torch.no_grad(): p.copy_(new)`, or `p.data = new`), or replace it outside train_step and compile again."
                 raise CaptureError(
                     f"train_step {what} (`module.weight = nn.Parameter(...)` in a forward or the step), which the optimizer "
@@ -418,7 +431,7 @@ class _Tables:
             for key, now in m._buffers.items():
                 was = buffers.get(key)
                 if now is not was:
-                    yield (f"{prefix}.{key}" if prefix else key), m, key, was, now
+                    yield f"{prefix}.{key}", m, key, was, now
 
     def put_back(self) -> None:
         for _, m, params, buffers, non_persistent in self.held:
