@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import copy
 import logging
+import math
 import time
 import warnings
 
@@ -150,6 +151,10 @@ class _Uses:
         self.step += 1
         return _plain(model, opt, batch, weight=[1.0, 0.5][self.step % 2])
 
+    def decays(self, model, opt, batch):  # a gradient-reversal weight of DANN's schedule
+        self.step += 1
+        return _plain(model, opt, batch, weight=2.0 / (1.0 + math.exp(-10 * self.step / 100)) - 1)
+
     def copies(self, model, opt, batch):
         self.step += 1
         self.other = self.step + 1
@@ -191,14 +196,15 @@ def test_a_count_the_step_keeps_and_makes_a_tensor_of_is_read_at_every_call_bitw
 
 @pytest.mark.parametrize(
     "method,use",
-    [("indexes", r"_Uses\.step \(0 -> 1\), which it also uses \(mod\)")],
+    [("indexes", r"_Uses\.step \(0 -> 1\), which it also uses \(mod\)"), ("decays", r"_Uses\.step \(0 -> 1\), which it also uses \(rmul\)")],
 )  # fmt: skip
 def test_a_number_the_step_keeps_and_also_uses_where_only_its_value_can_go_is_refused_naming_the_use(method, use):
     model = _Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     user = _Uses()
-    with pytest.raises(CaptureError, match=rf"changed Python state while it was traced: {use}\. Its Python code runs once"):
+    with pytest.raises(CaptureError, match=rf"changed Python state while it was traced: {use}\. Its Python code runs once") as refused:
         remat.compile(getattr(user, method), model, opt, _batch(0), memory_budget=None, profile_runs=1, measure=False)
+    assert "a math function torch cannot trace on a number read at every call (math.exp" in str(refused.value)
     assert vars(user) == {"step": 0, "other": 0, "total": 0.0}  # put back
 
 

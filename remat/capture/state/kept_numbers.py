@@ -184,13 +184,21 @@ def with_counts_read(again: Callable[..., Any]) -> Callable[[Callable[..., Any]]
                 return capture(train_step, model, optimizer, batch, read_numbers_named, *rest, **kwargs)
             except CountUsed as refused:
                 if refused.name in read_numbers_named:
-                    raise
+                    raise CountUsed(f"{refused} {_NEEDS_VALUE.format(refused.name)}", refused.name) from None
                 again(train_step, model, optimizer, batch, read_numbers_named, *rest, **kwargs)
                 return capturing(train_step, model, optimizer, batch, read_numbers_named | {refused.name}, *rest, **kwargs)
 
         return capturing
 
     return wrap
+
+
+_NEEDS_VALUE = (
+    "Read at every call instead, {} was still needed as a fixed value: by a use only a constant can take (a list "
+    "index, a tensor's size, text), or by a math function torch cannot trace on a number read at every call "
+    "(math.exp, math.log; math.cos, sin, tan, sqrt and pow it can). Compute that value in the loop, outside "
+    "train_step, and set it where the step reads it: a float the loop sets is read at every call."
+)
 
 
 def _refuse(change: NumberChange, op: str) -> Any:
