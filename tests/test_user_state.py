@@ -733,8 +733,10 @@ def test_buffers_a_forward_makes_are_registered_after_the_first_run_and_the_step
     opt, eager_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
     batches = [{"x": torch.randn(4, n, 32, generator=g), "y": torch.randint(0, 10, (4,), generator=g)} for n in (8, 8, 12, 8)]
+    before = model_snapshot(model)
     step = remat.compile(_step, model, opt, batches[0], memory_budget=None)
-    assert (dict(model.named_buffers()), model.cached) == ({}, 0), "compiling changes nothing in the model"
+    assert snapshot_differences(before, model_snapshot(model)) == [], "compiling changes nothing in the model"
+    assert (dict(model.named_buffers()), model.cached, model._non_persistent_buffers_set) == ({}, 0, set())
     for batch in batches:
         assert torch.equal(step(batch), _step(eager_model, eager_opt, batch))
         assert {n: t.shape for n, t in model.named_buffers()} == {n: t.shape for n, t in eager_model.named_buffers()}

@@ -220,6 +220,8 @@ def model_snapshot(model: torch.nn.Module) -> dict[str, Any]:
             return (type(v), tuple(value(x) for x in v))
         if isinstance(v, dict) and len(v) <= 256:
             return (type(v), tuple((k if isinstance(k, (str, int)) else id(k), value(x)) for k, x in v.items()))
+        if isinstance(v, (set, frozenset)) and len(v) <= 256 and all(isinstance(x, str) for x in v):  # a module's non-persistent buffer names
+            return (type(v), tuple(sorted(v)))
         return ("object", id(v))
 
     out: dict[str, Any] = {}
