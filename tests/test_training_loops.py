@@ -15,7 +15,7 @@ from torch.nn import functional as F
 import remat
 from remat.measurement.check import check_against_eager, twin
 from remat.errors import CaptureError
-from remat.models import build_model, make_train_step
+from remat.models import ModelSpec, build_model, make_train_step, mse_loss
 
 STEPS = 6
 
@@ -104,6 +104,17 @@ _OTHER_OPTIMIZERS = {
 }
 
 
+def _for_muon(batch_size: int) -> ModelSpec:
+    """mlp-deep's chain of 8 linear layers at width 64 instead of 256: Muon's Newton-Schulz
+    iterations run in bfloat16, whose matrix products are slow on a CPU (at width 256, 40 s a test)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[m for i in range(8) for m in ([nn.Sigmoid()] if i else []) + [nn.Linear(64, 64)]])
+        gen = torch.Generator().manual_seed(0)
+        batch = (torch.randn(batch_size, 64, generator=gen), torch.randn(batch_size, 64, generator=gen))
+    return ModelSpec("mlp-deep at width 64", model, batch, mse_loss)
+
+
 def _muon(params, **kwargs) -> torch.optim.Optimizer:
     """Muon on the matrices; the biases, which it does not take, frozen (left to another
     optimizer, their gradients would add up across steps)."""
@@ -124,7 +135,7 @@ def test_other_torch_optimizers_follow_hand_set_hyperparameters_bitwise(optimize
     """Every torch.optim optimizer whose update does not branch on its state runs as eager
     does, with its numbers read at every call: after an eager first step, or from the
     first step on (its first-step state made by its own _init_group)."""
-    spec = build_model("mlp-deep", 512)
+    spec = _for_muon(512) if optimizer == "muon" else build_model("mlp-deep", 512)
     opt = _OTHER_OPTIMIZERS[optimizer](spec.model.parameters())
     if first_step == "eager":
         make_train_step(spec.loss_fn, zero_grad_first=True)(spec.model, opt, spec.batch)
@@ -137,7 +148,7 @@ def _compiled_again_after(make_optimizer, change, warning: str, eager_first: boo
     """A step compiled and run beside eager; after its first step `change(optimizer)` on both
     sides, which the graph holds fixed: the next call warns naming it, compiles again, and
     every step stays bitwise eager's."""
-    spec = build_model("mlp-deep", 8)
+    spec = _for_muon(8) if make_optimizer is _muon else build_model("mlp-deep", 8)
     opt = make_optimizer(spec.model.parameters())
     if eager_first:  # state an optimizer makes only in its own first step (RMSprop's)
         make_train_step(spec.loss_fn)(spec.model, opt, spec.batch)
@@ -226,7 +237,7 @@ def test_several_optimizers_stepped_in_one_step_train_bitwise():
     """Muon on the weight matrices and AdamW on the rest, passed as a list: the step gets
     the list, each optimizer's state and learning rate are read and updated as eager does,
     and the updates of both move into the backward pass."""
-    spec = build_model("mlp-deep", 512)
+    spec = _for_muon(512)
     params = list(spec.model.parameters())
     opts = [torch.optim.Muon([p for p in params if p.ndim == 2], lr=1e-3, weight_decay=1e-4),
             torch.optim.AdamW([p for p in params if p.ndim != 2], lr=1e-3)]  # fmt: skip
