@@ -781,6 +781,47 @@ def test_buffers_a_teachers_forward_makes_are_registered_on_the_teacher_and_the_
     assert all(torch.equal(a, b) for a, b in zip(teacher.buffers(), eager_teacher.buffers())) and _same_parameters(model, eager_model)
 
 
+class _ClassHeld(torch.nn.Module):
+    """Data its class holds, read through self: a temperature the loop sets on the class,
+    and a cache of causal masks by length that every instance shares."""
+
+    temperature = 1.0
+    masks: dict[int, torch.Tensor] = {}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(32, 96), torch.nn.Linear(32, 10)
+
+    def forward(self, x):
+        n = x.shape[1]
+        if n not in self.masks:
+            self.masks[n] = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)
+        q, k, v = self.qkv(x).chunk(3, -1)
+        a = (q @ k.transpose(-1, -2)).masked_fill(self.masks[n], float("-inf")).softmax(-1)
+        return self.out((a @ v).mean(1)) / self.temperature
+
+
+def test_data_a_modules_class_holds_is_watched_and_a_cache_there_is_left_as_it_was() -> None:
+    _ClassHeld.temperature, _ClassHeld.masks = 1.0, {}
+    torch.manual_seed(0)
+    model = _ClassHeld()
+    eager_model = copy.deepcopy(model)  # the same class: it shares the cache and the temperature
+    opt, eager_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(4, n, 32, generator=g), "y": torch.randint(0, 10, (4,), generator=g)} for n in (8, 8, 6, 8, 6)]
+    step = remat.compile(_step, model, opt, batches[0], memory_budget=None)
+    assert _ClassHeld.masks == {}, "compiling leaves the class's cache as it was"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the cache's new key compiles again, with a warning
+        for i, batch in enumerate(batches):
+            if i == 3:
+                _ClassHeld.temperature = 0.5
+            assert torch.equal(step(batch), _step(eager_model, eager_opt, batch)), i
+    assert sorted(_ClassHeld.masks) == [6, 8] and all(type(t) is torch.Tensor for t in _ClassHeld.masks.values())
+    assert _same_parameters(model, eager_model)
+    _ClassHeld.temperature, _ClassHeld.masks = 1.0, {}
+
+
 class _RegistersAParameter(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -11,7 +11,9 @@ would repeat its first value at every step, with no error; a list the step appen
 What is watched (slots.frozen): plain numbers, strings and None, tensors (by shape, dtype
 and device: the graph reads them at each call, see outside_tensors), small numpy arrays
 and scalars (by value), and lists, tuples, dicts and sets of them (nested), held
-- as attributes of the model's modules (all of them);
+- as attributes of the model's modules (all of them), and as data the user's classes of
+  those modules hold that their code names (a class default read through `self`, a cache
+  their instances share);
 - as globals or closure cells of the user's code the step runs: train_step, the functions
   it reaches through its globals and closure, and the methods of the model's classes and
   of the user's objects held there (code outside the installed packages and the standard
@@ -132,7 +134,7 @@ def state_slots(model: torch.nn.Module, train_step: Callable[..., Any], ran: fro
     step_globals = getattr(user_code.user_function(train_step), "__globals__", None)
     hooks = [*param_hooks.functions(model), *module_hooks.functions(model)]
     code = user_code.followed([train_step, getattr(type(train_step), "__call__", None), *user_code.methods(model), *hooks], step_globals, ran)
-    out = list(code.bindings)
+    out = [*code.bindings, *_class_fields(model, code.names)]
     roots = [(slot.name, value) for slot, value in [*own, *out] if not isinstance(value, PLAIN + CONTAINERS)]
     # The object a method belongs to (a trainer), or the callable object that is the step;
     # and the user's object a hook is a method of (a feature extractor holding its dict).
@@ -268,6 +270,19 @@ def _object_fields(name: str, obj: Any, names: set[str], seen: set[int], depth: 
             yield Slot(f"{name}.{key}", obj, key), MISSING
         for cls in type(obj).__mro__:
             yield from _object_fields(f"{name} (class {cls.__name__})", cls, names, seen, depth + 1, ran)
+
+
+def _class_fields(model: torch.nn.Module, names: set[str]) -> list[tuple[Slot, Any]]:
+    """The data the user's classes of the model's modules hold (`temperature = 1.0`, a mask
+    cache `_masks = {}` their instances share), read through `self` where no instance
+    shadows it: a slot of the class, for each field the user's code names."""
+    found, seen = [], set()
+    for cls in (c for m in model.modules() for c in type(m).__mro__):
+        if id(cls) in seen or not user_code.user_class(cls):
+            continue
+        seen.add(id(cls))
+        found += [(Slot(f"{cls.__qualname__}.{k}", cls, k), v) for k, v in vars(cls).items() if k in names and not k.startswith("__") and _data(v)]
+    return found
 
 
 def _data(value: Any) -> bool:
