@@ -167,6 +167,7 @@ def state_slots(model: torch.nn.Module, train_step: Callable[..., Any], ran: fro
         if isinstance(value, torch.nn.Module) and id(value) not in model_modules and id(value) not in seen:
             seen.add(id(value))
             out += [(Slot(n, m, k), v) for n, m, k, v in module_attributes(value, name, model_modules)]
+            out += _class_fields(value, code.names)
             out += [
                 (Slot(f"{name}.{prefix}.training" if prefix else f"{name}.training", m, "training"), m.training)
                 for prefix, m in value.named_modules() if id(m) not in model_modules
