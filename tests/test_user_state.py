@@ -822,6 +822,21 @@ def test_data_a_modules_class_holds_is_watched_and_a_cache_there_is_left_as_it_w
     _ClassHeld.temperature, _ClassHeld.masks = 1.0, {}
 
 
+def test_a_count_kept_on_the_optimizer_is_refused_and_put_back() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.steps_taken = 0
+
+    def counting(model, optimizer, batch):  # type: ignore[no-untyped-def]
+        loss = _step(model, optimizer, batch)
+        optimizer.steps_taken += 1
+        return loss
+
+    with pytest.raises(remat.CaptureError, match=r"changes optimizer\.steps_taken, a field set on the optimizer \(SGD\).*keep such a count in your own object"):
+        remat.compile(counting, model, opt, _batches(1)[0], memory_budget=None)
+    assert opt.steps_taken == 0
+
+
 class _RegistersAParameter(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

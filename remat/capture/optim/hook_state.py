@@ -8,7 +8,9 @@ the step is traced: a count or a history they keep would move once, at capture, 
 again, with no error (an accountant that counts one step of many reports a privacy budget
 too small). So the values their closures and bound objects hold (plain values, and
 containers of them) are noted before the traces and compared after: one left changed is
-put back as it was, and the step refused, naming it.
+put back as it was, and the step refused, naming it. So are the fields the user set on
+one of torch's optimizers (`optimizer.my_count += 1` in the step): torch's code does not
+follow them, and remat counts a number in the user's own objects, globals and modules.
 """
 
 from __future__ import annotations
@@ -65,6 +67,16 @@ def _places(optimizer: Any) -> list[tuple[Slot, Any]]:
     ]  # fmt: skip
 
 
+_TORCH_FIELDS = frozenset({"defaults", "state", "param_groups"})  # a torch optimizer's own public fields
+
+
+def _user_fields(optimizer: Any) -> list[tuple[Slot, Any]]:
+    """The public fields the user set on one of torch's optimizers, with their values."""
+    if not type(optimizer).__module__.startswith("torch.") or not hasattr(optimizer, "__dict__"):
+        return []
+    return [(Slot(f"optimizer.{k}", optimizer, k), v) for k, v in vars(optimizer).items() if not k.startswith("_") and k not in _TORCH_FIELDS]
+
+
 def _passed(passed: Any) -> list[Any]:
     """The optimizers passed, and the one each wraps (a library's wrapper calls hooks too)."""
     items = list(passed) if isinstance(passed, (list, tuple)) else [] if passed is None else [passed]
@@ -76,12 +88,20 @@ def unchanged_by_traces(passed: Any) -> Iterator[None]:
     """Around the step's traces: refuse a change they leave in what the hooks reach, put
     back as it was (after a failed trace too)."""
     before = watched_now([place for opt in _passed(passed) for place in _places(opt)])
+    fields = watched_now([field for opt in _passed(passed) for field in _user_fields(opt)])
     try:
         yield
     finally:
-        changed = [w for w in before.values() if w.changed()]
-        for w in changed:
+        changed, set_there = [w for w in before.values() if w.changed()], [w for w in fields.values() if w.changed()]
+        for w in [*changed, *set_there]:
             w.put_back()
+    if set_there:
+        raise CaptureError(
+            f"train_step changes {', '.join(w.slot.name for w in set_there)}, a field set on the optimizer "
+            f"({type(set_there[0].slot.owner).__name__}), which remat does not follow: its code runs once, when the step "
+            "is traced, so the graph would not change it again at later steps. It is put back as it was; keep such a "
+            "count in your own object, a global or an attribute of the model, which remat counts as eager does."
+        )
     if changed:
         libraries = {type(w.slot.owner).__module__.split(".")[0] for w in changed}
         raise CaptureError(
