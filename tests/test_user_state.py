@@ -822,6 +822,22 @@ def test_data_a_modules_class_holds_is_watched_and_a_cache_there_is_left_as_it_w
     _ClassHeld.temperature, _ClassHeld.masks = 1.0, {}
 
 
+def test_keys_the_step_sets_in_its_batch_are_named_in_a_warning_and_the_step_trains_bitwise() -> None:
+    def labelled(model, optimizer, batch):  # type: ignore[no-untyped-def]
+        batch["labels"] = batch["y"]  # set in the user's dict by eager's step, not by the graph
+        batch["x"] = batch["x"].to("cpu")  # the same tensor: nothing set
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(batch["x"]), batch["labels"])
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    with pytest.warns(UserWarning, match=r"train_step sets batch\['labels'\] in the batch it is given\. .* leaves your batch as it was") as caught:
+        step, _, _ = _trained_beside_eager(labelled)
+    assert [w.filename for w in caught if "in the batch it is given" in str(w.message)] == [__file__], "named at the user's call"
+    assert len(step._graphs) == 1
+
+
 def test_a_count_kept_on_the_optimizer_is_refused_and_put_back() -> None:
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -15,6 +15,11 @@ nothing that could mark a stand-in read."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
+import sys
+import warnings
 from collections import UserDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -110,6 +115,41 @@ def graph_values(leaves: list[Any]) -> list[torch.Tensor]:
 
 def batch_leaf_names(batch: Any) -> list[str]:
     return [f"batch{pytree.keystr(p)}" for p, _ in pytree.tree_flatten_with_path(batch)[0]]
+
+
+def set_by_step(batch: Any, leaves: list[Any], spec: Any) -> list[str]:
+    """The places of the batch, by name (a dict's keys, a list's items), that the step set,
+    added or deleted: `batch` as the step left it, `leaves` and `spec` as it was given."""
+    given = dict(zip(batch_leaf_names(pytree.tree_unflatten(leaves, spec)), leaves))
+    now = dict(zip(batch_leaf_names(batch), pytree.tree_leaves(batch)))
+    return [name for name in {**given, **now} if given.get(name, _ABSENT) is not now.get(name, _ABSENT)]
+
+
+_ABSENT = object()
+
+
+def warn_batch_set(names: list[str]) -> None:
+    """Say, once a capture's traces are done, which places of the batch the step set."""
+    if names:
+        warnings.warn(
+            f"remat: train_step sets {', '.join(names[:4])}{' and more' if len(names) > 4 else ''} in the batch it is given. "
+            "The step computes with what it sets, as eager's does, but leaves your batch as it was (the graph reads the "
+            "batch and writes nothing into it): a loop that reads those after the step should take them from what the "
+            "step returns.",
+            stacklevel=_callers_level(),
+        )
+
+
+def _callers_level() -> int:
+    """The stacklevel, for a warning given by this function's caller, of the first frame
+    outside remat's package and the decorators' modules around it (the user's call)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_PACKAGE = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), contextlib.__file__, functools.__file__)
 
 
 def read_key(leaves: list[Any], read: frozenset[int]) -> tuple[tuple[int, Any], ...]:

@@ -39,7 +39,7 @@ from remat.capture.traced_rng import no_host_random_drawn, no_rng_state_set
 from remat.capture.user_checkpoints import plain_checkpoints
 from remat.ops import check_placement, ctc_loss, dropout_masks, known_values, training_workspace, value_checks
 from remat.ops.cpu_shape_functions import cpu_kernels_as_shape_functions
-from remat.capture.batch_leaves import BatchValues, batch_leaf_names, graph_leaves, is_counted
+from remat.capture.batch_leaves import BatchValues, batch_leaf_names, graph_leaves, is_counted, set_by_step, warn_batch_set
 from remat.capture.step_inputs import accumulated_gradients, call_step, finds_gradients, check_arguments, graph_inputs, held_gradients
 
 
@@ -196,7 +196,7 @@ def capture(
         t_hyper = {n: next(it) for n in hyper_values}
         t_numbers = {n: next(it) for n in numbers.slots}
         t_outside = [next(it) for _ in outside]
-        t_batch = pytree.tree_unflatten(batch_values.traced(batch_args := list(it), leaves, symbols), spec)
+        t_batch = pytree.tree_unflatten(t_leaves := batch_values.traced(batch_args := list(it), leaves, symbols), spec)
         _as_stand_ins(t_params, trainable, t_grads, preset=probe["preset_grads"])
         param_hooks.register_on(hooks, t_params)
         calls = {"backward": 0, "reduced": 0, "updates": 0}
@@ -224,6 +224,7 @@ def capture(
             stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
             effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), args, passed, model, ({**params, **buffers}, {**t_params, **t_buffers}))
             result = call_step(train_step, model, passed, t_batch)
+            seen["batch_set"] = set_by_step(t_batch, t_leaves, spec)
             batch_values.escaped(lambda: [result, *(value for _, value in state_slots(model, train_step))])
             probe["cleared_first"] = {id(t_params[n]) for n in trainable} <= cleared
             outside_tensors.check_no_gradient([held for held, _ in outside], t_outside)
@@ -241,6 +242,7 @@ def capture(
     set_ups: list[first_call.SetUp] = []
     gm, probe_gm, recorded_run = _traces(trace, model, train_step, slots, probe, seen, (grad_order, final_grads), ran, device, set_ups, passed)
     kept_numbers.warn_left_alone(seen.get("left_alone", []))  # the last trace's, once
+    warn_batch_set(seen.get("batch_set", []))
     leaves_zero_grads = bool(final_grads) and ends_with_zero_grads(gm)
     grads_in = grads_in or finds_gradients(probe_gm, probe["cleared_first"], leaves_zero_grads, {n: params[n] for n in trainable}, optimizer, dp or shards)
     if grads_in and not set(entry_grads) & set(trainable) and accumulated_gradients(params, trainable, dp or shards):  # this call finds some: its graph takes them
