@@ -224,7 +224,6 @@ def capture(
             stack.enter_context(outside_tensors.swapped(held, dict(zip(map(id, flat), args))))
             effects = _Effects.recording(stack, slots, probe, lambda: state_slots(model, train_step), args, passed, model, ({**params, **buffers}, {**t_params, **t_buffers}))
             result = call_step(train_step, model, passed, t_batch)
-            seen["batch_set"] = set_by_step(t_batch, t_leaves, spec)
             batch_values.escaped(lambda: [result, *(value for _, value in state_slots(model, train_step))])
             probe["cleared_first"] = {id(t_params[n]) for n in trainable} <= cleared
             outside_tensors.check_no_gradient([held for held, _ in outside], t_outside)
@@ -233,7 +232,7 @@ def capture(
         check_backward_ran(calls["backward"])
         grads = [(n, p.grad) for n, p in t_params.items() if p.grad is not None]
         final_grads[:] = [n for n, _ in grads]
-        seen.update(library_read=seen.get("library_read", set()) | effects.library_read, left_alone=effects.left_alone, output_spec=out_spec, output_numbers=returned, backward_passes=calls["backward"], reduced=calls["reduced"], state_updates=updates, unread_containers=logged_numbers.unread(effects.logged) | effects.dicts.unread, requires_grad_set=train_modes.requires_grad_set(t_params, trainable))
+        seen.update(library_read=seen.get("library_read", set()) | effects.library_read, left_alone=effects.left_alone, batch_set=set_by_step(t_batch, t_leaves, spec), output_spec=out_spec, output_numbers=returned, backward_passes=calls["backward"], reduced=calls["reduced"], state_updates=updates, unread_containers=logged_numbers.unread(effects.logged) | effects.dicts.unread, requires_grad_set=train_modes.requires_grad_set(t_params, trainable))
         return outputs, [g for _, g in grads]
 
     trace = lambda: _trace(traced, flat, symbols, sign_facts, hyper_values, numbers, batch_values, model, checks)  # noqa: E731
@@ -242,7 +241,6 @@ def capture(
     set_ups: list[first_call.SetUp] = []
     gm, probe_gm, recorded_run = _traces(trace, model, train_step, slots, probe, seen, (grad_order, final_grads), ran, device, set_ups, passed)
     kept_numbers.warn_left_alone(seen.get("left_alone", []))  # the last trace's, once
-    warn_batch_set(seen.get("batch_set", []))
     leaves_zero_grads = bool(final_grads) and ends_with_zero_grads(gm)
     grads_in = grads_in or finds_gradients(probe_gm, probe["cleared_first"], leaves_zero_grads, {n: params[n] for n in trainable}, optimizer, dp or shards)
     if grads_in and not set(entry_grads) & set(trainable) and accumulated_gradients(params, trainable, dp or shards):  # this call finds some: its graph takes them
@@ -322,6 +320,7 @@ def _traces(
     finally:
         tables.put_back(set_up)
         submodules.put_back()
+    warn_batch_set(seen.get("batch_set", []))  # the last trace's, once
     return gm, probe_gm, recorded[0]
 
 
