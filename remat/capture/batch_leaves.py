@@ -15,10 +15,6 @@ nothing that could mark a stand-in read."""
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import os
-import sys
 import warnings
 from collections import UserDict
 from dataclasses import dataclass, field
@@ -30,7 +26,7 @@ import torch.utils._pytree as pytree
 from remat.capture.optim import hyperparams
 from remat.capture.state.slots import holds
 from remat.capture.state.read_numbers import Condition, TextOfNumber
-from remat.capture.trace_checks import where_in_users_code
+from remat.capture.trace_checks import users_stacklevel, where_in_users_code
 from remat.errors import CaptureError
 
 STAND_IN_TYPES = (str, bytes, int)  # traced as stand-ins: read or not, the trace tells
@@ -136,20 +132,8 @@ def warn_batch_set(names: list[str]) -> None:
             "The step computes with what it sets, as eager's does, but leaves your batch as it was (the graph reads the "
             "batch and writes nothing into it): a loop that reads those after the step should take them from what the "
             "step returns.",
-            stacklevel=_callers_level(),
+            stacklevel=users_stacklevel(),
         )
-
-
-def _callers_level() -> int:
-    """The stacklevel, for a warning given by this function's caller, of the first frame
-    outside remat's package and the decorators' modules around it (the user's call)."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-_PACKAGE = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), contextlib.__file__, functools.__file__)
 
 
 def read_key(leaves: list[Any], read: frozenset[int]) -> tuple[tuple[int, Any], ...]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import sys
 import time
 import types
@@ -295,6 +296,18 @@ def _vals(node: torch.fx.Node) -> list[torch.Tensor]:
 
 
 _LIBRARY_DIRS = (Path(torch.__file__).resolve().parent, Path(__file__).resolve().parents[1])  # torch's and remat's own code (resolved, as the frames are)
+
+
+_AROUND_CALLS = (contextlib.__file__, functools.__file__)  # the decorators around remat's functions
+
+
+def users_stacklevel() -> int:
+    """The stacklevel, for a warning its caller gives, of the innermost frame outside torch's
+    and remat's code and the decorators around it: the user's call."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename in _AROUND_CALLS or any(Path(frame.f_code.co_filename).resolve().is_relative_to(d) for d in _LIBRARY_DIRS)):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def users_frame(frames: list) -> Any:

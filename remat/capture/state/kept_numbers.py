@@ -44,6 +44,7 @@ import torch.fx
 from remat.errors import CaptureError
 from remat.capture.state import library_objects
 from remat.capture.state.slots import shown
+from remat.capture.trace_checks import users_stacklevel
 from remat.capture.state.python_state import TEXT, NumberChange, same_number
 from remat.capture.state.slots import MISSING, NUMBERS, TRACED_NUMBERS, Slot, is_number
 
@@ -319,7 +320,7 @@ def kept(ended: list[tuple[NumberChange, Any]], unread: frozenset[str] = frozens
 def warn_left_alone(messages: list[str]) -> None:
     """The warnings `kept` worded, given once a capture's traces are done."""
     for message in messages:
-        warnings.warn(message, stacklevel=4)
+        warnings.warn(message, stacklevel=users_stacklevel())
 
 
 def _library_terms(change: NumberChange, value: Any) -> tuple[Any, ...] | None:

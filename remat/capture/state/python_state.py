@@ -278,7 +278,7 @@ def _class_fields(model: torch.nn.Module, names: set[str]) -> list[tuple[Slot, A
     cache `_masks = {}` their instances share), read through `self` where no instance
     shadows it: a slot of the class, for each field the user's code names."""
     found, seen = [], set()
-    for cls in (c for m in model.modules() for c in type(m).__mro__):
+    for cls in (c for kind in dict.fromkeys(type(m) for m in model.modules()) for c in kind.__mro__):
         if id(cls) in seen or not user_code.user_class(cls):
             continue
         seen.add(id(cls))
