@@ -21,7 +21,7 @@ from typing import Any, Callable, TypeVar
 import torch.distributed as dist
 
 from remat.errors import BudgetError, RematError
-from remat.capture.data_parallel import DataParallel
+from remat.capture.distributed.data_parallel import DataParallel
 from remat.planners.plan import Plan
 
 T = TypeVar("T")

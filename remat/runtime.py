@@ -18,7 +18,7 @@ import torch.fx
 from remat import compile_notes, failed_step, ranks
 from remat import build as pipeline
 from remat.batch_signature import checked_signature, shapes_and_values, signature, values_read, without_devices
-from remat.capture import data_parallel, sharded
+from remat.capture.distributed import data_parallel, sharded
 from remat.capture.optim import first_step_state, optimizer_state
 from remat.capture.optimizers import as_one
 from remat.capture.state import first_call, guards, kept_numbers, kept_tensors, read_numbers

@@ -27,7 +27,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from remat.errors import CaptureError
-from remat.capture import data_parallel
+from remat.capture.distributed import data_parallel
 from remat.capture.optim import hyperparams
 from remat.capture.state import read_numbers
 from remat.capture.state.guards import SameContents, SameEntries, same_objects

@@ -22,7 +22,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
 from remat.gc_pause import gc_paused
-from remat.capture import data_parallel, param_hooks, sharded, sharded_norms, trace_failures
+from remat.capture import param_hooks, trace_failures
+from remat.capture.distributed import data_parallel, sharded, sharded_norms
 from remat.capture.optim import first_step_state, hook_state, hyperparams, optimizer_state
 from remat.capture.state import first_call, kept_numbers, kept_tensors, library_objects, logged_numbers, outside_tensors, read_numbers, scheduler_calls, step_outputs, module_hooks, step_prints, train_modes, user_code
 from remat.capture.cpu_strides import CpuLikeEager

@@ -10,7 +10,7 @@ import torch
 import torch.fx
 
 from remat.errors import CaptureError
-from remat.capture import data_parallel
+from remat.capture.distributed import data_parallel
 
 
 

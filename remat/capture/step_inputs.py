@@ -23,7 +23,8 @@ import torch.fx
 
 from remat.errors import CaptureError, ChangedSinceCompiled
 from remat.capture.state.guards import same_objects
-from remat.capture import data_parallel, param_hooks
+from remat.capture import param_hooks
+from remat.capture.distributed import data_parallel
 from remat.capture.optim import hyperparams
 from remat.capture.state import read_numbers, step_outputs, train_modes
 from remat.capture.optim.optimizer_state import optimizer_states

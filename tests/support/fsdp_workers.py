@@ -53,9 +53,17 @@ def _built(model_name: str, batch_size: int, seed: int) -> tuple[torch.nn.Module
     return spec.model, spec.batch, spec.loss_fn
 
 
-def _sharded(model_name: str, batch_size: int, optimizer: str) -> tuple[Any, Any, Any]:
+def _sharded(model_name: str, batch_size: int, optimizer: str, mp: MixedPrecisionPolicy | None = None) -> tuple[Any, Any, Any]:
+    """The model sharded as shard_blocks shards it; with `mp`, each block and the root under that policy."""
     model, _, loss_fn = _built(model_name, batch_size, 0)
-    model = shard_blocks(model)
+    if mp is None:
+        model = shard_blocks(model)
+    else:
+        for module in list(model.modules()):
+            if isinstance(module, torch.nn.ModuleList):
+                for block in module:
+                    fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
     return model, make_optimizer(optimizer, list(model.parameters())), loss_fn
 
 
@@ -98,15 +106,15 @@ def _state(model: Any, optimizer: Any) -> list[torch.Tensor]:
 
 def train_like_eager(
     model_name: str, optimizer: str, budget: float, steps: int, micro_batches: int = 1, eager_first: bool = False,
-    clip: float | None = None, batch_size: int = 4,
+    clip: float | None = None, batch_size: int = 4, mp: MixedPrecisionPolicy | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """`steps` steps of eager FSDP2 and of remat on the same batches and random stream, each
     followed by an evaluation of both models through FSDP2 (which leaves the root gathered).
     `eager_first`: both models first take one eager FSDP2 step, so that remat starts from
     the optimizer state FSDP2 made."""
     rank = dist.get_rank()
-    eager, eager_opt, loss_fn = _sharded(model_name, batch_size, optimizer)
-    ours, ours_opt, _ = _sharded(model_name, batch_size, optimizer)
+    eager, eager_opt, loss_fn = _sharded(model_name, batch_size, optimizer, mp)
+    ours, ours_opt, _ = _sharded(model_name, batch_size, optimizer, mp)
     train_step = _step(loss_fn, micro_batches, clip)
     batches = [_built(model_name, batch_size, 1000 + 100 * rank + i)[1] for i in range(steps)]
     if eager_first:
@@ -154,7 +162,22 @@ def train_like_eager(
         "sharded_modules": len(_gathered_modules(ours)),
         "largest_module_bytes": max(sum(p.numel() * p.element_size() for p in ps) for ps in _gathered_modules(ours)),
         "uneven_params": sum(1 for p in ours.parameters() if p.shape[0] % dist.get_world_size()),
+        "loss_dtype": str(losses[0][0].dtype if isinstance(losses[0], tuple) else losses[0].dtype),
+        "gathered_dtypes": sorted({str(n.meta["val"].dtype) for n in nodes if "all_gather_into_tensor" in str(n.target)}),
+        "reduced_dtypes": sorted({str(n.meta["val"].dtype) for n in nodes if "reduce_scatter_tensor" in str(n.target)}),
     }
+
+
+def mixed_precision_cases() -> tuple[dict[str, Any], dict[str, Any]]:
+    """train_like_eager under a MixedPrecisionPolicy: torchtitan's (parameters gathered in
+    bfloat16, gradients reduced in float32; AdamW at 0.6, clipped), and float16 throughout
+    (reduced in float16, with FSDP2's divide factors before and after; SGD at 0.8, two micro-batches)."""
+    titan = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    half = MixedPrecisionPolicy(param_dtype=torch.float16)
+    return (
+        train_like_eager("bert-tiny", "adamw", 0.6, 3, 1, False, 0.05, mp=titan),
+        train_like_eager("bert-tiny", "sgd", 0.8, 3, 2, False, mp=half),
+    )
 
 
 def uneven_cases() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -256,6 +279,5 @@ def refusals() -> dict[str, str]:
         "mixed_norms": _refused(lambda: compiled(mixed_norms)),
         "uneven_clip": _refused(uneven_clipped),
         "penalty": _refused(lambda: compiled(penalised)),
-        "mixed_precision": _refused(lambda: compiled(step, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))),
         "adafactor": _refused(adafactor),
     }

@@ -30,7 +30,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from remat.capture.data_parallel import ALL_REDUCE, WAIT
+from remat.capture.distributed.data_parallel import ALL_REDUCE, WAIT
 from remat.errors import CaptureError
 
 _aten = torch.ops.aten

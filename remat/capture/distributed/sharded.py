@@ -28,9 +28,11 @@ the graph does the same on the padded shards (`ShardedParam.local` is the padded
 so every rank's graph has the same shapes and one plan serves them all. The padding rows
 stay zero: their gradient is zero, and the updates allowed are elementwise.
 
-What the graph would not reproduce is refused (`sharding_of`): mixed precision, CPU
-offload, HSDP, gradient sync turned off, custom collectives, and optimizers whose update
-reads more than one element of a parameter. A step that reads a
+A MixedPrecisionPolicy's casts are made in the graph where FSDP2 makes them (`Precision`):
+the shards before their gather, a module's inputs and outputs, the gradients before their
+reduce-scatter and back after it. What the graph would not reproduce is refused
+(`sharding_of`): CPU offload, HSDP, gradient sync turned off, custom collectives, and
+optimizers whose update reads more than one element of a parameter. A step that reads a
 sharded parameter or its gradient outside the gathered forward and the elementwise update
 (a weight penalty) is refused after capture: on a shard it would see one rank's part. The
 gradients' 2-norm and their scaling by it (`clip_grad_norm_`) are captured as DTensor
@@ -47,9 +49,10 @@ from typing import Any, Iterator
 import torch
 import torch.fx
 
-from remat.capture.data_parallel import DataParallel
+from remat.capture.distributed.data_parallel import DataParallel
 from remat.capture.optimizers import each
-from remat.capture.sharded_norms import NORM_OPS, SCALING_OPS
+from remat.capture.distributed.sharded_norms import NORM_OPS, SCALING_OPS
+from remat.capture.distributed.sharded_precision import Precision, cast_floats, precision_of
 from remat.capture.train_graph import InputKind, Phase
 from remat.errors import CaptureError
 
@@ -133,6 +136,7 @@ class Sharding:
     params: list[ShardedParam] = field(default_factory=list)
     by_module: dict[int, list[ShardedParam]] = field(default_factory=dict)  # id(FSDP module) -> the parameters it gathers
     modules: list[Any] = field(default_factory=list)  # (module, FSDPState) of each fully_shard call
+    precision: dict[int, Precision] = field(default_factory=dict)  # id(FSDP module) -> its mixed precision
 
     def ranks(self) -> DataParallel:
         """The process group, for the ranks' agreement at each stage (remat.ranks)."""
@@ -196,10 +200,9 @@ def sharding_of(model: torch.nn.Module) -> Sharding | None:
         if pg is None:  # a module without parameters of its own: its process group is read from the others
             found = found or Sharding("", 0, 0, None)
             found.modules.append((module, state))
+            found.precision[id(module)] = precision_of(state, None, refuse)
             continue
-        mp = pg.mp_policy
         checks = [
-            (mp.param_dtype is not None or mp.reduce_dtype is not None, "a MixedPrecisionPolicy casts parameters and gradients outside the graph; use torch.autocast inside train_step instead"),
             (isinstance(pg.offload_policy, CPUOffloadPolicy), "CPUOffloadPolicy moves shards between devices outside the graph; remove it"),
             (isinstance(pg.mesh_info, HSDPMeshInfo), "HSDP (a 2-D mesh) is not supported; shard over one process group"),
             (not pg.reduce_grads, "gradient sync is turned off (set_requires_gradient_sync(False)); accumulate micro-batches inside train_step instead"),
@@ -217,6 +220,7 @@ def sharding_of(model: torch.nn.Module) -> Sharding | None:
         elif group.group_name != found.group_name:
             raise refuse("modules are sharded over different process groups; shard them over one")
         found.modules.append((module, state))
+        found.precision[id(module)] = precision_of(state, pg, refuse)
         mine = found.by_module.setdefault(id(module), [])
         for fp in pg.fsdp_params:
             if fp.is_dtensor or fp.fsdp_placement != Shard(0):
@@ -338,14 +342,16 @@ class _Gathered(torch.autograd.Function):
     shards flattened one after the other) and copied out into each full parameter; in the
     backward pass their gradients reduce-scattered as FSDP2 does (each gradient's rank-r
     rows in rank r's part of one flat buffer, averaged), each shard's gradient a view of
-    this rank's part."""
+    this rank's part. Under a MixedPrecisionPolicy the shards are cast before the gather and the
+    gradients before the reduction, the reduced gradient cast back to the shards' dtype, as FSDP2 does."""
 
     @staticmethod
-    def forward(ctx: Any, world_size: int, group_name: str, full_rows: tuple[int, ...], *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.world_size, ctx.group_name, ctx.full_rows = world_size, group_name, full_rows
+    def forward(ctx: Any, world_size: int, group_name: str, full_rows: tuple[int, ...], precision: Precision, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.world_size, ctx.group_name, ctx.full_rows, ctx.precision = world_size, group_name, full_rows, precision
         ctx.shapes = [s.shape for s in shards]
         ctx.like = [(s.dtype, s.device) for s in shards]
-        flat = torch.cat([s.reshape(-1) for s in shards])
+        gather_dtype = precision.gather_dtype
+        flat = torch.cat([(s if gather_dtype in (None, s.dtype) else s.to(gather_dtype)).reshape(-1) for s in shards])
         rows = _WAIT(ALL_GATHER(flat, world_size, group_name)).view(world_size, -1)
         full, start = [], 0
         for s, n_rows in zip(shards, full_rows):
@@ -357,22 +363,31 @@ class _Gathered(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        world = ctx.world_size
+        world, precision = ctx.world_size, ctx.precision
         parts = []
         for g, shape, n_rows, (dtype, device) in zip(grads, ctx.shapes, ctx.full_rows, ctx.like):
             padded_rows = world * shape[0]
             if g is None:
-                g = torch.zeros((padded_rows, *shape[1:]), dtype=dtype, device=device)
+                g = torch.zeros((padded_rows, *shape[1:]), dtype=precision.gather_dtype or dtype, device=device)
             elif n_rows != padded_rows:  # zeros where the padding was, as FSDP2 pads each rank's chunk
                 g = torch.cat([g, g.new_zeros((padded_rows - n_rows, *shape[1:]))])
+            if precision.reduce_dtype not in (None, g.dtype):  # as FSDP2's copy into its reduce buffer casts
+                g = g.to(precision.reduce_dtype)
             parts.append(g.reshape(world, -1))
-        local = _WAIT(REDUCE_SCATTER(torch.cat(parts, dim=1).reshape(-1), "avg", world, ctx.group_name))
+        flat = torch.cat(parts, dim=1).reshape(-1)
+        if precision.predivide not in (None, 1):
+            flat = flat / precision.predivide
+        local = _WAIT(REDUCE_SCATTER(flat, precision.reduce_op, world, ctx.group_name))
+        if precision.postdivide not in (None, 1):
+            local = local / precision.postdivide
+        if local.dtype != ctx.like[0][0]:
+            local = local.to(ctx.like[0][0])
         out, start = [], 0
         for shape in ctx.shapes:
             n = shape.numel()
             out.append(local[start : start + n].view(shape))
             start += n
-        return (None, None, None, *out)
+        return (None, None, None, None, *out)
 
 
 @contextlib.contextmanager
@@ -387,21 +402,24 @@ def gathered_in_forward(sharding: Sharding | None) -> Iterator[None]:
     put_back: list[tuple[dict[int, Any], int, Any]] = []
     for module, state in sharding.modules:
         own = sharding.by_module.get(id(module), [])
+        precision = sharding.precision[id(module)]
         held: list[list[tuple[torch.nn.Module, str, torch.Tensor]]] = []
 
-        def pre(mod: Any, args: Any, kwargs: Any, own: list[ShardedParam] = own, held: list[Any] = held) -> None:
+        def pre(mod: Any, args: Any, kwargs: Any, own: list[ShardedParam] = own, precision: Precision = precision, held: list[Any] = held) -> Any:
             swapped = []
             shards = [getattr(*sp.places[0]) for sp in own]
             full_rows = tuple(sp.full_rows for sp in own)
-            fulls = _Gathered.apply(sharding.world_size, sharding.group_name, full_rows, *shards) if own else ()
+            fulls = _Gathered.apply(sharding.world_size, sharding.group_name, full_rows, precision, *shards) if own else ()
             for sp, full in zip(own, fulls):
                 for m, n in sp.places:
                     swapped.append((m, n, swap_tensor(m, n, full)))
             held.append(swapped)
+            return cast_floats(precision.inputs_dtype, (args, kwargs))
 
-        def post(mod: Any, args: Any, output: Any, held: list[Any] = held) -> None:
+        def post(mod: Any, args: Any, output: Any, precision: Precision = precision, held: list[Any] = held) -> Any:
             for m, n, shard in reversed(held.pop()):
                 swap_tensor(m, n, shard)
+            return cast_floats(precision.output_dtype, output)
 
         for table, handle, hook in ((module._forward_pre_hooks, state._pre_forward_hook_handle, pre), (module._forward_hooks, state._post_forward_hook_handle, post)):
             put_back.append((table, handle.id, table[handle.id]))
@@ -424,7 +442,13 @@ def check_shard_reads(tg: Any, sharding: Sharding | None) -> None:
     gathered_from = {ALL_GATHER, aten.cat.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default}
 
     def outside(node: torch.fx.Node) -> list[torch.fx.Node]:
-        return [u for u in node.users if u.op == "call_function" and tg.phase.get(u.name) is not Phase.OPTIMIZER and u.target not in gathered_from]
+        found = []
+        for u in node.users:
+            if u.op != "call_function" or tg.phase.get(u.name) is Phase.OPTIMIZER or u.target in gathered_from:
+                continue
+            # A MixedPrecisionPolicy's cast of the shard before its gather: what reads the cast is judged
+            found.extend(outside(u) if u.target is aten._to_copy.default and node.op == "placeholder" else [u])
+        return found
 
     for inp, (name, node) in zip(tg.inputs, placeholders.items()):
         if inp.kind is InputKind.PARAMETER and outside(node):
