@@ -79,3 +79,25 @@ def test_what_the_graph_would_not_reproduce_is_refused_by_name():
         assert "shards unevenly" in out["uneven_clip"] and "pad_to_multiple_of" in out["uneven_clip"], out
         assert "outside its module's forward" in out["penalty"], out
         assert "Adafactor" in out["adafactor"], out
+        assert "CPUOffloadPolicy" in out["cpu_offload"] and "remove it" in out["cpu_offload"], out
+        assert "set_requires_gradient_sync(False)" in out["sync_off"] and "inside train_step" in out["sync_off"], out
+
+
+def test_remat_run_fsdp_measures_each_rank_under_a_precision_policy(capsys):
+    # `remat run --fsdp --fsdp-precision bf16`: eager FSDP2 and remat sharded under the same
+    # policy (bfloat16 gathers, float32 reductions), AdamW (whose copy for eager FSDP2 is made
+    # from the settings its constructor takes), checked bitwise and measured on each rank.
+    import json
+
+    from remat.cli import main
+
+    args = ["run", "--model", "bert-tiny", "--batch-size", "4", "--budget", "0.7", "--nproc", "2", "--fsdp"]
+    rc = main([*args, "--fsdp-precision", "bf16", "--optimizer", "adamw", "--check", "--pairs", "1", "--steps", "1", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    for r in out["ranks"]:
+        assert (r["wrapper"], r["fsdp_precision"], r["grads_match"]) == ("FSDP2", "bf16", True), r
+        assert r["num_recomputed"] > 0 and r["predicted_peak_bytes"] <= r["budget_bytes"], r
+        assert abs(r["peak_bytes_measured"] - r["predicted_peak_bytes"]) <= 0.02 * r["predicted_peak_bytes"], r
+    assert main(["run", "--model", "bert-tiny", "--batch-size", "4", "--budget", "0.7", "--fsdp-precision", "bf16"]) == 2
+    assert "--fsdp-precision sets FSDP2's MixedPrecisionPolicy; add --fsdp" in capsys.readouterr().err

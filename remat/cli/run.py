@@ -71,6 +71,13 @@ def configure_run(p: argparse.ArgumentParser) -> None:
         help="with --nproc: shard the model with FSDP2 (fully_shard on each block and the root) instead of DDP, and "
         "measure each rank against eager FSDP2 and FSDP2 with HF's checkpointing",
     )
+    p.add_argument(
+        "--fsdp-precision",
+        choices=("bf16", "fp16"),
+        default=None,
+        help="with --fsdp: every module under a MixedPrecisionPolicy, its parameters gathered in this dtype and its "
+        "gradients reduced in float32 (torchtitan's default with bf16), in eager FSDP2 and remat alike",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout; progress goes to stderr")
 
 
@@ -245,7 +252,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from remat.cli.common import UsageError
     from remat.measurement.report import console_for
 
-    if args.nproc != 1 or args.fsdp:
+    if args.nproc != 1 or args.fsdp or args.fsdp_precision:
         if args.backend != "eager":
             raise UsageError("--backend inductor runs one process; with --nproc or --fsdp use the default backend (eager)")
         if args.cuda_graph:
@@ -301,6 +308,8 @@ def _run_data_parallel(args: argparse.Namespace) -> int:
     from remat.measurement.data_parallel import RankConfig, measure_rank
     from remat.measurement.report import console_for
 
+    if args.fsdp_precision and not args.fsdp:
+        raise UsageError("--fsdp-precision sets FSDP2's MixedPrecisionPolicy; add --fsdp (under DDP use torch.autocast in the step)")
     if args.nproc < 2:
         raise UsageError(f"--nproc must be 2 or more for data parallel{' (--fsdp shards across them)' if args.fsdp else ''} (1: one process, the default), got {args.nproc}")
     if args.device != "cpu":
@@ -309,7 +318,7 @@ def _run_data_parallel(args: argparse.Namespace) -> int:
     config = RankConfig(
         model=args.model, batch_size=args.batch_size, budget=_budget_arg(args.budget), planner=args.planner, optimizer=args.optimizer,
         steps=args.steps, pairs=args.pairs, check=args.check, seed=args.seed, lean_ops=not args.no_lean_ops, baselines=("hf",),
-        fsdp=args.fsdp,
+        fsdp=args.fsdp, fsdp_precision=args.fsdp_precision,
     )  # fmt: skip
     print(f"running {args.model} on {args.nproc} processes (batch {args.batch_size} each) ...", file=sys.stderr, flush=True)
     results = run_ranks(measure_rank, args.nproc, (config,), timeout_s=3600, pg_timeout_s=600)

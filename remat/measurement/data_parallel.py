@@ -16,6 +16,7 @@ its own that lives only as long as that gradient.
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,27 +41,44 @@ class RankConfig:
     lean_ops: bool = True
     baselines: tuple[str, ...] = ()  # "hf": eager DDP with Hugging Face's per-block checkpointing
     fsdp: bool = False  # shard with FSDP2 (shard_blocks) instead of wrapping in DDP
+    fsdp_precision: str | None = None  # with fsdp: a MixedPrecisionPolicy (PRECISION_POLICIES) on every module
 
 
-def shard_blocks(model: torch.nn.Module) -> torch.nn.Module:
+# `--fsdp-precision`: parameters gathered in the low precision, gradients reduced in float32
+# (torchtitan's default policy, and its float16 counterpart)
+PRECISION_POLICIES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def shard_blocks(model: torch.nn.Module, mp_policy: Any = None) -> torch.nn.Module:
     """FSDP2 as torchtitan and Accelerate apply it: fully_shard on each block (each item of
-    the model's ModuleLists: a transformer's layers), then on the root."""
-    from torch.distributed.fsdp import fully_shard
+    the model's ModuleLists: a transformer's layers), then on the root, each under `mp_policy`
+    (a MixedPrecisionPolicy) where one is given."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    mp_policy = mp_policy or MixedPrecisionPolicy()
     for module in list(model.modules()):
         if isinstance(module, torch.nn.ModuleList):
             for block in module:
-                fully_shard(block)
-    fully_shard(model)
+                fully_shard(block, mp_policy=mp_policy)
+    fully_shard(model, mp_policy=mp_policy)
     return model
 
 
-def _wrapped(model: torch.nn.Module, like: Any, fsdp: bool) -> tuple[torch.nn.Module, Any]:
-    """A copy of `model`, in DDP or sharded, with an optimizer like `like` on its parameters
-    (FSDP2 replaces the parameters, so the optimizer is made after it)."""
+def precision_policy(name: str | None) -> Any:
+    """The MixedPrecisionPolicy `--fsdp-precision name` shards with (None: none)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return None if name is None else MixedPrecisionPolicy(param_dtype=PRECISION_POLICIES[name], reduce_dtype=torch.float32)
+
+
+def _wrapped(model: torch.nn.Module, like: Any, fsdp: bool, precision: str | None = None) -> tuple[torch.nn.Module, Any]:
+    """A copy of `model`, in DDP or sharded (under the `precision` policy), with an optimizer
+    like `like` on its parameters (FSDP2 replaces the parameters, so the optimizer is made after it)."""
     model = copy.deepcopy(model)
-    wrapped = shard_blocks(model) if fsdp else DDP(model)
-    return wrapped, type(like)(wrapped.parameters(), **like.defaults)
+    wrapped = shard_blocks(model, precision_policy(precision)) if fsdp else DDP(model)
+    # Its defaults as its constructor takes them: AdamW keeps `decoupled_weight_decay` there, a setting it does not take
+    takes = inspect.signature(type(like)).parameters
+    return wrapped, type(like)(wrapped.parameters(), **{k: v for k, v in like.defaults.items() if k in takes})
 
 
 def _local(t: Any) -> Any:
@@ -95,8 +113,8 @@ def measure_rank(config: RankConfig) -> dict[str, Any]:
     spec = load(config.model, config.batch_size, config.optimizer, seed=config.seed)
     if config.fsdp:
         plain_hf = copy.deepcopy(spec.model) if "hf" in config.baselines else None
-        eager, eager_opt = _wrapped(spec.model, spec.optimizer, fsdp=True)
-        ours, optimizer = _wrapped(spec.model, spec.optimizer, fsdp=True)
+        eager, eager_opt = _wrapped(spec.model, spec.optimizer, True, config.fsdp_precision)
+        ours, optimizer = _wrapped(spec.model, spec.optimizer, True, config.fsdp_precision)
     else:
         plain_eager, eager_opt = twin(spec.model, spec.optimizer)
         plain_hf, hf_opt = twin(spec.model, spec.optimizer) if "hf" in config.baselines else (None, None)
@@ -122,6 +140,7 @@ def measure_rank(config: RankConfig) -> dict[str, Any]:
         "rank": rank,
         "world_size": world,
         "wrapper": "FSDP2" if config.fsdp else "DDP",
+        "fsdp_precision": config.fsdp_precision,
         "model": config.model,
         "batch_size_per_rank": config.batch_size,
         "budget": config.budget,
@@ -149,7 +168,7 @@ def measure_rank(config: RankConfig) -> dict[str, Any]:
         except NotSupported as e:
             out["hf_error"] = str(e)
         else:
-            hf, hf_opt = _wrapped(plain_hf, spec.optimizer, fsdp=True) if config.fsdp else (DDP(plain_hf), hf_opt)
+            hf, hf_opt = _wrapped(plain_hf, spec.optimizer, True, config.fsdp_precision) if config.fsdp else (DDP(plain_hf), hf_opt)
             hf_step(hf, hf_opt, spec.batch)
             out["hf_activation_peak_bytes"] = measure_step_peak(lambda: hf_step(hf, hf_opt, spec.batch), "cpu", hf).peak_bytes
             hf_timing = time_alternating(lambda: step_fn(eager, eager_opt, spec.batch), lambda: hf_step(hf, hf_opt, spec.batch), pairs=config.pairs)

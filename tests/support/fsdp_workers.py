@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from remat.measurement.data_parallel import shard_blocks
 
@@ -23,7 +23,7 @@ from tests.support.ranks import digest
 
 
 def _shard(model: torch.nn.Module, **options: Any) -> torch.nn.Module:
-    """shard_blocks; with FSDP2 options (the refusals' mixed precision), fully_shard on the root alone."""
+    """shard_blocks; with FSDP2 options (the refusals' CPU offload), fully_shard on the root alone."""
     if not options:
         return shard_blocks(model)
     fully_shard(model, **options)
@@ -56,14 +56,7 @@ def _built(model_name: str, batch_size: int, seed: int) -> tuple[torch.nn.Module
 def _sharded(model_name: str, batch_size: int, optimizer: str, mp: MixedPrecisionPolicy | None = None) -> tuple[Any, Any, Any]:
     """The model sharded as shard_blocks shards it; with `mp`, each block and the root under that policy."""
     model, _, loss_fn = _built(model_name, batch_size, 0)
-    if mp is None:
-        model = shard_blocks(model)
-    else:
-        for module in list(model.modules()):
-            if isinstance(module, torch.nn.ModuleList):
-                for block in module:
-                    fully_shard(block, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+    model = shard_blocks(model, mp)
     return model, make_optimizer(optimizer, list(model.parameters())), loss_fn
 
 
@@ -267,6 +260,11 @@ def refusals() -> dict[str, str]:
         model = shard_blocks(build_model("mlp-deep", 8, seed=0).model)
         return remat.compile(step, model, torch.optim.Adafactor(model.parameters()), spec.batch)
 
+    def sync_off() -> Any:
+        model = shard_blocks(build_model("mlp-deep", 8, seed=0).model)
+        model.set_requires_gradient_sync(False)
+        return remat.compile(step, model, make_optimizer("adamw", list(model.parameters())), spec.batch)
+
     def optimizer_first() -> Any:
         model = build_model("mlp-deep", 8, seed=0).model
         optimizer = make_optimizer("adamw", list(model.parameters()))
@@ -280,4 +278,6 @@ def refusals() -> dict[str, str]:
         "uneven_clip": _refused(uneven_clipped),
         "penalty": _refused(lambda: compiled(penalised)),
         "adafactor": _refused(adafactor),
+        "cpu_offload": _refused(lambda: compiled(step, offload_policy=CPUOffloadPolicy(pin_memory=False))),
+        "sync_off": _refused(sync_off),
     }
