@@ -783,6 +783,52 @@ def test_a_hugging_face_model_with_gradient_checkpointing_enabled_trains_bitwise
     assert result.match, result.summary()
 
 
+class _ScaledEmbedding(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(50, 16)
+        self.register_buffer("scale", torch.full((16,), 0.5))
+
+    def forward(self, ids):
+        return self.embedding(ids) * self.scale
+
+
+class _SecondReference(torch.nn.Module):
+    """A submodule held at two places, as peft's prompt tuning keeps the backbone's embedding
+    as `word_embeddings` beside the backbone, and reads it there."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = torch.nn.ModuleDict({"embed": _ScaledEmbedding(), "head": torch.nn.Linear(16, 50)})
+        self.word_embeddings = self.backbone["embed"]
+
+    def forward(self, ids):
+        return self.backbone["head"](torch.nn.functional.gelu(self.word_embeddings(ids)))
+
+
+def test_a_submodule_held_at_two_places_is_left_as_it_was_and_trains_bitwise():
+    torch.manual_seed(0)
+    model = _SecondReference()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batch = {"ids": torch.randint(0, 50, (8, 12)), "y": torch.randint(0, 50, (8, 12))}
+
+    def step_fn(model, optimizer, batch):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(batch["ids"]).flatten(0, 1), batch["y"].flatten())
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    eager_model, eager_opt = twin(model, opt)
+    held = [(type(t), id(t)) for t in [*model.parameters(), *model.buffers()]]
+    step = remat.compile(step_fn, model, opt, batch, memory_budget=0.7, profile_runs=1, measure=False)
+    # Tracing swaps traced tensors into each slot once and back: not the trace's fake tensors left behind.
+    assert [(type(t), id(t)) for t in [*model.parameters(), *model.buffers()]] == held
+    assert model.word_embeddings.embedding.weight is model.backbone["embed"].embedding.weight
+    result = check_against_eager(step_fn, eager_model, eager_opt, model, opt, step, batch, steps=3)
+    assert result.match, result.summary()
+
+
 def _seeding_step(seed_inside):
     def step(model, optimizer, batch):
         with seed_inside():

@@ -65,9 +65,24 @@ def _aliases(model: torch.nn.Module, params: dict[str, torch.Tensor], buffers: d
     """Each parameter's name by its id, and the name of the parameter and buffer each of the model's names for them (tied weights) stands for."""
     real_to_name = {id(p): n for n, p in params.items()}
     buffer_to_name = {id(b): n for n, b in buffers.items()}
-    param_alias = {a: real_to_name[id(p)] for a, p in model.named_parameters(remove_duplicate=False)}
-    buffer_alias = {a: buffer_to_name[id(b)] for a, b in model.named_buffers(remove_duplicate=False)}
+    param_alias = {a: real_to_name[id(p)] for a, p in _slots(model, "_parameters")}
+    buffer_alias = {a: buffer_to_name[id(b)] for a, b in _slots(model, "_buffers")}
     return real_to_name, param_alias, buffer_alias
+
+
+def _slots(model: torch.nn.Module, table: str) -> list[tuple[str, torch.Tensor]]:
+    """Each parameter (or buffer) slot of the model's modules once, by its first name. A module
+    reached by two paths (a library's second reference to it: peft's `word_embeddings`) has
+    its slots once: swapped in twice, the second swap would save the traced tensor as the
+    one to put back, and leave it in the user's model."""
+    seen: set[tuple[int, str]] = set()
+    out = []
+    for prefix, m in model.named_modules(remove_duplicate=False):
+        for leaf, t in getattr(m, table).items():
+            if t is not None and (id(m), leaf) not in seen:
+                seen.add((id(m), leaf))
+                out.append((f"{prefix}.{leaf}" if prefix else leaf, t))
+    return out
 
 
 def _as_stand_ins(t_params: dict[str, torch.Tensor], trainable: tuple[str, ...], grads: dict[str, torch.Tensor], preset: bool) -> None:
