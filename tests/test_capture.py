@@ -327,6 +327,9 @@ def test_a_torch_compiled_model_is_refused_saying_to_pass_the_module_before_comp
     model = torch.compile(torch.nn.Linear(4, 4))
     with pytest.raises(CaptureError, match=r"torch\.compile'd.*pass the module before torch\.compile \(its _orig_mod\)"):
         capture(_step, model, None, torch.randn(2, 4))
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.compile(torch.nn.Linear(4, 4)))
+    with pytest.raises(CaptureError, match=r"submodule '1' is torch\.compile'd.*\(model\.get_submodule\('1'\)\._orig_mod\)"):
+        capture(_step, inner, None, torch.randn(2, 4))
 
 
 _FOCUS = 2.0  # the focal loss's gamma, which the loop changes

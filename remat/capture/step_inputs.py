@@ -116,11 +116,12 @@ def check_arguments(
     naming what is wrong; `optimizer` (one, as_one's) for a warning on stale gradients."""
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if any(type(m).__name__ == "OptimizedModule" and hasattr(m, "_orig_mod") for m in model.modules()):
-        raise CaptureError(
-            "the model (or a submodule) is torch.compile'd, and remat traces the step itself, which it cannot do "
-            "through a compiled module: pass the module before torch.compile (its _orig_mod), in the step too"
-        )
+    compiled = next((n for n, m in model.named_modules() if type(m).__name__ == "OptimizedModule" and hasattr(m, "_orig_mod")), None)
+    if compiled is not None:
+        where, do = ("the model is", "pass the module before torch.compile (its _orig_mod), in the step too") if compiled == "" else (
+            f"the model's submodule {compiled!r} is", f"put the module before torch.compile back in its place (model.get_submodule({compiled!r})._orig_mod)"
+        )  # fmt: skip
+        raise CaptureError(f"{where} torch.compile'd, and remat traces the step itself, which it cannot do through a compiled module: {do}")
     scripted = next((n for n, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)), None)
     if scripted is not None:
         warnings.warn(
