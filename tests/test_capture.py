@@ -332,6 +332,26 @@ def test_a_torch_compiled_model_is_refused_saying_to_pass_the_module_before_comp
         capture(_step, inner, None, torch.randn(2, 4))
 
 
+def test_data_parallel_wrappers_that_communicate_outside_a_graph_are_refused_naming_the_one_to_use():
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    # FSDP1 needs an accelerator to be made; its class is what is refused, so one is made
+    # without FSDP's __init__, holding a module as FSDP holds it.
+    shell = torch.nn.Module()
+    shell.add_module("_fsdp_wrapped_module", torch.nn.Linear(4, 4))
+    fsdp1 = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
+    fsdp1.__dict__.update(vars(shell))
+    with pytest.raises(CaptureError, match=r"the model's '1' is wrapped in FullyShardedDataParallel \(FSDP1\).*fully_shard instead"):
+        remat.compile(_step, torch.nn.Sequential(torch.nn.Linear(4, 4), fsdp1), None, torch.randn(2, 4))
+    replicated = torch.nn.DataParallel(torch.nn.Linear(4, 4))
+    replicated.device_ids = [0, 1]  # as on a machine with two GPUs
+    with pytest.raises(CaptureError, match=r"torch\.nn\.DataParallel over 2 devices.*use DistributedDataParallel"):
+        remat.compile(_step, replicated, None, torch.randn(2, 4))
+    # Without devices DataParallel calls its module as it is: captured as that module.
+    step = remat.compile(_step, torch.nn.DataParallel(torch.nn.Linear(4, 4)), None, torch.randn(2, 4), memory_budget=None)
+    assert step(torch.randn(2, 4)) is not None
+
+
 _FOCUS = 2.0  # the focal loss's gamma, which the loop changes
 
 

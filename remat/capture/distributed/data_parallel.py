@@ -61,10 +61,31 @@ class DataParallel:
     group: Any = field(default=None, repr=False, compare=False)  # the ProcessGroup
 
 
+def refuse_other_wrappers(model: torch.nn.Module) -> None:
+    """A CaptureError for the data-parallel wrappers whose communication runs in their own
+    Python outside any graph, naming the one remat captures instead."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    for name, m in model.named_modules():
+        where = f"the model's {name!r}" if name else "the model"
+        if isinstance(m, FullyShardedDataParallel):
+            raise CaptureError(
+                f"{where} is wrapped in FullyShardedDataParallel (FSDP1), which gathers and frees the parameters in hooks of "
+                "its own, outside any graph; shard with FSDP2's torch.distributed.fsdp.fully_shard instead (on each block, "
+                "then the root), which remat captures (Accelerate: FullyShardedDataParallelPlugin(fsdp_version=2))"
+            )
+        if isinstance(m, torch.nn.DataParallel) and len(m.device_ids) > 1:
+            raise CaptureError(
+                f"{where} is wrapped in torch.nn.DataParallel over {len(m.device_ids)} devices, which copies the model to each "
+                "in threads at every forward, outside any graph; use DistributedDataParallel (a process per device), which remat captures"
+            )
+
+
 def data_parallel_of(model: torch.nn.Module, in_buckets: bool = True) -> DataParallel | None:
     """The DDP settings of `model` (None when it is not wrapped in DDP), or a CaptureError
     naming a setting whose behaviour the captured graph would not reproduce. Not
     `in_buckets`: each gradient all-reduced on its own (buckets of no bytes)."""
+    refuse_other_wrappers(model)
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return None
     ddp: Any = model
