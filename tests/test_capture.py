@@ -493,7 +493,7 @@ class _LSTMTagger(torch.nn.Module):
         return self.head(y)
 
 
-def _lstm_step(model, optimizer, batch):
+def _per_token_step(model, optimizer, batch):
     optimizer.zero_grad()
     loss = torch.nn.functional.cross_entropy(model(batch["x"]).flatten(0, 1), batch["y"].flatten())
     loss.backward()
@@ -520,8 +520,8 @@ def test_an_lstm_trains_bitwise_with_its_workspace_counted(onednn):
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     with torch.backends.mkldnn.flags(enabled=onednn):
         eager_model, eager_opt = twin(model, opt)
-        step = remat.compile(_lstm_step, model, opt, _lstm_batch(), memory_budget=0.8, profile_runs=1)
-        result = check_against_eager(_lstm_step, eager_model, eager_opt, model, opt, step, _lstm_batch(), steps=3)
+        step = remat.compile(_per_token_step, model, opt, _lstm_batch(), memory_budget=0.8, profile_runs=1)
+        result = check_against_eager(_per_token_step, eager_model, eager_opt, model, opt, step, _lstm_batch(), steps=3)
     assert result.match, result.summary()
     assert step.report.measured_peak_bytes == step.report.predicted_peak_bytes
     if onednn:
@@ -833,15 +833,8 @@ def test_a_submodule_held_at_two_places_is_left_as_it_was_and_trains_bitwise():
     torch.manual_seed(0)
     model = _SecondReference()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    batch = {"ids": torch.randint(0, 50, (8, 12)), "y": torch.randint(0, 50, (8, 12))}
-
-    def step_fn(model, optimizer, batch):
-        optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(batch["ids"]).flatten(0, 1), batch["y"].flatten())
-        loss.backward()
-        optimizer.step()
-        return loss
-
+    batch = {"x": torch.randint(0, 50, (8, 12)), "y": torch.randint(0, 50, (8, 12))}
+    step_fn = _per_token_step
     eager_model, eager_opt = twin(model, opt)
     held = [(type(t), id(t)) for t in [*model.parameters(), *model.buffers()]]
     step = remat.compile(step_fn, model, opt, batch, memory_budget=0.7, profile_runs=1, measure=False)
