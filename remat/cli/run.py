@@ -328,7 +328,7 @@ def _run_data_parallel(args: argparse.Namespace) -> int:
         console = console_for(sys.stdout)
         mib = 2**20
         for r in results:
-            hf, wrapper = "", r["wrapper"]
+            hf, wrapper = "", r["wrapper"] + (f" ({r['fsdp_precision']} gathers)" if r.get("fsdp_precision") else "")
             if "hf_activation_peak_bytes" in r:
                 hf = f"; {wrapper}+HF {r['hf_activation_peak_bytes'] / mib:.1f} MiB at {r['hf_overhead_ratio']:.3f}x"
             console.print(
