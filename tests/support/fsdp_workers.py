@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from remat.measurement.data_parallel import shard_blocks
+from remat.measurement.data_parallel import precision_policy, shard_blocks
 
 import remat
 from remat.errors import CaptureError
@@ -165,7 +165,7 @@ def mixed_precision_cases() -> tuple[dict[str, Any], dict[str, Any]]:
     """train_like_eager under a MixedPrecisionPolicy: torchtitan's (parameters gathered in
     bfloat16, gradients reduced in float32; AdamW at 0.6, clipped), and float16 throughout
     (reduced in float16, with FSDP2's divide factors before and after; SGD at 0.8, two micro-batches)."""
-    titan = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    titan = precision_policy("bf16")
     half = MixedPrecisionPolicy(param_dtype=torch.float16)
     return (
         train_like_eager("bert-tiny", "adamw", 0.6, 3, 1, False, 0.05, mp=titan),
